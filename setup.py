@@ -1,0 +1,39 @@
+"""Packaging for torch_pipelining_ext (see README.md)."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+
+_ROOT = Path(__file__).parent
+_VERSION = re.search(
+    r'^__version__ = "([^"]+)"',
+    (_ROOT / "torch_pipelining_ext" / "__init__.py").read_text(),
+    re.M,
+).group(1)
+
+setup(
+    name="torch_pipelining_ext",
+    version=_VERSION,
+    description=(
+        "Pipeline-parallel features for torch.distributed.pipelining: shared schedule "
+        "state, real OVERLAP_F_B overlap with expert-parallel boundaries, an FSDP2 "
+        "gradient fix and module-name stage splitting"
+    ),
+    long_description=(_ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    python_requires=">=3.10",
+    packages=find_packages(include=["torch_pipelining_ext", "torch_pipelining_ext.*"]),
+    install_requires=["torch>=2.9,<2.16"],
+    extras_require={
+        "test": ["pytest", "expecttest", "hypothesis", "numpy", "matplotlib"],
+        "plot": ["matplotlib"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "License :: OSI Approved :: BSD License",
+    ],
+)

@@ -1,0 +1,348 @@
+# Owner(s): ["oncall: distributed"]
+"""Tests for the patch registry (``torch_pipelining_ext/_patching.py``) and the
+package-level ``patch()`` / ``unpatch()`` / ``patch_report()``."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+import warnings
+
+import torch
+import torch_pipelining_ext
+from torch_pipelining_ext._patches import _REGISTRY
+from torch_pipelining_ext._patching import (
+    _PatchRegistry,
+    AlreadyUpstream,
+    Patch,
+    PatchNeeded,
+    PatchStatus,
+    Target,
+)
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+
+_FAKE = "_tpe_fake_torch_module"
+
+
+def _fake_module() -> types.ModuleType:
+    mod = types.ModuleType(_FAKE)
+
+    class Runtime:
+        def step(self):
+            return "orig"
+
+    mod.Runtime = Runtime
+    mod.helper = lambda: "orig"
+    sys.modules[_FAKE] = mod
+    return mod
+
+
+def _needed():
+    return PatchNeeded, "feature missing"
+
+
+def _run_python(code: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("TORCH_PIPELINING_EXT_DISABLE", None)
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+
+
+class PatchRegistryTest(TestCase):
+    def setUp(self):
+        super().setUp()
+        self.mod = _fake_module()
+        self.addCleanup(sys.modules.pop, _FAKE, None)
+
+    def test_apply_undo_identity_and_reapply(self):
+        orig_step = self.mod.Runtime.__dict__["step"]
+        orig_helper = self.mod.helper
+        reg = _PatchRegistry(
+            [
+                Patch(
+                    "step",
+                    (Target(_FAKE, "Runtime.step", lambda orig: lambda self: ("new", orig(self))),),
+                    _needed,
+                ),
+                Patch("helper", (Target(_FAKE, "helper", lambda orig: lambda: "new"),), _needed),
+                Patch("added", (Target(_FAKE, "Runtime.extra", lambda orig: orig),), _needed),
+            ]
+        )
+        reg.apply_all({})
+        self.assertEqual(self.mod.Runtime().step(), ("new", "orig"))
+        self.assertEqual(self.mod.helper(), "new")
+        self.assertIn("extra", vars(self.mod.Runtime))
+        self.assertIsNone(self.mod.Runtime.extra)  # make() got None: attribute did not exist
+        self.assertTrue(all(r.status is PatchStatus.APPLIED for r in reg.report()))
+
+        reg.undo_all()
+        self.assertIs(self.mod.Runtime.__dict__["step"], orig_step)
+        self.assertIs(self.mod.helper, orig_helper)
+        self.assertNotIn("extra", vars(self.mod.Runtime))
+        self.assertTrue(all(r.status is PatchStatus.NOT_APPLIED for r in reg.report()))
+
+        reg.apply_all({})
+        self.assertEqual(self.mod.helper(), "new")
+        reg.undo_all()
+        self.assertIs(self.mod.helper, orig_helper)
+
+    def test_idempotent(self):
+        calls = []
+
+        def make(orig):
+            calls.append(orig)
+            return lambda: "new"
+
+        reg = _PatchRegistry([Patch("helper", (Target(_FAKE, "helper", make),), _needed)])
+        first = reg.apply_all({})
+        installed = self.mod.helper
+        second = reg.apply_all({})
+        self.assertEqual(len(calls), 1)
+        self.assertIs(self.mod.helper, installed)
+        self.assertEqual(first, second)
+
+    def test_inherited_attribute_restored_by_deletion(self):
+        class Child(self.mod.Runtime):
+            pass
+
+        self.mod.Child = Child
+        reg = _PatchRegistry([Patch("child", (Target(_FAKE, "Child.step", lambda orig: lambda s: "child"),), _needed)])
+        reg.apply_all({})
+        self.assertEqual(Child().step(), "child")
+        reg.undo_all()
+        self.assertNotIn("step", vars(Child))
+        self.assertEqual(Child().step(), "orig")
+
+    def test_mapping_owner(self):
+        self.mod.table = {}
+        reg = _PatchRegistry([Patch("entry", (Target(_FAKE, "table.key", lambda orig: 42),), _needed)])
+        reg.apply_all({})
+        self.assertEqual(self.mod.table, {"key": 42})
+        reg.undo_all()
+        self.assertEqual(self.mod.table, {})
+
+    def test_statuses_and_reasons(self):
+        def upstream():
+            return AlreadyUpstream, "torch has it"
+
+        def broken():
+            raise AttributeError("no such internal")
+
+        reg = _PatchRegistry(
+            [
+                Patch("up", (Target(_FAKE, "helper", lambda o: None),), upstream),
+                Patch("broken", (Target(_FAKE, "helper", lambda o: None),), broken),
+                Patch("dep", (Target(_FAKE, "helper", lambda o: None),), _needed, requires=("broken",)),
+                Patch("off", (Target(_FAKE, "helper", lambda o: None),), _needed, env_disable="TPE_OFF"),
+            ]
+        )
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            report = {r.name: r for r in reg.apply_all({"TPE_OFF": "1"})}
+        self.assertEqual(report["up"].status, PatchStatus.UPSTREAM)
+        self.assertEqual(report["up"].reason, "torch has it")
+        self.assertEqual(report["broken"].status, PatchStatus.SKIPPED)
+        self.assertIn("no such internal", report["broken"].reason)
+        self.assertEqual(report["dep"].status, PatchStatus.SKIPPED)
+        self.assertIn("broken", report["dep"].reason)
+        self.assertEqual(report["off"].status, PatchStatus.DISABLED)
+        self.assertEqual(report["off"].targets, (f"{_FAKE}.helper",))
+        # One warning names everything that was skipped or failed, and nothing was touched.
+        ours = [x for x in w if "torch_pipelining_ext" in str(x.message)]
+        self.assertEqual(len(ours), 1)
+        self.assertIn("broken", str(ours[0].message))
+        self.assertIn("dep", str(ours[0].message))
+        self.assertEqual(self.mod.helper(), "orig")
+
+    def test_failed_apply_rolls_back(self):
+        orig_helper = self.mod.helper
+        orig_step = self.mod.Runtime.__dict__["step"]
+
+        def boom(orig):
+            raise RuntimeError("cannot build replacement")
+
+        reg = _PatchRegistry(
+            [
+                Patch(
+                    "half",
+                    (
+                        Target(_FAKE, "helper", lambda o: lambda: "new"),
+                        Target(_FAKE, "Runtime.step", boom),
+                    ),
+                    _needed,
+                )
+            ]
+        )
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            (rec,) = reg.apply_all({})
+        self.assertEqual(rec.status, PatchStatus.FAILED)
+        self.assertIn("cannot build replacement", rec.reason)
+        self.assertIs(self.mod.helper, orig_helper)
+        self.assertIs(self.mod.Runtime.__dict__["step"], orig_step)
+        self.assertEqual(len([x for x in w if "half" in str(x.message)]), 1)
+
+    def test_concurrent_apply_applies_once(self):
+        calls = []
+        gate = threading.Barrier(8)
+
+        def make(orig):
+            calls.append(orig)
+            return lambda: "new"
+
+        reg = _PatchRegistry([Patch("helper", (Target(_FAKE, "helper", make),), _needed)])
+
+        def worker():
+            gate.wait(timeout=30)
+            reg.apply_all({})
+
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        self.assertEqual(len(calls), 1)
+        self.assertEqual(self.mod.helper(), "new")
+
+    def test_duplicate_names_rejected(self):
+        p = Patch("same", (Target(_FAKE, "helper", lambda o: o),), _needed)
+        with self.assertRaisesRegex(ValueError, "duplicate"):
+            _PatchRegistry([p, Patch("same", p.targets, _needed)])
+
+
+class PackagePatchTest(TestCase):
+    """The real patch table, in this process and in fresh interpreters."""
+
+    def test_report_contents(self):
+        allowed = {s.value for s in PatchStatus}
+        report = torch_pipelining_ext.patch_report()
+        self.assertEqual([r.name for r in report], [p.name for p in _REGISTRY.patches()])
+        for rec in report:
+            self.assertIn(rec.status.value, allowed)
+            self.assertTrue(rec.reason, f"{rec.name} has no reason")
+            self.assertTrue(rec.targets, f"{rec.name} names no target")
+            self.assertEqual(set(rec.as_dict()), {"name", "status", "reason", "targets"})
+
+    def test_repatch_is_idempotent_and_unpatch_restores(self):
+        before = torch_pipelining_ext.patch_report()
+        self.addCleanup(torch_pipelining_ext.patch)
+        installed = {t.qualname: t._get() for p in _REGISTRY.patches() for t in p.targets}
+        self.assertEqual(torch_pipelining_ext.patch(), before)
+        self.assertEqual(
+            {t.qualname: t._get() for p in _REGISTRY.patches() for t in p.targets}, installed
+        )
+        torch_pipelining_ext.unpatch()
+        self.assertTrue(
+            all(r.status is PatchStatus.NOT_APPLIED for r in torch_pipelining_ext.patch_report())
+        )
+        after = torch_pipelining_ext.patch()
+        self.assertEqual([(r.name, r.status) for r in after], [(r.name, r.status) for r in before])
+
+    def test_unpatch_restores_identity_in_fresh_process(self):
+        out = _run_python(
+            """
+            import json
+            import torch.distributed.pipelining  # noqa: F401
+            import torch_pipelining_ext
+            from torch_pipelining_ext._patches import _REGISTRY
+            targets = [t for p in _REGISTRY.patches() for t in p.targets]
+            pristine = {t.qualname: t._get() for t in targets}
+            report = torch_pipelining_ext.patch()
+            changed = [t.qualname for t in targets if t._get() is not pristine[t.qualname]]
+            applied = [r.name for r in report if r.status.value == "applied"]
+            torch_pipelining_ext.unpatch()
+            not_restored = [t.qualname for t in targets if t._get() is not pristine[t.qualname]]
+            torch_pipelining_ext.patch()
+            torch_pipelining_ext.unpatch()
+            not_restored_twice = [t.qualname for t in targets if t._get() is not pristine[t.qualname]]
+            print(json.dumps(dict(applied=applied, changed=changed, not_restored=not_restored,
+                                  not_restored_twice=not_restored_twice)))
+            """,
+            {"TORCH_PIPELINING_EXT_DISABLE": "1"},
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        self.assertEqual(res["not_restored"], [])
+        self.assertEqual(res["not_restored_twice"], [])
+        # every applied patch really changed its targets
+        applied_targets = {
+            t.qualname for p in _REGISTRY.patches() if p.name in res["applied"] for t in p.targets
+        }
+        self.assertEqual(applied_targets, set(res["changed"]))
+
+    def test_disable_env(self):
+        out = _run_python(
+            """
+            import json
+            import torch_pipelining_ext
+            print(json.dumps([r.as_dict()["status"] for r in torch_pipelining_ext.patch_report()]))
+            """,
+            {"TORCH_PIPELINING_EXT_DISABLE": "1"},
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        statuses = json.loads(out.stdout.strip().splitlines()[-1])
+        self.assertEqual(set(statuses) - {"not applied"}, set())
+
+    def test_unrecognised_torch_never_breaks_import(self):
+        # Simulate a refactored torch: the runtime class the probes inspect is
+        # replaced by one with none of the expected internals.
+        out = _run_python(
+            """
+            import json, warnings
+            import torch.distributed.pipelining.schedules as S
+            S._PipelineScheduleRuntime = type("_PipelineScheduleRuntime", (S.PipelineScheduleMulti,), {})
+            broken = S._PipelineScheduleRuntime
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                import torch_pipelining_ext
+            from torch_pipelining_ext._patches import _REGISTRY
+            report = torch_pipelining_ext.patch_report()
+            not_applied = {r.name for r in report if r.status.value in ("skipped", "failed")}
+            half = [t.qualname for p in _REGISTRY.patches() if p.name in not_applied
+                    for t in p.targets if t.module.endswith("schedules") and
+                    t.attr.startswith("_PipelineScheduleRuntime.") and
+                    t.attr.split(".")[1] in vars(broken)]
+            msgs = [str(x.message) for x in w if "torch_pipelining_ext" in str(x.message)]
+            print(json.dumps(dict(not_applied=sorted(not_applied), half=half, msgs=msgs)))
+            """
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        self.assertGreater(len(res["not_applied"]), 0, "no probe noticed the refactored runtime")
+        self.assertEqual(res["half"], [])
+        self.assertEqual(len(res["msgs"]), 1, res["msgs"])
+        for name in res["not_applied"]:
+            self.assertIn(name, res["msgs"][0])
+
+    def test_cli_report(self):
+        out = subprocess.run(
+            [sys.executable, "-m", "torch_pipelining_ext"], capture_output=True, text=True, timeout=180
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn(f"torch_pipelining_ext {torch_pipelining_ext.__version__}", out.stdout)
+        self.assertIn(torch.__version__, out.stdout)
+        self.assertIn("gloo=", out.stdout)
+        for rec in torch_pipelining_ext.patch_report():
+            self.assertIn(rec.name, out.stdout)
+        js = subprocess.run(
+            [sys.executable, "-m", "torch_pipelining_ext", "--json"], capture_output=True, text=True, timeout=180
+        )
+        self.assertEqual(js.returncode, 0, js.stderr)
+        self.assertEqual(
+            [p["name"] for p in json.loads(js.stdout)["patches"]],
+            [r.name for r in torch_pipelining_ext.patch_report()],
+        )
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Run the test suite in a virtual environment with a pinned torch.
+#
+#   bash tools/run_tests.sh                       # torch 2.13.0 (default)
+#   bash tools/run_tests.sh --torch 2.9.1         # any release 2.9 ... 2.15
+#   bash tools/run_tests.sh --torch 2.11.0 --fresh -- -k overlap   # fresh venv, extra pytest args
+#
+# Exits non-zero when a test fails (or when no test ran).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --torch) export TORCH_VERSION="$2"; shift 2 ;;
+        --fresh) export FRESH=1; shift ;;
+        --) shift; break ;;
+        -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+        *) break ;;
+    esac
+done
+
+source tools/_env.sh
+"$VENV_PY" -m torch_pipelining_ext
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+set +e
+"$VENV_PY" -m pytest test/ -q -p no:cacheprovider --durations=15 "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+    echo "error: no test was collected" >&2
+fi
+exit $rc
