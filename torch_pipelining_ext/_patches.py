@@ -24,7 +24,34 @@ def _patches() -> list[Patch]:
     # Imports are local so that a feature module failing to import on an
     # unrecognised torch only removes its own patches (see _safe_patches()).
     patches: list[Patch] = []
+    patches.append(_stage_split_patch())
     return patches
+
+
+# --- stage_split: torch.distributed.pipelining.stage_split (new public module) ---
+def _stage_split_patch() -> Patch:
+    def probe() -> tuple[str, str]:
+        from torch_pipelining_ext.stage_split import _upstream_probe
+
+        return _upstream_probe()
+
+    def module(original: object) -> object:
+        import torch_pipelining_ext.stage_split as stage_split
+
+        return stage_split
+
+    return Patch(
+        name="stage_split",
+        targets=(
+            # `from torch.distributed.pipelining.stage_split import split_module`
+            Target("sys", "modules", make=module, key=f"{_PIPELINING}.stage_split"),
+            # `torch.distributed.pipelining.stage_split.split_module`
+            Target(_PIPELINING, "stage_split", make=module),
+        ),
+        probe=probe,
+        description="split_module / pipeline_module_split: build pipeline stages by module FQN",
+        upstream="torch/distributed/pipelining/stage_split.py (new)",
+    )
 
 
 _REGISTRY = _PatchRegistry(_patches())

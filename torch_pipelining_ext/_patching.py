@@ -83,19 +83,28 @@ class Target:
             owner is a mapping (``sys.modules``, say), the last part is a key.
         make: ``make(original) -> replacement``; ``original`` is the current
             object, or ``None`` when the attribute does not exist yet.
+        key: a mapping key that may contain dots; when given, ``attr`` is the
+            full dotted path to the mapping, e.g. ``Target("sys", "modules",
+            make, key="torch.distributed.pipelining.stage_split")``.
     """
 
     module: str
     attr: str
     make: Callable[[Any], Any]
+    key: str | None = None
 
     @property
     def qualname(self) -> str:
+        if self.key is not None:
+            return f"{self.module}.{self.attr}[{self.key!r}]"
         return f"{self.module}.{self.attr}"
 
     def _owner_and_name(self) -> tuple[Any, str]:
         owner: Any = importlib.import_module(self.module)
-        *path, name = self.attr.split(".")
+        if self.key is not None:
+            path, name = self.attr.split("."), self.key
+        else:
+            *path, name = self.attr.split(".")
         for part in path:
             owner = owner[part] if isinstance(owner, MutableMapping) else getattr(owner, part)
         return owner, name

@@ -1,0 +1,713 @@
+# Owner(s): ["oncall: distributed"]
+"""Single-process tests of ``torch.distributed.pipelining.stage_split``
+(``torch_pipelining_ext/stage_split.py``): FQN preservation, meta device,
+containers, sharing, ``move=True``, every bad-input error, the partition
+generator (property tests against brute force) and stage placement."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import itertools
+import sys
+import types
+import warnings
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+from model_registry import NestedToyLLM, ToyBlock, ToyLLM, toy_moe_llm
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TestCase,
+)
+
+import torch_pipelining_ext
+from torch_pipelining_ext import stage_split as ss
+from torch_pipelining_ext._patching import Target
+from torch_pipelining_ext.stage_split import (
+    call_if_present,
+    generate_module_names_per_stage,
+    pipeline_module_split,
+    split_module,
+    stage_ids_this_rank,
+)
+
+
+_NESTED_NAMES = dict(
+    layers_prefix="model.layers",
+    input_modules=["model.embed_tokens"],
+    output_modules=["model.norm", "lm_head"],
+    replicated_modules=["model.rotary_emb"],
+)
+
+
+def _toy(kind: str) -> tuple[nn.Module, dict]:
+    """A toy model and the generator arguments that name its parts."""
+    if kind == "flat_dict":
+        return ToyLLM(n_layers=5, container="dict"), {}
+    if kind == "flat_list":
+        return ToyLLM(n_layers=5, container="list"), {}
+    if kind == "moe":
+        return toy_moe_llm(n_layers=5, n_dense=2), {}
+    if kind == "nested":
+        return NestedToyLLM(n_layers=5), dict(_NESTED_NAMES)
+    raise AssertionError(kind)
+
+
+def _num_layers(model: nn.Module) -> int:
+    return len(model.model.layers) if isinstance(model, NestedToyLLM) else len(model.layers)
+
+
+def _names(model: nn.Module, num_stages: int, gen_kwargs: dict) -> list[list[str]]:
+    return generate_module_names_per_stage(num_stages, _num_layers(model), **gen_kwargs)
+
+
+def _split_all(model: nn.Module, names: list[list[str]], **kwargs) -> list[nn.Module]:
+    return ss._split_stages(model, names, range(len(names)), **kwargs)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.state_dict(keep_vars=True))
+
+
+class TiedLM(nn.Module):
+    """Embedding and head share one weight; ``pos_embed`` lives on the root."""
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.pos_embed = nn.Parameter(torch.randn(8, 4))
+        self.tok_embeddings = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.output = nn.Linear(4, 10, bias=False)
+        if tie:
+            self.output.weight = self.tok_embeddings.weight
+
+
+class NoDeepCopy(nn.Linear):
+    """A layer that fails if anyone deep-copies it."""
+
+    def __deepcopy__(self, memo):
+        raise AssertionError("split_module deep-copied a module the stage does not keep")
+
+
+class TestSplitModule(TestCase):
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+        # tiny matmuls: extra intra-op threads only contend for the two cores
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def tearDown(self):
+        torch.set_num_threads(self._threads)
+        super().tearDown()
+
+    @parametrize("kind", ["flat_dict", "flat_list", "moe", "nested"])
+    @parametrize("device", ["cpu", "meta"])
+    @parametrize("num_stages", [2, 3, 7])
+    def test_fqns_preserved_disjoint_and_complete(self, kind, device, num_stages):
+        with torch.device(device):
+            model, gen = _toy(kind)
+        full = _state(model)
+        full_keys_before = list(full)
+        names = _names(model, num_stages, gen)
+        stages = _split_all(model, names)
+        self.assertEqual(len(stages), num_stages)
+        seen: set[str] = set()
+        for stage in stages:
+            self.assertIs(type(stage), type(model))
+            sd = _state(stage)
+            self.assertTrue(sd, "a stage holds no state")
+            self.assertFalse(seen & set(sd), f"keys in two stages: {seen & set(sd)}")
+            seen |= set(sd)
+            for key, t in sd.items():
+                self.assertIn(key, full)
+                self.assertEqual(t.device.type, device)
+                self.assertEqual(t.shape, full[key].shape)
+                self.assertEqual(t.dtype, full[key].dtype)
+                self.assertIsNot(t, full[key])
+                if device == "cpu":
+                    self.assertNotEqual(t.data_ptr(), full[key].data_ptr())
+                    self.assertTrue(torch.equal(t, full[key]), key)
+            for key, p in stage.named_parameters():
+                self.assertIsInstance(p, nn.Parameter)
+                self.assertTrue(p.requires_grad, key)
+        self.assertEqual(seen, set(full))
+        # The original is untouched.
+        self.assertEqual(list(_state(model)), full_keys_before)
+
+    @parametrize("kind", ["flat_dict", "flat_list", "moe", "nested"])
+    def test_stage_chain_matches_full_model(self, kind):
+        model, gen = _toy(kind)
+        tokens = torch.randint(0, 32, (3, 8))
+        target = torch.randint(0, 32, (3, 8))
+        ref_out = model(tokens)
+        nn.functional.cross_entropy(ref_out.flatten(0, 1), target.flatten()).backward()
+        stages = _split_all(model, _names(model, 3, gen))
+        h = tokens
+        for stage in stages:
+            h = stage(h)
+        torch.testing.assert_close(h, ref_out)
+        nn.functional.cross_entropy(h.flatten(0, 1), target.flatten()).backward()
+        ref_params = dict(model.named_parameters())
+        checked = set()
+        for stage in stages:
+            for name, p in stage.named_parameters():
+                ref_grad = ref_params[name].grad
+                if ref_grad is None:
+                    self.assertIsNone(p.grad, name)
+                else:
+                    torch.testing.assert_close(p.grad, ref_grad, msg=name)
+                checked.add(name)
+        self.assertEqual(checked, set(ref_params))
+
+    def test_meta_split_then_materialize_loads_full_checkpoint(self):
+        ref = ToyLLM(n_layers=4)
+        with torch.device("meta"):
+            model = ToyLLM(n_layers=4)
+        stages = _split_all(model, generate_module_names_per_stage(2, 4))
+        full_sd = ref.state_dict()
+        tokens = torch.randint(0, 32, (2, 8))
+        h = tokens
+        for stage in stages:
+            stage.to_empty(device="cpu")
+            # non-persistent buffers are not in checkpoints: recompute them
+            stage.rope_cos.copy_(ref.rope_cos)
+            stage.rope_sin.copy_(ref.rope_sin)
+            missing, unexpected = stage.load_state_dict(full_sd, strict=False)
+            self.assertEqual(missing, [])
+            h = stage(h)
+        torch.testing.assert_close(h, ref(tokens))
+
+    def test_only_kept_modules_are_deep_copied(self):
+        model = nn.Sequential(*[NoDeepCopy(4, 4) for _ in range(6)])
+        # Modules the stage keeps may be copied; make those copyable.
+        model[2].__class__ = nn.Linear
+        model[3].__class__ = nn.Linear
+        stage = split_module(model, ["2", "3"])
+        self.assertEqual(list(stage._modules), ["2", "3"])
+        self.assertEqual(set(stage.state_dict()), {"2.weight", "2.bias", "3.weight", "3.bias"})
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(stage(x), model[3](model[2](x)))
+
+    def test_nested_name_keeps_only_that_submodule(self):
+        model = ToyLLM(n_layers=4)
+        stage = split_module(model, ["layers.3.attention"])
+        self.assertEqual(
+            set(stage.state_dict()),
+            {f"layers.3.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")},
+        )
+        self.assertEqual(list(stage.layers.keys()), ["3"])
+        layer = stage.layers["3"]
+        self.assertIsInstance(layer, ToyBlock)
+        self.assertIsNone(layer.attention_norm)
+        self.assertIsNone(layer.feed_forward)
+        self.assertIsNone(stage.tok_embeddings)
+        self.assertIsNone(stage.output)
+
+    def test_sparse_module_list_keeps_indices(self):
+        model = ToyLLM(n_layers=6, container="list")
+        stage = split_module(model, ["layers.2", "layers.4", "layers.5"])
+        self.assertIsInstance(stage.layers, nn.ModuleList)
+        self.assertEqual(list(stage.layers._modules), ["2", "4", "5"])
+        self.assertEqual(len(stage.layers), 3)
+        self.assertEqual([id(m) for m in stage.layers], [id(m) for m in stage.layers._modules.values()])
+        self.assertTrue(all(k.startswith(("layers.2.", "layers.4.", "layers.5.")) for k in stage.state_dict()))
+
+    def test_sequential_model(self):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        first = split_module(model, ["0", "1", "2"])
+        second = split_module(model, ["3", "4"])
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(second(first(x)), model(x))
+        self.assertEqual(set(second.state_dict()), {"4.weight", "4.bias"})
+
+    def test_shared_parameters_within_a_stage_stay_shared(self):
+        model = TiedLM()
+        stage = split_module(model, ["tok_embeddings", "output", "pos_embed"])
+        self.assertIs(stage.tok_embeddings.weight, stage.output.weight)
+        self.assertIsNot(stage.tok_embeddings.weight, model.tok_embeddings.weight)
+        self.assertEqual(len(list(stage.parameters())), 2)
+
+    def test_tied_parameter_across_stages_warns_with_fqns(self):
+        model = TiedLM()
+        names = [["pos_embed", "tok_embeddings", "layers.0"], ["layers.1", "layers.2", "output"]]
+        with self.assertWarnsRegex(UserWarning, r"'tok_embeddings\.weight' \(stage \[0\]\).*'output\.weight' \(stage \[1\]\)"):
+            stages = _split_all(model, names)
+        self.assertIsNot(stages[0].tok_embeddings.weight, stages[1].output.weight)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _split_all(TiedLM(tie=False), names)
+
+    def test_root_parameter_is_not_copied_into_every_stage(self):
+        model = TiedLM(tie=False)
+        names = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "output"]]
+        with self.assertRaisesRegex(ValueError, r"1 parameters/persistent buffers belong to no stage: 'pos_embed'"):
+            _split_all(model, names)
+        stages = _split_all(model, [["pos_embed"] + names[0], names[1]])
+        self.assertIn("pos_embed", stages[0].state_dict())
+        self.assertNotIn("pos_embed", stages[1].state_dict())
+        self.assertIsNone(stages[1].pos_embed)
+        torch.testing.assert_close(stages[0].pos_embed, model.pos_embed)
+
+    def test_non_persistent_buffers_of_ancestors_are_replicated(self):
+        model = ToyLLM(n_layers=4)
+        for stage in _split_all(model, generate_module_names_per_stage(3, 4)):
+            self.assertNotIn("rope_cos", stage.state_dict())
+            torch.testing.assert_close(stage.rope_cos, model.rope_cos)
+            self.assertNotEqual(stage.rope_cos.data_ptr(), model.rope_cos.data_ptr())
+
+    def test_replicated_parameter_free_module(self):
+        model = NestedToyLLM(n_layers=4)
+        stages = _split_all(model, generate_module_names_per_stage(2, 4, **_NESTED_NAMES))
+        rotaries = [s.model.rotary_emb for s in stages]
+        self.assertIsNot(rotaries[0], rotaries[1])
+        self.assertIsNot(rotaries[0], model.model.rotary_emb)
+        # Listing it nowhere is allowed (it owns no state) but leaves the stages unable to run.
+        names = generate_module_names_per_stage(2, 4, **{**_NESTED_NAMES, "replicated_modules": []})
+        stage = _split_all(model, names)[1]
+        self.assertIsNone(stage.model.rotary_emb)
+        with self.assertRaises(TypeError):
+            stage(torch.randn(2, 8, 16))
+
+    def test_stage_has_own_hooks_and_mode(self):
+        model = ToyLLM(n_layers=2)
+        model.eval()
+        calls = []
+        model.register_forward_hook(lambda m, i, o: calls.append("orig"))
+        stage = split_module(model, ["tok_embeddings", "layers.0"])
+        self.assertFalse(stage.training)
+        stage.register_forward_hook(lambda m, i, o: calls.append("stage"))
+        stage(torch.randint(0, 32, (1, 4)))
+        self.assertEqual(calls, ["orig", "stage"])  # the original's hook was copied, not shared
+        calls.clear()
+        model(torch.randint(0, 32, (1, 4)))
+        self.assertEqual(calls, ["orig"])
+
+    def test_parameter_and_buffer_names(self):
+        model = nn.Module()
+        model.lin = nn.Linear(3, 3)
+        model.register_buffer("scale", torch.ones(3))
+        stage = split_module(model, ["lin.weight", "scale"])
+        self.assertEqual(set(stage.state_dict()), {"lin.weight", "scale"})
+        self.assertIsNone(stage.lin.bias)
+
+    def test_move_takes_modules_out_of_the_original(self):
+        model = ToyLLM(n_layers=4, container="list")
+        params = dict(model.named_parameters())
+        names = generate_module_names_per_stage(2, 4)
+        stages = _split_all(model, names, move=True)
+        for stage in stages:
+            for name, p in stage.named_parameters():
+                self.assertIs(p, params[name])
+        self.assertEqual(list(model.parameters()), [])
+        self.assertEqual(len(model.layers), 0)
+        self.assertIsNone(model.tok_embeddings)
+        # the sparse list of the last stage was not renumbered
+        self.assertEqual(list(stages[1].layers._modules), ["2", "3"])
+        # the ancestors' non-persistent buffers stay in the original, shared
+        self.assertIs(stages[0].rope_cos, model.rope_cos)
+
+    def test_move_then_split_again_names_the_removal(self):
+        model = ToyLLM(n_layers=2)
+        split_module(model, ["tok_embeddings", "layers.0"], move=True)
+        with self.assertRaisesRegex(ValueError, r"'tok_embeddings' was removed from the model"):
+            split_module(model, ["tok_embeddings"])
+
+    def test_move_copies_replicated_modules(self):
+        model = NestedToyLLM(n_layers=2)
+        rotary = model.model.rotary_emb
+        stages = _split_all(model, generate_module_names_per_stage(2, 2, **_NESTED_NAMES), move=True)
+        self.assertIs(model.model.rotary_emb, rotary)
+        self.assertIsNot(stages[0].model.rotary_emb, rotary)
+        self.assertIsNot(stages[0].model.rotary_emb, stages[1].model.rotary_emb)
+
+    def test_call_if_present(self):
+        x = torch.randn(2)
+        self.assertIs(call_if_present(None, x), x)
+        torch.testing.assert_close(call_if_present(torch.mul, x, 3.0), x * 3)
+
+
+class TestBadInput(TestCase):
+    """Each bad input raises a clear error before anything is built."""
+
+    def test_unknown_name_suggests_close_match(self):
+        model = ToyLLM(n_layers=4)
+        with self.assertRaisesRegex(ValueError, r"'tok_embedding' names no submodule.*did you mean 'tok_embeddings'"):
+            split_module(model, ["tok_embedding"])
+
+    def test_out_of_range_layer(self):
+        model = ToyLLM(n_layers=4, container="list")
+        with self.assertRaisesRegex(ValueError, r"'layers.99' names no.*'layers' \(ModuleList\) has entries 0\.\.3"):
+            split_module(model, ["layers.0", "layers.99"])
+        with self.assertRaisesRegex(ValueError, r"'layers.3.attn' .*has children 'attention_norm', 'attention'"):
+            split_module(model, ["layers.3.attn"])
+
+    def test_names_must_be_a_sequence_of_strings(self):
+        model = ToyLLM(n_layers=2)
+        with self.assertRaisesRegex(TypeError, r"did you mean \['layers.0'\]"):
+            split_module(model, "layers.0")
+        with self.assertRaisesRegex(TypeError, "module names must be strings"):
+            split_module(model, ["layers.0", 1])
+        with self.assertRaisesRegex(ValueError, "empty name means the whole model"):
+            split_module(model, [""])
+
+    def test_empty_stage(self):
+        model = ToyLLM(n_layers=2)
+        with self.assertRaisesRegex(ValueError, "module_names is empty"):
+            split_module(model, [])
+        with self.assertRaisesRegex(ValueError, "stage 1 is empty"):
+            _split_all(model, [["tok_embeddings", "layers.0", "layers.1", "norm", "output"], []])
+        with self.assertRaisesRegex(ValueError, "module_names_per_stage is empty"):
+            _split_all(model, [])
+
+    def test_name_in_two_stages(self):
+        model = ToyLLM(n_layers=2)
+        with self.assertRaisesRegex(ValueError, r"'layers.1' is listed in stages \[0, 1\]"):
+            _split_all(model, [["tok_embeddings", "layers.0", "layers.1"], ["layers.1", "norm", "output"]])
+
+    def test_module_inside_a_module_of_another_stage(self):
+        model = ToyLLM(n_layers=2)
+        names = [["tok_embeddings", "layers.0", "layers.1.attention"], ["layers.1", "norm", "output"]]
+        with self.assertRaisesRegex(ValueError, r"'layers.1.attention' \(stage 0\) is inside 'layers.1', which stage 1"):
+            _split_all(model, names)
+
+    def test_uncovered_parameters(self):
+        model = ToyLLM(n_layers=3)
+        names = [["tok_embeddings", "layers.0"], ["layers.2", "norm", "output"]]
+        with self.assertRaisesRegex(ValueError, r"9 parameters/persistent buffers belong to no stage: 'layers.1.attention_norm.weight'"):
+            _split_all(model, names)
+        stages = _split_all(model, names, allow_uncovered=True)
+        self.assertFalse(any(k.startswith("layers.1.") for s in stages for k in s.state_dict()))
+
+    def test_nothing_is_built_or_moved_on_error(self):
+        model = ToyLLM(n_layers=3)
+        before = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+        names = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "norm", "outptu"]]
+        with mock.patch.object(ss, "_build_stage", wraps=ss._build_stage) as build:
+            with self.assertRaisesRegex(ValueError, "did you mean 'output'"):
+                _split_all(model, names, move=True)
+            with self.assertRaisesRegex(ValueError, "belong to no stage"):
+                _split_all(model, [names[0], ["layers.2", "norm", "output"]], move=True)
+            self.assertEqual(build.call_count, 0)
+        after = model.state_dict(keep_vars=True)
+        self.assertEqual(list(after), list(before))
+        self.assertTrue(all(after[k] is before[k] for k in before))
+
+    def test_generator_more_stages_than_units(self):
+        with self.assertRaisesRegex(ValueError, r"cannot make 7 non-empty stages from 4 layers plus the input modules plus the output modules: at most 6"):
+            generate_module_names_per_stage(7, 4)
+        with self.assertRaisesRegex(ValueError, "at most 4 stages"):
+            generate_module_names_per_stage(5, 4, input_modules=[], output_modules=[])
+
+    def test_generator_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "num_stages must be an int >= 1"):
+            generate_module_names_per_stage(0, 4)
+        with self.assertRaisesRegex(ValueError, "layer_costs has 3 entries for 4 layers"):
+            generate_module_names_per_stage(2, 4, layer_costs=[1, 2, 3])
+        with self.assertRaisesRegex(ValueError, r"layer_costs\[1\] must be a finite number >= 0"):
+            generate_module_names_per_stage(2, 2, layer_costs=[1, -1])
+        with self.assertRaisesRegex(ValueError, "input_weight must be a finite number"):
+            generate_module_names_per_stage(2, 2, input_weight=float("nan"))
+        with self.assertRaisesRegex(TypeError, "input_modules must be a sequence of module names"):
+            generate_module_names_per_stage(2, 2, input_modules="tok_embeddings")
+
+    def test_stages_not_divisible_by_pp_size(self):
+        with self.assertRaisesRegex(ValueError, r"num_stages \(6\) must be divisible by the pipeline size \(4\)"):
+            stage_ids_this_rank(0, 4, 6)
+
+    def test_v_schedule_needs_two_stages_per_rank(self):
+        for schedule in ("v", "ScheduleDualPipeV", "ZBVZeroBubble"):
+            with self.assertRaisesRegex(ValueError, "exactly 2 stages per rank, but 12 stages on 4 ranks give 3"):
+                stage_ids_this_rank(0, 4, 12, schedule)
+            with self.assertRaisesRegex(ValueError, "exactly 2 stages per rank"):
+                stage_ids_this_rank(0, 4, 4, schedule)
+
+    def test_bad_rank_and_schedule(self):
+        with self.assertRaisesRegex(ValueError, "pp_rank 4 is out of range"):
+            stage_ids_this_rank(4, 4, 8)
+        with self.assertRaisesRegex(ValueError, "unknown pipeline schedule 'Zigzag'"):
+            stage_ids_this_rank(0, 4, 8, "Zigzag")
+        with self.assertRaisesRegex(TypeError, "schedule class or name"):
+            stage_ids_this_rank(0, 4, 8, 3)
+
+
+def _units(num_layers, input_weight, output_weight, costs, with_in, with_out):
+    units = ([input_weight] if with_in else []) + list(costs) + ([output_weight] if with_out else [])
+    return units
+
+
+def _brute_force(units, num_stages):
+    """All contiguous partitions, ordered by the documented tie-breaking."""
+    best = None
+    for cuts in itertools.combinations(range(1, len(units)), num_stages - 1):
+        bounds = (0,) + cuts + (len(units),)
+        stage_costs = [sum(units[a:b]) for a, b in zip(bounds, bounds[1:])]
+        key = (
+            max(stage_costs),
+            sum(c * c for c in stage_costs),
+            [x for pair in zip(stage_costs, bounds[1:]) for x in pair],
+        )
+        if best is None or key < best[0]:
+            best = (key, bounds)
+    return best
+
+
+class TestGenerator(TestCase):
+    def test_examples(self):
+        self.assertEqual(
+            generate_module_names_per_stage(2, 4),
+            [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]],
+        )
+        # max stage cost 3 either way; ties go to the most even partition, then
+        # to the cheapest earlier stages
+        self.assertEqual(
+            generate_module_names_per_stage(4, 6, input_weight=2, output_weight=2),
+            [["tok_embeddings"], ["layers.0", "layers.1"], ["layers.2", "layers.3", "layers.4"], ["layers.5", "norm", "output"]],
+        )
+        # dense layers 0-2 cost 1, MoE layers cost 3: the MoE stages get fewer layers
+        costs = [1, 1, 1] + [3] * 5
+        self.assertEqual(
+            generate_module_names_per_stage(4, 8, layer_costs=costs, input_weight=0, output_weight=0),
+            [["tok_embeddings", "layers.0", "layers.1", "layers.2"], ["layers.3"], ["layers.4", "layers.5"],
+             ["layers.6", "layers.7", "norm", "output"]],
+        )
+        # a heavy head gets a stage of its own
+        self.assertEqual(
+            generate_module_names_per_stage(3, 4, output_weight=4),
+            [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3"], ["norm", "output"]],
+        )
+        self.assertEqual(
+            generate_module_names_per_stage(2, 2, **_NESTED_NAMES),
+            [["model.embed_tokens", "model.layers.0", "model.rotary_emb"],
+             ["model.layers.1", "model.norm", "lm_head", "model.rotary_emb"]],
+        )
+
+    @settings(max_examples=150, deadline=None)
+    @given(
+        data=st.data(),
+        num_layers=st.integers(0, 8),
+        input_weight=st.integers(0, 4),
+        output_weight=st.integers(0, 4),
+        with_in=st.booleans(),
+        with_out=st.booleans(),
+        uniform=st.booleans(),
+    )
+    def test_partition_properties(self, data, num_layers, input_weight, output_weight, with_in, with_out, uniform):
+        costs = [1] * num_layers if uniform else data.draw(st.lists(st.integers(0, 6), min_size=num_layers, max_size=num_layers))
+        units = _units(num_layers, input_weight, output_weight, costs, with_in, with_out)
+        if not units:
+            return
+        num_stages = data.draw(st.integers(1, len(units)))
+        kwargs = dict(
+            input_weight=input_weight,
+            output_weight=output_weight,
+            layer_costs=None if uniform else costs,
+            input_modules=["emb", "pos"] if with_in else [],
+            output_modules=["norm", "head"] if with_out else [],
+            replicated_modules=["rope"],
+        )
+        result = generate_module_names_per_stage(num_stages, num_layers, **kwargs)
+        self.assertEqual(result, generate_module_names_per_stage(num_stages, num_layers, **kwargs))
+        self.assertEqual(len(result), num_stages)
+        for stage in result:
+            self.assertEqual(stage[-1], "rope")
+            self.assertGreater(len(stage), 1, "empty stage")
+        flat = [n for stage in result for n in stage[:-1]]
+        expected = (["emb", "pos"] if with_in else []) + [f"layers.{i}" for i in range(num_layers)]
+        expected += ["norm", "head"] if with_out else []
+        self.assertEqual(flat, expected)  # every unit exactly once, in order
+        if with_in:
+            self.assertEqual(result[0][:2], ["emb", "pos"])
+        if with_out:
+            self.assertEqual(result[-1][-3:-1], ["norm", "head"])
+        # optimal, and the documented tie-breaking, against brute force
+        name_cost = {f"layers.{i}": c for i, c in enumerate(costs)}
+        name_cost.update(emb=input_weight, pos=0, norm=output_weight, head=0)
+        stage_costs = [sum(name_cost[n] for n in stage[:-1]) for stage in result]
+        (bf_max, _, _), bf_bounds = _brute_force(units, num_stages)
+        self.assertEqual(max(stage_costs), bf_max)
+        unit_counts = [b - a for a, b in zip(bf_bounds, bf_bounds[1:])]
+        got_counts = []
+        for stage in result:
+            n = len(stage) - 1
+            got_counts.append(n - (1 if "emb" in stage else 0) - (1 if "norm" in stage else 0))
+        self.assertEqual(got_counts, unit_counts)
+
+    @settings(max_examples=40, deadline=None)
+    @given(costs=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=7), data=st.data())
+    def test_float_costs_are_optimal(self, costs, data):
+        num_stages = data.draw(st.integers(1, len(costs)))
+        result = generate_module_names_per_stage(
+            num_stages, len(costs), layer_costs=costs, input_modules=[], output_modules=[]
+        )
+        got = max(sum(costs[int(n.split(".")[1])] for n in stage) for stage in result)
+        (bf_max, _, _), _ = _brute_force(costs, num_stages)
+        self.assertTrue(abs(got - bf_max) <= 1e-9 * max(1.0, bf_max), (got, bf_max))
+
+
+class TestStagePlacement(TestCase):
+    def test_loop_and_v(self):
+        self.assertEqual(stage_ids_this_rank(1, 4, 8), (1, 5))
+        self.assertEqual(stage_ids_this_rank(1, 4, 4), (1,))
+        self.assertEqual(stage_ids_this_rank(1, 4, 12, "loop"), (1, 5, 9))
+        self.assertEqual(stage_ids_this_rank(1, 4, 8, "v"), (1, 6))
+
+    def test_style_inferred_from_schedule(self):
+        from torch.distributed.pipelining import schedules as S
+
+        for sched in (S.ScheduleDualPipeV, S.ScheduleZBVZeroBubble, "DualPipeV", "ScheduleZBVZeroBubble", "zbvzerobubble"):
+            self.assertEqual(stage_ids_this_rank(0, 2, 4, sched), (0, 3), sched)
+        for sched in (S.ScheduleInterleaved1F1B, S.ScheduleLoopedBFS, "Interleaved1F1B", "ScheduleInterleavedZeroBubble"):
+            self.assertEqual(stage_ids_this_rank(0, 2, 4, sched), (0, 2), sched)
+
+    @parametrize("style", ["loop", "v"])
+    def test_matches_torch_stage_to_rank_mapping(self, style):
+        from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+        for pp_size in (1, 2, 3, 4):
+            per_rank = [2] if style == "v" else [1, 2, 3]
+            for k in per_rank:
+                num_stages = pp_size * k
+                mapping = generate_stage_to_rank_mapping(pp_size, num_stages, style=style)
+                for rank in range(pp_size):
+                    ids = stage_ids_this_rank(rank, pp_size, num_stages, style)
+                    self.assertEqual(sorted(ids), sorted(s for s, r in mapping.items() if r == rank))
+
+
+class TestPipelineModuleSplit(TestCase):
+    """``pipeline_module_split`` on a one-rank gloo group (all stages local)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls._owns_pg = not dist.is_initialized()
+        if cls._owns_pg:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls._owns_pg:
+            dist.destroy_process_group()
+        super().tearDownClass()
+
+    def test_group_and_mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+        model = ToyLLM(n_layers=4)
+        names = generate_module_names_per_stage(3, 4)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
+        for group in (dist.group.WORLD, mesh):
+            stages, parts = pipeline_module_split(model, group, ScheduleInterleaved1F1B, "cpu", names)
+            self.assertEqual([s.stage_index for s in stages], [0, 1, 2])
+            self.assertTrue(all(isinstance(s, PipelineStage) and s.num_stages == 3 for s in stages))
+            self.assertEqual([s.submod for s in stages], parts)
+            self.assertEqual(set().union(*(p.state_dict() for p in parts)), set(model.state_dict()))
+
+    def test_v_style_order(self):
+        model = ToyLLM(n_layers=4)
+        stages, parts = pipeline_module_split(
+            model, dist.group.WORLD, "DualPipeV", torch.device("cpu"), generate_module_names_per_stage(2, 4)
+        )
+        self.assertEqual([s.stage_index for s in stages], [0, 1])
+        self.assertIsNotNone(parts[0].tok_embeddings)
+        self.assertIsNotNone(parts[1].output)
+
+    def test_errors_before_building(self):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import Schedule1F1B
+
+        model = ToyLLM(n_layers=4)
+        names = generate_module_names_per_stage(2, 4)
+        with mock.patch.object(ss, "_build_stage") as build:
+            with self.assertRaisesRegex(ValueError, "Schedule1F1B runs one stage per rank, but 2 stages"):
+                pipeline_module_split(model, dist.group.WORLD, Schedule1F1B, "cpu", names)
+            with self.assertRaisesRegex(ValueError, "exactly 2 stages per rank"):
+                pipeline_module_split(model, dist.group.WORLD, "DualPipeV", "cpu", names + [["norm"]])
+            with self.assertRaisesRegex(ValueError, "1-D pipeline mesh"):
+                pipeline_module_split(model, init_device_mesh("cpu", (1, 1)), "Interleaved1F1B", "cpu", names)
+            with self.assertRaisesRegex(TypeError, "DeviceMesh or a ProcessGroup"):
+                pipeline_module_split(model, 0, "Interleaved1F1B", "cpu", names)
+            with self.assertRaisesRegex(TypeError, "sets 'group' itself"):
+                pipeline_module_split(model, dist.group.WORLD, "Interleaved1F1B", "cpu", names, group=None)
+            with self.assertRaisesRegex(TypeError, "stage_kwargs do not fit PipelineStage"):
+                pipeline_module_split(model, dist.group.WORLD, "Interleaved1F1B", "cpu", names, bogus=1)
+            with self.assertRaisesRegex(ValueError, "did you mean 'output'"):
+                pipeline_module_split(model, dist.group.WORLD, "Interleaved1F1B", "cpu", [names[0], ["outptu"]])
+            self.assertEqual(build.call_count, 0)
+
+
+class TestPatch(TestCase):
+    def test_reachable_under_torch_while_patched(self):
+        import torch.distributed.pipelining as pipelining
+
+        try:
+            torch_pipelining_ext.patch()
+            status = {r.name: r.status.value for r in torch_pipelining_ext.patch_report()}["stage_split"]
+            self.assertEqual(status, "applied")
+            self.assertIs(pipelining.stage_split, ss)
+            mod = importlib.import_module("torch.distributed.pipelining.stage_split")
+            self.assertIs(mod, ss)
+            from torch.distributed.pipelining.stage_split import split_module as imported
+
+            self.assertIs(imported, split_module)
+            torch_pipelining_ext.unpatch()
+            self.assertFalse(hasattr(pipelining, "stage_split"))
+            self.assertNotIn("torch.distributed.pipelining.stage_split", sys.modules)
+            with self.assertRaises(ImportError):
+                importlib.import_module("torch.distributed.pipelining.stage_split")
+        finally:
+            torch_pipelining_ext.patch()
+        self.assertIs(pipelining.stage_split, ss)
+
+    def test_probe(self):
+        import torch.distributed.pipelining as pipelining
+
+        try:
+            torch_pipelining_ext.unpatch()
+            self.assertEqual(ss._upstream_probe()[0], "needed")
+            with mock.patch.object(pipelining, "split_module", split_module, create=True):
+                self.assertEqual(ss._upstream_probe()[0], "upstream")
+            with mock.patch.dict(pipelining.__dict__):
+                del pipelining.PipelineStage
+                with self.assertRaisesRegex(RuntimeError, "no PipelineStage"):
+                    ss._upstream_probe()
+            self.assertTrue(hasattr(pipelining, "PipelineStage"))
+        finally:
+            torch_pipelining_ext.patch()
+
+    def test_target_key_with_dots(self):
+        name = "_stage_split_test_owner"
+        owner = types.ModuleType(name)
+        owner.table = {}
+        sys.modules[name] = owner
+        try:
+            t = Target(name, "table", make=lambda orig: "new", key="a.b.c")
+            self.assertEqual(t.qualname, f"{name}.table['a.b.c']")
+            self.assertIs(t._get(), ss_missing())
+            t._set("x")
+            self.assertEqual(owner.table, {"a.b.c": "x"})
+            self.assertEqual(t._get(), "x")
+            t._set(ss_missing())
+            self.assertEqual(owner.table, {})
+        finally:
+            del sys.modules[name]
+
+
+def ss_missing():
+    from torch_pipelining_ext._patching import _MISSING
+
+    return _MISSING
+
+
+instantiate_parametrized_tests(TestSplitModule)
+instantiate_parametrized_tests(TestStagePlacement)
+
+if __name__ == "__main__":
+    run_tests()
