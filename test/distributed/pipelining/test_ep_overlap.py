@@ -1,0 +1,490 @@
+# Owner(s): ["oncall: distributed"]
+"""Thread-level tests of the expert-parallel communication boundaries (``ep_overlap``).
+
+Two threads run as in an overlapped OVERLAP_F_B action (``_overlap._run_overlapped``):
+the forward of one toy MoE stack on the calling thread, the backward of another
+on a worker thread.  Each MoE layer communicates through a fake collective that
+records every call and any moment two threads were inside a collective at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import time
+
+import torch
+import torch.nn as nn
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TestCase,
+)
+from torch.utils.checkpoint import checkpoint
+
+import torch_pipelining_ext  # noqa: F401
+from torch_pipelining_ext import ep_overlap
+from torch_pipelining_ext._overlap import _run_overlapped, _StreamPlan
+from torch_pipelining_ext.ep_overlap import _CommCoordinator, _Side, CommWaitTimeoutError
+
+
+DIM = 8
+TIMEOUT = 20.0  # coordinator timeout of the tests that must not time out
+
+
+class FakeComm:
+    """Stands in for a process group: records collectives, flags concurrent ones."""
+
+    def __init__(self, delay: float = 0.002, jitter: float = 0.0) -> None:
+        self.delay = delay
+        self.jitter = jitter
+        self.lock = threading.Lock()
+        self.active: str | None = None
+        self.log: list[str] = []
+        self.violations: list[tuple[str, str]] = []
+        self.hook = None  # called inside the collective with its tag
+
+    def collective(self, tag: str) -> None:
+        with self.lock:
+            if self.active is not None:
+                self.violations.append((self.active, tag))
+            self.active = tag
+        time.sleep(self.delay + random.uniform(0, self.jitter))
+        if self.hook is not None:
+            self.hook(tag)
+        with self.lock:
+            self.active = None
+            self.log.append(tag)
+
+
+class FakeAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm: FakeComm, tag: str, x: torch.Tensor) -> torch.Tensor:
+        ctx.comm, ctx.tag = comm, tag
+        comm.collective(f"{tag}.fwd")
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.comm.collective(f"{ctx.tag}.bwd")
+        return None, None, grad.clone()
+
+
+class Jitter(torch.autograd.Function):
+    """Sleeps a random time in forward and backward (compute of random length)."""
+
+    @staticmethod
+    def forward(ctx, jitter: float, x: torch.Tensor) -> torch.Tensor:
+        ctx.jitter = jitter
+        time.sleep(random.uniform(0, jitter))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(random.uniform(0, ctx.jitter))
+        return None, grad
+
+
+class ToyMoELayer(nn.Module):
+    def __init__(self, name: str, comm: FakeComm, jitter: float = 0.0) -> None:
+        super().__init__()
+        self.name, self.comm, self.jitter = name, comm, jitter
+        self.pre = nn.Linear(DIM, DIM)
+        self.expert = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = Jitter.apply(self.jitter, torch.tanh(self.pre(x)))
+        h = ep_overlap.dispatch_begin(h)
+        h = FakeAllToAll.apply(self.comm, f"{self.name}.dispatch", h)
+        h = ep_overlap.dispatch_end(h)
+        h = Jitter.apply(self.jitter, torch.tanh(self.expert(h)))
+        h = ep_overlap.combine_begin(h)
+        h = FakeAllToAll.apply(self.comm, f"{self.name}.combine", h)
+        h = ep_overlap.combine_end(h)
+        return x + h
+
+
+class ToyStage(nn.Module):
+    def __init__(self, prefix: str, n_layers: int, comm: FakeComm, jitter: float = 0.0, ac: str = "") -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ToyMoELayer(f"{prefix}{i}", comm, jitter) for i in range(n_layers))
+        self.head = nn.Linear(DIM, DIM)
+        self.ac = ac
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.ac == "full":
+                x = checkpoint(layer, x, use_reentrant=False)
+            elif self.ac == "selective":
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=_selective_context)
+            else:
+                x = layer(x)
+        return self.head(x)
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        # save matmul outputs, recompute the rest (including the communication)
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def expected_order(fwd: str, n_fwd: int, bwd: str, n_bwd: int) -> list[str]:
+    """Strict alternation, forward side first, then whatever one side has left."""
+    f = [f"{fwd}{i}.{p}.fwd" for i in range(n_fwd) for p in ("dispatch", "combine")]
+    b = [f"{bwd}{i}.{p}.bwd" for i in reversed(range(n_bwd)) for p in ("combine", "dispatch")]
+    order = []
+    for i in range(max(len(f), len(b))):
+        order += f[i : i + 1] + b[i : i + 1]
+    return order
+
+
+class PairRun:
+    """A forward stage and a backward stage (whose forward already ran), sharing one FakeComm."""
+
+    def __init__(self, n_fwd: int, n_bwd: int, jitter: float = 0.0, comm_jitter: float = 0.0, ac: str = "") -> None:
+        torch.manual_seed(0)
+        self.comm = FakeComm(jitter=comm_jitter)
+        self.fwd_stage = ToyStage("F", n_fwd, self.comm, jitter)
+        self.bwd_stage = ToyStage("B", n_bwd, self.comm, jitter, ac=ac)
+        self.x_fwd = torch.randn(4, DIM)
+        self.x_bwd = torch.randn(4, DIM, requires_grad=True)
+        self.loss = self.bwd_stage(self.x_bwd).square().sum()
+        self.comm.log.clear()
+        self.out = None
+
+    def forward(self) -> None:
+        self.out = self.fwd_stage(self.x_fwd)
+
+    def backward(self) -> None:
+        self.loss.backward()
+
+    def run(self, timeout: float = TIMEOUT, rank: int = 0, action: str = "0F0;1B0", **kw) -> _CommCoordinator:
+        return _run_overlapped(self.forward, self.backward, rank=rank, action=action, timeout=timeout, **kw)
+
+
+class CoordinatorTest(TestCase):
+    def assert_no_threads_left(self) -> None:
+        left = [t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")]
+        self.assertEqual(left, [])
+
+    @parametrize("n_fwd", [0, 1, 3])
+    @parametrize("n_bwd", [0, 1, 3])
+    def test_alternation_and_asymmetric_layers(self, n_fwd: int, n_bwd: int) -> None:
+        run = PairRun(n_fwd, n_bwd, jitter=0.002)
+        coordinator = run.run()
+        self.assertEqual(run.comm.violations, [])
+        self.assertEqual(run.comm.log, expected_order("F", n_fwd, "B", n_bwd))
+        self.assertEqual(coordinator.regions_opened(_Side.FORWARD), 2 * n_fwd)
+        self.assertEqual(coordinator.regions_opened(_Side.BACKWARD), 2 * n_bwd)
+        self.assert_no_threads_left()
+
+    def test_order_is_deterministic_under_random_timing(self) -> None:
+        logs = []
+        for seed in range(4):
+            random.seed(seed)
+            run = PairRun(3, 2, jitter=0.003, comm_jitter=0.003)
+            run.run()
+            self.assertEqual(run.comm.violations, [])
+            logs.append(run.comm.log)
+        self.assertEqual(logs, [expected_order("F", 3, "B", 2)] * 4)
+
+    def test_results_match_sequential(self) -> None:
+        run = PairRun(2, 2)
+        run.run()
+        ref = PairRun(2, 2)
+        ref.forward()
+        ref.backward()
+        torch.testing.assert_close(run.out, ref.out, rtol=0, atol=0)
+        for p, q in zip(run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        torch.testing.assert_close(run.x_bwd.grad, ref.x_bwd.grad, rtol=0, atol=0)
+
+    @parametrize("slow_side", ["forward", "backward"])
+    def test_one_side_finishes_early(self, slow_side: str) -> None:
+        # One side has a single layer and no compute; the other three slow layers.
+        n_fwd, n_bwd = (3, 1) if slow_side == "forward" else (1, 3)
+        run = PairRun(n_fwd, n_bwd)
+        slow = run.fwd_stage if slow_side == "forward" else run.bwd_stage
+        for layer in slow.layers:
+            layer.jitter = 0.02
+        run.run()
+        self.assertEqual(run.comm.violations, [])
+        self.assertEqual(run.comm.log, expected_order("F", n_fwd, "B", n_bwd))
+
+    @parametrize("failing_side", ["forward", "backward"])
+    def test_exception_releases_other_side(self, failing_side: str) -> None:
+        run = PairRun(3, 3)
+
+        def hook(tag: str) -> None:
+            # fail in the failing side's second collective
+            if tag == ("F1.dispatch.fwd" if failing_side == "forward" else "B1.combine.bwd"):
+                raise ValueError(f"boom in {tag}")
+
+        run.comm.hook = hook
+        t0 = time.monotonic()
+        with self.assertRaisesRegex(RuntimeError, rf"rank 3, action 2F1;3B0: the {failing_side} sub-action") as cm:
+            run.run(rank=3, action="2F1;3B0")
+        self.assertIsInstance(cm.exception.__cause__, ValueError)
+        self.assertIn("boom", str(cm.exception))
+        self.assertLess(time.monotonic() - t0, TIMEOUT)  # released, not timed out
+        # the other side ran to the end, uncoordinated
+        other = "B" if failing_side == "forward" else "F"
+        other_last = "B0.dispatch.bwd" if other == "B" else "F2.combine.fwd"
+        self.assertIn(other_last, run.comm.log)
+        self.assert_no_threads_left()
+
+    @parametrize("stuck_side", ["forward", "backward"])
+    def test_timeout_names_boundary_action_rank(self, stuck_side: str) -> None:
+        run = PairRun(1, 1)
+        release = threading.Event()
+        stuck_tag = "F0.dispatch.fwd" if stuck_side == "forward" else "B0.combine.bwd"
+
+        def hook(tag: str) -> None:
+            if tag == stuck_tag:
+                release.wait(10.0)  # hangs inside its region until the other side timed out
+
+        run.comm.hook = hook
+        # The forward side's first region comes first; the backward side's first
+        # region comes second, and the forward side waits for it to end before
+        # its second region (combine_begin).
+        waiter = "backward" if stuck_side == "forward" else "forward"
+        boundary = "combine_end (backward" if waiter == "backward" else "combine_begin (forward)"
+
+        # the stuck side is released once the waiting side has timed out
+        waiting_fn = run.backward if waiter == "backward" else run.forward
+
+        def release_after_timeout() -> None:
+            try:
+                waiting_fn()
+            except CommWaitTimeoutError:
+                release.set()
+                raise
+
+        setattr(run, waiter, release_after_timeout)
+        with self.assertRaises(RuntimeError) as cm:
+            run.run(timeout=0.5, rank=7, action="0F1;3B2")
+        cause = cm.exception.__cause__
+        self.assertIsInstance(cause, CommWaitTimeoutError)
+        msg = str(cause)
+        self.assertIn("rank 7", msg)
+        self.assertIn("0F1;3B2", msg)
+        self.assertIn(f"the {waiter} thread waited", msg)
+        self.assertIn(boundary, msg)
+        self.assert_no_threads_left()
+
+    def test_two_coordinators_do_not_interfere(self) -> None:
+        # Two schedules' actions run at once in one process, each with its own
+        # communicator.  Each forward side blocks inside its first collective
+        # until the other pair's forward side is inside its own first
+        # collective: a coordinator shared between the pairs would deadlock.
+        a, b = PairRun(2, 2), PairRun(2, 2)
+        inside = {"a": threading.Event(), "b": threading.Event()}
+
+        def make_hook(me: str, other: str):
+            def hook(tag: str) -> None:
+                if tag == "F0.dispatch.fwd":
+                    inside[me].set()
+                    if not inside[other].wait(10.0):
+                        raise AssertionError("the other pair never entered its region")
+
+            return hook
+
+        a.comm.hook, b.comm.hook = make_hook("a", "b"), make_hook("b", "a")
+        errors = []
+
+        def run_pair(run: PairRun) -> None:
+            try:
+                run.run(timeout=10.0)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=run_pair, args=(r,)) for r in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30.0)
+        self.assertEqual(errors, [])
+        for run in (a, b):
+            self.assertEqual(run.comm.violations, [])
+            self.assertEqual(run.comm.log, expected_order("F", 2, "B", 2))
+
+    @parametrize("ac", ["full", "selective"])
+    def test_activation_checkpointing(self, ac: str) -> None:
+        if ac == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+            self.skipTest("selective activation checkpointing needs a newer torch")
+        logs = []
+        for seed in range(2):
+            random.seed(seed)
+            run = PairRun(2, 2, jitter=0.002, ac=ac)
+            run.run()
+            self.assertEqual(run.comm.violations, [])
+            logs.append(run.comm.log)
+            # recomputation re-issued the backward stage's forward collectives
+            self.assertIn("B0.dispatch.fwd", run.comm.log)
+        self.assertEqual(logs[0], logs[1])
+        ref = PairRun(2, 2, ac=ac)
+        ref.forward()
+        ref.backward()
+        for p, q in zip(run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+        torch.testing.assert_close(run.x_bwd.grad, ref.x_bwd.grad)
+
+    def test_nested_region_in_one_side(self) -> None:
+        coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
+        with coordinator.bound(_Side.FORWARD):
+            coordinator.open(_Side.FORWARD, "outer", "dispatch")
+            coordinator.open(_Side.FORWARD, "inner", "dispatch")  # nested: no wait
+            coordinator.close(_Side.FORWARD, "inner")
+            coordinator.close(_Side.FORWARD, "outer")
+            coordinator.close(_Side.FORWARD, "stray")  # a close without an open is ignored
+            self.assertEqual(coordinator.regions_opened(_Side.FORWARD), 1)
+
+
+class MarksTest(TestCase):
+    def test_noop_outside_an_action(self) -> None:
+        x = torch.randn(3, DIM)
+        y = torch.randn(3, DIM, requires_grad=True)
+        for mark in (ep_overlap.dispatch_begin, ep_overlap.dispatch_end, ep_overlap.combine_begin, ep_overlap.combine_end):
+            self.assertIs(mark(x), x)  # no grad needed: the very same object
+            with torch.no_grad():
+                self.assertIs(mark(y), y)
+            a, b = mark(x, 3)
+            self.assertIs(a, x)
+            self.assertEqual(b, 3)
+            z = mark(y)  # one autograd node, for a backward inside an action later
+            self.assertEqual(type(z.grad_fn).__name__, "_MarkBackwardBackward")
+            (z * 2).sum().backward()
+            torch.testing.assert_close(y.grad, torch.full_like(y, 2.0))
+            y.grad = None
+        self.assertEqual(ep_overlap._active_backward, [])
+        self.assertIsNone(ep_overlap._current_binding())
+
+    def test_marks_in_another_thread_are_not_coordinated(self) -> None:
+        # A thread that is not one of the action's two threads is not coordinated,
+        # even while an action runs.
+        coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
+        seen = []
+        with coordinator.bound(_Side.FORWARD):
+            coordinator.open(_Side.FORWARD, "held", "dispatch")
+            t = threading.Thread(target=lambda: seen.append(ep_overlap.dispatch_begin(torch.ones(1))))
+            t.start()
+            t.join(5.0)
+            coordinator.close(_Side.FORWARD, "held")
+        self.assertEqual(len(seen), 1)
+
+    def test_wrap_dispatch_combine(self) -> None:
+        class MoE(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = nn.Linear(DIM, DIM)
+                self.calls = []
+
+            def dispatch(self, x, counts):
+                self.calls.append(("dispatch", id(self)))
+                return x * 2, counts
+
+            def combine(self, y):
+                self.calls.append(("combine", id(self)))
+                return y + 1
+
+            def forward(self, x):
+                h, _ = self.dispatch(x, [1, 2])
+                return self.combine(self.w(h))
+
+        model = nn.Sequential(MoE(), nn.ReLU(), MoE())
+        self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0", "2"])
+        self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0", "2"])  # idempotent
+        x = torch.randn(2, DIM, requires_grad=True)
+        out = model(x)
+        self.assertEqual(model[0].calls, [("dispatch", id(model[0])), ("combine", id(model[0]))])
+        out.sum().backward()
+        # the marks sit around the methods: a deep copy calls its own methods
+        clone = copy.deepcopy(model)
+        clone(x)
+        self.assertEqual(clone[0].calls[-2:], [("dispatch", id(clone[0])), ("combine", id(clone[0]))])
+        self.assertEqual(len(model[0].calls), 2)
+        # inside an action, both methods are communication regions
+        comm_order = []
+        coordinator = _CommCoordinator(rank=0, action="a", timeout=5.0)
+        orig_open, orig_close = coordinator.open, coordinator.close
+        coordinator.open = lambda side, where, phase: (comm_order.append(("open", where)), orig_open(side, where, phase))
+        coordinator.close = lambda side, where: (comm_order.append(("close", where)), orig_close(side, where))
+        coordinator.finish(_Side.BACKWARD)  # the other side has no regions
+        with coordinator.bound(_Side.FORWARD):
+            model[0](x)
+        self.assertEqual(
+            comm_order,
+            [
+                ("open", "dispatch_begin (forward)"),
+                ("close", "dispatch_end (forward)"),
+                ("open", "combine_begin (forward)"),
+                ("close", "combine_end (forward)"),
+            ],
+        )
+        with self.assertRaisesRegex(ValueError, "no module of Linear has both"):
+            ep_overlap.wrap_dispatch_combine(nn.Linear(2, 2))
+        del model[0].dispatch, model[0].combine  # undo
+        self.assertNotIsInstance(model[0].dispatch, ep_overlap._MarkedMethod)
+
+    def test_timeout_setting(self) -> None:
+        self.assertEqual(ep_overlap.get_wait_timeout(), 600.0)
+        ep_overlap.set_wait_timeout(5)
+        try:
+            self.assertEqual(ep_overlap.get_wait_timeout(), 5)
+        finally:
+            ep_overlap.set_wait_timeout(None)
+        with self.assertRaises(ValueError):
+            ep_overlap.set_wait_timeout(0)
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append((threading.current_thread().name, f"{self.name} waits {other.name}"))
+
+
+class StreamPlanTest(TestCase):
+    @parametrize("failing", ["none", "forward", "backward"])
+    def test_streams_joined_around_the_action(self, failing: str) -> None:
+        log: list = []
+        current = threading.local()
+        caller = FakeStream("caller", log)
+        stage_streams = {0: FakeStream("s0", log), 3: FakeStream("s3", log)}
+        plan = _StreamPlan(caller, stage_streams, 0, 3, set_stream=lambda s: setattr(current, "s", s))
+        seen = {}
+
+        def compute(side: str):
+            def fn() -> None:
+                seen[side] = current.s.name
+                if failing == side:
+                    raise RuntimeError("boom")
+
+            return fn
+
+        try:
+            _run_overlapped(compute("forward"), compute("backward"), rank=0, action="a", streams=plan, timeout=5.0)
+        except RuntimeError:
+            self.assertNotEqual(failing, "none")
+        self.assertEqual(seen, {"forward": "s0", "backward": "s3"})
+        events = [e for _, e in log]
+        self.assertEqual(events[:2], ["s0 waits caller", "s3 waits caller"])
+        self.assertEqual(events[2:], ["caller waits s0", "caller waits s3"])
+        # the caller joins on the calling thread, after the worker finished
+        self.assertEqual({t for t, _ in log}, {threading.current_thread().name})
+
+
+instantiate_parametrized_tests(CoordinatorTest)
+instantiate_parametrized_tests(MarksTest)
+instantiate_parametrized_tests(StreamPlanTest)
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,392 @@
+"""OVERLAP_F_B that really overlaps: the forward and the backward sub-actions run concurrently.
+
+Upstream file: ``torch/distributed/pipelining/schedules.py`` -- a concurrent
+implementation of the ``OVERLAP_F_B`` action that ``ScheduleDualPipeV`` emits
+(and that any ``_PipelineScheduleRuntime`` runs from a CSV schedule), which
+every release through 2.15 runs as its two sub-actions one after the other.
+
+:func:`overlap_f_b` is a custom function (``register_custom_function``
+protocol) that the patch table installs for OVERLAP_F_B on every
+``_PipelineScheduleRuntime`` while the package is patched.  Opt out globally
+with ``TORCH_PIPELINING_EXT_OVERLAP=0`` (schedules built while it is set do
+not get it) or per schedule by registering another OVERLAP_F_B function.
+
+Running one action::
+
+    calling thread                            worker thread
+    --------------                            -------------
+    prepare_compute_action(F), then (B)
+      (recv waits, FSDP unshard checks, the
+       backward counter and last_backward,
+       the loss: everything order-sensitive)
+    start worker --------------------------> B compute (backward, local hand-off
+    F compute (forward, loss, local             to the previous stage, last-backward
+      hand-off to the next stage)               work on torches without REDUCE_GRAD)
+    join worker <--------------------------- done
+    re-raise the first failure, naming rank and action
+
+All bookkeeping is done by ``_schedule_runtime.prepare_compute_action`` on the
+calling thread in schedule order; the same function serves the sequential
+path, so nothing here duplicates the runtime.  The two compute closures run
+under a :class:`~torch_pipelining_ext.ep_overlap._CommCoordinator` owned by the
+action, so the expert-parallel communication marks of the model
+(:mod:`torch_pipelining_ext.ep_overlap`) make the threads take turns.  The
+worker inherits the caller's grad mode, autocast state and current
+accelerator device; profiler ranges are added for both threads only when the
+profiler is on (the worker's appear in traces recorded with
+``_ExperimentalConfig(profile_all_threads=True)``).  The worker is joined
+before the action returns or raises: no thread outlives the action.
+
+Streams (CUDA and other accelerators)
+-------------------------------------
+With a single stream, a collective issued by one thread would be queued
+behind the kernels the other thread queued before it, so one thread's
+communication would wait for the other's compute -- exactly what overlapping
+is meant to avoid.  The design, implemented by :class:`_StreamPlan` through
+the device-neutral ``torch.accelerator`` / ``torch.Stream`` API:
+
+* **One stream per thread, chosen by stage.**  Inside an overlapped action the
+  thread running a sub-action of stage ``s`` makes the stage's own stream
+  current (one stream per stage and schedule, created once).  By stage rather
+  than by thread because autograd runs each backward kernel on the stream of
+  its forward kernel: a backward is only off the forward thread's stream if
+  its forward ran on a different stream, and the two sub-actions of an
+  OVERLAP_F_B are on different stages in every built-in schedule.  (A CSV pair
+  on one stage shares the stream: correct, not overlapped on the device.)
+* **Joined to the caller's stream at both ends.**  Before either thread starts,
+  both streams wait for the caller's current stream (inputs received and
+  computed before the action are complete); before the action returns, the
+  caller's stream waits for both, so everything after the action -- sends,
+  plain actions, the optimizer -- is ordered after it.
+* **Allocator safety.**  The caching allocator hands a freed block to the next
+  allocation on the stream it was allocated on, unaware of other streams
+  still reading it.  Within an action each pool is allocated from by one
+  thread only (the forward thread on its stage's stream; the backward thread on
+  the streams of its stage's forward kernels), and the caller's stream is not
+  allocated from at all, so a block freed during the action cannot be reused
+  under a kernel still reading it.  Tensors that cross stages -- the
+  activations and gradients handed locally between the two stages of a
+  V-schedule rank -- are used later on the consumer stage's stream, so they
+  are ``record_stream``-ed on it: when they are freed, the allocator waits for
+  that stream.
+* Collectives issued inside a sub-action are queued behind that thread's own
+  kernels only; the communication marks keep two threads from issuing
+  collectives at once.
+
+On CPU (gloo) there are no streams and the plan is ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from torch_pipelining_ext.ep_overlap import _CommCoordinator, _Side, get_wait_timeout
+
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _Action
+
+
+__all__ = ["overlap_f_b"]
+
+logger = logging.getLogger(__name__)
+
+OVERLAP_ENV = "TORCH_PIPELINING_EXT_OVERLAP"
+
+
+def overlap_enabled() -> bool:
+    """False when ``$TORCH_PIPELINING_EXT_OVERLAP`` is ``0`` (opt out globally)."""
+    return os.environ.get(OVERLAP_ENV, "1").strip() != "0"
+
+
+# --------------------------------------------------------------------------- #
+# The custom function                                                          #
+# --------------------------------------------------------------------------- #
+
+
+def _schedules() -> Any:
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
+
+def _forward_and_backward(action: _Action) -> tuple[int, int] | None:
+    """Positions of the forward and the backward-like sub-action, or None if not such a pair."""
+    s = _schedules()
+    subs = action.sub_actions or ()
+    if len(subs) != 2:
+        return None
+    kinds = [a.computation_type for a in subs]
+    backward_types = (s.FULL_BACKWARD, s.BACKWARD_INPUT, s.BACKWARD_WEIGHT)
+    for f, b in ((0, 1), (1, 0)):
+        if kinds[f] == s.FORWARD and kinds[b] in backward_types:
+            return f, b
+    return None
+
+
+def _rank(schedule: Any) -> int:
+    return dist.get_rank() if dist.is_initialized() else getattr(schedule, "rank", 0)
+
+
+def overlap_f_b(action: _Action, ctx: Any) -> None:
+    """Run an OVERLAP_F_B action with its forward and backward sub-actions concurrently.
+
+    Custom-function protocol: ``(action, ctx: _PipelineContext) -> None``.
+    The sub-actions' bookkeeping runs first, on this thread, in schedule
+    order; then the backward computes on a worker thread while the forward
+    computes here.  A pair that is not one forward plus one backward-like
+    action (FULL_BACKWARD, BACKWARD_INPUT or BACKWARD_WEIGHT) runs
+    sequentially, as does every pair once ``unpatch()`` has been called.
+
+    Raises:
+        RuntimeError: a sub-action failed (or waited too long at a
+            communication boundary); the message names the rank and the
+            action, the original exception is the cause.
+    """
+    from torch_pipelining_ext import _schedule_runtime
+
+    schedule = ctx.schedule_ref
+    pair = _forward_and_backward(action)
+    if pair is None or not _patch_applied():
+        for sub in action.sub_actions:
+            _schedule_runtime.run_action(ctx, sub)
+        return
+
+    # In schedule order, on this thread: recv waits, FSDP checks, the backward
+    # counter, the loss.
+    computes = [_schedule_runtime.prepare_compute_action(ctx, sub) for sub in action.sub_actions]
+    f, b = pair
+    fwd_action, bwd_action = action.sub_actions[f], action.sub_actions[b]
+    stages = _schedule_runtime.stage_index_to_stage(schedule)
+    streams = _StreamPlan.for_action(schedule, stages, fwd_action, bwd_action)
+    _run_overlapped(
+        computes[f],
+        computes[b],
+        rank=_rank(schedule),
+        action=str(action),
+        sub_actions=(str(fwd_action), str(bwd_action)),
+        streams=streams,
+    )
+    if streams is not None:
+        streams.record_handoffs(stages, fwd_action, bwd_action)
+
+
+def _patch_applied() -> bool:
+    from torch_pipelining_ext._patches import _REGISTRY
+
+    return _REGISTRY.is_applied(OVERLAP_PATCH_NAME)
+
+
+OVERLAP_PATCH_NAME = "overlap_f_b"
+
+
+# --------------------------------------------------------------------------- #
+# Running two closures as one overlapped action                                #
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThreadState:
+    """The calling thread's state that the worker thread must run under."""
+
+    grad_enabled: bool
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of enabled autocast
+    autocast_cache: bool
+    device_index: int | None  # current accelerator device
+    profiling: bool
+
+    @staticmethod
+    def capture() -> _ThreadState:
+        device_index = None
+        device_types = ["cpu"]
+        if _accelerator_available():
+            device_index = torch.accelerator.current_device_index()
+            device_types.append(torch.accelerator.current_accelerator().type)
+        autocast = tuple(
+            (dt, torch.get_autocast_dtype(dt)) for dt in device_types if torch.is_autocast_enabled(dt)
+        )
+        return _ThreadState(
+            grad_enabled=torch.is_grad_enabled(),
+            autocast=autocast,
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            device_index=device_index,
+            profiling=torch.autograd.profiler._is_profiler_enabled,
+        )
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.device_index is not None:
+                torch.accelerator.set_device_index(self.device_index)
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            for device_type, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+            yield
+
+
+def _accelerator_available() -> bool:
+    return hasattr(torch, "accelerator") and torch.accelerator.is_available()
+
+
+def _run_overlapped(
+    forward: Callable[[], None],
+    backward: Callable[[], None],
+    *,
+    rank: int,
+    action: str,
+    sub_actions: tuple[str, str] = ("forward", "backward"),
+    streams: _StreamPlan | None = None,
+    timeout: float | None = None,
+) -> _CommCoordinator:
+    """Run ``backward`` on a worker thread and ``forward`` here, coordinated; join; re-raise.
+
+    Returns the action's coordinator (tests inspect it).
+    """
+    timeout = get_wait_timeout() if timeout is None else timeout
+    coordinator = _CommCoordinator(rank=rank, action=action, timeout=timeout)
+    state = _ThreadState.capture()
+    failures: list[tuple[_Side, BaseException]] = []
+    failures_lock = threading.Lock()
+
+    def run(side: _Side, compute: Callable[[], None]) -> None:
+        try:
+            with contextlib.ExitStack() as stack:
+                if state.profiling:
+                    stack.enter_context(record_function(f"OVERLAP_F_B {side.thread_name} {sub_actions[side]}"))
+                if streams is not None:
+                    stack.enter_context(streams.current(side))
+                stack.enter_context(coordinator.bound(side))
+                compute()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            with failures_lock:
+                failures.append((side, e))
+
+    def worker() -> None:
+        with state.applied():
+            run(_Side.BACKWARD, backward)
+
+    if streams is not None:
+        streams.start()
+    thread = threading.Thread(target=worker, name=f"OVERLAP_F_B backward (rank {rank})", daemon=True)
+    thread.start()
+    try:
+        run(_Side.FORWARD, forward)
+    finally:
+        # Always joined, even on KeyboardInterrupt: no thread outlives the action.
+        thread.join(timeout)
+        if streams is not None:
+            streams.join()
+    if thread.is_alive():
+        coordinator.stop()
+        raise RuntimeError(
+            f"rank {rank}, action {action}: the backward sub-action {sub_actions[_Side.BACKWARD]} "
+            f"did not finish within {timeout:g} s after the forward sub-action did (see "
+            "ep_overlap.set_wait_timeout)"
+        )
+    if failures:
+        side, error = failures[0]
+        if not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt, SystemExit: as they are
+        also = ""
+        if len(failures) > 1:
+            other_side, other = failures[1]
+            also = f" (then the {other_side.thread_name} sub-action raised {type(other).__name__}: {other})"
+        raise RuntimeError(
+            f"rank {rank}, action {action}: the {side.thread_name} sub-action {sub_actions[side]} "
+            f"raised {type(error).__name__}: {error}{also}"
+        ) from error
+    return coordinator
+
+
+# --------------------------------------------------------------------------- #
+# Streams on accelerators (see the module docstring)                           #
+# --------------------------------------------------------------------------- #
+
+
+class _StreamPlan:
+    """The streams of one overlapped action: the caller's, and one per side.
+
+    Args:
+        caller: the calling thread's current stream.
+        stage_streams: stage index -> that stage's stream, for every local stage.
+        fwd_stage: stage of the forward sub-action.
+        bwd_stage: stage of the backward sub-action.
+        set_stream: makes a stream current on the calling thread.
+    """
+
+    # Per schedule: stage index -> the stage's stream, created on first use.
+    _per_schedule: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+    def __init__(
+        self,
+        caller: Any,
+        stage_streams: dict[int, Any],
+        fwd_stage: int,
+        bwd_stage: int,
+        set_stream: Callable[[Any], None],
+    ) -> None:
+        self.caller = caller
+        self.stage_streams = stage_streams
+        self.side_streams = (stage_streams[fwd_stage], stage_streams[bwd_stage])
+        self._set_stream = set_stream
+
+    @classmethod
+    def for_action(cls, schedule: Any, stages: dict[int, Any], fwd: _Action, bwd: _Action) -> _StreamPlan | None:
+        """The plan for this action, or None on CPU."""
+        device = getattr(stages[fwd.stage_index], "device", None)
+        if device is None or device.type == "cpu" or not _accelerator_available():
+            return None
+        if torch.accelerator.current_accelerator().type != device.type:
+            return None
+        stage_streams = cls._per_schedule.get(schedule)
+        if stage_streams is None:
+            stage_streams = {idx: torch.Stream(device=device) for idx in stages}
+            cls._per_schedule[schedule] = stage_streams
+        caller = torch.accelerator.current_stream(device)
+        return cls(caller, stage_streams, fwd.stage_index, bwd.stage_index, torch.accelerator.set_stream)
+
+    def start(self) -> None:
+        """Both side streams wait for the work queued on the caller's stream."""
+        for s in self.side_streams:
+            s.wait_stream(self.caller)
+
+    @contextlib.contextmanager
+    def current(self, side: _Side) -> Iterator[None]:
+        """Make ``side``'s stream current on this thread."""
+        self._set_stream(self.side_streams[side])
+        try:
+            yield
+        finally:
+            self._set_stream(self.caller)
+
+    def join(self) -> None:
+        """The caller's stream waits for everything both sides queued."""
+        for s in self.side_streams:
+            self.caller.wait_stream(s)
+
+    def record_handoffs(self, stages: dict[int, Any], fwd: _Action, bwd: _Action) -> None:
+        """``record_stream`` the tensors handed to a local neighbouring stage on that stage's stream."""
+        handoffs = (
+            (fwd.stage_index + 1, "args_recv_info", fwd.microbatch_index),
+            (bwd.stage_index - 1, "grad_recv_info", bwd.microbatch_index),
+        )
+        for consumer_idx, infos_attr, mb in handoffs:
+            consumer = stages.get(consumer_idx)
+            if consumer is None:
+                continue
+            stream = self.stage_streams.get(consumer_idx, self.caller)
+            for info in getattr(consumer, infos_attr, {}).get(mb, ()):
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor) and buffer.device.type != "cpu":
+                    buffer.record_stream(stream)
