@@ -12,6 +12,9 @@ Order matters: a patch runs after the patches it ``requires``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch_pipelining_ext._patching import _PatchRegistry, Patch, Target  # noqa: F401
 
 
@@ -24,8 +27,160 @@ def _patches() -> list[Patch]:
     # Imports are local so that a feature module failing to import on an
     # unrecognised torch only removes its own patches (see _safe_patches()).
     patches: list[Patch] = []
+    patches.extend(_schedule_runtime_patches())
+    patches.extend(_fsdp_stage_patches())
     patches.append(_stage_split_patch())
     return patches
+
+
+# --- schedule runtime: shared schedule state, custom functions on torch 2.9 ---
+# torch_pipelining_ext/_backward_counter.py, _schedule_runtime.py, _gloo_p2p.py
+# Upstream: torch/distributed/pipelining/schedules.py and stage.py; on torch 2.10+
+# the custom-function runtime is upstream and only the counter, the step context
+# and the compute_comms REDUCE_GRAD are patched.
+_RUNTIME = "_PipelineScheduleRuntime"
+
+
+def _schedule_runtime_patches() -> list[Patch]:
+    def _rt(name: str) -> Any:
+        from torch_pipelining_ext import _schedule_runtime
+
+        return getattr(_schedule_runtime, name)
+
+    def probe(name: str) -> Callable[[], tuple[str, str]]:
+        return lambda: _rt(name)()
+
+    def init_p2p_probe() -> tuple[str, str]:
+        from torch_pipelining_ext._gloo_p2p import _probe_init_p2p_handshake
+
+        return _probe_init_p2p_handshake()
+
+    def init_p2p(original: object) -> object:
+        from torch_pipelining_ext._gloo_p2p import _make_get_init_p2p_neighbors_ops
+
+        return _make_get_init_p2p_neighbors_ops(original)  # type: ignore[arg-type]
+
+    def self_p2p_probe() -> tuple[str, str]:
+        from torch_pipelining_ext._gloo_p2p import _probe_self_p2p
+
+        return _probe_self_p2p()
+
+    def self_p2p(original: object) -> object:
+        from torch_pipelining_ext._gloo_p2p import _make_batch_p2p
+
+        return _make_batch_p2p(original)  # type: ignore[arg-type]
+
+    def counter_probe() -> tuple[str, str]:
+        from torch_pipelining_ext._backward_counter import _probe_backward_counter
+
+        return _probe_backward_counter()
+
+    def counter(original: object) -> object:
+        from torch_pipelining_ext._backward_counter import _BackwardCounterAttribute
+
+        return _BackwardCounterAttribute()
+
+    def lazy_state(name: str) -> Target:
+        def make(original: object) -> object:
+            return _rt("_LazyScheduleAttribute")(name, _rt("_RUNTIME_STATE")[name])
+
+        return Target(_SCHEDULES, f"{_RUNTIME}.{name}", make=make)
+
+    return [
+        Patch(
+            name="stage_init_handshake",
+            targets=(Target(_STAGE, "_PipelineStageBase._get_init_p2p_neighbors_ops", make=init_p2p),),
+            probe=init_p2p_probe,
+            description="stage init handshake: float32 tensors, no send to the own rank (gloo)",
+            upstream="stage.py _get_init_p2p_neighbors_ops (float32 since 2.10)",
+        ),
+        Patch(
+            name="p2p_to_own_rank",
+            targets=(Target(_SCHEDULES, "_batch_p2p", make=self_p2p),),
+            probe=self_p2p_probe,
+            description="a P2P batch's sends to the own rank are copied into its receives (gloo)",
+            upstream="schedules.py: V-schedules on _PipelineScheduleRuntime hand tensors over locally (2.10)",
+        ),
+        Patch(
+            name="schedule_backward_counter",
+            targets=(Target(_SCHEDULES, f"{_RUNTIME}.backward_counter", make=counter),),
+            probe=counter_probe,
+            description="schedule.backward_counter: Counter-compatible, thread-safe record_backward()",
+            upstream="schedules.py _PipelineScheduleRuntime.backward_counter (2.10 cycle)",
+        ),
+        Patch(
+            name="runtime_custom_functions",
+            targets=(
+                Target(_SCHEDULES, "_PipelineContext", make=lambda original: _rt("_PipelineContext")),
+                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=lambda original: _rt("register_custom_function")),
+                Target(_SCHEDULES, f"{_RUNTIME}._assert_unsharded", make=lambda original: _rt("_assert_unsharded")),
+                *(lazy_state(name) for name in ("_comp_type_to_function_map", "fwd_recv_ops", "bwd_recv_ops", "unshard_ops", "unsharded_stages")),
+            ),
+            probe=probe("_probe_custom_functions"),
+            description="register_custom_function, _PipelineContext and the recv/unshard state on the schedule",
+            upstream="schedules.py register_custom_function / _PipelineContext (2.10 cycle)",
+        ),
+        Patch(
+            name="runtime_step_loop",
+            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=lambda original: _rt("_runtime_step_microbatches")),),
+            probe=probe("_probe_step_loop"),
+            description="step loop that dispatches custom functions and runs every action through run_action",
+            upstream="schedules.py _PipelineScheduleRuntime._step_microbatches (2.10 cycle)",
+            requires=("schedule_backward_counter", "runtime_custom_functions"),
+        ),
+        Patch(
+            name="runtime_keep_overlap_f_b",
+            targets=(Target(_SCHEDULES, "_add_send_recv", make=lambda original: _rt("_add_send_recv")),),
+            probe=probe("_probe_overlap_lowering"),
+            description="lowering keeps OVERLAP_F_B actions (sends of both sub-actions follow it)",
+            upstream="schedules.py _add_send_recv (2.10 cycle)",
+            requires=("runtime_step_loop",),
+        ),
+        Patch(
+            name="runtime_step_context",
+            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=lambda original: _rt("_make_step_context")(original)),),
+            probe=probe("_probe_step_context"),
+            description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
+            upstream="schedules.py _PipelineScheduleRuntime._step_microbatches / _PipelineContext",
+            requires=("schedule_backward_counter",),
+        ),
+        Patch(
+            name="compute_comms_reduce_grad",
+            targets=(
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}._prepare_schedule_with_comms",
+                    make=lambda original: _rt("_make_prepare_schedule_with_comms")(original),
+                ),
+            ),
+            probe=probe("_probe_compute_comms_reduce_grad"),
+            description="compute_comms schedules get REDUCE_GRAD after each stage's last backward",
+            upstream="schedules.py _PipelineScheduleRuntime._prepare_schedule_with_comms (_add_reduce_grad)",
+        ),
+    ]
+
+
+# --- FSDP2 in pipeline stages: split-backward parameters (torch_pipelining_ext/_fsdp_stage.py) ---
+def _fsdp_stage_patches() -> list[Patch]:
+    def probe() -> tuple[str, str]:
+        from torch_pipelining_ext._fsdp_stage import _probe_backward_params
+
+        return _probe_backward_params()
+
+    def backward(original: object) -> object:
+        from torch_pipelining_ext._fsdp_stage import _make_backward_maybe_with_nosync
+
+        return _make_backward_maybe_with_nosync(original)  # type: ignore[arg-type]
+
+    return [
+        Patch(
+            name="fsdp_split_backward_params",
+            targets=(Target(_STAGE, "_PipelineStageBase.backward_maybe_with_nosync", make=backward),),
+            probe=probe,
+            description="split (I/W) backward of nested fully_shard stages uses the unsharded parameters",
+            upstream="stage.py _PipelineStageBase.backward_maybe_with_nosync",
+        ),
+    ]
 
 
 # --- stage_split: torch.distributed.pipelining.stage_split (new public module) ---

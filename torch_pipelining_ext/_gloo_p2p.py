@@ -1,0 +1,158 @@
+"""Pipeline P2P on gloo (torch 2.9).
+
+Upstream files: ``torch/distributed/pipelining/stage.py``
+(``_PipelineStageBase._get_init_p2p_neighbors_ops``) and
+``torch/distributed/pipelining/schedules.py`` (``_batch_p2p``).
+
+torch 2.9's multi-stage schedules were run on NCCL only; on gloo they fail in
+two places, which keeps a CPU test suite from running any of them.
+
+The stage initialisation handshake
+----------------------------------
+
+Before the first step, multi-stage schedules exchange one dummy tensor with
+each neighbouring stage so that the P2P communicators exist.  On gloo this
+handshake fails twice over on torch 2.9:
+
+* it sends ``torch.tensor(stage_index)`` -- int64 -- into a float32 receive
+  buffer.  NCCL moves bytes and does not notice; gloo checks sizes and aborts
+  with "Received data size doesn't match expected size".  Upstream sends
+  float32 since 2.10.
+* a V-schedule (``ScheduleDualPipeV``, ``ScheduleZBVZeroBubble``) has two
+  neighbouring stages on one rank, and the handshake sends from the rank to
+  itself; gloo has no connection to itself ("Pair is not connected").  The
+  runtime never sends between such stages (they hand tensors over locally),
+  so the handshake need not either.  Upstream 2.10+ replaced this handshake by
+  a vote protocol for ``PipelineStage`` and keeps it only for other stage
+  types.
+
+:func:`_make_get_init_p2p_neighbors_ops` converts the handshake tensors to
+float32 and drops the ops whose peer is the calling rank.
+
+Send/receive between two stages of one rank
+-------------------------------------------
+torch 2.9 runs ``ScheduleZBVZeroBubble`` (a V-schedule) with the generic
+``PipelineScheduleMulti`` loop, which exchanges activations and gradients
+between the rank's two adjacent stages with a send and a receive to itself in
+one batch.  NCCL copies; gloo fails as above.  :func:`_make_batch_p2p` does
+what NCCL does: within a batch, each send to the calling rank is copied into
+the matching receive from it.  torch 2.10+ runs every multi-stage schedule on
+``_PipelineScheduleRuntime``, which hands such tensors over locally.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+def _make_get_init_p2p_neighbors_ops(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_get_init_p2p_neighbors_ops``: float32 tensors, no op to the calling rank."""
+
+    @functools.wraps(original)
+    def _get_init_p2p_neighbors_ops(self: Any) -> Any:
+        ops = [op for op in original(self) if op.group_peer != self.group_rank]
+        for op in ops:
+            if op.tensor.dtype != torch.float32:
+                op.tensor = op.tensor.to(torch.float32)
+        return ops
+
+    return _get_init_p2p_neighbors_ops
+
+
+def _make_batch_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``schedules._batch_p2p``: sends to the calling rank are copied into its receives."""
+
+    @functools.wraps(original)
+    def _batch_p2p(p2p_ops: list[dist.P2POp], *args: Any, **kwargs: Any) -> list[dist.Work]:
+        if not p2p_ops:
+            return original(p2p_ops, *args, **kwargs)
+        rank = dist.get_rank()
+        to_self = [op for op in p2p_ops if op.peer == rank]
+        if not to_self:
+            return original(p2p_ops, *args, **kwargs)
+        sends = [op for op in to_self if op.op is dist.isend]
+        recvs = [op for op in to_self if op.op is dist.irecv]
+        if len(sends) != len(recvs) or len(sends) + len(recvs) != len(to_self):
+            raise RuntimeError(
+                f"[rank {rank}] a P2P batch has {len(sends)} sends and {len(recvs)} receives with its "
+                "own rank; they can only be matched within one batch"
+            )
+        for send, recv in zip(sends, recvs):
+            if send.tensor.shape != recv.tensor.shape or send.tensor.dtype != recv.tensor.dtype:
+                raise RuntimeError(
+                    f"[rank {rank}] send to own rank of {send.tensor.dtype}{list(send.tensor.shape)} "
+                    f"does not match the receive buffer {recv.tensor.dtype}{list(recv.tensor.shape)}"
+                )
+            with torch.no_grad():  # receive buffers of activations are leaves that require grad
+                recv.tensor.copy_(send.tensor)
+        return original([op for op in p2p_ops if op.peer != rank], *args, **kwargs)
+
+    return _batch_p2p
+
+
+def _probe_self_p2p() -> tuple[str, str]:
+    """Does a V-schedule still run on the generic loop that sends to its own rank?"""
+    from torch.distributed.pipelining import schedules
+
+    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
+
+    if issubclass(schedules.ScheduleZBVZeroBubble, schedules._PipelineScheduleRuntime):
+        return AlreadyUpstream, "V-schedules run on _PipelineScheduleRuntime, which hands tensors over locally"
+    if not issubclass(schedules.ScheduleZBVZeroBubble, schedules.PipelineScheduleMulti):
+        raise RuntimeError("unrecognised ScheduleZBVZeroBubble base classes")
+    return PatchNeeded, "ScheduleZBVZeroBubble's loop sends to its own rank between its two stages"
+
+
+class _RecordedP2POp:
+    """Stands in for ``dist.P2POp`` in the probe: records the op, talks to nobody."""
+
+    recorded: list[tuple[torch.dtype, Any]]
+
+    def __init__(self, op: Any, tensor: torch.Tensor, *args: Any, group_peer: Any = None, **kwargs: Any) -> None:
+        self.recorded.append((tensor.dtype, group_peer))
+
+
+def _probe_init_p2p_handshake() -> tuple[str, str]:
+    """Run torch's handshake builder, with a recording P2POp, for a middle stage
+    whose next stage is on the same rank (V-schedule)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
+
+    fn = _PipelineStageBase._get_init_p2p_neighbors_ops
+    recorder = type("_Recorder", (_RecordedP2POp,), {"recorded": []})
+    fake_dist = types.SimpleNamespace(P2POp=recorder, isend="isend", irecv="irecv")
+    isolated = types.FunctionType(fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__)
+    v_middle_stage = types.SimpleNamespace(
+        stage_index=1,
+        stage_index_to_group_rank={0: 0, 1: 1, 2: 1},
+        group_rank=1,
+        device=torch.device("cpu"),
+        group=None,
+        is_first=False,
+        is_last=False,
+    )
+    isolated(v_middle_stage)
+    if not recorder.recorded:
+        raise RuntimeError("_get_init_p2p_neighbors_ops built no P2P ops for a middle stage")
+    problems = []
+    dtypes = {dtype for dtype, _ in recorder.recorded}
+    if len(dtypes) > 1:
+        problems.append(f"mixes {sorted(str(d) for d in dtypes)}")
+    if any(peer == v_middle_stage.group_rank for _, peer in recorder.recorded):
+        problems.append("sends to its own rank")
+    if not problems:
+        return AlreadyUpstream, "handshake uses one dtype and skips same-rank neighbours"
+    return PatchNeeded, f"stage init handshake {' and '.join(problems)}; gloo aborts"

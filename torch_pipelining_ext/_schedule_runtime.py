@@ -1,0 +1,753 @@
+"""Per-action bookkeeping of ``_PipelineScheduleRuntime``, shared by every code path.
+
+Upstream file: ``torch/distributed/pipelining/schedules.py``.
+
+Upstream's ``_PipelineScheduleRuntime._step_microbatches`` does each action's
+bookkeeping -- waiting the action's receives, counting backwards to find the
+last one, fetching the loss, the V-schedule local hand-off, FSDP unshard
+state -- inside a nested ``_perform_action`` that custom functions
+(``register_custom_function``) cannot call, so each custom implementation of
+an action copies it.  This module writes it once:
+
+* :func:`prepare_compute_action` -- the part of a compute action that must
+  run in schedule order, on the calling thread; returns the compute itself as
+  a closure that may run on another thread (how OVERLAP_F_B overlaps);
+* :func:`run_action` -- any single action, sequentially;
+* :func:`stage_index_to_stage` -- the schedule's local stages by index.
+
+The built-in path on torch 2.9 (this package's step loop), the OVERLAP_F_B
+handler and users' custom functions all call them.
+
+torch 2.9 has no custom-function runtime.  The pieces upstream added in the
+2.10 cycle (the PR that introduced ``register_custom_function`` and
+``_PipelineContext`` in ``schedules.py``) are provided here for it, and the
+patch table installs them only where a feature probe finds them missing:
+
+* ``_PipelineContext`` and ``register_custom_function`` with upstream's
+  semantics;
+* the per-schedule state upstream keeps on the schedule (``fwd_recv_ops``,
+  ``bwd_recv_ops``, ``unshard_ops``, ``unsharded_stages``,
+  ``_comp_type_to_function_map``) and ``_assert_unsharded``;
+* a step loop that dispatches custom functions and otherwise calls
+  :func:`run_action` -- the whole of 2.10's loop is the ``for`` statement in
+  :func:`_runtime_step_microbatches`;
+* OVERLAP_F_B kept through lowering (2.9's ``_add_send_recv`` flattens it).
+
+On every torch, :func:`_make_step_context` wraps the step loop to publish the
+step's ``return_outputs`` / ``loss_kwargs`` (which ``_PipelineContext`` does
+not carry) to :func:`prepare_compute_action`, and to name the rank, time step
+and action in any exception the step raises.  Where torch has a REDUCE_GRAD
+action, :func:`_make_prepare_schedule_with_comms` adds the REDUCE_GRAD a
+``compute_comms`` schedule lacks, so gradients are reduced whatever the CSV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, NamedTuple, Protocol, TYPE_CHECKING
+
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules as _schedules
+from torch.profiler import record_function
+
+from torch_pipelining_ext import _fsdp_stage
+
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+
+__all__ = ["prepare_compute_action", "run_action", "stage_index_to_stage"]
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- #
+# Context passed to custom functions (upstream: schedules._PipelineContext)    #
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass
+class _PipelineContext:
+    """Context passed to custom functions during pipeline execution.
+
+    Same fields as upstream's ``schedules._PipelineContext`` (2.10 cycle);
+    installed into ``torch.distributed.pipelining.schedules`` where missing.
+    """
+
+    schedule_ref: Any
+    arg_mbs: list[tuple] | None = None
+    kwarg_mbs: list[dict] | None = None
+    target_mbs: list | None = None
+    losses: list | None = None
+
+
+class _CustomFunctionProtocol(Protocol):
+    def __call__(self, action: _Action, ctx: _PipelineContext) -> None: ...
+
+
+class _StepOptions(NamedTuple):
+    """Arguments of the running ``step()`` that ``_PipelineContext`` does not carry."""
+
+    return_outputs: bool = True
+    loss_kwargs: dict[str, Any] | None = None
+
+
+# Per schedule: options of the step in progress, and sends started by
+# ``run_action(..., send_ops=None)`` that the step waits before returning.
+_STEP_OPTIONS: weakref.WeakKeyDictionary[Any, _StepOptions] = weakref.WeakKeyDictionary()
+_PENDING_SENDS: weakref.WeakKeyDictionary[Any, list[list[dist.Work]]] = weakref.WeakKeyDictionary()
+
+
+def _computation_type(name: str) -> Any:
+    """``_ComputationType.<name>``, or ``None`` where this torch lacks it."""
+    return getattr(_schedules._ComputationType, name, None)
+
+
+def _reduce_grad_type() -> Any:
+    return _computation_type("REDUCE_GRAD")
+
+
+# --------------------------------------------------------------------------- #
+# The contract: stage lookup, compute actions, any action                      #
+# --------------------------------------------------------------------------- #
+
+
+def stage_index_to_stage(schedule: _PipelineScheduleRuntime) -> dict[int, _PipelineStageBase]:
+    """The schedule's local stages, by stage index."""
+    return {stage.stage_index: stage for stage in schedule._stages}
+
+
+def _wait_recv(
+    schedule: _PipelineScheduleRuntime,
+    recv_ops: dict[tuple[int, int], list[dist.Work]],
+    action: _Action,
+    what: str,
+) -> None:
+    key = (action.stage_index, action.microbatch_index)
+    works = recv_ops.pop(key, None)
+    if works is None:
+        raise AssertionError(f"[rank {schedule.rank}] computing {action} before receiving its {what}")
+    try:
+        _schedules._wait_batch_p2p(works)
+    except Exception as e:
+        raise RuntimeError(
+            f"[rank {schedule.rank}] {action}: waiting for the {what} of stage "
+            f"{action.stage_index} microbatch {action.microbatch_index} failed"
+        ) from e
+
+
+def _forward_one_chunk(stage: _PipelineStageBase, mb_index: int, args: Any, kwargs: Any, save_output: bool) -> Any:
+    if save_output:  # torch 2.9's forward_one_chunk has no save_forward_output
+        return stage.forward_one_chunk(mb_index, args, kwargs)
+    return stage.forward_one_chunk(mb_index, args, kwargs, save_forward_output=False)
+
+
+def _maybe_compute_loss(
+    schedule: _PipelineScheduleRuntime,
+    stage: _PipelineStageBase,
+    output: Any,
+    target_mbs: list | None,
+    mb_index: int,
+    loss_kwargs: dict[str, Any] | None,
+) -> None:
+    if loss_kwargs is None:  # torch 2.9's _maybe_compute_loss has no loss_kwargs
+        schedule._maybe_compute_loss(stage, output, target_mbs, mb_index)
+    else:
+        schedule._maybe_compute_loss(stage, output, target_mbs, mb_index, loss_kwargs)
+
+
+def _finish_last_backward(schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase) -> None:
+    """Work after a stage's last backward of the step, on torches without REDUCE_GRAD.
+
+    The stage's backward already ran FSDP's post-backward (torch 2.9's
+    ``backward_maybe_with_nosync`` does so when ``last_backward``); what is
+    left is scaling the gradients -- after FULL_BACKWARD and, unlike torch
+    2.9's runtime loop, after BACKWARD_WEIGHT too.  Where torch has
+    REDUCE_GRAD, that action does both and this is not called.
+    """
+    stage.scale_grads(schedule._n_microbatches if schedule.scale_grads else 1)
+
+
+def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[], None]:
+    """Do ``action``'s in-order bookkeeping now; return its compute as a closure.
+
+    For FORWARD, FULL_BACKWARD, BACKWARD_INPUT and BACKWARD_WEIGHT.  On the
+    calling thread, in schedule order:
+
+    * FSDP: ``schedule._assert_unsharded(stage)`` (waits pending UNSHARD ops)
+      and unsharding every FSDP module of the stage, so that the compute
+      issues no data-parallel collective except the last backward's
+      reduce-scatter;
+    * waiting the receives of (stage, microbatch), unless the neighbouring
+      stage is local (V-schedule hand-off, no send/recv);
+    * FULL_BACKWARD / BACKWARD_WEIGHT: counting the backward in
+      ``schedule.backward_counter`` to decide ``last_backward``;
+    * fetching the loss for a backward of the last stage.
+
+    The returned ``compute()`` runs the stage (forward and loss, or backward),
+    hands outputs or gradients to a local neighbouring stage and, on torches
+    without REDUCE_GRAD, does the last-backward work.  It touches no
+    schedule-level state, so it may run on another thread while another
+    action's closure runs.
+
+    Args:
+        ctx: the step's context, as passed to custom functions.
+        action: a compute action (not OVERLAP_F_B: prepare its sub-actions).
+    """
+    schedule = ctx.schedule_ref
+    stages = stage_index_to_stage(schedule)
+    ctype = action.computation_type
+    stage_idx, mb_index = action.stage_index, action.microbatch_index
+    if ctype not in (_schedules.FORWARD, _schedules.FULL_BACKWARD, _schedules.BACKWARD_INPUT, _schedules.BACKWARD_WEIGHT):
+        raise ValueError(f"prepare_compute_action: {action} is not a FORWARD or backward action")
+    if mb_index is None:
+        raise AssertionError(f"{action=} missing mb_index")
+    stage = stages[stage_idx]
+
+    schedule._assert_unsharded(stage)
+    _fsdp_stage.unshard_stage(stage)
+
+    if ctype == _schedules.FORWARD:
+        if not stage.is_first and stage_idx - 1 not in stages:
+            _wait_recv(schedule, schedule.fwd_recv_ops, action, "activations")
+        options = _STEP_OPTIONS.get(schedule, _StepOptions())
+        next_stage = stages.get(stage_idx + 1)
+        arg_mbs = ctx.arg_mbs if ctx.arg_mbs is not None else [()] * schedule._n_microbatches
+        kwarg_mbs = ctx.kwarg_mbs if ctx.kwarg_mbs is not None else [{}] * schedule._n_microbatches
+
+        def forward() -> None:
+            output = _forward_one_chunk(stage, mb_index, arg_mbs[mb_index], kwarg_mbs[mb_index], options.return_outputs)
+            _maybe_compute_loss(schedule, stage, output, ctx.target_mbs, mb_index, options.loss_kwargs)
+            if next_stage is not None:
+                next_stage.set_local_fwd_input(output, mb_index)
+
+        return forward
+
+    loss = None
+    if ctype != _schedules.BACKWARD_WEIGHT:
+        if not stage.is_last and stage_idx + 1 not in stages:
+            _wait_recv(schedule, schedule.bwd_recv_ops, action, "gradients")
+        loss = schedule._maybe_get_loss(stage, mb_index)
+    last_backward = False
+    if ctype != _schedules.BACKWARD_INPUT:
+        last_backward = schedule.backward_counter.record_backward(stage_idx)
+    finish_in_backward = last_backward and _reduce_grad_type() is None
+    prev_stage = stages.get(stage_idx - 1)
+
+    def backward() -> None:
+        if ctype == _schedules.BACKWARD_WEIGHT:
+            stage.backward_weight_one_chunk(mb_index, last_backward=last_backward)
+        else:
+            stage.backward_one_chunk(
+                mb_index,
+                loss=loss,
+                full_backward=ctype == _schedules.FULL_BACKWARD,
+                last_backward=last_backward,
+            )
+            if prev_stage is not None:
+                prev_stage.set_local_bwd_input(stage.get_local_bwd_output(mb_index), mb_index)
+        if finish_in_backward:
+            _finish_last_backward(schedule, stage)
+
+    return backward
+
+
+def _append_send(schedule: _PipelineScheduleRuntime, send_ops: list | None, works: list[dist.Work]) -> None:
+    if send_ops is None:
+        send_ops = _PENDING_SENDS.setdefault(schedule, [])
+    send_ops.append(works)
+
+
+def run_action(ctx: _PipelineContext, action: _Action, send_ops: list[list[dist.Work]] | None = None) -> None:
+    """Run one action of the lowered schedule, sequentially.
+
+    Compute actions go through :func:`prepare_compute_action`; SEND_F/SEND_B
+    start their sends (appended to ``send_ops``, or waited before the step
+    returns when ``send_ops`` is None); RECV_F/RECV_B start their receives
+    and store them in ``schedule.fwd_recv_ops`` / ``bwd_recv_ops`` for the
+    compute action to wait; UNSHARD/RESHARD act on every FSDP module of the
+    stage; REDUCE_GRAD (where torch has it) runs FSDP's post-backward and
+    scales the gradients.
+
+    Raises:
+        ValueError: OVERLAP_F_B (run its ``sub_actions``) or an unknown type.
+    """
+    schedule = ctx.schedule_ref
+    ctype = action.computation_type
+    if ctype in (_schedules.FORWARD, _schedules.FULL_BACKWARD, _schedules.BACKWARD_INPUT, _schedules.BACKWARD_WEIGHT):
+        prepare_compute_action(ctx, action)()
+        return
+    if ctype == _schedules.OVERLAP_F_B:
+        raise ValueError(f"run_action runs single actions; run the sub_actions of {action}")
+
+    stage_idx, mb_index = action.stage_index, action.microbatch_index
+    stage = stage_index_to_stage(schedule)[stage_idx]
+    if ctype in (_schedules.SEND_F, _schedules.SEND_B, _schedules.RECV_F, _schedules.RECV_B) and mb_index is None:
+        raise AssertionError(f"{action=} missing mb_index")
+
+    if ctype == _schedules.SEND_F:
+        _append_send(schedule, send_ops, _schedules._batch_p2p(stage.get_fwd_send_ops(mb_index)))
+    elif ctype == _schedules.SEND_B:
+        _append_send(schedule, send_ops, _schedules._batch_p2p(stage.get_bwd_send_ops(mb_index)))
+    elif ctype == _schedules.RECV_F:
+        if (stage_idx, mb_index) in schedule.fwd_recv_ops:
+            raise AssertionError(f"Recv twice for {stage_idx=} {mb_index=} without executing forward")
+        schedule.fwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(stage.get_fwd_recv_ops(mb_index))
+    elif ctype == _schedules.RECV_B:
+        if (stage_idx, mb_index) in schedule.bwd_recv_ops:
+            raise AssertionError(f"Recv twice for {stage_idx=} {mb_index=} without executing backward")
+        schedule.bwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(stage.get_bwd_recv_ops(mb_index))
+    elif ctype == _schedules.UNSHARD:
+        if _fsdp_stage.stage_uses_fsdp(stage):
+            if stage_idx in schedule.unsharded_stages or stage_idx in schedule.unshard_ops:
+                raise AssertionError(f"Unsharding the same {stage_idx=} twice")
+            schedule.unshard_ops[stage_idx] = _fsdp_stage.unshard_async(stage)
+    elif ctype == _schedules.RESHARD:
+        if _fsdp_stage.stage_uses_fsdp(stage):
+            if stage_idx not in schedule.unsharded_stages:
+                raise AssertionError(f"Resharding {stage_idx=} without unsharding")
+            if stage_idx in schedule.unshard_ops:
+                raise AssertionError(f"Resharding {stage_idx=} before finishing unshard")
+            _fsdp_stage.reshard_stage(stage)
+            schedule.unsharded_stages.remove(stage_idx)
+    elif ctype is not None and ctype == _reduce_grad_type():
+        stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
+    else:
+        raise ValueError(f"{action=} is unknown or unsupported")
+
+
+# --------------------------------------------------------------------------- #
+# torch 2.9: the custom-function runtime (upstream: 2.10 cycle, schedules.py)  #
+# --------------------------------------------------------------------------- #
+
+_CUSTOMIZABLE_TYPES = (
+    "FORWARD",
+    "FULL_BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
+    "OVERLAP_F_B",
+    "UNSHARD",
+    "RESHARD",
+    "REDUCE_GRAD",
+)
+
+
+def register_custom_function(
+    self: _PipelineScheduleRuntime,
+    computation_type: Any,
+    custom_function: _CustomFunctionProtocol,
+) -> None:
+    """Register a function to run instead of the built-in one for ``computation_type``.
+
+    Upstream semantics (``_PipelineScheduleRuntime.register_custom_function``):
+    FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, OVERLAP_F_B,
+    UNSHARD, RESHARD (and REDUCE_GRAD where torch has it) may be overridden;
+    registering a type again replaces the function with a warning.
+
+    Args:
+        computation_type: a ``_ComputationType``.
+        custom_function: called as ``custom_function(action, ctx)`` with the
+            action and a ``_PipelineContext``.
+
+    Raises:
+        ValueError: ``computation_type`` cannot be overridden.
+    """
+    allowed = [t for t in map(_computation_type, _CUSTOMIZABLE_TYPES) if t is not None]
+    if computation_type not in allowed:
+        raise ValueError(
+            f"Invalid computation type {computation_type}. Only "
+            f"{', '.join(t.name for t in allowed)} are supported."
+        )
+    if computation_type in self._comp_type_to_function_map:
+        logger.warning(
+            "Computation type %s is already registered. Overwriting the existing custom function.",
+            computation_type,
+        )
+    self._comp_type_to_function_map[computation_type] = custom_function
+
+
+def _assert_unsharded(self: _PipelineScheduleRuntime, stage: _PipelineStageBase) -> None:
+    """If an unshard of ``stage`` is pending, wait for it and mark the stage unsharded.
+
+    Upstream: ``_PipelineScheduleRuntime._assert_unsharded`` (2.10 cycle).
+    """
+    if not _fsdp_stage.stage_uses_fsdp(stage):
+        return
+    stage_idx = stage.stage_index
+    handles = self.unshard_ops.pop(stage_idx, None)
+    if handles is not None:
+        for handle in handles:
+            handle.wait()
+        self.unsharded_stages.add(stage_idx)
+    if stage_idx not in self.unsharded_stages:
+        raise AssertionError(f"Attempted to compute on sharded {stage_idx=}")
+
+
+class _LazyScheduleAttribute:
+    """Class-level data descriptor giving every schedule its own ``factory()`` value.
+
+    Used for the state upstream creates in ``_PipelineScheduleRuntime.__init__``
+    (2.10 cycle) so that torch 2.9's ``__init__`` need not be replaced, and
+    schedules built before the patch get the state too.  The value lives in the
+    instance ``__dict__`` under the same name.
+    """
+
+    def __init__(self, name: str, factory: Callable[[], Any]) -> None:
+        self._name = name
+        self._factory = factory
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self._name]
+        except KeyError:
+            return obj.__dict__.setdefault(self._name, self._factory())
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self._name] = value
+
+    def __delete__(self, obj: Any) -> None:
+        obj.__dict__.pop(self._name, None)
+
+
+# Schedule state upstream keeps on the schedule (name -> factory).
+_RUNTIME_STATE: dict[str, Callable[[], Any]] = {
+    "_comp_type_to_function_map": dict,
+    "fwd_recv_ops": dict,
+    "bwd_recv_ops": dict,
+    "unshard_ops": functools.partial(defaultdict, list),
+    "unsharded_stages": set,
+}
+
+
+def _runtime_step_microbatches(
+    self: _PipelineScheduleRuntime,
+    arg_mbs: list | None = None,
+    kwarg_mbs: list | None = None,
+    target_mbs: list | None = None,
+    losses: list | None = None,
+) -> None:
+    """Torch 2.9's ``_PipelineScheduleRuntime._step_microbatches``, with custom functions.
+
+    Mirrors the loop of torch 2.10+: a registered custom function runs
+    instead of the built-in action; OVERLAP_F_B without one runs its
+    sub-actions in order; every other action is :func:`run_action`.  Grads
+    are scaled after a stage's last backward whether that is a FULL_BACKWARD
+    or a BACKWARD_WEIGHT (2.9's own loop missed the latter).
+    """
+    arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+    if not self._stages_initialized:
+        self._initialize_stages(arg_mbs[0], kwarg_mbs[0])
+    if getattr(self, "pipeline_order_with_comms", None) is None:
+        raise AssertionError("Must call _prepare_schedule_with_comms() before calling _step_microbatches()")
+
+    # torch 2.9 kept the counter and the unshard state per step.
+    self.backward_counter.clear()
+    self.unshard_ops.clear()
+    self.unsharded_stages.clear()
+    ctx = _PipelineContext(self, arg_mbs, kwarg_mbs, target_mbs, losses)
+    send_ops = _PENDING_SENDS.setdefault(self, [])
+
+    for time_step, action in enumerate(self.pipeline_order_with_comms[self.rank]):
+        logger.debug("_PipelineScheduleRuntime running time_step %d, action %s", time_step, action)
+        try:
+            with record_function(_schedules._get_profiler_function_name(action)):
+                custom_function = self._comp_type_to_function_map.get(action.computation_type)
+                if custom_function is not None:
+                    custom_function(action, ctx)
+                elif action.computation_type == _schedules.OVERLAP_F_B:
+                    for sub_action in action.sub_actions or ():
+                        run_action(ctx, sub_action, send_ops)
+                else:
+                    run_action(ctx, action, send_ops)
+        except Exception:
+            logger.error(
+                "[rank %s] _PipelineScheduleRuntime caught exception at time step %s when running "
+                "action %s.  Full schedule:\n%s",
+                self.rank,
+                time_step,
+                action,
+                _schedules._format_pipeline_order(self.pipeline_order_with_comms, error_step_number=time_step),
+            )
+            raise
+
+    _wait_pending_sends(self)
+    if len(self.unshard_ops) != 0:
+        raise AssertionError("Unused unshard operations")
+    self._update_losses(self._stages, losses)
+
+
+def _wait_pending_sends(schedule: Any) -> None:
+    send_ops = _PENDING_SENDS.pop(schedule, [])
+    while send_ops:
+        _schedules._wait_batch_p2p(send_ops.pop())
+
+
+# --------------------------------------------------------------------------- #
+# torch 2.9: keep OVERLAP_F_B through lowering (upstream 2.10+ _add_send_recv) #
+# --------------------------------------------------------------------------- #
+
+
+def _add_send_recv(
+    compute_actions: dict[int, list[_Action | None]],
+    stage_to_rank: Callable[[int], int],
+    num_stages: int,
+) -> dict[int, list[_Action]]:
+    """Add SEND/RECV actions to a compute-only schedule, keeping OVERLAP_F_B whole.
+
+    Same lowering as torch 2.10+'s ``schedules._add_send_recv``: each rank's
+    next action is placed once every input it consumes is available (its
+    RECV placed by the sending rank, or the producing stage ran locally); an
+    OVERLAP_F_B waits for the inputs of all its sub-actions and is followed by
+    their sends.  torch 2.9 replaced OVERLAP_F_B by its sub-actions here.
+    """
+    F, I, B = _schedules.FORWARD, _schedules.BACKWARD_INPUT, _schedules.FULL_BACKWARD
+    Action = _schedules._Action
+
+    def sends_to_other_rank(a: _Action) -> bool:
+        if a.computation_type == F:
+            peer = a.stage_index + 1
+            return peer < num_stages and stage_to_rank(peer) != stage_to_rank(a.stage_index)
+        if a.computation_type in (I, B):
+            peer = a.stage_index - 1
+            return peer >= 0 and stage_to_rank(peer) != stage_to_rank(a.stage_index)
+        return False
+
+    def inputs_available(a: _Action | None, done: set[_Action]) -> bool:
+        if a is None:
+            return True
+        s, mb = a.stage_index, a.microbatch_index
+        if a.computation_type == F and s != 0:
+            return Action(s, _schedules.RECV_F, mb) in done or Action(s - 1, F, mb) in done
+        if a.computation_type in (I, B) and s != num_stages - 1:
+            return (
+                Action(s, _schedules.RECV_B, mb) in done
+                or Action(s + 1, I, mb) in done
+                or Action(s + 1, B, mb) in done
+            )
+        return True
+
+    lowered: dict[int, list[_Action]] = {rank: [] for rank in compute_actions}
+    done: dict[int, set[_Action]] = {rank: set() for rank in compute_actions}
+    pending = {rank: list(actions) for rank, actions in compute_actions.items() if actions}
+    while pending:
+        progress = False
+        for rank in sorted(pending):
+            action = pending[rank][0]
+            parts = action.sub_actions if action is not None and action.sub_actions is not None else (action,)
+            if not all(inputs_available(a, done[rank]) for a in parts):
+                continue
+            if action is not None:
+                lowered[rank].append(action)
+                for a in parts:
+                    done[rank].add(a)
+                    if sends_to_other_rank(a):
+                        forward = a.computation_type == F
+                        send = Action(a.stage_index, _schedules.SEND_F if forward else _schedules.SEND_B, a.microbatch_index)
+                        recv_stage = a.stage_index + 1 if forward else a.stage_index - 1
+                        recv = Action(recv_stage, _schedules.RECV_F if forward else _schedules.RECV_B, a.microbatch_index)
+                        lowered[rank].append(send)
+                        done[rank].add(send)
+                        peer = stage_to_rank(recv_stage)
+                        lowered[peer].append(recv)
+                        done[peer].add(recv)
+            pending[rank].pop(0)
+            if not pending[rank]:
+                del pending[rank]
+            progress = True
+        if not progress:
+            raise AssertionError("Malformed compute schedule, can't schedule sends/recvs")
+    return lowered
+
+
+# --------------------------------------------------------------------------- #
+# Every torch: step options and error context for custom functions            #
+# --------------------------------------------------------------------------- #
+
+
+def _action_at_failure(tb: TracebackType | None, loop_code: Any) -> tuple[Any, Any] | None:
+    """(time_step, action) of the step loop's frame in a traceback, if there is one."""
+    while tb is not None:
+        if tb.tb_frame.f_code is loop_code:
+            frame_locals = tb.tb_frame.f_locals
+            if "time_step" in frame_locals:
+                return frame_locals["time_step"], frame_locals.get("action")
+        tb = tb.tb_next
+    return None
+
+
+def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineScheduleRuntime._step_microbatches`` (torch's loop or ours).
+
+    Before the loop: publishes the step's ``return_outputs`` and
+    ``loss_kwargs`` for :func:`prepare_compute_action`.  After it: waits the
+    sends that custom functions started through ``run_action(...,
+    send_ops=None)``.  On an exception: adds a note naming the rank, the time
+    step and the action (upstream logs the time step and action, but neither
+    the rank nor the exception says where the step failed), and re-raises it.
+    """
+    signature = inspect.signature(original)
+    loop_code = getattr(original, "__code__", None)
+
+    @functools.wraps(original)
+    def _step_microbatches(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        _STEP_OPTIONS[self] = _StepOptions(
+            return_outputs=bound.arguments.get("return_outputs", True),
+            loss_kwargs=bound.arguments.get("loss_kwargs"),
+        )
+        try:
+            result = original(self, *args, **kwargs)
+            _wait_pending_sends(self)
+            return result
+        except Exception as e:
+            _PENDING_SENDS.pop(self, None)
+            where = _action_at_failure(e.__traceback__, loop_code)
+            note = f"[rank {self.rank}] {type(self).__name__} step failed"
+            if where is not None:
+                note += f" at time step {where[0]} running action {where[1]}"
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(note)
+            else:
+                logger.error("%s: %s", note, e)
+            raise
+        finally:
+            _STEP_OPTIONS.pop(self, None)
+
+    return _step_microbatches
+
+
+# --------------------------------------------------------------------------- #
+# torch with REDUCE_GRAD: compute_comms schedules without REDUCE_GRAD          #
+# --------------------------------------------------------------------------- #
+
+
+def _add_missing_reduce_grad(actions: list[_Action], n_microbatches: int) -> list[_Action]:
+    """Insert REDUCE_GRAD after each stage's last backward where ``actions`` has none.
+
+    Counts FULL_BACKWARD and BACKWARD_WEIGHT (also inside OVERLAP_F_B) per
+    stage like upstream's ``_add_reduce_grad``; the REDUCE_GRAD goes after the
+    sends that follow the last backward, so they are not delayed by it.
+    """
+    reduce_grad = _reduce_grad_type()
+    has_reduce = {a.stage_index for a in actions if a.computation_type == reduce_grad}
+    counts: dict[int, int] = defaultdict(int)
+    out: list[_Action] = []
+    due: list[int] = []  # stages whose REDUCE_GRAD waits for the trailing sends
+    for action in actions:
+        if due and action.computation_type not in (_schedules.SEND_F, _schedules.SEND_B):
+            out.extend(_schedules._Action(s, reduce_grad, None) for s in due)
+            due.clear()
+        out.append(action)
+        for a in action.sub_actions if action.sub_actions is not None else (action,):
+            if a.computation_type in (_schedules.FULL_BACKWARD, _schedules.BACKWARD_WEIGHT):
+                counts[a.stage_index] += 1
+                if counts[a.stage_index] == n_microbatches and a.stage_index not in has_reduce:
+                    due.append(a.stage_index)
+    out.extend(_schedules._Action(s, reduce_grad, None) for s in due)
+    return out
+
+
+def _make_prepare_schedule_with_comms(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineScheduleRuntime._prepare_schedule_with_comms``.
+
+    A ``compute_comms`` schedule is taken as given, so one written before
+    REDUCE_GRAD existed (or by hand) has none, and on torch 2.10+ -- where only
+    REDUCE_GRAD runs FSDP's post-backward and scales gradients -- its
+    gradients would be neither reduced nor scaled.  Add the missing ones.
+    """
+
+    @functools.wraps(original)
+    def _prepare_schedule_with_comms(self: Any, actions: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, actions, *args, **kwargs)
+        fmt = kwargs.get("format", args[0] if args else "compute_only")
+        if fmt == "compute_comms":
+            for rank, rank_actions in self.pipeline_order_with_comms.items():
+                self.pipeline_order_with_comms[rank] = _add_missing_reduce_grad(rank_actions, self._n_microbatches)
+        return result
+
+    return _prepare_schedule_with_comms
+
+
+# --------------------------------------------------------------------------- #
+# Feature probes (used by _patches.py)                                         #
+# --------------------------------------------------------------------------- #
+
+
+def _probe_custom_functions() -> tuple[str, str]:
+    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
+
+    runtime = _schedules._PipelineScheduleRuntime
+    if hasattr(runtime, "register_custom_function") and hasattr(_schedules, "_PipelineContext"):
+        return AlreadyUpstream, "_PipelineScheduleRuntime.register_custom_function and _PipelineContext exist"
+    for name in ("_step_microbatches", "_prepare_schedule_with_comms"):
+        if not hasattr(runtime, name):
+            raise RuntimeError(f"_PipelineScheduleRuntime has no {name}")
+    return PatchNeeded, "no register_custom_function / _PipelineContext on _PipelineScheduleRuntime"
+
+
+def _probe_step_loop() -> tuple[str, str]:
+    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
+
+    runtime = _schedules._PipelineScheduleRuntime
+    upstream_register = getattr(runtime, "register_custom_function", register_custom_function)
+    if upstream_register is not register_custom_function:  # not the one installed from this module
+        return AlreadyUpstream, "torch's step loop dispatches custom functions"
+    init_params = list(inspect.signature(_schedules.PipelineScheduleMulti._initialize_stages).parameters)
+    if init_params != ["self", "args", "kwargs"]:
+        raise RuntimeError(f"unrecognised PipelineScheduleMulti._initialize_stages{tuple(init_params)}")
+    loop_params = list(inspect.signature(runtime._step_microbatches).parameters)
+    if loop_params != ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses"]:
+        raise RuntimeError(f"unrecognised _PipelineScheduleRuntime._step_microbatches{tuple(loop_params)}")
+    return PatchNeeded, "torch's step loop has no custom functions and scales grads only after FULL_BACKWARD"
+
+
+def _probe_overlap_lowering() -> tuple[str, str]:
+    """Lower a one-rank, two-stage schedule with an OVERLAP_F_B; does it survive?"""
+    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
+
+    A, F, B = _schedules._Action, _schedules.FORWARD, _schedules.FULL_BACKWARD
+    overlap = A(-1, _schedules.OVERLAP_F_B, None, (A(0, F, 1), A(1, B, 0)))
+    compute = {0: [A(0, F, 0), A(1, F, 0), overlap, A(1, F, 1), A(1, B, 1), A(0, B, 0), A(0, B, 1)]}
+    lowered = _schedules._add_send_recv(compute, stage_to_rank=lambda s: 0, num_stages=2)
+    if any(a.computation_type == _schedules.OVERLAP_F_B for a in lowered[0]):
+        return AlreadyUpstream, "_add_send_recv keeps OVERLAP_F_B"
+    return PatchNeeded, "_add_send_recv flattens OVERLAP_F_B into its sub-actions"
+
+
+def _probe_step_context() -> tuple[str, str]:
+    from torch_pipelining_ext._patching import PatchNeeded
+
+    loop = _schedules._PipelineScheduleRuntime._step_microbatches
+    inspect.signature(loop).bind(None)  # raises if the loop needs other arguments
+    return PatchNeeded, "_PipelineContext carries no return_outputs / loss_kwargs, errors do not name the rank"
+
+
+def _probe_compute_comms_reduce_grad() -> tuple[str, str]:
+    """Load a tiny compute_comms schedule without REDUCE_GRAD; does torch add it?"""
+    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
+
+    reduce_grad = _reduce_grad_type()
+    if reduce_grad is None:
+        return AlreadyUpstream, "not applicable: torch has no REDUCE_GRAD action, the last backward reduces"
+    A = _schedules._Action
+    runtime = _schedules._PipelineScheduleRuntime
+    probe_schedule = runtime.__new__(runtime)  # no stages needed to lower
+    probe_schedule.pp_group_size, probe_schedule._num_stages, probe_schedule._n_microbatches = 1, 1, 1
+    probe_schedule._stages = []
+    probe_schedule._defer_pp_recv = False
+    actions = {0: [A(0, _schedules.FORWARD, 0), A(0, _schedules.FULL_BACKWARD, 0)]}
+    runtime._prepare_schedule_with_comms(probe_schedule, actions, format="compute_comms")
+    if any(a.computation_type == reduce_grad for a in probe_schedule.pipeline_order_with_comms[0]):
+        return AlreadyUpstream, "compute_comms schedules get REDUCE_GRAD"
+    return PatchNeeded, "a compute_comms schedule without REDUCE_GRAD never reduces or scales gradients"
