@@ -1,0 +1,252 @@
+"""Timeline of a profiled pipeline step: forward/backward compute and communication per thread.
+
+Reads the Chrome traces that ``torch.profiler`` writes for the demo (one per
+rank and run) and draws, for every rank, two lanes -- the forward and the
+backward sub-actions -- so that an overlapped OVERLAP_F_B shows up as bars
+stacked on top of each other and a sequential one as bars one after the other.
+
+What a trace contains (and what the lanes are built from):
+
+* ``PP:<action>`` ranges of the schedule runtime on the calling thread, one per
+  action (``PP:0F3``, ``PP:3B1``, ``PP:(0F3;3B1)OVERLAP_F_B``, ...);
+* ``OVERLAP_F_B forward <sub-action>`` / ``OVERLAP_F_B backward <sub-action>``
+  ranges around the two sub-actions of an OVERLAP_F_B action, on the thread
+  that ran each (``torch_pipelining_ext._overlap`` adds them when profiling;
+  the demo's sequential OVERLAP_F_B function adds the same names);
+* ``ep_overlap::... communication (... thread)`` ranges around the
+  expert-parallel communication inside overlapped actions
+  (``torch_pipelining_ext.ep_overlap``), plus the collective ops themselves
+  (``c10d::alltoall*``), which also mark communication outside them;
+* the ATen operators each thread ran: the compute time of a sub-action (so
+  time a thread spends blocked -- in a collective, or waiting for its turn at
+  a communication boundary -- is not drawn as compute).
+
+A sub-action is drawn as a thin frame over its whole span; inside it, the
+operators it ran are solid bars (compute), its expert-parallel communication
+is red, and white space is time spent waiting (for a peer, or for the other
+thread's turn to communicate).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+__all__ = ["phases_from_chrome_trace", "plot_timeline"]
+
+_SUB_ACTION = re.compile(r"^OVERLAP_F_B (forward|backward) (\S+)$")
+_PP_ACTION = re.compile(r"^PP:(\d+)(F|B|I|W)(\d+)$")
+_OVERLAP_ACTION = re.compile(r"^PP:\(.*\)OVERLAP_F_B$")
+_EP_COMM = re.compile(r"^ep_overlap::.*communication")
+_COLLECTIVE = ("c10d::alltoall", "c10d::all_to_all", "_c10d_functional::all_to_all")
+# Operators closer than this (µs) are drawn as one bar.
+_MERGE_GAP_US = 100.0
+
+Interval = tuple[float, float]
+
+
+def _union(intervals: Iterable[Interval], gap: float = 0.0) -> list[Interval]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _subtract(intervals: Sequence[Interval], holes: Sequence[Interval]) -> list[Interval]:
+    out = []
+    for s, e in intervals:
+        cur = s
+        for hs, he in holes:
+            if he <= cur or hs >= e:
+                continue
+            if hs > cur:
+                out.append((cur, hs))
+            cur = max(cur, he)
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def _clip(merged: Sequence[Interval], starts: Sequence[float], s: float, e: float) -> list[Interval]:
+    """The parts of the sorted, disjoint ``merged`` intervals inside ``[s, e]``."""
+    i = max(bisect.bisect_right(starts, s) - 1, 0)
+    out = []
+    while i < len(merged) and merged[i][0] < e:
+        a, b = merged[i]
+        if b > s:
+            out.append((max(a, s), min(b, e)))
+        i += 1
+    return out
+
+
+class _Index:
+    """Sorted, disjoint intervals of one thread, for fast clipping."""
+
+    def __init__(self, intervals: Iterable[Interval], gap: float = 0.0) -> None:
+        self.merged = _union(intervals, gap)
+        self.starts = [a for a, _ in self.merged]
+
+    def clip(self, s: float, e: float) -> list[Interval]:
+        return _clip(self.merged, self.starts, s, e)
+
+
+def phases_from_chrome_trace(path: str) -> dict[str, Any]:
+    """The drawable phases of one trace.
+
+    Returns:
+        ``{"t0": µs, "t1": µs, "overlap_actions": [(start, end)], "spans": [...]}``
+        where every span is a dict with ``lane`` (``"F"``/``"B"``), ``name``
+        (the sub-action), ``thread`` (``"caller"``/``"worker"``), ``start``,
+        ``end``, ``compute`` and ``comm`` (lists of ``(start, end)``), all in
+        µs of the trace's clock.
+    """
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    ranges = [e for e in events if e.get("cat") == "user_annotation"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+
+    def iv(e: dict[str, Any]) -> Interval:
+        return float(e["ts"]), float(e["ts"]) + float(e["dur"])
+
+    caller_tids = {e["tid"] for e in ranges if e["name"].startswith("PP:")}
+    subs = []  # (lane, name, tid, interval)
+    for e in ranges:
+        m = _SUB_ACTION.match(e["name"])
+        if m:
+            subs.append(("F" if m.group(1) == "forward" else "B", m.group(2), e["tid"], iv(e)))
+    covered = {tid: _Index([s for _, _, t, s in subs if t == tid]) for tid in {t for _, _, t, _ in subs}}
+    for e in ranges:
+        m = _PP_ACTION.match(e["name"])
+        if not m:
+            continue
+        a, b = iv(e)
+        # a plain action, unless it is a sub-action already covered above
+        idx = covered.get(e["tid"])
+        if idx is not None and any(x <= a and b <= y for x, y in idx.clip(a, b)):
+            continue
+        subs.append(("F" if m.group(2) == "F" else "B", e["name"][3:], e["tid"], (a, b)))
+
+    ops_by_tid: dict[Any, list[Interval]] = {}
+    comm_by_tid: dict[Any, list[Interval]] = {}
+    for e in ops:
+        if e["name"].startswith("aten::"):
+            ops_by_tid.setdefault(e["tid"], []).append(iv(e))
+        if e["name"].startswith(_COLLECTIVE):
+            comm_by_tid.setdefault(e["tid"], []).append(iv(e))
+    for e in ranges:
+        if _EP_COMM.match(e["name"]):
+            comm_by_tid.setdefault(e["tid"], []).append(iv(e))
+
+    busy_idx = {tid: _Index(v, gap=_MERGE_GAP_US) for tid, v in ops_by_tid.items()}
+    comm_idx = {tid: _Index(v) for tid, v in comm_by_tid.items()}
+    empty = _Index(())
+    spans = []
+    for lane, name, tid, (s, e) in sorted(subs, key=lambda x: x[3]):
+        comm = comm_idx.get(tid, empty).clip(s, e)
+        busy = busy_idx.get(tid, empty).clip(s, e)
+        spans.append(
+            {
+                "lane": lane,
+                "name": name,
+                "thread": "caller" if tid in caller_tids else "worker",
+                "start": s,
+                "end": e,
+                "compute": _subtract(busy, comm),
+                "comm": comm,
+            }
+        )
+    overlap_actions = sorted(iv(e) for e in ranges if _OVERLAP_ACTION.match(e["name"]))
+    # The step: from the first to the last range of the runtime/optimizer.
+    all_iv = [iv(e) for e in ranges if e["tid"] in caller_tids] or [iv(e) for e in events]
+    return {
+        "t0": min(a for a, _ in all_iv) if all_iv else 0.0,
+        "t1": max(b for _, b in all_iv) if all_iv else 0.0,
+        "overlap_actions": overlap_actions,
+        "spans": spans,
+    }
+
+
+_TRACE_NAME = re.compile(r"trace_(?P<mode>[a-z]+)_rank(?P<rank>\d+)\.json$")
+
+
+def plot_timeline(phases: dict[str, dict[str, Any]], path: str, *, title: str = "") -> None:
+    """Draw the phases of several traces into one PNG.
+
+    Args:
+        phases: trace file name (``trace_<mode>_rank<r>.json``) -> the result
+            of :func:`phases_from_chrome_trace` for it.
+        path: the PNG to write.
+        title: figure title.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    by_mode: dict[str, dict[int, dict[str, Any]]] = {}
+    for fname, ph in phases.items():
+        m = _TRACE_NAME.search(fname)
+        if m:
+            by_mode.setdefault(m.group("mode"), {})[int(m.group("rank"))] = ph
+    modes = sorted(by_mode, key=lambda m: (m != "overlap", m))
+    if not modes:
+        raise ValueError("no trace_<mode>_rank<r>.json phases to draw")
+    n_ranks = max(len(v) for v in by_mode.values())
+    durations = {
+        m: (max(p["t1"] for p in v.values()) - min(p["t0"] for p in v.values())) / 1e3 for m, v in by_mode.items()
+    }
+    xmax = max(durations.values())
+
+    colors = {"F": "#4C72B0", "B": "#DD8452", "comm": "#C44E52", "overlap": "#E8E8E8"}
+    fig = Figure(figsize=(14, 1.2 + len(modes) * (0.55 * 2 * n_ranks + 0.9)), dpi=110)
+    axes = fig.subplots(len(modes), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, mode in zip(axes, modes):
+        ranks = by_mode[mode]
+        t0 = min(p["t0"] for p in ranks.values())
+        labels = []
+        for r in sorted(ranks):
+            ph = ranks[r]
+            base = 2 * r
+
+            def bars(intervals: Iterable[Interval]) -> list[tuple[float, float]]:
+                return [((a - t0) / 1e3, (b - a) / 1e3) for a, b in intervals]  # noqa: B023
+
+            ax.broken_barh(bars(ph["overlap_actions"]), (base - 0.45, 1.9), facecolors=colors["overlap"], zorder=0)
+            for lane, yy in (("F", base), ("B", base + 1)):
+                spans = [sp for sp in ph["spans"] if sp["lane"] == lane]
+                frames = bars((sp["start"], sp["end"]) for sp in spans)
+                ax.broken_barh(
+                    frames, (yy - 0.34, 0.68), facecolors="none", edgecolors=colors[lane], linewidth=0.8, zorder=1
+                )
+                compute = bars(iv for sp in spans for iv in sp["compute"])
+                ax.broken_barh(compute, (yy - 0.3, 0.6), facecolors=colors[lane], zorder=2)
+                comm = bars(iv for sp in spans for iv in sp["comm"])
+                ax.broken_barh(comm, (yy - 0.3, 0.6), facecolors=colors["comm"], zorder=3)
+            labels += [f"rank {r} forward", f"rank {r} backward"]
+        ax.set_yticks(range(2 * n_ranks))
+        ax.set_yticklabels(labels)
+        ax.set_ylim(2 * n_ranks - 0.5, -0.5)
+        ax.set_xlim(0, xmax * 1.01)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title(f"{mode} OVERLAP_F_B: profiled step {durations[mode]:.0f} ms", loc="left", fontsize=11)
+    axes[-1].set_xlabel("time since the start of the step (ms)")
+    handles = [
+        Patch(color=colors["F"], label="forward compute"),
+        Patch(color=colors["B"], label="backward compute"),
+        Patch(color=colors["comm"], label="expert-parallel all-to-all"),
+        Patch(facecolor="white", edgecolor="grey", label="sub-action span (white: waiting)"),
+        Patch(color=colors["overlap"], label="OVERLAP_F_B action"),
+    ]
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=12)
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
+    fig.savefig(path)
