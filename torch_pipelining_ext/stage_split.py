@@ -32,7 +32,9 @@ What a stage model looks like
 -----------------------------
 A module the stage does not keep is removed from its parent: from a
 container (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.Sequential``) the entry
-is dropped, anywhere else the attribute is set to ``None``.  Parameters and
+is dropped; a removed container becomes an empty container of its class (a
+stage without layers still has an empty ``layers``); anything else is set to
+``None``.  Parameters and
 persistent buffers of an ancestor that the stage does not name are set to
 ``None`` (so a parameter registered on the root is not copied into every
 stage); non-persistent buffers of ancestors (derived state such as rotary
@@ -364,7 +366,12 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
                     new._modules[key] = take(child, orig, "_modules", key, it.replicable)
                 else:
                     new._modules[key] = build(child_path, child)
-            elif not is_container:
+            elif is_container:
+                continue  # dropped: the kept entries keep their keys
+            elif isinstance(child, _CONTAINERS):
+                # an empty container, so that `for layer in self.layers` just runs nothing
+                new._modules[key] = _shallow_module_copy(child)
+            else:
                 new._modules[key] = None
         for key, p in orig._parameters.items():
             new._parameters[key] = take(p, orig, "_parameters", key, False) if key in keep_tensors and p is not None else None

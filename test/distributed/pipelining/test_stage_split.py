@@ -210,6 +210,17 @@ class TestSplitModule(TestCase):
         self.assertIsNone(stage.tok_embeddings)
         self.assertIsNone(stage.output)
 
+    @parametrize("container", ["dict", "list"])
+    def test_stage_without_layers_has_an_empty_container(self, container):
+        model = ToyLLM(n_layers=2, container=container)
+        stage = split_module(model, ["norm", "output"])
+        self.assertIs(type(stage.layers), type(model.layers))
+        self.assertEqual(len(stage.layers), 0)
+        self.assertIsNot(stage.layers, model.layers)
+        self.assertEqual(len(model.layers), 2)
+        h = torch.randn(2, 4, 16)
+        torch.testing.assert_close(stage(h), model.output(model.norm(h)))
+
     def test_sparse_module_list_keeps_indices(self):
         model = ToyLLM(n_layers=6, container="list")
         stage = split_module(model, ["layers.2", "layers.4", "layers.5"])
