@@ -35,6 +35,7 @@ backward already summed over all EP ranks' tokens) are divided by the EP size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -70,6 +71,8 @@ _MICROBATCH_SIZE = 2
 _SEQ_LEN = 16
 _LR = 1e-2
 _PG_TIMEOUT = timedelta(seconds=300)
+_REFERENCE_RTOL = 1e-4
+_PACKAGE_HANDLER = "torch_pipelining_ext._overlap.overlap_f_b"
 
 
 # ---------------------------------------------------------------------------
@@ -404,6 +407,8 @@ class DemoResult:
     sequential_mb_losses: list[list[float]]
     losses_equal: bool
     params_equal: bool
+    reference_max_diff: float
+    reference_ok: bool
     overlap_step_s: list[float]
     sequential_step_s: list[float]
     overlap_f_b_s: dict[str, list[float]]
@@ -448,6 +453,10 @@ def run(args: argparse.Namespace) -> DemoResult | None:
     import torch.multiprocessing as mp
 
     method = _start_method(args)
+    if method == "spawn":
+        # As torchrun does: one intra-op thread per rank unless told otherwise
+        # (read when a rank's OpenMP runtime starts; applies to every thread).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     queue = mp.get_context(method).SimpleQueue()
     port = _free_port()
     mp.start_processes(
@@ -464,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(args)
     if result is None:  # not rank 0 under torchrun
         return 0
-    return 0 if result.losses_equal else 1
+    return 0 if result.losses_equal and result.params_equal and result.reference_ok else 1
 
 
 # ---------------------------------------------------------------------------
@@ -499,7 +508,6 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> DemoRes
     mesh = init_device_mesh(device.type, (args.pp, args.ep), mesh_dim_names=("pp", "ep"))
     ep_group = mesh["ep"].get_group()
     ep_rank = mesh["ep"].get_local_rank()
-    pp_rank = mesh["pp"].get_local_rank()
 
     model = _build_model(args, ep_group, device)
     spec = _schedule_spec(args.schedule)
@@ -508,7 +516,7 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> DemoRes
         _print_header(args, names)
 
     runs = {
-        mode: _Run(mode, args, model, mesh, ep_group, ep_rank, pp_rank, names, device)
+        mode: _Run(mode, args, model, mesh, ep_group, ep_rank, names, device)
         for mode in ("overlap", "sequential")
     }
     del model
@@ -544,16 +552,21 @@ def _train(args: argparse.Namespace, rank: int, device: torch.device) -> DemoRes
         return None
 
     reference = _reference_losses(args)
+    overlap_losses = [t.mean().item() for t in mb_losses["overlap"]]
+    ref_diff = max(abs(a - b) for a, b in zip(overlap_losses, reference))
     result = DemoResult(
         args=vars(args).copy(),
         torch_version=torch.__version__,
-        overlap_losses=[t.mean().item() for t in mb_losses["overlap"]],
+        overlap_losses=overlap_losses,
         sequential_losses=[t.mean().item() for t in mb_losses["sequential"]],
         reference_losses=reference,
         overlap_mb_losses=[t.tolist() for t in mb_losses["overlap"]],
         sequential_mb_losses=[t.tolist() for t in mb_losses["sequential"]],
         losses_equal=all(torch.equal(a, b) for a, b in zip(mb_losses["overlap"], mb_losses["sequential"])),
         params_equal=params_equal,
+        reference_max_diff=ref_diff,
+        # float rounding: reduction orders differ (all-reduce, all-to-all, batching)
+        reference_ok=math.isfinite(ref_diff) and ref_diff <= _REFERENCE_RTOL * max(1.0, abs(reference[-1])),
         overlap_step_s=step_s["overlap"],
         sequential_step_s=step_s["sequential"],
         overlap_f_b_s=ofb,
@@ -581,7 +594,6 @@ class _Run:
         mesh: Any,
         ep_group: dist.ProcessGroup,
         ep_rank: int,
-        pp_rank: int,
         names: list[list[str]],
         device: torch.device,
     ) -> None:
@@ -654,26 +666,23 @@ class _Run:
         device = self.stages[0].device
         tokens, labels = tokens.to(device), labels.to(device)
         self._ofb_times.clear()
-        prof = _profiler(device) if profile else None
+        prof = _profiler(device) if profile else contextlib.nullcontext()
         dist.barrier()
         t0 = time.perf_counter()
-        if prof is not None:
-            prof.__enter__()
-        self.optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        inputs = (tokens,) if self.has_first else ()
-        self.schedule.step(*inputs, target=labels if self.has_last else None, losses=losses)
-        self._sync_grads()
-        self.optimizer.step()
-        all_losses = self._gather_losses(losses, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if prof is not None:
-            prof.__exit__(None, None, None)
+        with prof:
+            self.optimizer.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            inputs = (tokens,) if self.has_first else ()
+            self.schedule.step(*inputs, target=labels if self.has_last else None, losses=losses)
+            self._sync_grads()
+            self.optimizer.step()
+            all_losses = self._gather_losses(losses, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         self.overlap_f_b_s.append(sum(self._ofb_times))
         trace = None
-        if prof is not None:
+        if profile:
             trace = os.path.join(trace_dir, f"trace_{self.mode}_rank{dist.get_rank()}.json")
             prof.export_chrome_trace(trace)
         return all_losses, dt, trace
@@ -852,8 +861,7 @@ def _median_ms(values: list[float]) -> float:
 def _print_summary(r: DemoResult) -> None:
     args = r.args
     n_steps = len(r.overlap_losses)
-    max_ref_diff = max(abs(a - b) for a, b in zip(r.overlap_losses, r.reference_losses))
-    ref_ok = math.isfinite(max_ref_diff) and max_ref_diff <= 1e-4 * max(1.0, abs(r.reference_losses[-1]))
+    n_mb = len(r.overlap_mb_losses[0])
     t_o, t_s = _median_ms(r.overlap_step_s), _median_ms(r.sequential_step_s)
     a_o, a_s = _median_ms(r.overlap_f_b_s["overlap"]), _median_ms(r.overlap_f_b_s["sequential"])
     rows = [
@@ -871,30 +879,37 @@ def _print_summary(r: DemoResult) -> None:
     width = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [""]
     for row in rows:
-        lines.append(
-            "  ".join(cell.ljust(width[i]) if i == 0 else cell.rjust(width[i]) for i, cell in enumerate(row)).rstrip()
-        )
+        cells = [cell.ljust(width[i]) if i == 0 else cell.rjust(width[i]) for i, cell in enumerate(row)]
+        lines.append("  ".join(cells).rstrip())
     lines.append("")
-    n_mb = len(r.overlap_mb_losses[0])
     lines.append(
         f"overlap vs sequential: losses {'identical' if r.losses_equal else 'DIFFERENT'} (torch.equal on all "
-        f"{n_steps} x {n_mb} microbatch losses); parameters after step {n_steps} "
+        f"{n_steps} x {n_mb} microbatch losses), parameters after step {n_steps} "
         f"{'identical' if r.params_equal else 'DIFFERENT'}"
     )
     lines.append(
-        f"vs single-process reference: max |loss difference| over {n_steps} steps {max_ref_diff:.1e} "
-        + ("(float rounding)" if ref_ok else "(UNEXPECTEDLY LARGE)")
+        f"vs single-process reference: max |loss difference| over {n_steps} steps {r.reference_max_diff:.1e} "
+        + ("(float rounding)" if r.reference_ok else "(UNEXPECTEDLY LARGE)")
     )
-    if r.overlap_f_b_actions and t_s > 0 and a_s > 0:
-        lines.append(
-            f"overlap / sequential time: step {t_o / t_s:.2f}, inside the OVERLAP_F_B actions {a_o / a_s:.2f} "
-            f"({r.overlap_f_b_actions} per step on rank 0; medians"
-            + (f" of steps 2-{n_steps}" if n_steps > 1 else "")
-            + f"; overlap handler: {r.overlap_handler})"
-        )
-    elif not r.overlap_f_b_actions:
+    medians = {1: "step 1", 2: "step 2"}.get(n_steps, f"medians of steps 2-{n_steps}")
+    if not r.overlap_f_b_actions:
         lines.append(f"Schedule{args['schedule']} has no OVERLAP_F_B actions here: both runs are sequential")
+    elif t_s > 0 and a_s > 0:
+        lines.append(
+            f"time overlap / sequential: {t_o / t_s:.2f} per step, {a_o / a_s:.2f} inside the "
+            f"{r.overlap_f_b_actions} OVERLAP_F_B actions of each rank ({medians}, slowest rank)"
+        )
+        if r.overlap_handler != _PACKAGE_HANDLER:
+            lines.append(
+                "note: the package's OVERLAP_F_B handler is not installed (TORCH_PIPELINING_EXT_OVERLAP=0, or "
+                "torch_pipelining_ext unpatched): the overlap run was sequential too"
+            )
+        elif args["comm_latency_ms"] == 0 and args["backend"] == "gloo" and args["ep"] > 1 and args["moe_layers"]:
+            lines.append(
+                "note: all-to-all over loopback takes next to no time, so there is little communication to hide; "
+                "--comm-latency-ms 5 stands in for a slower link"
+            )
     if r.trace_files:
-        lines.append(f"trace: {len(r.trace_files)} files in {args['trace']}: " + ", ".join(
-            os.path.basename(f) for f in r.trace_files))
+        names = ", ".join(os.path.basename(f) for f in r.trace_files)
+        lines.append(f"trace ({args['trace']}): {names}")
     print("\n".join(lines), flush=True)
