@@ -15,16 +15,17 @@ What a trace contains (and what the lanes are built from):
   the demo's sequential OVERLAP_F_B function adds the same names);
 * ``ep_overlap::... communication (... thread)`` ranges around the
   expert-parallel communication inside overlapped actions
-  (``torch_pipelining_ext.ep_overlap``), plus the collective ops themselves
-  (``c10d::alltoall*``), which also mark communication outside them;
+  (``torch_pipelining_ext.ep_overlap``), plus the all-to-all ops themselves
+  and the demo's simulated link latency, which also mark communication
+  outside them;
 * the ATen operators each thread ran: the compute time of a sub-action (so
   time a thread spends blocked -- in a collective, or waiting for its turn at
   a communication boundary -- is not drawn as compute).
 
 A sub-action is drawn as a thin frame over its whole span; inside it, the
 operators it ran are solid bars (compute), its expert-parallel communication
-is red, and white space is time spent waiting (for a peer, or for the other
-thread's turn to communicate).
+is red, and white space is time in no operator: waiting (for a peer, or for
+the other thread's turn to communicate) or Python between operators.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ _SUB_ACTION = re.compile(r"^OVERLAP_F_B (forward|backward) (\S+)$")
 _PP_ACTION = re.compile(r"^PP:(\d+)(F|B|I|W)(\d+)$")
 _OVERLAP_ACTION = re.compile(r"^PP:\(.*\)OVERLAP_F_B$")
 _EP_COMM = re.compile(r"^ep_overlap::.*communication")
-_COLLECTIVE = ("c10d::alltoall", "c10d::all_to_all", "_c10d_functional::all_to_all")
+# all-to-all ops and autograd nodes (c10d::alltoall_base_, _AlltoAllSingle,
+# ...), and the demo's simulated link latency (--comm-latency-ms)
+_COMM_OP = re.compile(r"all_?to_?all|_LinkLatency", re.IGNORECASE)
 # Operators closer than this (µs) are drawn as one bar.
 _MERGE_GAP_US = 100.0
 
@@ -138,7 +141,7 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
     for e in ops:
         if e["name"].startswith("aten::"):
             ops_by_tid.setdefault(e["tid"], []).append(iv(e))
-        if e["name"].startswith(_COLLECTIVE):
+        if _COMM_OP.search(e["name"]):
             comm_by_tid.setdefault(e["tid"], []).append(iv(e))
     for e in ranges:
         if _EP_COMM.match(e["name"]):
@@ -242,7 +245,7 @@ def plot_timeline(phases: dict[str, dict[str, Any]], path: str, *, title: str = 
         Patch(color=colors["F"], label="forward compute"),
         Patch(color=colors["B"], label="backward compute"),
         Patch(color=colors["comm"], label="expert-parallel all-to-all"),
-        Patch(facecolor="white", edgecolor="grey", label="sub-action span (white: waiting)"),
+        Patch(facecolor="white", edgecolor="grey", label="sub-action span (white: no operator running)"),
         Patch(color=colors["overlap"], label="OVERLAP_F_B action"),
     ]
     if title:

@@ -198,6 +198,7 @@ class DemoArgumentsTest(TestCase):
         for flag in ("--pp", "--ep", "--steps", "--microbatches", "--experts"):
             self.assertIn(f"{flag} must be at least 1, got 0", self._error([flag, "0"]))
         self.assertIn("--moe-layers must be at least 0, got -1", self._error(["--moe-layers", "-1"]))
+        self.assertIn("--comm-latency-ms must be a number of milliseconds >= 0", self._error(["--comm-latency-ms", "-1"]))
 
     def test_nccl_without_gpus(self) -> None:
         if torch.cuda.device_count() >= 4:
