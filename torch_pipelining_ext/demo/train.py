@@ -22,7 +22,19 @@ in a single process on the same data, with the same microbatching and loss
 scaling, as the reference, and prints a table.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the demo joins the env://
-rendezvous instead of spawning, so it runs on several nodes too.
+rendezvous instead of spawning, so it runs on several nodes too.  Local gloo
+ranks are forked (as PyTorch's multi-process tests do: no rank re-imports
+torch); CUDA ranks are spawned.
+
+``--comm-latency-ms L`` adds ``L`` ms inside every expert-parallel dispatch and
+combine, in forward and backward, standing in for a slower link than loopback
+(what the overlap is there to hide).  ``--trace DIR`` profiles the last step of
+both runs on every rank: Chrome traces, a PNG timeline drawn by
+:mod:`torch_pipelining_ext.demo._timeline`, and ``summary.json``.
+
+The exit status is 0 when the two runs' losses and parameters are identical
+and the losses match the reference, 1 otherwise, and 2 for bad arguments
+(rejected before any process starts).
 
 Data layout: the expert-parallel group doubles as the data-parallel group of
 the non-expert parameters (as in DeepSeek-V3 training): each EP rank trains on

@@ -198,12 +198,14 @@ class DemoArgumentsTest(TestCase):
         for flag in ("--pp", "--ep", "--steps", "--microbatches", "--experts"):
             self.assertIn(f"{flag} must be at least 1, got 0", self._error([flag, "0"]))
         self.assertIn("--moe-layers must be at least 0, got -1", self._error(["--moe-layers", "-1"]))
-        self.assertIn("--comm-latency-ms must be a number of milliseconds >= 0", self._error(["--comm-latency-ms", "-1"]))
+        msg = self._error(["--comm-latency-ms", "-1"])
+        self.assertIn("--comm-latency-ms must be a number of milliseconds >= 0", msg)
 
     def test_nccl_without_gpus(self) -> None:
         if torch.cuda.device_count() >= 4:
             self.skipTest("this machine can run the demo on NCCL")
-        self.assertIn("--backend nccl needs NCCL and one CUDA device per local rank (4)", self._error(["--backend", "nccl"]))
+        msg = self._error(["--backend", "nccl"])
+        self.assertIn("--backend nccl needs NCCL and one CUDA device per local rank (4)", msg)
 
     def test_trace_dir_not_creatable(self) -> None:
         with tempfile.NamedTemporaryFile() as f:
