@@ -321,12 +321,12 @@ def _shallow_module_copy(orig: nn.Module) -> nn.Module:
     own (empty) parameter/buffer/module dicts and its own hook dicts."""
     new = copy.copy(orig)
     d = new.__dict__
-    for key, value in list(d.items()):
-        if type(value) in (dict, set, list) or isinstance(value, dict):
+    fresh = {name: type(getattr(orig, name))() for name in ("_parameters", "_buffers", "_modules")}
+    for key, value in d.items():
+        # hook tables, _non_persistent_buffers_set, ...: the stage gets its own
+        if key not in fresh and isinstance(value, (dict, set, list)):
             d[key] = copy.copy(value)
-    d["_parameters"] = type(orig._parameters)()
-    d["_buffers"] = type(orig._buffers)()
-    d["_modules"] = type(orig._modules)()
+    d.update(fresh)
     return new
 
 

@@ -513,6 +513,8 @@ class TestGenerator(TestCase):
         costs = [1] * num_layers if uniform else data.draw(st.lists(st.integers(0, 6), min_size=num_layers, max_size=num_layers))
         units = _units(num_layers, input_weight, output_weight, costs, with_in, with_out)
         if not units:
+            with self.assertRaisesRegex(ValueError, "cannot make 1 non-empty stages from 0 layers: at most 0"):
+                generate_module_names_per_stage(1, 0, input_modules=[], output_modules=[])
             return
         num_stages = data.draw(st.integers(1, len(units)))
         kwargs = dict(

@@ -120,6 +120,7 @@ class StageSplitGlooTest(MultiProcContinuousTest):
         )
         self.assertEqual(len(stages), stages_per_rank)
         ref_buffers = dict(ref.named_buffers())
+        ref_params = dict(ref.named_parameters())
         ref_state = ref.state_dict()
         for part in parts:
             if source != "copy":
@@ -130,7 +131,7 @@ class StageSplitGlooTest(MultiProcContinuousTest):
                     for name, buf in part.named_buffers():
                         buf.copy_(ref_buffers[name])
             for name, p in part.named_parameters():
-                self.assertIsNot(p, dict(ref.named_parameters())[name])
+                self.assertIsNot(p, ref_params[name])
 
         # single-stage schedules take the stage, multi-stage ones the list
         sched = schedule_cls(stages[0] if stages_per_rank == 1 else stages, n_microbatches=n_microbatches, loss_fn=_loss_fn)
@@ -145,7 +146,6 @@ class StageSplitGlooTest(MultiProcContinuousTest):
             self.assertEqual(len(losses), n_microbatches)
             for got, want in zip(losses, ref_losses):
                 torch.testing.assert_close(got, want)
-        ref_params = dict(ref.named_parameters())
         checked = []
         for part in parts:
             for name, p in part.named_parameters():
