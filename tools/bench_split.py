@@ -325,7 +325,13 @@ def worker_cpu(method: str, num_stages: int, which: str) -> list[dict]:
             if v is not original[k]:
                 raise AssertionError(f"move=True replaced tensor {k!r}")
         results.append(
-            dict(common, method="ours_move", stage_bytes=sum(_nbytes(s) for s in moved), extra_peak=extra, seconds=elapsed)
+            dict(
+                common,
+                method="ours_move",
+                stage_bytes=sum(_nbytes(s) for s in moved),
+                extra_peak=extra,
+                seconds=elapsed,
+            )
         )
     return results
 
@@ -381,11 +387,17 @@ def main() -> None:
     if not all(r["peak_reset"] for r in rows):
         print("[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before")
     model_gib = rows[0]["model_bytes"] / gib
-    print(f"[cpu ] model: {rows[0]['n_params']:.3e} params, {model_gib:.2f} GiB bf16; every stage tensor equals the original with the same FQN")
+    print(
+        f"[cpu ] model: {rows[0]['n_params']:.3e} params, {model_gib:.2f} GiB bf16; "
+        "every stage tensor equals the original with the same FQN"
+    )
     one = next(r for r in rows if r["method"] == "ours" and r["which"] == "one")
     all_ratio = max(r["ratio"] for r in rows if r["method"] == "ours" and r["which"] == "all")
     print(f"[done] {time.perf_counter() - t_start:.0f} s")
-    print(f"meta_time_ratio={meta['ratio']:.4f} one_stage_rss_ratio={one['ratio']:.3f} all_stages_rss_ratio={all_ratio:.3f}")
+    print(
+        f"meta_time_ratio={meta['ratio']:.4f} one_stage_rss_ratio={one['ratio']:.3f} "
+        f"all_stages_rss_ratio={all_ratio:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -123,14 +123,9 @@ class _Item:
     fqn: str
     parts: tuple[str, ...]
     kind: str  # "module", "parameter" or "buffer"
-    obj: Any
     # A module owning no parameters and no persistent buffers (e.g. a rotary
     # embedding) may be listed by several stages; each gets its own copy.
     replicable: bool
-
-    @property
-    def owner_parts(self) -> tuple[str, ...]:
-        return self.parts if self.kind == "module" else self.parts[:-1]
 
 
 def _owns_state(module: nn.Module) -> bool:
@@ -194,11 +189,11 @@ def _resolve(model: nn.Module, fqn: Any) -> _Item:
             continue
         if depth == len(parts) - 1:
             if mod._parameters.get(part) is not None:
-                return _Item(fqn, parts, "parameter", mod._parameters[part], False)
+                return _Item(fqn, parts, "parameter", False)
             if mod._buffers.get(part) is not None:
-                return _Item(fqn, parts, "buffer", mod._buffers[part], False)
+                return _Item(fqn, parts, "buffer", False)
         raise _unknown_name_error(model, fqn, parts, depth, mod)
-    return _Item(fqn, parts, "module", mod, not _owns_state(mod))
+    return _Item(fqn, parts, "module", not _owns_state(mod))
 
 
 def _resolve_stage(model: nn.Module, module_names: Any, stage_desc: str) -> list[_Item]:
@@ -293,7 +288,9 @@ def _validate_split(
         if not all_stages:
             uncovered.extend(names)
         elif len(all_stages) > 1:
-            where = ", ".join(f"{n!r} (stage {sorted(st)})" if st else f"{n!r} (no stage)" for n, st in stage_sets.items())
+            where = ", ".join(
+                f"{n!r} (stage {sorted(st)})" if st else f"{n!r} (no stage)" for n, st in stage_sets.items()
+            )
             warnings.warn(
                 f"a tensor is shared across pipeline stages {sorted(all_stages)}: {where}. The split does not keep "
                 "this tie (each stage holds its own copy; with move=True, stages built in one process hold the "
@@ -374,7 +371,8 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
             else:
                 new._modules[key] = None
         for key, p in orig._parameters.items():
-            new._parameters[key] = take(p, orig, "_parameters", key, False) if key in keep_tensors and p is not None else None
+            kept = key in keep_tensors and p is not None
+            new._parameters[key] = take(p, orig, "_parameters", key, False) if kept else None
         for key, b in orig._buffers.items():
             if b is None:
                 new._buffers[key] = None
@@ -819,7 +817,12 @@ def pipeline_module_split(
         for part, stage_id in zip(parts, stage_ids)
     ]
     logger.info(
-        "pipeline rank %d/%d: stages %s of %d (%s placement)", pp_rank, pp_size, list(stage_ids), num_stages, _style(cls)
+        "pipeline rank %d/%d: stages %s of %d (%s placement)",
+        pp_rank,
+        pp_size,
+        list(stage_ids),
+        num_stages,
+        _style(cls),
     )
     return stages, parts
 

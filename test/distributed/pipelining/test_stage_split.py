@@ -6,7 +6,6 @@ generator (property tests against brute force) and stage placement."""
 
 from __future__ import annotations
 
-import copy
 import importlib
 import itertools
 import sys
@@ -248,7 +247,8 @@ class TestSplitModule(TestCase):
     def test_tied_parameter_across_stages_warns_with_fqns(self):
         model = TiedLM()
         names = [["pos_embed", "tok_embeddings", "layers.0"], ["layers.1", "layers.2", "output"]]
-        with self.assertWarnsRegex(UserWarning, r"'tok_embeddings\.weight' \(stage \[0\]\).*'output\.weight' \(stage \[1\]\)"):
+        tie = r"'tok_embeddings\.weight' \(stage \[0\]\).*'output\.weight' \(stage \[1\]\)"
+        with self.assertWarnsRegex(UserWarning, tie):
             stages = _split_all(model, names)
         self.assertIsNot(stages[0].tok_embeddings.weight, stages[1].output.weight)
         with warnings.catch_warnings():
@@ -385,13 +385,15 @@ class TestBadInput(TestCase):
     def test_module_inside_a_module_of_another_stage(self):
         model = ToyLLM(n_layers=2)
         names = [["tok_embeddings", "layers.0", "layers.1.attention"], ["layers.1", "norm", "output"]]
-        with self.assertRaisesRegex(ValueError, r"'layers.1.attention' \(stage 0\) is inside 'layers.1', which stage 1"):
+        msg = r"'layers.1.attention' \(stage 0\) is inside 'layers.1', which stage 1"
+        with self.assertRaisesRegex(ValueError, msg):
             _split_all(model, names)
 
     def test_uncovered_parameters(self):
         model = ToyLLM(n_layers=3)
         names = [["tok_embeddings", "layers.0"], ["layers.2", "norm", "output"]]
-        with self.assertRaisesRegex(ValueError, r"9 parameters/persistent buffers belong to no stage: 'layers.1.attention_norm.weight'"):
+        msg = r"9 parameters/persistent buffers belong to no stage: 'layers.1.attention_norm.weight'"
+        with self.assertRaisesRegex(ValueError, msg):
             _split_all(model, names)
         stages = _split_all(model, names, allow_uncovered=True)
         self.assertFalse(any(k.startswith("layers.1.") for s in stages for k in s.state_dict()))
@@ -411,7 +413,8 @@ class TestBadInput(TestCase):
         self.assertTrue(all(after[k] is before[k] for k in before))
 
     def test_generator_more_stages_than_units(self):
-        with self.assertRaisesRegex(ValueError, r"cannot make 7 non-empty stages from 4 layers plus the input modules plus the output modules: at most 6"):
+        msg = r"cannot make 7 non-empty stages from 4 layers plus the input modules plus the output modules: at most 6"
+        with self.assertRaisesRegex(ValueError, msg):
             generate_module_names_per_stage(7, 4)
         with self.assertRaisesRegex(ValueError, "at most 4 stages"):
             generate_module_names_per_stage(5, 4, input_modules=[], output_modules=[])
@@ -479,7 +482,12 @@ class TestGenerator(TestCase):
         # to the cheapest earlier stages
         self.assertEqual(
             generate_module_names_per_stage(4, 6, input_weight=2, output_weight=2),
-            [["tok_embeddings"], ["layers.0", "layers.1"], ["layers.2", "layers.3", "layers.4"], ["layers.5", "norm", "output"]],
+            [
+                ["tok_embeddings"],
+                ["layers.0", "layers.1"],
+                ["layers.2", "layers.3", "layers.4"],
+                ["layers.5", "norm", "output"],
+            ],
         )
         # dense layers 0-2 cost 1, MoE layers cost 3: the MoE stages get fewer layers
         costs = [1, 1, 1] + [3] * 5
@@ -510,7 +518,9 @@ class TestGenerator(TestCase):
         uniform=st.booleans(),
     )
     def test_partition_properties(self, data, num_layers, input_weight, output_weight, with_in, with_out, uniform):
-        costs = [1] * num_layers if uniform else data.draw(st.lists(st.integers(0, 6), min_size=num_layers, max_size=num_layers))
+        costs = [1] * num_layers
+        if not uniform:
+            costs = data.draw(st.lists(st.integers(0, 6), min_size=num_layers, max_size=num_layers))
         units = _units(num_layers, input_weight, output_weight, costs, with_in, with_out)
         if not units:
             with self.assertRaisesRegex(ValueError, "cannot make 1 non-empty stages from 0 layers: at most 0"):
@@ -574,9 +584,11 @@ class TestStagePlacement(TestCase):
     def test_style_inferred_from_schedule(self):
         from torch.distributed.pipelining import schedules as S
 
-        for sched in (S.ScheduleDualPipeV, S.ScheduleZBVZeroBubble, "DualPipeV", "ScheduleZBVZeroBubble", "zbvzerobubble"):
+        v_style = (S.ScheduleDualPipeV, S.ScheduleZBVZeroBubble, "DualPipeV", "ScheduleZBVZeroBubble", "zbvzerobubble")
+        for sched in v_style:
             self.assertEqual(stage_ids_this_rank(0, 2, 4, sched), (0, 3), sched)
-        for sched in (S.ScheduleInterleaved1F1B, S.ScheduleLoopedBFS, "Interleaved1F1B", "ScheduleInterleavedZeroBubble"):
+        loop_style = (S.ScheduleInterleaved1F1B, S.ScheduleLoopedBFS, "Interleaved1F1B", "InterleavedZeroBubble")
+        for sched in loop_style:
             self.assertEqual(stage_ids_this_rank(0, 2, 4, sched), (0, 2), sched)
 
     @parametrize("style", ["loop", "v"])

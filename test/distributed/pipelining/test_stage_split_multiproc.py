@@ -12,7 +12,6 @@ global ranks), the group given as a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
 
 from __future__ import annotations
 
-import copy
 import unittest
 
 import torch
@@ -134,7 +133,9 @@ class StageSplitGlooTest(MultiProcContinuousTest):
                 self.assertIsNot(p, ref_params[name])
 
         # single-stage schedules take the stage, multi-stage ones the list
-        sched = schedule_cls(stages[0] if stages_per_rank == 1 else stages, n_microbatches=n_microbatches, loss_fn=_loss_fn)
+        sched = schedule_cls(
+            stages[0] if stages_per_rank == 1 else stages, n_microbatches=n_microbatches, loss_fn=_loss_fn
+        )
         losses: list[torch.Tensor] = []
         has_first = any(s.is_first for s in stages)
         has_last = any(s.is_last for s in stages)
@@ -212,7 +213,8 @@ class StageSplitNcclTest(StageSplitGlooTest):
 
 # Every NCCL test also carries the per-test GPU guard.
 for _name in [n for n in vars(StageSplitGlooTest) if n.startswith("test_")]:
-    setattr(StageSplitNcclTest, _name, skip_if_lt_x_gpu(StageSplitNcclTest.world_size)(getattr(StageSplitGlooTest, _name)))
+    _test = getattr(StageSplitGlooTest, _name)
+    setattr(StageSplitNcclTest, _name, skip_if_lt_x_gpu(StageSplitNcclTest.world_size)(_test))
 
 
 if __name__ == "__main__":
