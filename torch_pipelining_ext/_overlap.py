@@ -390,3 +390,75 @@ class _StreamPlan:
                 buffer = getattr(info, "buffer", None)
                 if isinstance(buffer, torch.Tensor) and buffer.device.type != "cpu":
                     buffer.record_stream(stream)
+
+
+# --------------------------------------------------------------------------- #
+# Installation (the "overlap_f_b" entry of _patches.py)                        #
+# --------------------------------------------------------------------------- #
+
+_FUNCTION_MAP = "_comp_type_to_function_map"
+
+
+class _FunctionMapWithOverlap:
+    """Class-level data descriptor for ``_PipelineScheduleRuntime._comp_type_to_function_map``.
+
+    Every schedule's custom-function map gets :func:`overlap_f_b` for
+    OVERLAP_F_B when it is created -- assigned in ``__init__`` (torch 2.10+),
+    or on first use where ``__init__`` does not create it (torch 2.9) -- unless
+    ``$TORCH_PIPELINING_EXT_OVERLAP`` is ``0``.  The map lives in the instance
+    ``__dict__`` under the same name, so removing the descriptor (``unpatch()``)
+    leaves every schedule with its map.  Nothing else of the schedule changes:
+    the step loop finds the function as it finds any registered one.
+    """
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[_FUNCTION_MAP]
+        except KeyError:
+            return obj.__dict__.setdefault(_FUNCTION_MAP, self._with_default({}))
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[_FUNCTION_MAP] = self._with_default(value)
+
+    def __delete__(self, obj: Any) -> None:
+        obj.__dict__.pop(_FUNCTION_MAP, None)
+
+    @staticmethod
+    def _with_default(function_map: dict) -> dict:
+        if overlap_enabled():
+            function_map.setdefault(_schedules().OVERLAP_F_B, overlap_f_b)
+        return function_map
+
+
+def _make_register_custom_function(original: Callable[..., None]) -> Callable[..., None]:
+    """``register_custom_function`` that replaces the package's default OVERLAP_F_B quietly.
+
+    Registering another OVERLAP_F_B function is the documented per-schedule
+    opt-out; it should not log "already registered" for a function the user
+    never registered.
+    """
+
+    def register_custom_function(self: Any, computation_type: Any, custom_function: Callable[..., None]) -> None:
+        function_map = self._comp_type_to_function_map
+        if function_map.get(computation_type) is overlap_f_b:
+            del function_map[computation_type]
+        original(self, computation_type, custom_function)
+
+    register_custom_function.__doc__ = original.__doc__
+    register_custom_function.__wrapped__ = original  # type: ignore[attr-defined]
+    return register_custom_function
+
+
+def _probe_overlap() -> tuple[str, str]:
+    """Feature probe of the ``overlap_f_b`` patch; raises on unrecognised internals."""
+    from torch_pipelining_ext._patching import PatchNeeded
+
+    s = _schedules()
+    runtime = s._PipelineScheduleRuntime
+    for name in ("OVERLAP_F_B", "FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
+        getattr(s, name)
+    if not callable(getattr(runtime, "register_custom_function", None)):
+        raise AttributeError("_PipelineScheduleRuntime.register_custom_function is missing")
+    return PatchNeeded, "torch runs OVERLAP_F_B's sub-actions one after the other"

@@ -29,6 +29,7 @@ def _patches() -> list[Patch]:
     patches: list[Patch] = []
     patches.extend(_schedule_runtime_patches())
     patches.extend(_fsdp_stage_patches())
+    patches.append(_overlap_patch())
     patches.append(_stage_split_patch())
     return patches
 
@@ -181,6 +182,39 @@ def _fsdp_stage_patches() -> list[Patch]:
             upstream="stage.py _PipelineStageBase.backward_maybe_with_nosync",
         ),
     ]
+
+
+# --- OVERLAP_F_B overlap: torch_pipelining_ext/_overlap.py (+ the public ep_overlap.py) ---
+def _overlap_patch() -> Patch:
+    def probe() -> tuple[str, str]:
+        from torch_pipelining_ext._overlap import _probe_overlap
+
+        return _probe_overlap()
+
+    def function_map(original: object) -> object:
+        from torch_pipelining_ext._overlap import _FunctionMapWithOverlap
+
+        return _FunctionMapWithOverlap()
+
+    def register(original: object) -> object:
+        from torch_pipelining_ext._overlap import _make_register_custom_function
+
+        return _make_register_custom_function(original)  # type: ignore[arg-type]
+
+    return Patch(
+        name="overlap_f_b",
+        targets=(
+            # every schedule's custom-function map starts with the overlap handler for OVERLAP_F_B
+            Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=function_map),
+            # registering another OVERLAP_F_B function (the opt-out) replaces it without a warning
+            Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=register),
+        ),
+        probe=probe,
+        description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "
+        "(TORCH_PIPELINING_EXT_OVERLAP=0: sequential)",
+        upstream="schedules.py OVERLAP_F_B of _PipelineScheduleRuntime; new ep_overlap.py",
+        requires=("schedule_backward_counter", "runtime_custom_functions", "runtime_keep_overlap_f_b", "runtime_step_context"),
+    )
 
 
 # --- stage_split: torch.distributed.pipelining.stage_split (new public module) ---

@@ -23,12 +23,13 @@ autograd node when they require grad, so that a backward run later inside an
 overlapped action is coordinated).  Inside one, a coordinator owned by that
 action makes the two threads take turns: at most one thread is inside a
 communication region at any moment, the regions are granted strictly
-alternately -- the forward thread's first, then the backward thread's first,
+alternately -- the backward thread's first, then the forward thread's first,
 and so on -- and once one thread has finished its sub-action the other runs
-its remaining regions freely.  While one thread communicates the other
-computes.  The order of collectives on each rank therefore depends only on the
-two sub-actions, not on timing, and is the same on every rank of an EP group
-(all of them run the same two stages in the same action).
+its remaining regions freely.  At each boundary the threads also hand the
+processor over, so that while one thread communicates the other computes (see
+``_CommCoordinator``).  The order of collectives on each rank therefore
+depends only on the two sub-actions, not on timing, and is the same on every
+rank of an EP group (all of them run the same two stages in the same action).
 
 Rules for MoE code:
 
@@ -158,26 +159,32 @@ class _Boundary(enum.Enum):
 class _CommCoordinator:
     """Turn-taking of the two threads of one overlapped action at communication boundaries.
 
-    State (guarded by one ``threading.Condition``):
+    The policy (it depends only on the order of boundaries on each thread,
+    never on timing):
 
-    * ``turn`` -- the side whose region is next, while both sides run;
-    * ``depth[side]`` -- how deep ``side`` is inside its (possibly nested)
-      region; at most one side has a non-zero depth;
-    * ``done[side]`` -- ``side`` finished its sub-action; the other then runs
-      its regions without waiting for turns;
-    * ``stopped`` -- a side failed: nobody waits any more.
+    * **Communication turns alternate**, the backward side first: its first
+      region, then the forward side's first, and so on; a side that has
+      finished its sub-action gives up its turns.  Regions are exclusive.
+    * **Compute is handed over at each boundary**: a side that closes its
+      region waits, before computing on, until the other side has opened its
+      next region (or finished).  So while one thread communicates the other
+      computes, and the two do not compete for the processor the rest of the
+      time -- the phase pattern of DualPipe (the backward's combine hides
+      the forward's attention, the forward's dispatch the backward's MLP, and
+      so on), which is why the backward side communicates first.
 
-    A side opening a region waits until it is its turn (or the other side is
-    done) and the other side is outside its region; closing the outermost
-    region hands the turn over and wakes the other side.  Waiting on a
-    ``Condition`` (not a ``Barrier``) means a side woken by a failure of the
-    other side merely finds ``stopped`` set; there is no broken state to trip
-    over.
+    State, guarded by one ``threading.Condition``: ``turn`` (whose region is
+    next), ``depth[side]`` (how deep ``side`` is inside its possibly nested
+    region; at most one side is non-zero), ``regions[side]`` (regions opened
+    so far), ``done[side]`` and ``stopped`` (a side failed: nobody waits any
+    more).  Waiting on a ``Condition`` rather than a ``Barrier`` means a side
+    woken because the other failed merely finds ``stopped`` set; there is no
+    broken barrier to trip over.
 
     Args:
         rank: the global rank, for messages.
         action: the action, for messages.
-        timeout: seconds a side may wait for its turn.
+        timeout: seconds a side may wait for the other.
     """
 
     def __init__(self, rank: int, action: str, timeout: float) -> None:
@@ -185,11 +192,11 @@ class _CommCoordinator:
         self.action = action
         self.timeout = timeout
         self._cond = threading.Condition(threading.Lock())
-        self._turn = _Side.FORWARD
+        self._turn = _Side.BACKWARD
         self._depth = [0, 0]
+        self._regions = [0, 0]
         self._done = [False, False]
         self._stopped = False
-        self._regions = [0, 0]  # regions opened so far, per side
         self._where: list[str | None] = [None, None]  # last boundary passed, per side
         self._ranges: list[Any] = [None, None]  # open profiler ranges, per side
 
@@ -201,27 +208,40 @@ class _CommCoordinator:
             if self._depth[side]:
                 self._depth[side] += 1  # nested, e.g. recomputation inside a region
                 return
-            if not self._may_open(side):
-                self._wait_to_open(side, where)
+            self._wait(side, where, lambda: self._may_open(side), "for its turn to communicate")
             if self._stopped:
                 return
             self._depth[side] = 1
             self._regions[side] += 1
             self._where[side] = where
+            self._cond.notify_all()  # the other side may compute now
         if torch.autograd.profiler._is_profiler_enabled:
             rf = record_function(f"ep_overlap::{phase} communication ({side.thread_name} thread)")
             rf.__enter__()
             self._ranges[side] = rf
 
     def close(self, side: _Side, where: str) -> None:
-        """Leave a communication region of ``side``; a close without an open is ignored."""
+        """Leave a communication region of ``side``; a close without an open is ignored.
+
+        Leaving the outermost region hands the turn over and then waits until
+        the other side has opened its next region (or finished).
+        """
         with self._cond:
             self._where[side] = where
             if self._depth[side] == 0:
                 return
             self._depth[side] -= 1
-            if self._depth[side] == 0:
-                self._release(side)
+            if self._depth[side]:
+                return
+            self._release(side)
+            other = side.other
+            target = self._regions[other] + 1
+            self._wait(
+                side,
+                where,
+                lambda: self._stopped or self._done[other] or self._regions[other] >= target,
+                f"for the {other.thread_name} thread to start communicating before computing on",
+            )
 
     def finish(self, side: _Side) -> None:
         """``side`` has finished its sub-action (or failed): let the other side run freely."""
@@ -242,9 +262,7 @@ class _CommCoordinator:
 
     def _may_open(self, side: _Side) -> bool:
         other = side.other
-        return self._stopped or (
-            self._depth[other] == 0 and (self._turn == side or self._done[other])
-        )
+        return self._stopped or (self._depth[other] == 0 and (self._turn == side or self._done[other]))
 
     def _release(self, side: _Side) -> None:
         self._turn = side.other
@@ -253,23 +271,23 @@ class _CommCoordinator:
             rf.__exit__(None, None, None)
         self._cond.notify_all()
 
-    def _wait_to_open(self, side: _Side, where: str) -> None:
-        if not self._cond.wait_for(lambda: self._may_open(side), timeout=self.timeout):
-            other = side.other
-            if self._depth[other]:
-                state = f"is inside its communication region (entered at {self._where[other]})"
-            elif self._where[other] is None:
-                state = "has not reached its first boundary"
-            else:
-                state = f"last passed {self._where[other]} and has not reached its next boundary"
-            raise CommWaitTimeoutError(
-                f"rank {self.rank}, action {self.action}: the {side.thread_name} thread waited more than "
-                f"{self.timeout:g} s at {where} for its turn to communicate (region "
-                f"{self._regions[side] + 1} of its side); the {other.thread_name} thread {state}. "
-                f"Every collective inside a stage must be between ep_overlap marks, identically on every "
-                f"rank; raise the limit with ep_overlap.set_wait_timeout() or ${TIMEOUT_ENV} if the other "
-                "side's compute is this long."
-            )
+    def _wait(self, side: _Side, where: str, predicate: Callable[[], bool], what: str) -> None:
+        if predicate() or self._cond.wait_for(predicate, timeout=self.timeout):
+            return
+        other = side.other
+        if self._depth[other]:
+            state = f"is inside its communication region (entered at {self._where[other]})"
+        elif self._where[other] is None:
+            state = "has not reached its first boundary"
+        else:
+            state = f"last passed {self._where[other]} and has not reached its next boundary"
+        raise CommWaitTimeoutError(
+            f"rank {self.rank}, action {self.action}: the {side.thread_name} thread waited more than "
+            f"{self.timeout:g} s at {where} {what} (after {self._regions[side]} regions of its own); the "
+            f"{other.thread_name} thread {state}. Every collective inside a stage must be between ep_overlap "
+            f"marks, identically on every rank; raise the limit with ep_overlap.set_wait_timeout() or "
+            f"${TIMEOUT_ENV} if the other side's compute is this long."
+        )
 
     # -- thread binding -----------------------------------------------------
 

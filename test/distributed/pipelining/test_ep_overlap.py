@@ -135,12 +135,12 @@ def _selective_context():
 
 
 def expected_order(fwd: str, n_fwd: int, bwd: str, n_bwd: int) -> list[str]:
-    """Strict alternation, forward side first, then whatever one side has left."""
+    """Strict alternation, backward side first, then whatever one side has left."""
     f = [f"{fwd}{i}.{p}.fwd" for i in range(n_fwd) for p in ("dispatch", "combine")]
     b = [f"{bwd}{i}.{p}.bwd" for i in reversed(range(n_bwd)) for p in ("combine", "dispatch")]
     order = []
     for i in range(max(len(f), len(b))):
-        order += f[i : i + 1] + b[i : i + 1]
+        order += b[i : i + 1] + f[i : i + 1]
     return order
 
 
@@ -250,11 +250,11 @@ class CoordinatorTest(TestCase):
                 release.wait(10.0)  # hangs inside its region until the other side timed out
 
         run.comm.hook = hook
-        # The forward side's first region comes first; the backward side's first
-        # region comes second, and the forward side waits for it to end before
-        # its second region (combine_begin).
+        # The backward side's first region (B0.combine) comes first, then the
+        # forward side's first (F0.dispatch): whichever is stuck in its first
+        # region, the other side times out at its next boundary.
         waiter = "backward" if stuck_side == "forward" else "forward"
-        boundary = "combine_end (backward" if waiter == "backward" else "combine_begin (forward)"
+        boundary = "dispatch_end (backward" if waiter == "backward" else "dispatch_begin (forward)"
 
         # the stuck side is released once the waiting side has timed out
         waiting_fn = run.backward if waiter == "backward" else run.forward
@@ -337,6 +337,7 @@ class CoordinatorTest(TestCase):
 
     def test_nested_region_in_one_side(self) -> None:
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
+        coordinator.finish(_Side.BACKWARD)  # the forward side runs alone
         with coordinator.bound(_Side.FORWARD):
             coordinator.open(_Side.FORWARD, "outer", "dispatch")
             coordinator.open(_Side.FORWARD, "inner", "dispatch")  # nested: no wait
@@ -369,6 +370,7 @@ class MarksTest(TestCase):
         # A thread that is not one of the action's two threads is not coordinated,
         # even while an action runs.
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
+        coordinator.finish(_Side.BACKWARD)
         seen = []
         with coordinator.bound(_Side.FORWARD):
             coordinator.open(_Side.FORWARD, "held", "dispatch")
