@@ -80,8 +80,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -103,6 +105,7 @@ __all__ = ["overlap_f_b"]
 logger = logging.getLogger(__name__)
 
 OVERLAP_ENV = "TORCH_PIPELINING_EXT_OVERLAP"
+OVERLAP_PATCH_NAME = "overlap_f_b"  # its entry in _patches.py
 
 
 def overlap_enabled() -> bool:
@@ -170,13 +173,15 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     fwd_action, bwd_action = action.sub_actions[f], action.sub_actions[b]
     stages = _schedule_runtime.stage_index_to_stage(schedule)
     streams = _StreamPlan.for_action(schedule, stages, fwd_action, bwd_action)
+    rank = _rank(schedule)
     _run_overlapped(
         computes[f],
         computes[b],
-        rank=_rank(schedule),
+        rank=rank,
         action=str(action),
         sub_actions=(str(fwd_action), str(bwd_action)),
         streams=streams,
+        worker=_worker_for(schedule, rank),
     )
     if streams is not None:
         streams.record_handoffs(stages, fwd_action, bwd_action)
@@ -186,9 +191,6 @@ def _patch_applied() -> bool:
     from torch_pipelining_ext._patches import _REGISTRY
 
     return _REGISTRY.is_applied(OVERLAP_PATCH_NAME)
-
-
-OVERLAP_PATCH_NAME = "overlap_f_b"
 
 
 # --------------------------------------------------------------------------- #
@@ -239,6 +241,83 @@ def _accelerator_available() -> bool:
     return hasattr(torch, "accelerator") and torch.accelerator.is_available()
 
 
+class _BackwardWorker:
+    """The thread that runs the backward sub-actions of one schedule's step.
+
+    A thread that has run torch code once runs it faster the next time (its
+    allocator and math-library state are warm: a fresh thread costs
+    milliseconds per action), so one worker serves every OVERLAP_F_B action
+    of a step; the step wrapper (:func:`_make_step_microbatches`) closes and
+    joins it when the step ends, however it ends.  Each action still waits
+    for its own backward to finish before it returns.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.stuck = False  # a task did not finish in time: the thread cannot be joined
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            task()
+
+    def submit(self, task: Callable[[], None]) -> threading.Event:
+        """Run ``task`` (which must not raise) on the worker; the event is set when it returns."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                task()
+            finally:
+                done.set()
+
+        self._tasks.put(run)
+        return done
+
+    def close(self, timeout: float) -> bool:
+        """Stop the thread after its current task; False if it did not end within ``timeout``."""
+        self._tasks.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self.stuck
+
+
+# Per schedule: the worker of the step in progress.
+_workers: weakref.WeakKeyDictionary[Any, _BackwardWorker] = weakref.WeakKeyDictionary()
+
+
+def _worker_for(schedule: Any, rank: int) -> _BackwardWorker:
+    worker = _workers.get(schedule)
+    if worker is None or not worker.alive:
+        worker = _workers[schedule] = _BackwardWorker(f"OVERLAP_F_B backward (rank {rank})")
+    return worker
+
+
+def _close_worker(schedule: Any) -> None:
+    worker = _workers.pop(schedule, None)
+    if worker is None:
+        return
+    if worker.stuck or not worker.close(get_wait_timeout()):
+        logger.error("the OVERLAP_F_B backward thread of %s is stuck; it is left behind", type(schedule).__name__)
+
+
+def _make_step_microbatches(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineScheduleRuntime._step_microbatches``: join the backward worker when the step ends."""
+
+    @functools.wraps(original)
+    def _step_microbatches(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _close_worker(self)
+
+    return _step_microbatches
+
+
 def _run_overlapped(
     forward: Callable[[], None],
     backward: Callable[[], None],
@@ -248,10 +327,12 @@ def _run_overlapped(
     sub_actions: tuple[str, str] = ("forward", "backward"),
     streams: _StreamPlan | None = None,
     timeout: float | None = None,
+    worker: _BackwardWorker | None = None,
 ) -> _CommCoordinator:
-    """Run ``backward`` on a worker thread and ``forward`` here, coordinated; join; re-raise.
+    """Run ``backward`` on the worker thread and ``forward`` here, coordinated; wait for both; re-raise.
 
-    Returns the action's coordinator (tests inspect it).
+    Without ``worker``, a thread is started for this call and joined before
+    it returns.  Returns the action's coordinator (tests inspect it).
     """
     timeout = get_wait_timeout() if timeout is None else timeout
     coordinator = _CommCoordinator(rank=rank, action=action, timeout=timeout)
@@ -272,23 +353,28 @@ def _run_overlapped(
             with failures_lock:
                 failures.append((side, e))
 
-    def worker() -> None:
+    def run_backward() -> None:
         with state.applied():
             run(_Side.BACKWARD, backward)
 
+    own_worker = worker is None
+    if own_worker:
+        worker = _BackwardWorker(f"OVERLAP_F_B backward (rank {rank})")
     if streams is not None:
         streams.start()
-    thread = threading.Thread(target=worker, name=f"OVERLAP_F_B backward (rank {rank})", daemon=True)
-    thread.start()
+    backward_done = worker.submit(run_backward)
     try:
         run(_Side.FORWARD, forward)
     finally:
-        # Always joined, even on KeyboardInterrupt: no thread outlives the action.
-        thread.join(timeout)
+        # Always waited for, even on KeyboardInterrupt: no work outlives the action.
+        finished = backward_done.wait(timeout)
+        if own_worker and finished:
+            worker.close(timeout)
         if streams is not None:
             streams.join()
-    if thread.is_alive():
+    if not finished:
         coordinator.stop()
+        worker.stuck = True
         raise RuntimeError(
             f"rank {rank}, action {action}: the backward sub-action {sub_actions[_Side.BACKWARD]} "
             f"did not finish within {timeout:g} s after the forward sub-action did (see "

@@ -60,6 +60,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -83,6 +84,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
+# A side hands the processor over after a region only if the region took at
+# least this long: waking the other thread costs tens to hundreds of
+# microseconds, more than a shorter region can hide.
+_HAND_OVER_MIN_REGION_S = 0.5e-3
 _DEFAULT_TIMEOUT_S = 600.0
 _timeout_s: float | None = None  # set_wait_timeout(); None: environment or default
 
@@ -167,11 +172,16 @@ class _CommCoordinator:
       finished its sub-action gives up its turns.  Regions are exclusive.
     * **Compute is handed over at each boundary**: a side that closes its
       region waits, before computing on, until the other side has opened its
-      next region (or finished).  So while one thread communicates the other
-      computes, and the two do not compete for the processor the rest of the
-      time -- the phase pattern of DualPipe (the backward's combine hides
-      the forward's attention, the forward's dispatch the backward's MLP, and
-      so on), which is why the backward side communicates first.
+      next region (or finished); at the start the forward side waits likewise
+      for the backward side's first region.  So while one thread
+      communicates the other computes, and the two do not compete for the
+      processor (or the GIL) the rest of the time -- the phase pattern of
+      DualPipe: the backward's combine hides the forward's attention, the
+      forward's dispatch the backward's MLP, and so on, which is why the
+      backward side communicates first.  After a region shorter than 0.5 ms
+      the closing side does not wait: waking the other thread would cost more
+      than such a region can hide.  Hand-overs change when each thread
+      computes, never the order of the regions.
 
     State, guarded by one ``threading.Condition``: ``turn`` (whose region is
     next), ``depth[side]`` (how deep ``side`` is inside its possibly nested
@@ -198,6 +208,7 @@ class _CommCoordinator:
         self._done = [False, False]
         self._stopped = False
         self._where: list[str | None] = [None, None]  # last boundary passed, per side
+        self._opened_at = [0.0, 0.0]  # when the current region of each side was entered
         self._ranges: list[Any] = [None, None]  # open profiler ranges, per side
 
     # -- transitions --------------------------------------------------------
@@ -214,6 +225,7 @@ class _CommCoordinator:
             self._depth[side] = 1
             self._regions[side] += 1
             self._where[side] = where
+            self._opened_at[side] = time.perf_counter()
             self._cond.notify_all()  # the other side may compute now
         if torch.autograd.profiler._is_profiler_enabled:
             rf = record_function(f"ep_overlap::{phase} communication ({side.thread_name} thread)")
@@ -234,6 +246,8 @@ class _CommCoordinator:
             if self._depth[side]:
                 return
             self._release(side)
+            if time.perf_counter() - self._opened_at[side] < _HAND_OVER_MIN_REGION_S:
+                return  # a short region: handing the processor over would cost more than it hides
             other = side.other
             target = self._regions[other] + 1
             self._wait(
@@ -241,6 +255,17 @@ class _CommCoordinator:
                 where,
                 lambda: self._stopped or self._done[other] or self._regions[other] >= target,
                 f"for the {other.thread_name} thread to start communicating before computing on",
+            )
+
+    def _start(self, side: _Side) -> None:
+        """Before ``side`` computes at all: the side without the first turn waits for the other's first region."""
+        with self._cond:
+            other = side.other
+            self._wait(
+                side,
+                "the start of its sub-action",
+                lambda: self._turn == side or self._stopped or self._done[other] or self._regions[other] > 0,
+                f"for the {other.thread_name} thread to start communicating before computing",
             )
 
     def finish(self, side: _Side) -> None:
@@ -304,6 +329,7 @@ class _CommCoordinator:
         if side is _Side.BACKWARD:
             _register_backward(binding)
         try:
+            self._start(side)
             yield
         except BaseException:
             self.stop()

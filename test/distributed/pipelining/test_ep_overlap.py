@@ -10,9 +10,12 @@ records every call and any moment two threads were inside a collective at once.
 from __future__ import annotations
 
 import copy
+import os
 import random
 import threading
 import time
+import unittest
+import unittest.mock
 
 import torch
 import torch.nn as nn
@@ -347,6 +350,92 @@ class CoordinatorTest(TestCase):
             self.assertEqual(coordinator.regions_opened(_Side.FORWARD), 1)
 
 
+    def test_compute_is_handed_over(self) -> None:
+        # After their first boundary, the two threads never compute at the same
+        # time: one computes while the other communicates (or waits).
+        intervals: list[tuple[str, float, float]] = []
+        lock = threading.Lock()
+
+        class Timed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                t0 = time.perf_counter()
+                time.sleep(0.003)  # "compute" that leaves the GIL free
+                with lock:
+                    intervals.append(("F", t0, time.perf_counter()))
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                t0 = time.perf_counter()
+                time.sleep(0.003)
+                with lock:
+                    intervals.append(("B", t0, time.perf_counter()))
+                return grad
+
+        run = PairRun(3, 3)
+        run.comm.delay = 0.004  # regions long enough to be handed over
+        for stage in (run.fwd_stage, run.bwd_stage):
+            for layer in stage.layers:
+                layer.pre.register_forward_hook(lambda m, i, o: Timed.apply(o))
+                layer.expert.register_forward_hook(lambda m, i, o: Timed.apply(o))
+        run.loss = run.bwd_stage(run.x_bwd).square().sum()
+        intervals.clear()
+        run.comm.log.clear()
+        run.run()
+        self.assertEqual(run.comm.violations, [])
+        fwd = [(a, b) for side, a, b in intervals if side == "F"]
+        bwd = [(a, b) for side, a, b in intervals if side == "B"]
+        self.assertEqual((len(fwd), len(bwd)), (6, 6))
+        overlapping = [(f, b) for f in fwd for b in bwd if min(f[1], b[1]) - max(f[0], b[0]) > 0.0005]
+        self.assertEqual(overlapping, [])
+
+    def test_short_regions_are_not_handed_over(self) -> None:
+        # Regions shorter than the hand-over threshold do not make the closing
+        # side wait for the other one (the turns still alternate).
+        coordinator = _CommCoordinator(rank=0, action="a", timeout=0.5)
+        coordinator.open(_Side.BACKWARD, "b", "combine")
+        coordinator.close(_Side.BACKWARD, "b")  # would wait 0.5 s and time out if handed over
+        with self.assertRaises(CommWaitTimeoutError):
+            coordinator.open(_Side.BACKWARD, "b2", "combine")  # not its turn: the forward side's
+
+
+class ThreadStateTest(TestCase):
+    def test_worker_inherits_grad_mode_and_autocast(self) -> None:
+        seen = {}
+
+        def record(side: str):
+            def fn() -> None:
+                seen[side] = (
+                    torch.is_grad_enabled(),
+                    torch.is_autocast_enabled("cpu"),
+                    torch.get_autocast_dtype("cpu"),
+                    threading.current_thread() is threading.main_thread(),
+                )
+
+            return fn
+
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            _run_overlapped(record("forward"), record("backward"), rank=0, action="a", timeout=5.0)
+        self.assertEqual(seen["forward"], (False, True, torch.bfloat16, True))
+        self.assertEqual(seen["backward"], (False, True, torch.bfloat16, False))
+        _run_overlapped(record("forward"), record("backward"), rank=0, action="a", timeout=5.0)
+        self.assertEqual(seen["backward"][:2], (True, False))
+
+    def test_profiler_ranges_of_both_threads(self) -> None:
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.profiler import profile
+
+        run = PairRun(1, 1)
+        with profile(experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+            run.run(action="0F1;3B0", sub_actions=("0F1", "3B0"))
+        names = {e.name for e in prof.events()}
+        self.assertIn("OVERLAP_F_B forward 0F1", names)
+        self.assertIn("OVERLAP_F_B backward 3B0", names)
+        self.assertIn("ep_overlap::dispatch communication (forward thread)", names)
+        self.assertIn("ep_overlap::combine backward communication (backward thread)", names)
+
+
 class MarksTest(TestCase):
     def test_noop_outside_an_action(self) -> None:
         x = torch.randn(3, DIM)
@@ -445,6 +534,67 @@ class MarksTest(TestCase):
             ep_overlap.set_wait_timeout(0)
 
 
+class PatchTest(TestCase):
+    def test_installed_and_removed(self) -> None:
+        from torch.distributed.pipelining import schedules
+
+        from torch_pipelining_ext import _overlap
+
+        runtime = schedules._PipelineScheduleRuntime
+        self.assertIsInstance(runtime.__dict__["_comp_type_to_function_map"], _overlap._FunctionMapWithOverlap)
+        try:
+            torch_pipelining_ext.unpatch()
+            self.assertNotIsInstance(
+                runtime.__dict__.get("_comp_type_to_function_map"), _overlap._FunctionMapWithOverlap
+            )
+            self.assertFalse(_overlap._patch_applied())  # schedules built before run OVERLAP_F_B sequentially
+        finally:
+            torch_pipelining_ext.patch()
+        self.assertTrue(_overlap._patch_applied())
+
+    def test_env_opt_out_and_default(self) -> None:
+        from torch.distributed.pipelining import schedules
+
+        from torch_pipelining_ext import _overlap
+
+        class Owner:
+            _comp_type_to_function_map = _overlap._FunctionMapWithOverlap()
+
+        self.assertIs(Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.overlap_f_b)
+        with unittest.mock.patch.dict(os.environ, {_overlap.OVERLAP_ENV: "0"}):
+            self.assertEqual(Owner()._comp_type_to_function_map, {})
+            owner = Owner()
+            owner._comp_type_to_function_map = {}  # as upstream __init__ assigns it
+            self.assertEqual(owner._comp_type_to_function_map, {})
+        owner = Owner()
+        owner._comp_type_to_function_map = {}
+        self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.overlap_f_b)
+
+    def test_registering_another_function_replaces_it_quietly(self) -> None:
+        from torch.distributed.pipelining import schedules
+
+        from torch_pipelining_ext import _overlap
+
+        calls = []
+
+        def original(self, ctype, fn):
+            if ctype in self._comp_type_to_function_map:
+                calls.append("warned")
+            self._comp_type_to_function_map[ctype] = fn
+
+        class Owner:
+            _comp_type_to_function_map = _overlap._FunctionMapWithOverlap()
+            register_custom_function = _overlap._make_register_custom_function(original)
+
+        owner = Owner()
+        mine = lambda action, ctx: None  # noqa: E731
+        owner.register_custom_function(schedules.OVERLAP_F_B, mine)
+        self.assertEqual(calls, [])
+        self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], mine)
+        owner.register_custom_function(schedules.OVERLAP_F_B, mine)  # replacing a user's function still warns
+        self.assertEqual(calls, ["warned"])
+
+
 class FakeStream:
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
@@ -485,7 +635,9 @@ class StreamPlanTest(TestCase):
 
 instantiate_parametrized_tests(CoordinatorTest)
 instantiate_parametrized_tests(MarksTest)
+instantiate_parametrized_tests(ThreadStateTest)
 instantiate_parametrized_tests(StreamPlanTest)
+instantiate_parametrized_tests(PatchTest)
 
 
 if __name__ == "__main__":
