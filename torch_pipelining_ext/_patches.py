@@ -35,7 +35,7 @@ def _patches() -> list[Patch]:
 
 
 # --- schedule runtime: shared schedule state, custom functions on torch 2.9 ---
-# torch_pipelining_ext/_backward_counter.py, _schedule_runtime.py, _gloo_p2p.py
+# torch_pipelining_ext/_backward_counter.py, _schedule_runtime.py, _gloo_p2p.py, _grad_scaling.py
 # Upstream: torch/distributed/pipelining/schedules.py and stage.py; on torch 2.10+
 # the custom-function runtime is upstream and only the counter, the step context
 # and the compute_comms REDUCE_GRAD are patched.
@@ -80,6 +80,19 @@ def _schedule_runtime_patches() -> list[Patch]:
         from torch_pipelining_ext._backward_counter import _BackwardCounterAttribute
 
         return _BackwardCounterAttribute()
+
+    def grad_scaling_probe() -> tuple[str, str]:
+        from torch_pipelining_ext._grad_scaling import _probe_scale_grads
+
+        return _probe_scale_grads()
+
+    def grad_scaling(factory: str) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            from torch_pipelining_ext import _grad_scaling
+
+            return getattr(_grad_scaling, factory)(original)
+
+        return make
 
     def lazy_state(name: str) -> Target:
         def make(original: object) -> object:
@@ -146,6 +159,17 @@ def _schedule_runtime_patches() -> list[Patch]:
             requires=("schedule_backward_counter",),
         ),
         Patch(
+            name="scale_grads_per_step",
+            targets=(
+                Target(_STAGE, "_PipelineStageBase.clear_runtime_states", make=grad_scaling("_make_clear_runtime_states")),
+                Target(_STAGE, "_PipelineStageBase.scale_grads", make=grad_scaling("_make_scale_grads")),
+            ),
+            probe=grad_scaling_probe,
+            description="scale_grads scales only the step's gradients (accumulation over steps)",
+            upstream="stage.py _PipelineStageBase.scale_grads",
+            env_disable="TORCH_PIPELINING_EXT_DISABLE_SCALE_GRADS_FIX",
+        ),
+        Patch(
             name="compute_comms_reduce_grad",
             targets=(
                 Target(
@@ -180,6 +204,7 @@ def _fsdp_stage_patches() -> list[Patch]:
             probe=probe,
             description="split (I/W) backward of nested fully_shard stages uses the unsharded parameters",
             upstream="stage.py _PipelineStageBase.backward_maybe_with_nosync",
+            env_disable="TORCH_PIPELINING_EXT_DISABLE_FSDP_FIX",
         ),
     ]
 
@@ -201,11 +226,6 @@ def _overlap_patch() -> Patch:
 
         return _make_register_custom_function(original)  # type: ignore[arg-type]
 
-    def step(original: object) -> object:
-        from torch_pipelining_ext._overlap import _make_step_microbatches
-
-        return _make_step_microbatches(original)  # type: ignore[arg-type]
-
     return Patch(
         name="overlap_f_b",
         targets=(
@@ -213,8 +233,6 @@ def _overlap_patch() -> Patch:
             Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=function_map),
             # registering another OVERLAP_F_B function (the opt-out) replaces it without a warning
             Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=register),
-            # the backward thread lives for one step: joined when the step ends
-            Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=step),
         ),
         probe=probe,
         description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "

@@ -216,3 +216,52 @@ class NestedToyLLM(nn.Module):
     def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
         h = call_if_present(self.model, tokens_or_hidden)
         return call_if_present(self.lm_head, h)
+
+
+# ---------------------------------------------------------------------------
+# FSDP2 x pipeline stages
+# ---------------------------------------------------------------------------
+# Used by test_schedule_fsdp.py: a stage with ``fully_shard`` on each layer and
+# on the stage root, including a layer whose weight gradient needs the weight's
+# values (so a weight pass on freed, resharded storage would be wrong).
+
+
+class SquaredWeightLinear(nn.Module):
+    """``y = x @ (w * w).T + b``: the gradient of ``w`` is ``2 * w * dW_eff`` and reads ``w``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dim).uniform_(-1.0, 1.0) / dim**0.5)
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight * self.weight, self.bias)
+
+
+class FSDPMLPStage(nn.Module):
+    """Linear+ReLU blocks, a :class:`SquaredWeightLinear` and a gain owned by the stage root.
+
+    Meant to be wrapped with :func:`fully_shard_stage`: every layer is its own
+    FSDP module (resharded after forward), the root owns ``gain``.
+    """
+
+    def __init__(self, dim: int, n_layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_layers))
+        self.squared = SquaredWeightLinear(dim)
+        self.gain = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.squared(x) * self.gain
+
+
+def fully_shard_stage(stage: FSDPMLPStage, mesh: object) -> FSDPMLPStage:
+    """``fully_shard`` each layer of ``stage`` and then the stage root (the usual FSDP2 recipe)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (*stage.layers, stage.squared):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(stage, mesh=mesh)
+    return stage

@@ -1,0 +1,379 @@
+# Owner(s): ["oncall: distributed"]
+"""Tests of the shared schedule runtime (``torch_pipelining_ext/_schedule_runtime.py``).
+
+Single-process: lowering that keeps OVERLAP_F_B, REDUCE_GRAD added to
+compute_comms schedules.  Multi-process (2 ranks, 4 stages): custom FORWARD and
+OVERLAP_F_B functions built on ``prepare_compute_action`` / ``run_action``,
+registration semantics, gradient accumulation across steps for every
+multi-stage schedule, and errors raised inside custom functions -- every
+numerical test compares outputs, losses and every gradient with a
+single-process reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import unittest
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from model_registry import MLPStage
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as sched
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _PipelineScheduleRuntime,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TestCase,
+)
+
+import torch_pipelining_ext  # noqa: F401  (applies the patches)
+from torch_pipelining_ext import _schedule_runtime as rt
+from torch_pipelining_ext._backward_counter import BackwardCounter
+
+
+F, B, I, W = sched.FORWARD, sched.FULL_BACKWARD, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT
+OVERLAP_F_B = sched.OVERLAP_F_B
+REDUCE_GRAD = getattr(sched._ComputationType, "REDUCE_GRAD", None)
+
+D_HID = 8
+N_MICROBATCHES = 4
+MB_SIZE = 2
+PP = 2
+N_STAGES = 4
+V_SCHEDULES = (ScheduleDualPipeV, ScheduleZBVZeroBubble)
+MULTI_STAGE_SCHEDULES = (
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    ScheduleInterleavedZeroBubble,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+
+def _overlap(f: _Action, b: _Action) -> _Action:
+    return _Action(-1, OVERLAP_F_B, None, (f, b))
+
+
+# --------------------------------------------------------------------------- #
+# Single process: lowering                                                     #
+# --------------------------------------------------------------------------- #
+
+
+def _v_schedule_with_overlap() -> dict[int, list[_Action | None]]:
+    """Two ranks, V placement (rank 0: stages 0, 3; rank 1: stages 1, 2), 3 microbatches."""
+    a = _Action
+    return {
+        0: [
+            a(0, F, 0), a(0, F, 1), a(0, F, 2), a(3, F, 0), _overlap(a(3, F, 1), a(3, B, 0)),
+            _overlap(a(3, F, 2), a(3, B, 1)), a(3, B, 2), a(0, B, 0), a(0, B, 1), a(0, B, 2),
+        ],
+        1: [
+            a(1, F, 0), a(2, F, 0), a(1, F, 1), a(2, F, 1), a(1, F, 2), _overlap(a(2, F, 2), a(2, B, 0)),
+            a(1, B, 0), None, a(2, B, 1), a(1, B, 1), a(2, B, 2), a(1, B, 2),
+        ],
+    }  # fmt: skip
+
+
+def _v_stage_to_rank(stage: int) -> int:
+    return {0: 0, 1: 1, 2: 1, 3: 0}[stage]
+
+
+class LoweringTest(TestCase):
+    def test_overlap_f_b_survives_lowering(self) -> None:
+        lowered = sched._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
+        self.assertEqual(sorted(lowered), [0, 1])
+        for rank, actions in lowered.items():
+            overlaps = [i for i, a in enumerate(actions) if a.computation_type == OVERLAP_F_B]
+            self.assertEqual(len(overlaps), 2 if rank == 0 else 1, f"rank {rank}: {actions}")
+            for i in overlaps:
+                # The sends of both sub-actions follow the OVERLAP_F_B.
+                f, b = actions[i].sub_actions
+                expected_sends = []
+                if f.stage_index + 1 < N_STAGES and _v_stage_to_rank(f.stage_index + 1) != rank:
+                    expected_sends.append(_Action(f.stage_index, sched.SEND_F, f.microbatch_index))
+                if b.stage_index > 0 and _v_stage_to_rank(b.stage_index - 1) != rank:
+                    expected_sends.append(_Action(b.stage_index, sched.SEND_B, b.microbatch_index))
+                self.assertEqual(actions[i + 1 : i + 1 + len(expected_sends)], expected_sends)
+                # No sub-action appears on its own.
+                self.assertNotIn(f, actions)
+                self.assertNotIn(b, actions)
+
+    @unittest.skipIf(
+        sched._add_send_recv is rt._add_send_recv,
+        "this torch's own _add_send_recv flattens OVERLAP_F_B; nothing to compare with",
+    )
+    def test_lowering_matches_upstream(self) -> None:
+        ours = rt._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
+        theirs = sched._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
+        self.assertEqual(ours, theirs)
+
+    def test_malformed_schedule_raises(self) -> None:
+        a = _Action
+        # Stage 1 backward before anything sends it gradients, on both ranks.
+        bad = {0: [a(0, B, 0)], 1: [a(1, F, 0)]}
+        with self.assertRaisesRegex(AssertionError, "Malformed compute schedule"):
+            rt._add_send_recv(bad, lambda s: s, 2)
+
+    @unittest.skipIf(REDUCE_GRAD is None, "this torch has no REDUCE_GRAD action")
+    def test_add_missing_reduce_grad(self) -> None:
+        a = _Action
+        actions = [
+            a(1, F, 0), a(1, F, 1), a(1, I, 0), a(1, sched.SEND_B, 0), a(1, W, 0),
+            _overlap(a(0, F, 0), a(1, B, 1)), a(1, sched.SEND_B, 1), a(0, B, 0), a(0, sched.SEND_B, 0),
+            a(0, F, 1), a(0, B, 1),
+        ]  # fmt: skip
+        out = rt._add_missing_reduce_grad(actions, n_microbatches=2)
+        reduces = [(i, x.stage_index) for i, x in enumerate(out) if x.computation_type == REDUCE_GRAD]
+        # stage 1's last backward is inside the OVERLAP_F_B: its REDUCE_GRAD follows the trailing send.
+        self.assertEqual(reduces, [(7, 1), (12, 0)])
+        self.assertEqual(out[6], a(1, sched.SEND_B, 1))
+        # A schedule that has its REDUCE_GRADs is left alone.
+        self.assertEqual(rt._add_missing_reduce_grad(out, n_microbatches=2), out)
+
+
+# --------------------------------------------------------------------------- #
+# Multi-process helpers                                                        #
+# --------------------------------------------------------------------------- #
+
+
+def _local_stage_indices(schedule_class: type, rank: int) -> list[int]:
+    if schedule_class in V_SCHEDULES:
+        return [rank, 2 * PP - 1 - rank]
+    return [rank, rank + PP]
+
+
+def _reference_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(MLPStage(D_HID) for _ in range(N_STAGES)))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(N_MICROBATCHES * MB_SIZE, D_HID, generator=gen)
+    y = torch.randn(N_MICROBATCHES * MB_SIZE, D_HID, generator=gen)
+    return x, y
+
+
+def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _reference_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One step of the single-process reference; gradients accumulate like the schedule's."""
+    outputs, losses = [], []
+    for x_mb, y_mb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
+        out = ref(x_mb)
+        loss = _loss_fn(out, y_mb)
+        (loss / N_MICROBATCHES).backward()
+        outputs.append(out.detach())
+        losses.append(loss.detach())
+    return torch.cat(outputs), losses
+
+
+class _PipelineRun:
+    """The local stages of a 4-stage pipeline on 2 ranks, and their reference."""
+
+    def __init__(self, schedule_class: type, rank: int, device: torch.device, group: dist.ProcessGroup) -> None:
+        self.ref = _reference_model().to(device)
+        self.stage_indices = _local_stage_indices(schedule_class, rank)
+        self.modules = [copy.deepcopy(self.ref[i]) for i in self.stage_indices]
+        self.stages = [
+            PipelineStage(module, i, N_STAGES, device, group=group)
+            for module, i in zip(self.modules, self.stage_indices)
+        ]
+        self.schedule = schedule_class(self.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        self.device = device
+
+    def step(self, test: TestCase, step: int) -> None:
+        """Run one step on both, check output, losses and every gradient."""
+        x, y = (t.to(self.device) for t in _batch(step))
+        losses: list[torch.Tensor] = []
+        out = self.schedule.step(x, target=y, losses=losses)
+        ref_out, ref_losses = _reference_step(self.ref, x, y)
+        if N_STAGES - 1 in self.stage_indices:
+            test.assertEqual(out, ref_out)
+            test.assertEqual(losses, ref_losses)
+        self.check_gradients(test)
+
+    def check_gradients(self, test: TestCase) -> None:
+        for module, i in zip(self.modules, self.stage_indices):
+            for (name, p), ref_p in zip(module.named_parameters(), self.ref[i].parameters()):
+                test.assertIsNotNone(p.grad, f"stage {i} {name}: no gradient")
+                torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}")
+
+
+class _RecordingFunctions:
+    """Custom FORWARD and OVERLAP_F_B functions written on the shared bookkeeping."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.last_backwards: list[int] = []
+
+    def forward(self, action: _Action, ctx: sched._PipelineContext) -> None:
+        self.calls["F"] += 1
+        rt.prepare_compute_action(ctx, action)()
+
+    def overlap_f_b(self, action: _Action, ctx: sched._PipelineContext) -> None:
+        self.calls["OVERLAP_F_B"] += 1
+        schedule = ctx.schedule_ref
+        f, b = action.sub_actions
+        counted_before = schedule.backward_counter[b.stage_index]
+        # Bookkeeping in schedule order (forward first), then the two computes.
+        computes = [rt.prepare_compute_action(ctx, a) for a in (f, b)]
+        self.calls["backwards_counted"] += schedule.backward_counter[b.stage_index] - counted_before
+        if schedule.backward_counter.is_last_backward(b.stage_index):
+            self.last_backwards.append(b.stage_index)
+        for compute in computes:
+            compute()
+
+
+# --------------------------------------------------------------------------- #
+# Multi-process tests                                                          #
+# --------------------------------------------------------------------------- #
+
+
+class ScheduleRuntimeTest(MultiProcContinuousTest):
+    world_size = PP
+
+    @classmethod
+    def backend_str(cls) -> str:
+        return "gloo"
+
+    @classmethod
+    def device_type(cls) -> str:
+        return "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type() == "cuda":
+            torch.cuda.set_device(self.rank)
+            return torch.device("cuda", self.rank)
+        return torch.device("cpu")
+
+    def _run(self, schedule_class: type) -> _PipelineRun:
+        torch.set_num_threads(1)
+        return _PipelineRun(schedule_class, self.rank, self.device, dist.group.WORLD)
+
+    def test_register_custom_function_semantics(self) -> None:
+        run = self._run(ScheduleDualPipeV)
+        schedule = run.schedule
+        with self.assertRaisesRegex(ValueError, r"Invalid computation type .*SEND_F.*FORWARD.*OVERLAP_F_B.*RESHARD"):
+            schedule.register_custom_function(sched.SEND_F, lambda action, ctx: None)
+        with self.assertRaisesRegex(ValueError, "Invalid computation type"):
+            schedule.register_custom_function(sched.RECV_B, lambda action, ctx: None)
+        first, second = (lambda action, ctx: None), (lambda action, ctx: None)
+        schedule.register_custom_function(F, first)
+        # Upstream's and this package's register_custom_function warn on their module's logger.
+        logger_name = inspect.unwrap(type(schedule).register_custom_function).__module__
+        with self.assertLogs(logger_name, level=logging.WARNING) as logs:
+            schedule.register_custom_function(F, second)
+        self.assertIn("already registered", "\n".join(logs.output))
+        self.assertIs(schedule._comp_type_to_function_map[F], second)
+        # The state custom functions share lives on the schedule.
+        self.assertIsInstance(schedule.backward_counter, BackwardCounter)
+        self.assertIsInstance(schedule.backward_counter, Counter)
+        for name in ("fwd_recv_ops", "bwd_recv_ops", "unshard_ops", "unsharded_stages"):
+            self.assertEqual(len(getattr(schedule, name)), 0, name)
+        self.assertTrue(callable(schedule._assert_unsharded))
+        self.assertEqual(rt.stage_index_to_stage(schedule), dict(zip(run.stage_indices, run.stages)))
+
+    def test_custom_forward_and_overlap_f_b(self) -> None:
+        run = self._run(ScheduleDualPipeV)
+        functions = _RecordingFunctions()
+        run.schedule.register_custom_function(F, functions.forward)
+        run.schedule.register_custom_function(OVERLAP_F_B, functions.overlap_f_b)
+        lowered = run.schedule.pipeline_order_with_comms[self.rank]
+        n_forward = sum(a.computation_type == F for a in lowered)
+        n_overlap = sum(a.computation_type == OVERLAP_F_B for a in lowered)
+        self.assertGreater(n_overlap, 0, "DualPipeV's lowered schedule lost its OVERLAP_F_B actions")
+        for step in range(2):  # no zero_grad: the second step accumulates
+            run.step(self, step)
+            self.assertEqual(functions.calls["F"], (step + 1) * n_forward)
+            self.assertEqual(functions.calls["OVERLAP_F_B"], (step + 1) * n_overlap)
+            self.assertEqual(functions.calls["backwards_counted"], (step + 1) * n_overlap)
+            # Every local stage had all its backwards counted, built-in and custom together.
+            for i in run.stage_indices:
+                self.assertEqual(run.schedule.backward_counter[i], N_MICROBATCHES)
+
+    @parametrize("schedule_class", MULTI_STAGE_SCHEDULES)
+    def test_gradient_accumulation(self, schedule_class: type) -> None:
+        run = self._run(schedule_class)
+        last_backward_calls: Counter[int] = Counter()
+        for stage in run.stages:
+            for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                original = getattr(stage, name)
+
+                def spy(*args, _original=original, _stage=stage, **kwargs):  # type: ignore[no-untyped-def]
+                    if kwargs.get("last_backward"):
+                        last_backward_calls[_stage.stage_index] += 1
+                    return _original(*args, **kwargs)
+
+                setattr(stage, name, spy)
+        for step in range(2):  # same batch, no zero_grad: the second step doubles the gradients
+            run.step(self, 0)
+            self.assertEqual(dict(last_backward_calls), {i: step + 1 for i in run.stage_indices})
+        once = _reference_model().to(self.device)
+        x, y = (t.to(self.device) for t in _batch(0))
+        _reference_step(once, x, y)
+        for module, i in zip(run.modules, run.stage_indices):
+            for p, p_once in zip(module.parameters(), once[i].parameters()):
+                torch.testing.assert_close(p.grad, 2 * p_once.grad)
+
+    def test_custom_function_error_names_rank_time_step_and_action(self) -> None:
+        run = self._run(ScheduleDualPipeV)
+
+        def broken_unshard(action: _Action, ctx: sched._PipelineContext) -> None:
+            raise ValueError(f"custom UNSHARD failed for {action}")
+
+        # Lowering puts UNSHARD first on every rank, before any receive: no rank waits.
+        first = run.schedule.pipeline_order_with_comms[self.rank][0]
+        self.assertEqual(first.computation_type, sched.UNSHARD)
+        run.schedule.register_custom_function(sched.UNSHARD, broken_unshard)
+        x, y = (t.to(self.device) for t in _batch(0))
+        with self.assertRaises(ValueError) as cm:
+            run.schedule.step(x, target=y)
+        notes = "\n".join(getattr(cm.exception, "__notes__", []))
+        self.assertIn("custom UNSHARD failed", str(cm.exception))
+        self.assertIn(f"[rank {self.rank}]", notes)
+        self.assertIn(f"time step 0 running action {first}", notes)
+
+    def test_run_action_rejects_overlap_and_unknown_types(self) -> None:
+        run = self._run(ScheduleDualPipeV)
+        ctx = sched._PipelineContext(run.schedule)
+        with self.assertRaisesRegex(ValueError, "sub_actions"):
+            rt.run_action(ctx, _overlap(_Action(0, F, 0), _Action(3, B, 0)))
+        with self.assertRaisesRegex(ValueError, "not a FORWARD or backward action"):
+            rt.prepare_compute_action(ctx, _Action(0, sched.SEND_F, 0))
+
+
+instantiate_parametrized_tests(ScheduleRuntimeTest)
+
+
+@unittest.skipIf(torch.cuda.device_count() < PP, "NCCL variant needs {} GPUs".format(PP))
+class ScheduleRuntimeTestNCCL(ScheduleRuntimeTest):
+    @classmethod
+    def backend_str(cls) -> str:
+        return "nccl"
+
+    @classmethod
+    def device_type(cls) -> str:
+        return "cuda"
+
+
+if __name__ == "__main__":
+    run_tests()

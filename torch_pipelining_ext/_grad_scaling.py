@@ -1,0 +1,91 @@
+"""Gradient scaling that leaves gradients carried over from earlier steps alone.
+
+Upstream file: ``torch/distributed/pipelining/stage.py``
+(``_PipelineStageBase.scale_grads`` and ``clear_runtime_states``).
+
+With ``scale_grads=True`` every schedule divides a stage's gradients by the
+number of microbatches once the stage's last backward of the step is done
+(``stage.scale_grads(n)``, directly or through REDUCE_GRAD's
+``perform_reduce_grad``).  ``scale_grads`` divides ``p.grad`` in place -- the
+whole of it, including what ``p.grad`` held before the step.  Accumulating
+gradients over two ``step()`` calls without ``zero_grad()`` therefore gives
+``(1 + 1/n)`` times one step's gradients instead of twice them (and with
+FSDP the same happens to the sharded gradient, which the reduce-scatter adds
+to).
+
+The fix: when a step starts (``clear_runtime_states``, which every schedule
+calls on each stage at the start of ``step()``) the stage remembers the
+gradients it carries in, and ``scale_grads`` scales only what the step added.
+This costs one copy of the carried gradients for the duration of the step,
+and nothing when gradients are ``None`` at the start of the step (the usual
+``optimizer.zero_grad()``, which sets them to ``None``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+# Per stage: (parameter, its gradient when the step started).
+_CARRIED_GRADS: weakref.WeakKeyDictionary[Any, list[tuple[torch.Tensor, torch.Tensor]]] = weakref.WeakKeyDictionary()
+
+
+def _make_clear_runtime_states(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``clear_runtime_states`` to remember the gradients a training step starts with."""
+
+    @functools.wraps(original)
+    def clear_runtime_states(self: Any) -> None:
+        original(self)
+        carried = []
+        if self.has_backward:
+            carried = [(p, p.grad.detach().clone()) for p in self.submod.parameters() if p.grad is not None]
+        if carried:
+            _CARRIED_GRADS[self] = carried
+        else:
+            _CARRIED_GRADS.pop(self, None)
+
+    return clear_runtime_states
+
+
+def _make_scale_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``scale_grads`` to scale only the gradient accumulated in this step."""
+
+    @functools.wraps(original)
+    def scale_grads(self: Any, grad_scale_factor: int) -> None:
+        carried = _CARRIED_GRADS.pop(self, None)
+        if not carried or grad_scale_factor == 1:
+            return original(self, grad_scale_factor)
+        for p, start in carried:
+            if p.grad is not None:
+                p.grad.sub_(start)
+        original(self, grad_scale_factor)
+        for p, start in carried:
+            if p.grad is None:
+                p.grad = start
+            else:
+                p.grad.add_(start)
+
+    return scale_grads
+
+
+def _probe_scale_grads() -> tuple[str, str]:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from torch_pipelining_ext._patching import PatchNeeded
+
+    for name, expected in (("scale_grads", ["self", "grad_scale_factor"]), ("clear_runtime_states", ["self"])):
+        params = list(inspect.signature(getattr(_PipelineStageBase, name)).parameters)
+        if params != expected:
+            raise RuntimeError(f"unrecognised _PipelineStageBase.{name}{tuple(params)}")
+    return PatchNeeded, "scale_grads also divides the gradients carried over from earlier steps"
