@@ -226,6 +226,11 @@ def _overlap_patch() -> Patch:
 
         return _make_register_custom_function(original)  # type: ignore[arg-type]
 
+    def step(original: object) -> object:
+        from torch_pipelining_ext._overlap import _make_step_microbatches
+
+        return _make_step_microbatches(original)  # type: ignore[arg-type]
+
     return Patch(
         name="overlap_f_b",
         targets=(
@@ -233,6 +238,8 @@ def _overlap_patch() -> Patch:
             Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=function_map),
             # registering another OVERLAP_F_B function (the opt-out) replaces it without a warning
             Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=register),
+            # the backward thread lives for one step: joined when the step ends
+            Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=step),
         ),
         probe=probe,
         description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "
