@@ -134,7 +134,9 @@ def _probe_init_p2p_handshake() -> tuple[str, str]:
     fn = _PipelineStageBase._get_init_p2p_neighbors_ops
     recorder = type("_Recorder", (_RecordedP2POp,), {"recorded": []})
     fake_dist = types.SimpleNamespace(P2POp=recorder, isend="isend", irecv="irecv")
-    isolated = types.FunctionType(fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__)
+    isolated = types.FunctionType(
+        fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
     v_middle_stage = types.SimpleNamespace(
         stage_index=1,
         stage_index_to_group_rank={0: 0, 1: 1, 2: 1},

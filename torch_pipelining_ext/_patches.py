@@ -40,6 +40,8 @@ def _patches() -> list[Patch]:
 # the custom-function runtime is upstream and only the counter, the step context
 # and the compute_comms REDUCE_GRAD are patched.
 _RUNTIME = "_PipelineScheduleRuntime"
+_STAGE_BASE = "_PipelineStageBase"
+_RUNTIME_STATE_NAMES = ("_comp_type_to_function_map", "fwd_recv_ops", "bwd_recv_ops", "unshard_ops", "unsharded_stages")
 
 
 def _schedule_runtime_patches() -> list[Patch]:
@@ -50,6 +52,12 @@ def _schedule_runtime_patches() -> list[Patch]:
 
     def probe(name: str) -> Callable[[], tuple[str, str]]:
         return lambda: _rt(name)()
+
+    def install(name: str) -> Callable[[Any], Any]:  # replacement: the module's object
+        return lambda original: _rt(name)
+
+    def wrap(factory: str) -> Callable[[Any], Any]:  # replacement: factory(original)
+        return lambda original: _rt(factory)(original)
 
     def init_p2p_probe() -> tuple[str, str]:
         from torch_pipelining_ext._gloo_p2p import _probe_init_p2p_handshake
@@ -125,10 +133,11 @@ def _schedule_runtime_patches() -> list[Patch]:
         Patch(
             name="runtime_custom_functions",
             targets=(
-                Target(_SCHEDULES, "_PipelineContext", make=lambda original: _rt("_PipelineContext")),
-                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=lambda original: _rt("register_custom_function")),
-                Target(_SCHEDULES, f"{_RUNTIME}._assert_unsharded", make=lambda original: _rt("_assert_unsharded")),
-                *(lazy_state(name) for name in ("_comp_type_to_function_map", "fwd_recv_ops", "bwd_recv_ops", "unshard_ops", "unsharded_stages")),
+                Target(_SCHEDULES, "_PipelineContext", make=install("_PipelineContext")),
+                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=install("register_custom_function")),
+                Target(_SCHEDULES, f"{_RUNTIME}._assert_unsharded", make=install("_assert_unsharded")),
+                # fwd_recv_ops, bwd_recv_ops, unshard_ops, unsharded_stages, _comp_type_to_function_map
+                *(lazy_state(name) for name in _RUNTIME_STATE_NAMES),
             ),
             probe=probe("_probe_custom_functions"),
             description="register_custom_function, _PipelineContext and the recv/unshard state on the schedule",
@@ -136,7 +145,7 @@ def _schedule_runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_step_loop",
-            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=lambda original: _rt("_runtime_step_microbatches")),),
+            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=install("_runtime_step_microbatches")),),
             probe=probe("_probe_step_loop"),
             description="step loop that dispatches custom functions and runs every action through run_action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches (2.10 cycle)",
@@ -144,7 +153,7 @@ def _schedule_runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_keep_overlap_f_b",
-            targets=(Target(_SCHEDULES, "_add_send_recv", make=lambda original: _rt("_add_send_recv")),),
+            targets=(Target(_SCHEDULES, "_add_send_recv", make=install("_add_send_recv")),),
             probe=probe("_probe_overlap_lowering"),
             description="lowering keeps OVERLAP_F_B actions (sends of both sub-actions follow it)",
             upstream="schedules.py _add_send_recv (2.10 cycle)",
@@ -152,7 +161,7 @@ def _schedule_runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_step_context",
-            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=lambda original: _rt("_make_step_context")(original)),),
+            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=wrap("_make_step_context")),),
             probe=probe("_probe_step_context"),
             description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches / _PipelineContext",
@@ -161,8 +170,8 @@ def _schedule_runtime_patches() -> list[Patch]:
         Patch(
             name="scale_grads_per_step",
             targets=(
-                Target(_STAGE, "_PipelineStageBase.clear_runtime_states", make=grad_scaling("_make_clear_runtime_states")),
-                Target(_STAGE, "_PipelineStageBase.scale_grads", make=grad_scaling("_make_scale_grads")),
+                Target(_STAGE, f"{_STAGE_BASE}.clear_runtime_states", make=grad_scaling("_make_clear_runtime_states")),
+                Target(_STAGE, f"{_STAGE_BASE}.scale_grads", make=grad_scaling("_make_scale_grads")),
             ),
             probe=grad_scaling_probe,
             description="scale_grads scales only the step's gradients (accumulation over steps)",
@@ -171,13 +180,7 @@ def _schedule_runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="compute_comms_reduce_grad",
-            targets=(
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}._prepare_schedule_with_comms",
-                    make=lambda original: _rt("_make_prepare_schedule_with_comms")(original),
-                ),
-            ),
+            targets=(Target(_SCHEDULES, f"{_RUNTIME}._prepare_schedule_with_comms", make=wrap("_make_prepare_comms")),),
             probe=probe("_probe_compute_comms_reduce_grad"),
             description="compute_comms schedules get REDUCE_GRAD after each stage's last backward",
             upstream="schedules.py _PipelineScheduleRuntime._prepare_schedule_with_comms (_add_reduce_grad)",

@@ -37,7 +37,7 @@ On every torch, :func:`_make_step_context` wraps the step loop to publish the
 step's ``return_outputs`` / ``loss_kwargs`` (which ``_PipelineContext`` does
 not carry) to :func:`prepare_compute_action`, and to name the rank, time step
 and action in any exception the step raises.  Where torch has a REDUCE_GRAD
-action, :func:`_make_prepare_schedule_with_comms` adds the REDUCE_GRAD a
+action, :func:`_make_prepare_comms` adds the REDUCE_GRAD a
 ``compute_comms`` schedule lacks, so gradients are reduced whatever the CSV.
 """
 
@@ -114,6 +114,11 @@ def _computation_type(name: str) -> Any:
 
 def _reduce_grad_type() -> Any:
     return _computation_type("REDUCE_GRAD")
+
+
+def _compute_types() -> tuple[Any, ...]:
+    """The actions :func:`prepare_compute_action` handles."""
+    return (_schedules.FORWARD, _schedules.FULL_BACKWARD, _schedules.BACKWARD_INPUT, _schedules.BACKWARD_WEIGHT)
 
 
 # --------------------------------------------------------------------------- #
@@ -195,9 +200,9 @@ def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[
 
     The returned ``compute()`` runs the stage (forward and loss, or backward),
     hands outputs or gradients to a local neighbouring stage and, on torches
-    without REDUCE_GRAD, does the last-backward work.  It touches no
-    schedule-level state, so it may run on another thread while another
-    action's closure runs.
+    without REDUCE_GRAD, does the last-backward work.  Of the schedule's
+    state it only appends a forward's loss to ``_internal_losses``, so it may
+    run on another thread while another action's closure runs.
 
     Args:
         ctx: the step's context, as passed to custom functions.
@@ -207,7 +212,7 @@ def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[
     stages = stage_index_to_stage(schedule)
     ctype = action.computation_type
     stage_idx, mb_index = action.stage_index, action.microbatch_index
-    if ctype not in (_schedules.FORWARD, _schedules.FULL_BACKWARD, _schedules.BACKWARD_INPUT, _schedules.BACKWARD_WEIGHT):
+    if ctype not in _compute_types():
         raise ValueError(f"prepare_compute_action: {action} is not a FORWARD or backward action")
     if mb_index is None:
         raise AssertionError(f"{action=} missing mb_index")
@@ -283,7 +288,7 @@ def run_action(ctx: _PipelineContext, action: _Action, send_ops: list[list[dist.
     """
     schedule = ctx.schedule_ref
     ctype = action.computation_type
-    if ctype in (_schedules.FORWARD, _schedules.FULL_BACKWARD, _schedules.BACKWARD_INPUT, _schedules.BACKWARD_WEIGHT):
+    if ctype in _compute_types():
         prepare_compute_action(ctx, action)()
         return
     if ctype == _schedules.OVERLAP_F_B:
@@ -553,9 +558,11 @@ def _add_send_recv(
                     done[rank].add(a)
                     if sends_to_other_rank(a):
                         forward = a.computation_type == F
-                        send = Action(a.stage_index, _schedules.SEND_F if forward else _schedules.SEND_B, a.microbatch_index)
+                        send_type = _schedules.SEND_F if forward else _schedules.SEND_B
+                        recv_type = _schedules.RECV_F if forward else _schedules.RECV_B
+                        send = Action(a.stage_index, send_type, a.microbatch_index)
                         recv_stage = a.stage_index + 1 if forward else a.stage_index - 1
-                        recv = Action(recv_stage, _schedules.RECV_F if forward else _schedules.RECV_B, a.microbatch_index)
+                        recv = Action(recv_stage, recv_type, a.microbatch_index)
                         lowered[rank].append(send)
                         done[rank].add(send)
                         peer = stage_to_rank(recv_stage)
@@ -658,7 +665,7 @@ def _add_missing_reduce_grad(actions: list[_Action], n_microbatches: int) -> lis
     return out
 
 
-def _make_prepare_schedule_with_comms(original: Callable[..., Any]) -> Callable[..., Any]:
+def _make_prepare_comms(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``_PipelineScheduleRuntime._prepare_schedule_with_comms``.
 
     A ``compute_comms`` schedule is taken as given, so one written before

@@ -21,7 +21,6 @@ import tempfile
 import unittest
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from model_registry import FSDPMLPStage, fully_shard_stage
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -100,7 +99,9 @@ class _FSDPPipeline:
     def __init__(self, mesh: DeviceMesh, schedule_class: type, device: torch.device) -> None:
         self.ref = _reference_model().to(device)
         pp_rank = self.mesh_pp_rank = mesh["pp"].get_local_rank()
-        self.stage_indices = _stage_indices(schedule_class in V_SCHEDULES or schedule_class is _PipelineScheduleRuntime, pp_rank)
+        # The CSV schedules (a bare _PipelineScheduleRuntime) place stages like DualPipeV.
+        v_placement = schedule_class in V_SCHEDULES or schedule_class is _PipelineScheduleRuntime
+        self.stage_indices = _stage_indices(v_placement, pp_rank)
         self.modules = [fully_shard_stage(copy.deepcopy(self.ref[i]), mesh["dp"]) for i in self.stage_indices]
         self.stages = [
             PipelineStage(m, i, N_STAGES, device, group=mesh["pp"].get_group())

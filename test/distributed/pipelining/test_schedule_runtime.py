@@ -26,7 +26,6 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
 from torch.distributed.pipelining.schedules import (
     _Action,
-    _PipelineScheduleRuntime,
     ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
