@@ -20,7 +20,10 @@ import os
 import tempfile
 import unittest
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from model_registry import FSDPMLPStage, fully_shard_stage
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -84,6 +87,21 @@ def _stage_indices(v_placement: bool, pp_rank: int) -> list[int]:
     return [pp_rank, N_STAGES - 1 - pp_rank] if v_placement else [pp_rank, pp_rank + PP]
 
 
+def _check_on_all_ranks(check: Callable[[], None], device: torch.device) -> None:
+    """Run ``check`` here and raise on every rank if it failed on any rank."""
+    error: BaseException | None = None
+    try:
+        check()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+        error = e
+    failed = torch.tensor([int(error is not None)], device=device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise AssertionError(f"{int(failed.item())} other rank(s) failed this check; see their errors")
+
+
 def _fsdp_params(module: nn.Module) -> list:
     """The FSDPParams of one ``fully_shard`` module (torch 2.9: one group; 2.10+: a list)."""
     state = fully_shard.state(module)
@@ -122,11 +140,21 @@ class _FSDPPipeline:
             (loss / N_MICROBATCHES).backward()
             ref_outputs.append(ref_out.detach())
             ref_losses.append(loss.detach())
-        if N_STAGES - 1 in self.stage_indices:
-            torch.testing.assert_close(out, torch.cat(ref_outputs))
-            torch.testing.assert_close(losses, ref_losses)
-        self.check_resharded_and_reduced(test)
-        self.check_gradients(test, step)
+        # Collectives first (same on every rank), then the checks; all ranks
+        # fail together, so no rank waits for one that stopped at an assert.
+        full_grads = [
+            [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
+            for module in self.modules
+        ]
+
+        def check() -> None:
+            if N_STAGES - 1 in self.stage_indices:
+                torch.testing.assert_close(out, torch.cat(ref_outputs))
+                torch.testing.assert_close(losses, ref_losses)
+            self.check_resharded_and_reduced(test)
+            self.check_gradients(test, step, full_grads)
+
+        _check_on_all_ranks(check, self.device)
 
     def check_resharded_and_reduced(self, test: MultiProcContinuousTest) -> None:
         for module, i in zip(self.modules, self.stage_indices):
@@ -144,13 +172,11 @@ class _FSDPPipeline:
                     test.assertIsInstance(grad, DTensor, f"{name}: no reduce-scattered gradient")
                     test.assertEqual(grad.placements, (Shard(0),), name)
 
-    def check_gradients(self, test: MultiProcContinuousTest, step: int) -> None:
-        for module, i in zip(self.modules, self.stage_indices):
-            for (name, p), ref_p in zip(module.named_parameters(), self.ref[i].parameters()):
-                test.assertIsNotNone(p.grad, f"step {step} stage {i} {name}: no gradient")
-                torch.testing.assert_close(
-                    p.grad.full_tensor(), ref_p.grad, msg=lambda m: f"step {step} stage {i} {name}: {m}"
-                )
+    def check_gradients(self, test: MultiProcContinuousTest, step: int, full_grads: list[list]) -> None:
+        for module, i, grads in zip(self.modules, self.stage_indices, full_grads):
+            for (name, _), grad, ref_p in zip(module.named_parameters(), grads, self.ref[i].parameters()):
+                test.assertIsNotNone(grad, f"step {step} stage {i} {name}: no gradient")
+                torch.testing.assert_close(grad, ref_p.grad, msg=lambda m: f"step {step} stage {i} {name}: {m}")
 
 
 class _UserBackwardFunctions:

@@ -17,6 +17,7 @@ import inspect
 import logging
 import unittest
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -150,6 +151,22 @@ class LoweringTest(TestCase):
 # --------------------------------------------------------------------------- #
 
 
+def _check_on_all_ranks(check: Callable[[], None], device: torch.device) -> None:
+    """Run ``check`` here and raise on every rank if it failed on any rank
+    (so that no rank starts the next step and waits for one that stopped)."""
+    error: BaseException | None = None
+    try:
+        check()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+        error = e
+    failed = torch.tensor([int(error is not None)], device=device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise AssertionError(f"{int(failed.item())} other rank(s) failed this check; see their errors")
+
+
 def _local_stage_indices(schedule_class: type, rank: int) -> list[int]:
     if schedule_class in V_SCHEDULES:
         return [rank, 2 * PP - 1 - rank]
@@ -204,10 +221,14 @@ class _PipelineRun:
         losses: list[torch.Tensor] = []
         out = self.schedule.step(x, target=y, losses=losses)
         ref_out, ref_losses = _reference_step(self.ref, x, y)
-        if N_STAGES - 1 in self.stage_indices:
-            test.assertEqual(out, ref_out)
-            test.assertEqual(losses, ref_losses)
-        self.check_gradients(test)
+
+        def check() -> None:
+            if N_STAGES - 1 in self.stage_indices:
+                test.assertEqual(out, ref_out)
+                test.assertEqual(losses, ref_losses)
+            self.check_gradients(test)
+
+        _check_on_all_ranks(check, self.device)
 
     def check_gradients(self, test: TestCase) -> None:
         for module, i in zip(self.modules, self.stage_indices):
