@@ -36,9 +36,10 @@ def _patches() -> list[Patch]:
 
 # --- schedule runtime: shared schedule state, custom functions on torch 2.9 ---
 # torch_pipelining_ext/_backward_counter.py, _schedule_runtime.py, _gloo_p2p.py, _grad_scaling.py
-# Upstream: torch/distributed/pipelining/schedules.py and stage.py; on torch 2.10+
-# the custom-function runtime is upstream and only the counter, the step context
-# and the compute_comms REDUCE_GRAD are patched.
+# Upstream: torch/distributed/pipelining/schedules.py and stage.py.  On torch 2.10+
+# the custom-function runtime is upstream; patched there are the counter, the step
+# context, per-step gradient scaling, REDUCE_GRAD for compute_comms schedules and the
+# (legacy-path) stage handshake.  Each probe decides.
 _RUNTIME = "_PipelineScheduleRuntime"
 _STAGE_BASE = "_PipelineStageBase"
 _RUNTIME_STATE_NAMES = ("_comp_type_to_function_map", "fwd_recv_ops", "bwd_recv_ops", "unshard_ops", "unsharded_stages")
@@ -165,7 +166,6 @@ def _schedule_runtime_patches() -> list[Patch]:
             probe=probe("_probe_step_context"),
             description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches / _PipelineContext",
-            requires=("schedule_backward_counter",),
         ),
         Patch(
             name="scale_grads_per_step",
