@@ -19,10 +19,10 @@ Running one action::
       (recv waits, FSDP unshard checks, the
        backward counter and last_backward,
        the loss: everything order-sensitive)
-    start worker --------------------------> B compute (backward, local hand-off
+    hand B to the worker ------------------> B compute (backward, local hand-off
     F compute (forward, loss, local             to the previous stage, last-backward
       hand-off to the next stage)               work on torches without REDUCE_GRAD)
-    join worker <--------------------------- done
+    wait for B <---------------------------- done
     re-raise the first failure, naming rank and action
 
 All bookkeeping is done by ``_schedule_runtime.prepare_compute_action`` on the
@@ -34,8 +34,11 @@ action, so the expert-parallel communication marks of the model
 worker inherits the caller's grad mode, autocast state and current
 accelerator device; profiler ranges are added for both threads only when the
 profiler is on (the worker's appear in traces recorded with
-``_ExperimentalConfig(profile_all_threads=True)``).  The worker is joined
-before the action returns or raises: no thread outlives the action.
+``_ExperimentalConfig(profile_all_threads=True)``).  An action returns or
+raises only once its backward has finished.  The worker thread serves every
+OVERLAP_F_B action of one step (a fresh thread per action would cost
+milliseconds of cold allocator and math-library state each time) and is
+joined when the step ends, however it ends: no thread outlives a step.
 
 Streams (CUDA and other accelerators)
 -------------------------------------
