@@ -210,6 +210,7 @@ class _ThreadState:
     autocast_cache: bool
     device_index: int | None  # current accelerator device
     profiling: bool
+    num_threads: int  # intra-op threads: OpenMP keeps this per thread, a new thread gets the default
 
     @staticmethod
     def capture() -> _ThreadState:
@@ -227,6 +228,7 @@ class _ThreadState:
             autocast_cache=torch.is_autocast_cache_enabled(),
             device_index=device_index,
             profiling=torch.autograd.profiler._is_profiler_enabled,
+            num_threads=torch.get_num_threads(),
         )
 
     @contextlib.contextmanager
@@ -234,6 +236,8 @@ class _ThreadState:
         with contextlib.ExitStack() as stack:
             if self.device_index is not None:
                 torch.accelerator.set_device_index(self.device_index)
+            if torch.get_num_threads() != self.num_threads:
+                torch.set_num_threads(self.num_threads)
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
