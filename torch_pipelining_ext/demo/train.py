@@ -84,6 +84,12 @@ _SEQ_LEN = 16
 _LR = 1e-2
 _PG_TIMEOUT = timedelta(seconds=300)
 _REFERENCE_RTOL = 1e-4
+# --comm-latency-ms is added to every all-to-all in forward and backward, dozens
+# of times per step: a second already makes a step take minutes.
+_MAX_COMM_LATENCY_MS = 1000.0
+# Local gloo ranks per CPU core above which the demo warns: every rank computes
+# on the CPU, and with many ranks per core a step takes minutes.
+_RANKS_PER_CORE_WARNING = 4
 _PACKAGE_HANDLER = "torch_pipelining_ext._overlap.overlap_f_b"
 
 
@@ -177,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="L",
         help=(
             "add L ms to every expert-parallel all-to-all, in forward and in backward, to stand in for a slower "
-            "link than loopback (what overlap hides)"
+            f"link than loopback (what overlap hides); 0 <= L <= {_MAX_COMM_LATENCY_MS:g}"
         ),
     )
     p.add_argument(
@@ -236,8 +242,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
         if value < low:
             error(f"{flag} must be at least {low}, got {value}")
 
-    if not args.comm_latency_ms >= 0:
-        error(f"--comm-latency-ms must be a number of milliseconds >= 0, got {args.comm_latency_ms}")
+    # (not "< 0": nan compares false with everything; inf would reach time.sleep)
+    if not 0 <= args.comm_latency_ms <= _MAX_COMM_LATENCY_MS:
+        error(
+            f"--comm-latency-ms must be a number of milliseconds >= 0 and <= {_MAX_COMM_LATENCY_MS:g}, got "
+            f"{args.comm_latency_ms:g}: it is added to every all-to-all, forward and backward, dozens of times "
+            "per step"
+        )
 
     spec = _schedule_spec(args.schedule)
     if spec is None:
@@ -286,7 +297,30 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
             os.makedirs(args.trace, exist_ok=True)
         except OSError as e:
             error(f"--trace {args.trace!r}: cannot create the directory ({e.strerror}); pass a writable path")
+
+    warning = _oversubscription_warning(args, n_local, _cpu_cores())
+    if warning and not (under_torchrun and environ.get("RANK") != "0"):
+        print(f"{parser.prog}: warning: {warning}", file=sys.stderr, flush=True)
     return args
+
+
+def _cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _oversubscription_warning(args: argparse.Namespace, n_local: int, cores: int) -> str | None:
+    """A warning when far more local gloo ranks than CPU cores would compute (None otherwise)."""
+    if args.backend != "gloo" or n_local <= _RANKS_PER_CORE_WARNING * cores:
+        return None
+    return (
+        f"--pp {args.pp} x --ep {args.ep} starts {n_local} local ranks on {cores} CPU core(s), "
+        f"about {n_local / cores:.0f} per core: every rank computes on the CPU, so each step will take very "
+        f"long; use at most {_RANKS_PER_CORE_WARNING * cores} ranks here (smaller --pp/--ep) or more machines"
+    )
 
 
 # ---------------------------------------------------------------------------

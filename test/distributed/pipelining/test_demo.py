@@ -7,7 +7,8 @@
   sequential run's, both close to the single-process reference, and the
   Chrome traces, the PNG timeline and summary.json written.
 * Argument validation: bad input exits with status 2 and a message naming the
-  flag to change, before any process is spawned.
+  flag to change, before any process is spawned; far more local ranks than
+  CPU cores get a warning.
 """
 
 from __future__ import annotations
@@ -200,6 +201,35 @@ class DemoArgumentsTest(TestCase):
         self.assertIn("--moe-layers must be at least 0, got -1", self._error(["--moe-layers", "-1"]))
         msg = self._error(["--comm-latency-ms", "-1"])
         self.assertIn("--comm-latency-ms must be a number of milliseconds >= 0", msg)
+
+    def test_comm_latency_bounds(self) -> None:
+        # inf made every rank die in time.sleep, 1e12 hung; nan compares false with everything
+        for value in ("inf", "-inf", "nan", "1e12", "1000.5", "-0.5"):
+            msg = self._error([f"--comm-latency-ms={value}"])
+            self.assertIn("--comm-latency-ms must be a number of milliseconds >= 0 and <= 1000", msg)
+            self.assertIn(f"got {float(value):g}", msg)
+        for value in ("0", "0.25", "1000"):
+            args = train.parse_args(["--comm-latency-ms", value], environ={})
+            self.assertEqual(args.comm_latency_ms, float(value))
+
+    def _parse_with_stderr(self, argv: list[str], environ: dict[str, str], cores: int) -> str:
+        stderr = io.StringIO()
+        with mock.patch.object(train, "_cpu_cores", return_value=cores), contextlib.redirect_stderr(stderr):
+            train.parse_args(argv, environ=environ)
+        return stderr.getvalue()
+
+    def test_warns_when_ranks_far_exceed_cores(self) -> None:
+        many = ["--pp", "2", "--ep", "64", "--experts", "64", "--backend", "gloo"]
+        msg = self._parse_with_stderr(many, {}, cores=2)
+        self.assertIn("warning: --pp 2 x --ep 64 starts 128 local ranks on 2 CPU core(s)", msg)
+        self.assertIn("use at most 8 ranks here", msg)
+        # the default 4 ranks on 2 cores, or 128 ranks on 64 cores: no warning
+        self.assertEqual(self._parse_with_stderr(["--backend", "gloo"], {}, cores=2), "")
+        self.assertEqual(self._parse_with_stderr(many, {}, cores=64), "")
+        # under torchrun only rank 0 warns, about the ranks of its own node
+        torchrun = {"WORLD_SIZE": "128", "LOCAL_WORLD_SIZE": "16"}
+        self.assertIn("starts 16 local ranks", self._parse_with_stderr(many, {**torchrun, "RANK": "0"}, cores=2))
+        self.assertEqual(self._parse_with_stderr(many, {**torchrun, "RANK": "5"}, cores=2), "")
 
     def test_nccl_without_gpus(self) -> None:
         if torch.cuda.device_count() >= 4:
