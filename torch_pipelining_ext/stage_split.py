@@ -173,6 +173,11 @@ def _unknown_name_error(model: nn.Module, fqn: str, parts: Sequence[str], depth:
     return ValueError(msg)
 
 
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
+
+
 def _resolve(model: nn.Module, fqn: Any) -> _Item:
     """Find the object named ``fqn`` by walking the module tree along the name
     (cost proportional to the depth of the name, not to the model)."""
@@ -416,7 +421,8 @@ def split_module(model: nn.Module, module_names: Sequence[str], *, move: bool = 
         parts look like).
 
     Raises:
-        TypeError: ``module_names`` is a string or holds non-strings.
+        TypeError: ``model`` is not an ``nn.Module``, or ``module_names`` is
+            a string or holds non-strings.
         ValueError: ``module_names`` is empty or names something that does not
             exist (the message suggests close matches).
 
@@ -426,6 +432,7 @@ def split_module(model: nn.Module, module_names: Sequence[str], *, move: bool = 
     stage (overlaps, state kept by no stage, tensors tied across stages) are
     made by :func:`pipeline_module_split`.
     """
+    _check_model(model)
     items = _resolve_stage(model, module_names, "module_names")
     return _build_stage(model, items, move)
 
@@ -440,6 +447,7 @@ def _split_stages(
 ) -> list[nn.Module]:
     """Validate the split of ``model`` into ``module_names_per_stage`` and
     build the stages ``stage_ids`` (nothing is built if validation fails)."""
+    _check_model(model)
     if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(module_names_per_stage, Sequence):
         raise TypeError(
             "module_names_per_stage must be a sequence with one sequence of FQNs per stage, got "
@@ -470,6 +478,24 @@ def _check_names(arg: str, value: Any) -> list[str]:
         if not isinstance(n, str) or not n:
             raise TypeError(f"{arg} must hold non-empty strings, got {n!r}")
     return names
+
+
+def _check_no_shared_module(named: Sequence[tuple[str, str]]) -> None:
+    """Raise if two entries of ``named`` (``(argument, fqn)`` pairs) are the
+    same module or one lies inside the other: the stage lists would then share
+    it, and :func:`split_module` would copy it into two stages."""
+    by_parts = [(arg, name, tuple(name.split("."))) for arg, name in named]
+    for i, (arg_a, a, pa) in enumerate(by_parts):
+        for arg_b, b, pb in by_parts[i + 1 :]:
+            short, long = (pa, pb) if len(pa) <= len(pb) else (pb, pa)
+            if long[: len(short)] != short:
+                continue
+            where = f"{a!r} ({arg_a}) and {b!r} ({arg_b})"
+            relation = "name the same module" if pa == pb else "overlap (one module contains the other)"
+            raise ValueError(
+                f"{where} {relation}: every module must belong to one place in the pipeline (input modules, "
+                "one layer, output modules, or replicated parameter-free modules)"
+            )
 
 
 def _check_cost(arg: str, value: Any) -> float:
@@ -585,7 +611,9 @@ def generate_module_names_per_stage(
 
     Raises:
         ValueError: fewer units (input modules, layers, output modules) than
-            stages, or invalid counts/costs.
+            stages, invalid counts/costs, or a module named twice (as input
+            and output module, as a layer and a replicated module, ...) or
+            inside another named module.
 
     Example::
 
@@ -609,6 +637,14 @@ def generate_module_names_per_stage(
     inputs = _check_names("input_modules", input_modules)
     outputs = _check_names("output_modules", output_modules)
     replicated = _check_names("replicated_modules", replicated_modules)
+    _check_no_shared_module(
+        [("input_modules", n) for n in inputs]
+        + [("output_modules", n) for n in outputs]
+        + [("replicated_modules", n) for n in replicated]
+        # the layers themselves are distinct and disjoint; their container
+        # stands for all of them in the overlap check
+        + [(f"the layers {layers_prefix}.0..{num_layers - 1}", layers_prefix)] * (num_layers > 0)
+    )
 
     units: list[tuple[float, list[str]]] = []
     if inputs:
@@ -640,6 +676,11 @@ def _schedule_class(schedule: Any) -> type | None:
     from torch.distributed.pipelining import schedules
 
     if isinstance(schedule, type):
+        if not issubclass(schedule, schedules._PipelineSchedule):
+            raise TypeError(
+                f"{schedule.__name__} is not a pipeline schedule class; pass a schedule class such as "
+                "ScheduleInterleaved1F1B, its name, or 'loop' / 'v'"
+            )
         return schedule
     if isinstance(schedule, str):
         name = schedule
@@ -684,8 +725,10 @@ def stage_ids_this_rank(pp_rank: int, pp_size: int, num_stages: int, style: str 
             every other schedule loop-style).
 
     Raises:
+        TypeError: ``style`` is a class that is not a pipeline schedule.
         ValueError: ``num_stages`` not divisible by ``pp_size``, a rank out of
-            range, or a V-style schedule without exactly two stages per rank.
+            range, an unknown style or schedule name, or a V-style schedule
+            without exactly two stages per rank.
 
     Example::
 

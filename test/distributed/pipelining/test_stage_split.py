@@ -431,6 +431,43 @@ class TestBadInput(TestCase):
         with self.assertRaisesRegex(TypeError, "input_modules must be a sequence of module names"):
             generate_module_names_per_stage(2, 2, input_modules="tok_embeddings")
 
+    def test_model_must_be_a_module(self):
+        for bad in ("abc", None, 3):
+            with self.assertRaisesRegex(TypeError, r"model must be an nn.Module, got " + type(bad).__name__):
+                split_module(bad, ["layers.0"])
+            with self.assertRaisesRegex(TypeError, "model must be an nn.Module"):
+                _split_all(bad, [["layers.0"]])
+
+    def test_generator_rejects_a_module_in_two_places(self):
+        cases = [
+            (dict(input_modules=["norm"], output_modules=["norm", "output"]), r"'norm' \(input_modules\) and 'norm' "
+             r"\(output_modules\) name the same module"),
+            (dict(replicated_modules=["layers.1"]), r"'layers.1' \(replicated_modules\) and 'layers' \(the layers "
+             r"layers.0..3\) overlap"),
+            (dict(replicated_modules=["tok_embeddings"]), r"'tok_embeddings' \(input_modules\) and 'tok_embeddings' "
+             r"\(replicated_modules\)"),
+            (dict(input_modules=["layers"]), r"'layers' \(input_modules\) and 'layers' \(the layers"),
+            (dict(output_modules=["norm", "norm"]), r"'norm' \(output_modules\) and 'norm' \(output_modules\)"),
+            ({**_NESTED_NAMES, "input_modules": ["model"]}, r"'model' \(input_modules\) and 'model.norm'"),
+        ]
+        for kwargs, msg in cases:
+            with self.assertRaisesRegex(ValueError, msg):
+                generate_module_names_per_stage(2, 4, **kwargs)
+        # Every stage list the generator returns can be split without copying a module twice.
+        model = ToyLLM(n_layers=4)
+        for n in range(1, 7):
+            names = generate_module_names_per_stage(n, 4)
+            flat = [name for stage in names for name in stage]
+            self.assertEqual(len(flat), len(set(flat)))
+            _split_all(model, names)
+
+    def test_style_class_must_be_a_schedule(self):
+        for bad in (int, nn.Module):
+            with self.assertRaisesRegex(TypeError, f"{bad.__name__} is not a pipeline schedule class"):
+                stage_ids_this_rank(0, 2, 4, bad)
+        with self.assertRaisesRegex(ValueError, "unknown pipeline schedule 'nope'"):
+            stage_ids_this_rank(0, 2, 4, "nope")
+
     def test_stages_not_divisible_by_pp_size(self):
         with self.assertRaisesRegex(ValueError, r"num_stages \(6\) must be divisible by the pipeline size \(4\)"):
             stage_ids_this_rank(0, 4, 6)
