@@ -830,9 +830,40 @@ def pipeline_module_split(
         ``(stages, model_parts)``: this rank's ``PipelineStage`` objects and
         their stage models, in the same order (ascending stage id).
     """
+    return _pipeline_split(
+        model,
+        pp_mesh_or_group,
+        schedule,
+        device,
+        module_names_per_stage,
+        move=move,
+        allow_uncovered=allow_uncovered,
+        stage_kwargs=stage_kwargs,
+    )
+
+
+def _pipeline_split(
+    model: nn.Module,
+    pp_mesh_or_group: Any,
+    schedule: type | str,
+    device: torch.device | str | int,
+    module_names_per_stage: Sequence[Sequence[str]],
+    *,
+    move: bool,
+    allow_uncovered: bool,
+    stage_kwargs: dict[str, Any],
+    prepare_part: Callable[[nn.Module, int, int], nn.Module] | None = None,
+) -> tuple[list[PipelineStage], list[nn.Module]]:
+    """:func:`pipeline_module_split`, with a hook for model-specific wrappers.
+
+    ``prepare_part(part, stage_id, num_stages)`` (e.g. the Hugging Face stage
+    wrapper of :mod:`torch_pipelining_ext.hf`) turns each built stage model
+    into the module the ``PipelineStage`` runs.
+    """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+    _check_model(model)
     for reserved in ("group", "submodule", "stage_index", "num_stages", "device"):
         if reserved in stage_kwargs:
             raise TypeError(f"pipeline_module_split sets {reserved!r} itself; do not pass it in stage_kwargs")
@@ -855,6 +886,8 @@ def pipeline_module_split(
     except TypeError as e:
         raise TypeError(f"stage_kwargs do not fit PipelineStage: {e}") from None
     parts = _split_stages(model, module_names_per_stage, stage_ids, move=move, allow_uncovered=allow_uncovered)
+    if prepare_part is not None:
+        parts = [prepare_part(part, stage_id, num_stages) for part, stage_id in zip(parts, stage_ids)]
     stages = [
         PipelineStage(part, stage_id, num_stages, device, group=group, **stage_kwargs)
         for part, stage_id in zip(parts, stage_ids)
