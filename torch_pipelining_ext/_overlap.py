@@ -82,8 +82,10 @@ On CPU (gloo) there are no streams and the plan is ``None``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import queue
@@ -96,7 +98,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from torch_pipelining_ext.ep_overlap import _CommCoordinator, _Side, get_wait_timeout
+from torch_pipelining_ext import ep_overlap
+from torch_pipelining_ext.ep_overlap import _CommCoordinator, _RNGDevices, _Side, _wait_arg, get_wait_timeout
 
 
 if TYPE_CHECKING:
@@ -164,7 +167,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
 
     schedule = ctx.schedule_ref
     pair = _forward_and_backward(action)
-    if pair is None or not _patch_applied():
+    if pair is None or not _patch_applied() or _same_fsdp_stage(schedule, action):
         for sub in action.sub_actions:
             _schedule_runtime.run_action(ctx, sub)
         return
@@ -190,6 +193,24 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         streams.record_handoffs(stages, fwd_action, bwd_action)
 
 
+def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:
+    """Both sub-actions on one stage that holds ``fully_shard`` modules: run them one after the other.
+
+    FSDP2 keeps per-module state (training state, unsharded parameters) that
+    its forward and backward hooks change.  Run concurrently on one stage,
+    the backward's pre-backward hook would all-gather a layer or not
+    depending on whether the forward thread had resharded it yet, so the
+    data-parallel collectives of a rank would depend on thread timing.
+    """
+    from torch_pipelining_ext import _fsdp_stage, _schedule_runtime
+
+    fwd, bwd = action.sub_actions
+    if fwd.stage_index != bwd.stage_index:
+        return False
+    stage = _schedule_runtime.stage_index_to_stage(schedule).get(fwd.stage_index)
+    return stage is not None and _fsdp_stage.stage_uses_fsdp(stage)
+
+
 def _patch_applied() -> bool:
     from torch_pipelining_ext._patches import _REGISTRY
 
@@ -211,6 +232,9 @@ class _ThreadState:
     device_index: int | None  # current accelerator device
     profiling: bool
     num_threads: int  # intra-op threads: OpenMP keeps this per thread, a new thread gets the default
+    context: contextvars.Context  # a copy of the caller's contextvars
+    # other libraries' thread-local state: (apply, captured value), see ep_overlap.register_thread_state
+    registered: tuple[tuple[Callable[[Any], Any], Any], ...]
 
     @staticmethod
     def capture() -> _ThreadState:
@@ -229,6 +253,8 @@ class _ThreadState:
             device_index=device_index,
             profiling=torch.autograd.profiler._is_profiler_enabled,
             num_threads=torch.get_num_threads(),
+            context=contextvars.copy_context(),
+            registered=tuple((apply, capture()) for capture, apply in list(ep_overlap._thread_state_hooks.values())),
         )
 
     @contextlib.contextmanager
@@ -241,6 +267,8 @@ class _ThreadState:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+            for apply, value in self.registered:
+                stack.enter_context(apply(value))
             yield
 
 
@@ -282,8 +310,8 @@ class _BackwardWorker:
         self._tasks.put(run)
         return done
 
-    def close(self, timeout: float) -> bool:
-        """Stop the thread after its current task; False if it did not end within ``timeout``."""
+    def close(self, timeout: float | None) -> bool:
+        """Stop the thread after its current task; False if it did not end within ``timeout`` (None: no limit)."""
         self._tasks.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -308,7 +336,7 @@ def _close_worker(schedule: Any) -> None:
     worker = _workers.pop(schedule, None)
     if worker is None:
         return
-    if worker.stuck or not worker.close(get_wait_timeout()):
+    if worker.stuck or not worker.close(_wait_arg(get_wait_timeout())):
         logger.error("the OVERLAP_F_B backward thread of %s is stuck; it is left behind", type(schedule).__name__)
 
 
@@ -342,41 +370,53 @@ def _run_overlapped(
     it returns.  Returns the action's coordinator (tests inspect it).
     """
     timeout = get_wait_timeout() if timeout is None else timeout
+    wait_timeout = _wait_arg(timeout)
     coordinator = _CommCoordinator(rank=rank, action=action, timeout=timeout)
-    state = _ThreadState.capture()
     failures: list[tuple[_Side, BaseException]] = []
     failures_lock = threading.Lock()
 
+    def fail(side: _Side, error: BaseException) -> None:
+        with failures_lock:
+            failures.append((side, error))
+        coordinator.stop()  # release the other side now, whatever failed
+
     def run(side: _Side, compute: Callable[[], None]) -> None:
-        try:
-            with contextlib.ExitStack() as stack:
-                if state.profiling:
-                    stack.enter_context(record_function(f"OVERLAP_F_B {side.thread_name} {sub_actions[side]}"))
-                if streams is not None:
-                    stack.enter_context(streams.current(side))
-                stack.enter_context(coordinator.bound(side))
-                compute()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            with failures_lock:
-                failures.append((side, e))
+        with contextlib.ExitStack() as stack:
+            if state.profiling:
+                stack.enter_context(record_function(f"OVERLAP_F_B {side.thread_name} {sub_actions[side]}"))
+            if streams is not None:
+                stack.enter_context(streams.current(side))
+            stack.enter_context(coordinator.bound(side))
+            compute()
 
     def run_backward() -> None:
         with state.applied():
             run(_Side.BACKWARD, backward)
 
+    def backward_task() -> None:
+        # Everything on the worker, its set-up included, is guarded: a failure
+        # reaches the caller at once instead of the thread's excepthook.
+        try:
+            state.context.run(run_backward)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            fail(_Side.BACKWARD, e)
+
     own_worker = worker is None
+    state = _ThreadState.capture()
     if own_worker:
         worker = _BackwardWorker(f"OVERLAP_F_B backward (rank {rank})")
     if streams is not None:
         streams.start()
-    backward_done = worker.submit(run_backward)
+    backward_done = worker.submit(backward_task)
     try:
         run(_Side.FORWARD, forward)
+    except BaseException as e:  # noqa: BLE001 - re-raised below, once the backward has finished
+        fail(_Side.FORWARD, e)
     finally:
         # Always waited for, even on KeyboardInterrupt: no work outlives the action.
-        finished = backward_done.wait(timeout)
+        finished = backward_done.wait(wait_timeout)
         if own_worker and finished:
-            worker.close(timeout)
+            worker.close(wait_timeout)
         if streams is not None:
             streams.join()
     if not finished:
@@ -394,12 +434,31 @@ def _run_overlapped(
         also = ""
         if len(failures) > 1:
             other_side, other = failures[1]
-            also = f" (then the {other_side.thread_name} sub-action raised {type(other).__name__}: {other})"
+            also = f" (then the {other_side.thread_name} sub-action failed: {_describe(other)})"
         raise RuntimeError(
             f"rank {rank}, action {action}: the {side.thread_name} sub-action {sub_actions[side]} "
-            f"raised {type(error).__name__}: {error}{also}"
+            f"failed: {_describe(error)}{also}"
         ) from error
     return coordinator
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The innermost exception of ``error``'s chain of explicit causes."""
+    seen = {id(error)}
+    while error.__cause__ is not None and id(error.__cause__) not in seen:
+        error = error.__cause__
+        seen.add(id(error))
+    return error
+
+
+def _describe(error: BaseException) -> str:
+    """``Type: message`` of the root cause, then of ``error`` if that is a wrapper around it."""
+    root = _root_cause(error)
+    text = f"{type(root).__name__}: {root}"
+    if root is not error:
+        first_line = str(error).split("\n", 1)[0]
+        text += f" (raised as {type(error).__name__}: {first_line})"
+    return text
 
 
 # --------------------------------------------------------------------------- #
@@ -544,6 +603,48 @@ def _make_register_custom_function(original: Callable[..., None]) -> Callable[..
     return register_custom_function
 
 
+def _rng_devices(devices: Any, device_type: str | None) -> _RNGDevices:
+    """The generators ``torch.random.fork_rng(devices, device_type=...)`` forks, resolved as it does."""
+    if device_type == "meta":
+        return _RNGDevices(None, ())
+    if device_type is None:
+        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        device_type = accelerator.type if accelerator is not None else "cuda"
+    module = torch.get_device_module(device_type)
+    if devices is None:
+        devices = range(module.device_count())
+    indices = tuple(d if isinstance(d, int) else (torch.device(d).index or 0) for d in devices)
+    return _RNGDevices(device_type, indices)
+
+
+def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.random.fork_rng`` that, on the backward side of an overlapped action, opens an RNG window.
+
+    Activation checkpointing recomputes inside ``fork_rng``; see [Note:
+    random numbers in an overlapped action] in ``ep_overlap.py``.  Anywhere
+    else it is the original.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
+        binding = ep_overlap._current_binding()
+        if binding is None or binding.side is not _Side.BACKWARD:
+            with original(*args, **kwargs):
+                yield
+            return
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        devices = _rng_devices(bound.arguments.get("devices"), bound.arguments.get("device_type"))
+        preserve = bool(bound.arguments.get("enabled", True))
+        with binding.coordinator.rng_window(binding.side, devices, preserve):
+            with original(*args, **kwargs):
+                yield
+
+    return fork_rng
+
+
 def _probe_overlap() -> tuple[str, str]:
     """Feature probe of the ``overlap_f_b`` patch; raises on unrecognised internals."""
     from torch_pipelining_ext._patching import PatchNeeded
@@ -554,4 +655,8 @@ def _probe_overlap() -> tuple[str, str]:
         getattr(s, name)
     if not callable(getattr(runtime, "register_custom_function", None)):
         raise AttributeError("_PipelineScheduleRuntime.register_custom_function is missing")
+    fork_rng_params = inspect.signature(torch.random.fork_rng).parameters
+    for name in ("devices", "enabled", "device_type"):
+        if name not in fork_rng_params:
+            raise AttributeError(f"torch.random.fork_rng has no {name!r} parameter")
     return PatchNeeded, "torch runs OVERLAP_F_B's sub-actions one after the other"

@@ -234,6 +234,11 @@ def _overlap_patch() -> Patch:
 
         return _make_step_microbatches(original)  # type: ignore[arg-type]
 
+    def fork_rng(original: object) -> object:
+        from torch_pipelining_ext._overlap import _make_fork_rng
+
+        return _make_fork_rng(original)  # type: ignore[arg-type]
+
     return Patch(
         name="overlap_f_b",
         targets=(
@@ -243,6 +248,8 @@ def _overlap_patch() -> Patch:
             Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=register),
             # the backward thread lives for one step: joined when the step ends
             Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=step),
+            # checkpoint recomputation on the backward thread draws the sequential handler's random numbers
+            Target("torch.random", "fork_rng", make=fork_rng),
         ),
         probe=probe,
         description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "

@@ -9,7 +9,10 @@ records every call and any moment two threads were inside a collective at once.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
+import math
 import os
 import random
 import threading
@@ -91,18 +94,30 @@ class Jitter(torch.autograd.Function):
 
 
 class ToyMoELayer(nn.Module):
-    def __init__(self, name: str, comm: FakeComm, jitter: float = 0.0) -> None:
+    def __init__(self, name: str, comm: FakeComm, jitter: float = 0.0, random_ops: bool = False) -> None:
         super().__init__()
-        self.name, self.comm, self.jitter = name, comm, jitter
+        self.name, self.comm, self.jitter, self.random_ops = name, comm, jitter, random_ops
         self.pre = nn.Linear(DIM, DIM)
         self.expert = nn.Linear(DIM, DIM)
 
+    def _draw(self, h: torch.Tensor) -> torch.Tensor:
+        """Dropout, router noise and random token choices: every kind of draw an MoE layer makes."""
+        h = nn.functional.dropout(h, p=0.3, training=True)
+        h = h + 0.01 * torch.rand_like(h) + 0.01 * torch.randn_like(h)
+        h = h[torch.randperm(h.shape[0])]
+        probs = torch.softmax(h.detach(), dim=-1)
+        return h * torch.multinomial(probs, 1).to(h.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = Jitter.apply(self.jitter, torch.tanh(self.pre(x)))
+        if self.random_ops:
+            h = self._draw(h)
         h = ep_overlap.dispatch_begin(h)
         h = FakeAllToAll.apply(self.comm, f"{self.name}.dispatch", h)
         h = ep_overlap.dispatch_end(h)
         h = Jitter.apply(self.jitter, torch.tanh(self.expert(h)))
+        if self.random_ops:
+            h = self._draw(h)
         h = ep_overlap.combine_begin(h)
         h = FakeAllToAll.apply(self.comm, f"{self.name}.combine", h)
         h = ep_overlap.combine_end(h)
@@ -110,20 +125,36 @@ class ToyMoELayer(nn.Module):
 
 
 class ToyStage(nn.Module):
-    def __init__(self, prefix: str, n_layers: int, comm: FakeComm, jitter: float = 0.0, ac: str = "") -> None:
+    """MoE layers and a head; ``ac``: "" (none), "full", "selective", "nested" (a checkpoint around
+    checkpointed layers), "reentrant", or "no_rng" (full, without RNG state preservation)."""
+
+    def __init__(
+        self, prefix: str, n_layers: int, comm: FakeComm, jitter: float = 0.0, ac: str = "", random_ops: bool = False
+    ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(ToyMoELayer(f"{prefix}{i}", comm, jitter) for i in range(n_layers))
+        self.layers = nn.ModuleList(ToyMoELayer(f"{prefix}{i}", comm, jitter, random_ops) for i in range(n_layers))
         self.head = nn.Linear(DIM, DIM)
         self.ac = ac
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, ac: str) -> torch.Tensor:
         for layer in self.layers:
-            if self.ac == "full":
+            if ac == "full":
                 x = checkpoint(layer, x, use_reentrant=False)
-            elif self.ac == "selective":
+            elif ac == "selective":
                 x = checkpoint(layer, x, use_reentrant=False, context_fn=_selective_context)
+            elif ac == "reentrant":
+                x = checkpoint(layer, x, use_reentrant=True)
+            elif ac == "no_rng":
+                x = checkpoint(layer, x, use_reentrant=False, preserve_rng_state=False)
             else:
                 x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ac == "nested":
+            x = checkpoint(self._layers, x, "full", use_reentrant=False)
+        else:
+            x = self._layers(x, self.ac)
         return self.head(x)
 
 
@@ -150,16 +181,25 @@ def expected_order(fwd: str, n_fwd: int, bwd: str, n_bwd: int) -> list[str]:
 class PairRun:
     """A forward stage and a backward stage (whose forward already ran), sharing one FakeComm."""
 
-    def __init__(self, n_fwd: int, n_bwd: int, jitter: float = 0.0, comm_jitter: float = 0.0, ac: str = "") -> None:
+    def __init__(
+        self,
+        n_fwd: int,
+        n_bwd: int,
+        jitter: float = 0.0,
+        comm_jitter: float = 0.0,
+        ac: str = "",
+        random_ops: bool = False,
+    ) -> None:
         torch.manual_seed(0)
         self.comm = FakeComm(jitter=comm_jitter)
-        self.fwd_stage = ToyStage("F", n_fwd, self.comm, jitter)
-        self.bwd_stage = ToyStage("B", n_bwd, self.comm, jitter, ac=ac)
-        self.x_fwd = torch.randn(4, DIM)
+        self.fwd_stage = ToyStage("F", n_fwd, self.comm, jitter, ac=ac, random_ops=random_ops)
+        self.bwd_stage = ToyStage("B", n_bwd, self.comm, jitter, ac=ac, random_ops=random_ops)
+        self.x_fwd = torch.randn(4, DIM, requires_grad=True)
         self.x_bwd = torch.randn(4, DIM, requires_grad=True)
         self.loss = self.bwd_stage(self.x_bwd).square().sum()
         self.comm.log.clear()
         self.out = None
+        torch.manual_seed(1)  # the generator state the pair starts from
 
     def forward(self) -> None:
         self.out = self.fwd_stage(self.x_fwd)
@@ -400,6 +440,184 @@ class CoordinatorTest(TestCase):
             coordinator.open(_Side.BACKWARD, "b2", "combine")  # not its turn: the forward side's
 
 
+class RandomNumbersTest(TestCase):
+    """Every random op on either thread draws what it draws under the sequential handler."""
+
+    def assert_pair_matches_sequential(self, run: PairRun, ref: PairRun) -> None:
+        torch.testing.assert_close(run.out, ref.out, rtol=0, atol=0)
+        for p, q in zip(run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        torch.testing.assert_close(run.x_bwd.grad, ref.x_bwd.grad, rtol=0, atol=0)
+
+    def run_both(self, seed: int, **kwargs) -> tuple[PairRun, torch.Tensor, PairRun, torch.Tensor]:
+        random.seed(seed)  # the timing jitter
+        run = PairRun(2, 2, jitter=0.002, comm_jitter=0.001, random_ops=True, **kwargs)
+        run.run()
+        state = torch.get_rng_state()
+        ref = PairRun(2, 2, random_ops=True, **kwargs)
+        ref.forward()
+        ref.backward()
+        return run, state, ref, torch.get_rng_state()
+
+    @parametrize("ac", ["", "full", "selective", "nested", "reentrant"])
+    def test_random_ops_match_sequential(self, ac: str) -> None:
+        if ac == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+            self.skipTest("selective activation checkpointing needs a newer torch")
+        for seed in range(3):
+            run, state, ref, ref_state = self.run_both(seed, ac=ac)
+            self.assertEqual(run.comm.violations, [])
+            self.assert_pair_matches_sequential(run, ref)
+            # the generator goes on from where the sequential handler leaves it
+            torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
+
+    def test_recomputation_without_rng_preservation_that_draws_raises(self) -> None:
+        with self.assertRaisesRegex(RuntimeError, "rank 0, action 0F0;1B0: the backward sub-action .*preserve_rng_state"):
+            PairRun(1, 1, ac="no_rng", random_ops=True).run()
+
+    def test_recomputation_without_rng_preservation_that_draws_nothing(self) -> None:
+        run = PairRun(2, 2, jitter=0.002, ac="no_rng")
+        run.run()
+        ref = PairRun(2, 2, ac="no_rng")
+        ref.forward()
+        ref.backward()
+        self.assert_pair_matches_sequential(run, ref)
+
+    def test_fork_rng_elsewhere_is_the_original(self) -> None:
+        torch.manual_seed(3)
+        with torch.random.fork_rng():
+            torch.rand(3)
+        torch.testing.assert_close(torch.rand(3), torch.manual_seed(3) and torch.rand(3), rtol=0, atol=0)
+
+
+class FailureTest(TestCase):
+    def test_worker_set_up_failure_is_raised_at_once(self) -> None:
+        def apply(value):
+            raise OSError(f"cannot apply {value}")
+
+        handle = ep_overlap.register_thread_state(lambda: "mesh", apply)
+        try:
+            run = PairRun(2, 2)
+            t0 = time.monotonic()
+            with self.assertRaisesRegex(RuntimeError, r"^rank 0, action 0F0;1B0: the backward sub-action .* failed: OSError: cannot apply mesh") as cm:
+                run.run(timeout=60.0)
+            self.assertLess(time.monotonic() - t0, 30.0)  # not the timeout
+            self.assertIsInstance(cm.exception.__cause__, OSError)
+        finally:
+            handle.remove()
+        self.assertEqual([t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")], [])
+
+    @parametrize("failing_side", ["forward", "backward"])
+    def test_first_line_names_the_root_cause(self, failing_side: str) -> None:
+        def failing() -> None:
+            try:
+                raise ValueError("bad routing table")
+            except ValueError as e:
+                raise RuntimeError("[Stage 3] failed to run forward:\nargs: ...") from e
+
+        run = PairRun(1, 1)
+        fwd, bwd = (failing, run.backward) if failing_side == "forward" else (run.forward, failing)
+        with self.assertRaises(RuntimeError) as cm:
+            _run_overlapped(fwd, bwd, rank=5, action="3F4;1B0", sub_actions=("3F4", "1B0"), timeout=TIMEOUT)
+        first_line = str(cm.exception).split("\n")[0]
+        sub = "3F4" if failing_side == "forward" else "1B0"
+        self.assertTrue(
+            first_line.startswith(f"rank 5, action 3F4;1B0: the {failing_side} sub-action {sub} failed: ValueError: bad routing table"),
+            first_line,
+        )
+        self.assertIn("[Stage 3] failed to run forward", first_line)
+
+
+class TimeoutSettingTest(TestCase):
+    def tearDown(self) -> None:
+        ep_overlap.set_wait_timeout(None)
+        super().tearDown()
+
+    def test_set_wait_timeout(self) -> None:
+        self.assertEqual(ep_overlap.get_wait_timeout(), ep_overlap.DEFAULT_WAIT_TIMEOUT_S)
+        ep_overlap.set_wait_timeout(5)
+        self.assertEqual(ep_overlap.get_wait_timeout(), 5.0)
+        ep_overlap.set_wait_timeout(math.inf)
+        self.assertEqual(ep_overlap.get_wait_timeout(), math.inf)
+        ep_overlap.set_wait_timeout(None)
+        self.assertEqual(ep_overlap.get_wait_timeout(), 600.0)
+        for bad in (True, "5", [5]):
+            with self.assertRaisesRegex(TypeError, "set_wait_timeout: the timeout must be a number"):
+                ep_overlap.set_wait_timeout(bad)
+        for bad in (0, -5, math.nan, -math.inf):
+            with self.assertRaisesRegex(ValueError, "set_wait_timeout: the timeout must be a positive number"):
+                ep_overlap.set_wait_timeout(bad)
+        self.assertEqual(ep_overlap.get_wait_timeout(), 600.0)  # a rejected value changes nothing
+
+    def test_environment_variable(self) -> None:
+        env = ep_overlap.TIMEOUT_ENV
+        for value, expected in (("7", 7.0), (" 0.5 ", 0.5), ("inf", math.inf), ("", 600.0)):
+            with unittest.mock.patch.dict(os.environ, {env: value}):
+                self.assertEqual(ep_overlap.get_wait_timeout(), expected)
+        for value in ("-5", "0", "nan", "abc", "-inf"):
+            with unittest.mock.patch.dict(os.environ, {env: value}):
+                with self.assertRaisesRegex(ValueError, rf"\${env}='{value}'"):
+                    ep_overlap.get_wait_timeout()
+        with unittest.mock.patch.dict(os.environ, {env: "abc"}):
+            ep_overlap.set_wait_timeout(3)  # the programmatic setting wins
+            self.assertEqual(ep_overlap.get_wait_timeout(), 3.0)
+
+    def test_no_limit_runs_and_leaves_no_thread(self) -> None:
+        for _ in range(2):  # the step after is fine too
+            ep_overlap.set_wait_timeout(math.inf)
+            run = PairRun(2, 2, jitter=0.001)
+            run.run(timeout=None)
+            self.assertEqual(run.comm.log, expected_order("F", 2, "B", 2))
+            self.assertEqual([t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")], [])
+
+
+_LIBRARY_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("library_var", default="unset")
+
+
+class ThreadStateTest(TestCase):
+    def test_worker_runs_in_a_copy_of_the_callers_context(self) -> None:
+        seen = {}
+        token = _LIBRARY_VAR.set("caller")
+        try:
+
+            def backward() -> None:
+                seen["backward"] = _LIBRARY_VAR.get()
+                _LIBRARY_VAR.set("changed on the worker")
+
+            _run_overlapped(lambda: None, backward, rank=0, action="a", timeout=5.0)
+            self.assertEqual(seen["backward"], "caller")
+            self.assertEqual(_LIBRARY_VAR.get(), "caller")  # a copy: the caller's is unchanged
+        finally:
+            _LIBRARY_VAR.reset(token)
+
+    def test_registered_thread_state(self) -> None:
+        local = threading.local()
+        local.mesh = "pp x ep mesh"
+        applied = []
+
+        @contextlib.contextmanager
+        def apply(mesh):
+            local.mesh = mesh
+            applied.append(threading.current_thread().name)
+            try:
+                yield
+            finally:
+                del local.mesh
+
+        seen = {}
+        handle = ep_overlap.register_thread_state(lambda: local.mesh, apply)
+        try:
+            _run_overlapped(lambda: None, lambda: seen.setdefault("mesh", getattr(local, "mesh", None)), rank=0, action="a", timeout=5.0)
+        finally:
+            handle.remove()
+        self.assertEqual(seen["mesh"], "pp x ep mesh")
+        self.assertEqual(len(applied), 1)
+        self.assertNotEqual(applied[0], threading.current_thread().name)
+        seen.clear()
+        _run_overlapped(lambda: None, lambda: seen.setdefault("mesh", getattr(local, "mesh", None)), rank=0, action="a", timeout=5.0)
+        self.assertIsNone(seen["mesh"])  # removed: not carried any more
+        with self.assertRaises(TypeError):
+            ep_overlap.register_thread_state(None, apply)
+
 class ThreadStateTest(TestCase):
     def test_worker_inherits_grad_mode_and_autocast(self) -> None:
         seen = {}
@@ -518,20 +736,65 @@ class MarksTest(TestCase):
                 ("close", "combine_end (forward)"),
             ],
         )
-        with self.assertRaisesRegex(ValueError, "no module of Linear has both"):
+        with self.assertRaisesRegex(ValueError, "nothing in Linear .* has both a 'dispatch' and a 'combine' method"):
             ep_overlap.wrap_dispatch_combine(nn.Linear(2, 2))
+        with self.assertRaisesRegex(ValueError, "dispatch and combine must be different methods"):
+            ep_overlap.wrap_dispatch_combine(model, dispatch="dispatch", combine="dispatch")
         del model[0].dispatch, model[0].combine  # undo
         self.assertNotIsInstance(model[0].dispatch, ep_overlap._MarkedMethod)
 
-    def test_timeout_setting(self) -> None:
-        self.assertEqual(ep_overlap.get_wait_timeout(), 600.0)
-        ep_overlap.set_wait_timeout(5)
-        try:
-            self.assertEqual(ep_overlap.get_wait_timeout(), 5)
-        finally:
-            ep_overlap.set_wait_timeout(None)
-        with self.assertRaises(ValueError):
-            ep_overlap.set_wait_timeout(0)
+    def test_wrap_dispatcher_objects(self) -> None:
+        class TokenDispatcher:  # a plain object, as MoE libraries keep their dispatchers
+            def __init__(self) -> None:
+                self.calls = []
+
+            def dispatch(self, x):
+                self.calls.append("dispatch")
+                return x * 2
+
+            def combine(self, y):
+                self.calls.append("combine")
+                return y + 1
+
+        class Experts(nn.Module):
+            def __init__(self, dispatcher) -> None:
+                super().__init__()
+                self.w = nn.Linear(DIM, DIM)
+                self.dispatcher = dispatcher
+                self.top_k = 2  # plain values are not candidates
+
+            def forward(self, x):
+                return self.dispatcher.combine(self.w(self.dispatcher.dispatch(x)))
+
+        shared = TokenDispatcher()
+        model = nn.Sequential(Experts(TokenDispatcher()), Experts(shared), Experts(shared))
+        self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0.dispatcher", "1.dispatcher"])  # shared: once
+        self.assertIsInstance(shared.dispatch, ep_overlap._MarkedMethod)
+        self.assertIsInstance(model[0].dispatcher.combine, ep_overlap._MarkedMethod)
+        order = []
+        coordinator = _CommCoordinator(rank=0, action="a", timeout=5.0)
+        orig_open = coordinator.open
+        coordinator.open = lambda side, where, phase: (order.append(where), orig_open(side, where, phase))
+        coordinator.finish(_Side.BACKWARD)
+        with coordinator.bound(_Side.FORWARD):
+            model[0](torch.randn(2, DIM))
+        self.assertEqual(order, ["dispatch_begin (forward)", "combine_begin (forward)"])
+        # an explicit object
+        other = TokenDispatcher()
+        self.assertEqual(ep_overlap.wrap_dispatch_combine(other), [""])
+        self.assertIsInstance(other.combine, ep_overlap._MarkedMethod)
+
+        class Slotted:
+            __slots__ = ()
+
+            def dispatch(self, x):
+                return x
+
+            def combine(self, x):
+                return x
+
+        with self.assertRaisesRegex(TypeError, "cannot wrap Slotted.dispatch"):
+            ep_overlap.wrap_dispatch_combine(Slotted())
 
 
 class PatchTest(TestCase):
@@ -633,6 +896,8 @@ class StreamPlanTest(TestCase):
         self.assertEqual({t for t, _ in log}, {threading.current_thread().name})
 
 
+instantiate_parametrized_tests(RandomNumbersTest)
+instantiate_parametrized_tests(FailureTest)
 instantiate_parametrized_tests(CoordinatorTest)
 instantiate_parametrized_tests(MarksTest)
 instantiate_parametrized_tests(ThreadStateTest)
