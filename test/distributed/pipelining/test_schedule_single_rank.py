@@ -1,0 +1,278 @@
+# Owner(s): ["oncall: distributed"]
+"""Pipeline schedules with every stage on one rank (world size 1), on CPU and on one GPU.
+
+The variants of the multi-process tests that fit on a single device, in this
+process: a one-rank process group (gloo; ``cpu:gloo,cuda:nccl`` when a GPU
+exists, so CUDA tensors go through NCCL with world size 1).
+``tools/gpu_check.sh`` runs this module on a GPU machine.
+
+* Every multi-stage schedule with all its stages on rank 0 (the V of
+  ``ScheduleDualPipeV`` / ``ScheduleZBVZeroBubble``, the loop of the
+  interleaved ones) and the single-stage ones: outputs, losses and every
+  gradient equal to a single-process reference, over two steps that
+  accumulate gradients.
+* ``ScheduleDualPipeV`` with the package's OVERLAP_F_B: on an MLP, bitwise
+  equal to a sequential OVERLAP_F_B (on CUDA when cuBLAS is deterministic,
+  ``CUBLAS_WORKSPACE_CONFIG=:4096:8``); with the demo's MoE model and an
+  expert-parallel group of size 1 (``all_to_all_single`` and the
+  ``ep_overlap`` marks in both threads), equal to the sequential run and the
+  reference.
+* FSDP2 on a one-rank mesh with the V schedules (split backward included):
+  gradients equal to the reference, every parameter resharded after the step.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import unittest
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from model_registry import FSDPMLPStage, fully_shard_stage, MLPStage
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as sched
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests, TestCase
+
+import torch_pipelining_ext  # noqa: F401  (applies the patches)
+from torch_pipelining_ext import _overlap
+from torch_pipelining_ext._schedule_runtime import run_action
+from torch_pipelining_ext.demo.model import MoEModelArgs, MoETransformer
+from torch_pipelining_ext.stage_split import split_module
+
+
+DIM = 16
+N_MICROBATCHES = 4
+MB_SIZE = 2
+HAS_CUDA = torch.cuda.is_available() and dist.is_nccl_available()
+DEVICES = ["cpu", "cuda"]
+MULTI_STAGE = (
+    sched.ScheduleDualPipeV,
+    sched.ScheduleZBVZeroBubble,
+    sched.ScheduleInterleaved1F1B,
+    sched.ScheduleInterleavedZeroBubble,
+    sched.ScheduleLoopedBFS,
+)
+SINGLE_STAGE = (sched.ScheduleGPipe, sched.Schedule1F1B)
+CUBLAS_DETERMINISTIC = os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
+
+MOE_ARGS = MoEModelArgs(
+    vocab_size=32, dim=16, n_heads=2, n_dense_layers=1, n_moe_layers=3, n_experts=4, top_k=2, moe_hidden=16, dense_hidden=32
+)
+MOE_STAGES = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+SEQ_LEN = 8
+
+
+def _sequential_overlap_f_b(action: sched._Action, ctx: sched._PipelineContext) -> None:
+    """OVERLAP_F_B as upstream runs it: one sub-action after the other."""
+    for sub in action.sub_actions:
+        run_action(ctx, sub)
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    shape = (N_MICROBATCHES * MB_SIZE, DIM)
+    return torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device)
+
+
+def _tokens(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + step)
+    shape = (N_MICROBATCHES * MB_SIZE, SEQ_LEN)
+    tokens = torch.randint(0, MOE_ARGS.vocab_size, shape, generator=gen)
+    return tokens.to(device), torch.randint(0, MOE_ARGS.vocab_size, shape, generator=gen).to(device)
+
+
+def _reference_step(
+    model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The unsplit model on the same microbatches, gradients scaled like the schedules'."""
+    outs, losses = [], []
+    for xm, ym in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
+        out = model(xm)
+        loss = loss_fn(out, ym)
+        (loss / N_MICROBATCHES).backward()
+        outs.append(out.detach())
+        losses.append(loss.detach())
+    return torch.cat(outs), losses
+
+
+def _build(schedule_class: type, parts: list[nn.Module], device: torch.device, loss_fn) -> sched._PipelineSchedule:
+    n = len(parts)
+    stages = [PipelineStage(part, i, n, device) for i, part in enumerate(parts)]
+    if issubclass(schedule_class, sched.PipelineScheduleSingle):
+        return schedule_class(stages[0], N_MICROBATCHES, loss_fn=loss_fn)
+    return schedule_class(stages, N_MICROBATCHES, loss_fn=loss_fn)
+
+
+class _OneRankTestCase(TestCase):
+    """Owns a one-rank default process group for the class (unless one exists already)."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        cls._owns_pg = not dist.is_initialized()
+        if cls._owns_pg:
+            backend = "cpu:gloo,cuda:nccl" if HAS_CUDA else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        elif dist.get_world_size() != 1:
+            raise unittest.SkipTest(f"a process group of {dist.get_world_size()} ranks exists in this process")
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        if cls._owns_pg:
+            dist.destroy_process_group()
+        super().tearDownClass()
+
+    def _device(self, device: str) -> torch.device:
+        if device == "cuda":
+            if not HAS_CUDA:
+                self.skipTest("needs a CUDA device and NCCL")
+            torch.cuda.set_device(0)
+            return torch.device("cuda", 0)
+        torch.set_num_threads(1)
+        return torch.device("cpu")
+
+    def _exact(self, device: torch.device) -> dict[str, float]:
+        """Overlapped vs sequential tolerances: bitwise where the kernels are deterministic."""
+        if device.type == "cpu" or CUBLAS_DETERMINISTIC:
+            return {"rtol": 0.0, "atol": 0.0}
+        return {}
+
+
+class ScheduleSingleRankTest(_OneRankTestCase):
+    @parametrize("device", DEVICES)
+    @parametrize("schedule_class", MULTI_STAGE + SINGLE_STAGE)
+    def test_schedule_matches_reference(self, schedule_class: type, device: str) -> None:
+        dev = self._device(device)
+        n_stages = 1 if issubclass(schedule_class, sched.PipelineScheduleSingle) else 2
+        torch.manual_seed(0)
+        reference = nn.Sequential(*(MLPStage(DIM) for _ in range(n_stages))).to(dev)
+        parts = [copy.deepcopy(m) for m in reference]
+        schedule = _build(schedule_class, parts, dev, _mse)
+        for step in range(2):  # no zero_grad: the second step accumulates
+            x, y = _batch(step, dev)
+            losses: list[torch.Tensor] = []
+            out = schedule.step(x, target=y, losses=losses)
+            ref_out, ref_losses = _reference_step(reference, _mse, x, y)
+            torch.testing.assert_close(out, ref_out)
+            torch.testing.assert_close(losses, ref_losses)
+            for i, (part, ref) in enumerate(zip(parts, reference)):
+                for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
+                    self.assertIsNotNone(p.grad, f"step {step} stage {i} {name}: no gradient")
+                    torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"step {step} stage {i} {name}: {m}")
+
+    @parametrize("device", DEVICES)
+    def test_dualpipev_overlap_bitwise_equal_to_sequential(self, device: str) -> None:
+        dev = self._device(device)
+        torch.manual_seed(0)
+        parts = [MLPStage(DIM, n_layers=3).to(dev) for _ in range(2)]
+        runs = {}
+        for mode in ("overlap", "sequential"):
+            mode_parts = [copy.deepcopy(p) for p in parts]
+            schedule = _build(sched.ScheduleDualPipeV, mode_parts, dev, _mse)
+            if mode == "sequential":
+                schedule.register_custom_function(sched.OVERLAP_F_B, _sequential_overlap_f_b)
+            else:
+                self.assertIs(schedule._comp_type_to_function_map[sched.OVERLAP_F_B], _overlap.overlap_f_b)
+            runs[mode] = (schedule, mode_parts)
+        n_overlap = sum(a.computation_type == sched.OVERLAP_F_B for a in runs["overlap"][0].pipeline_order_with_comms[0])
+        self.assertGreater(n_overlap, 0)
+        for step in range(2):
+            x, y = _batch(step, dev)
+            results = {}
+            for mode, (schedule, _) in runs.items():
+                losses: list[torch.Tensor] = []
+                out = schedule.step(x, target=y, losses=losses)
+                results[mode] = (out, losses)
+            exact = self._exact(dev)
+            torch.testing.assert_close(results["overlap"], results["sequential"], **exact)
+            for a, b in zip(runs["overlap"][1], runs["sequential"][1]):
+                for (name, p), q in zip(a.named_parameters(), b.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, **exact, msg=lambda m: f"step {step} {name}: {m}")
+
+    @parametrize("device", DEVICES)
+    def test_dualpipev_moe_with_one_rank_expert_group(self, device: str) -> None:
+        dev = self._device(device)
+        ep_group = dist.group.WORLD  # one rank: the all-to-alls run, sending to itself
+        torch.manual_seed(0)
+        model = MoETransformer(MOE_ARGS, ep_group=ep_group)
+        torch.manual_seed(0)
+        reference = MoETransformer(MOE_ARGS).to(dev)
+        runs = {}
+        for mode in ("overlap", "sequential"):
+            parts = [split_module(model, names).to(dev) for names in MOE_STAGES]
+            schedule = _build(sched.ScheduleDualPipeV, parts, dev, _cross_entropy)
+            if mode == "sequential":
+                schedule.register_custom_function(sched.OVERLAP_F_B, _sequential_overlap_f_b)
+            runs[mode] = (schedule, parts)
+        for step in range(2):
+            tokens, labels = _tokens(step, dev)
+            results = {}
+            for mode, (schedule, parts) in runs.items():
+                for part in parts:
+                    part.zero_grad(set_to_none=True)
+                losses: list[torch.Tensor] = []
+                out = schedule.step(tokens, target=labels, losses=losses)
+                results[mode] = (out, losses)
+            reference.zero_grad(set_to_none=True)
+            ref_out, ref_losses = _reference_step(reference, _cross_entropy, tokens, labels)
+            # CUDA's index_add accumulates duplicate indices in no fixed order
+            exact = {"rtol": 0.0, "atol": 0.0} if dev.type == "cpu" else {}
+            torch.testing.assert_close(results["overlap"], results["sequential"], **exact)
+            torch.testing.assert_close(results["overlap"], (ref_out, ref_losses))
+            ref_params = dict(reference.named_parameters())
+            seq_params = {n: p for part in runs["sequential"][1] for n, p in part.named_parameters()}
+            for part in runs["overlap"][1]:
+                for name, p in part.named_parameters():
+                    self.assertIsNotNone(p.grad, f"{name}: no gradient")
+                    torch.testing.assert_close(p.grad, seq_params[name].grad, **exact, msg=lambda m: f"{name}: {m}")
+                    torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name} vs reference: {m}")
+
+
+class ScheduleFSDPSingleRankTest(_OneRankTestCase):
+    @parametrize("device", DEVICES)
+    @parametrize("schedule_class", [sched.ScheduleDualPipeV, sched.ScheduleZBVZeroBubble])
+    def test_fsdp_one_rank_mesh(self, schedule_class: type, device: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        dev = self._device(device)
+        mesh = init_device_mesh(dev.type, (1,), mesh_dim_names=("dp",))
+        torch.manual_seed(0)
+        reference = nn.Sequential(*(FSDPMLPStage(DIM) for _ in range(2))).to(dev)
+        parts = [fully_shard_stage(copy.deepcopy(m), mesh) for m in reference]
+        schedule = _build(schedule_class, parts, dev, _mse)
+        for step in range(2):  # no zero_grad: the second step accumulates
+            x, y = _batch(step, dev)
+            losses: list[torch.Tensor] = []
+            out = schedule.step(x, target=y, losses=losses)
+            ref_out, ref_losses = _reference_step(reference, _mse, x, y)
+            torch.testing.assert_close(out, ref_out)
+            torch.testing.assert_close(losses, ref_losses)
+            for i, (part, ref) in enumerate(zip(parts, reference)):
+                for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
+                    self.assertIsInstance(p, DTensor, f"stage {i} {name}: not resharded after the step")
+                    self.assertIsInstance(p.grad, DTensor, f"step {step} stage {i} {name}: no reduced gradient")
+                    torch.testing.assert_close(
+                        p.grad.full_tensor(), ref_p.grad, msg=lambda m: f"step {step} stage {i} {name}: {m}"
+                    )
+                self.assertTrue(all(isinstance(m, FSDPModule) for m in (part, *part.layers)))
+
+
+instantiate_parametrized_tests(ScheduleSingleRankTest)
+instantiate_parametrized_tests(ScheduleFSDPSingleRankTest)
+
+
+if __name__ == "__main__":
+    run_tests()
