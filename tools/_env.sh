@@ -14,7 +14,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
 VENV_DIR="${VENV_DIR:-$REPO_ROOT/.venv/torch-$TORCH_VERSION}"
-EXTRAS="${EXTRAS:-test}"
+EXTRAS="${EXTRAS:-test,hf}"
 
 if [[ "${FRESH:-0}" == "1" ]]; then
     rm -rf "$VENV_DIR"

@@ -421,8 +421,8 @@ def load_stage_weights(
     """Read this rank's stage tensors from a Hugging Face safetensors checkpoint.
 
     Only the tensors the stages hold are read, each straight into its new
-    storage.  Tensors still on the meta device get the checkpoint's dtype
-    (or ``dtype``, for floating-point tensors); others keep their own.
+    storage, and keep the checkpoint's dtype (floating-point ones are cast
+    to ``dtype`` when it is given).
     Weights tied in the model (e.g. ``lm_head.weight`` saved only as the
     input embedding) are read from whichever of their names the checkpoint
     holds.  Checkpoints of the bare base model (keys without the
@@ -508,7 +508,7 @@ def load_stage_weights(
     for old, places, entry in plan:
         if entry is None:
             continue
-        target = entry.dtype if old.is_meta else old.dtype
+        target = entry.dtype
         if dtype is not None and entry.dtype.is_floating_point:
             target = dtype
         buf = torch.empty(entry.shape, dtype=entry.dtype)

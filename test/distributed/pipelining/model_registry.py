@@ -265,3 +265,79 @@ def fully_shard_stage(stage: FSDPMLPStage, mesh: object) -> FSDPMLPStage:
         fully_shard(layer, mesh=mesh)
     fully_shard(stage, mesh=mesh)
     return stage
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face causal LMs (tiny configs, no downloads)
+# ---------------------------------------------------------------------------
+# Used by test_hf_*.py.  Each factory returns a transformers config small
+# enough for four gloo ranks on two CPU cores; dropout is off so that split
+# and unsplit runs compute the same thing.
+
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt2")
+
+
+def tiny_hf_config(family: str, num_layers: int = 3, vocab_size: int = 64, **overrides):
+    """A tiny transformers config of ``family`` (hidden size 32, 4 heads)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(head_dim=8, **common)
+    elif family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, **common)
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+    elif family == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4},
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
+    elif family == "gpt2":
+        cfg = tf.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=32,
+            n_layer=num_layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            loss_type="ForCausalLM",
+        )
+    else:
+        raise ValueError(f"unknown family {family!r}; one of {HF_FAMILIES}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def tiny_hf_model(family: str, seed: int = 0, **kwargs):
+    """A tiny transformers causal LM of ``family`` with seeded random weights."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(tiny_hf_config(family, **kwargs))

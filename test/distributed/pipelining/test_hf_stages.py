@@ -1,0 +1,329 @@
+# Owner(s): ["oncall: distributed"]
+"""Single-process tests of ``torch_pipelining_ext.hf``: every supported
+Hugging Face family (tiny configs) split into stages whose chained forwards,
+:class:`CausalLMLoss` and gradients equal the unsplit model's own forward and
+loss; layout errors; meta construction and per-stage safetensors loading
+(single file, sharded, tied weights, dtype, all-or-nothing errors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import unittest
+import warnings
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from model_registry import HF_FAMILIES, tiny_hf_config, tiny_hf_model
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TestCase,
+)
+
+from torch_pipelining_ext import stage_split as ss
+
+
+try:
+    import safetensors.torch
+    import transformers  # noqa: F401
+
+    from torch_pipelining_ext import _hf_loading, hf
+
+    HAS_TRANSFORMERS = True
+except ImportError:
+    HAS_TRANSFORMERS = False
+
+VOCAB = 64
+
+
+def _split(model: nn.Module, num_stages: int, stage_ids=None) -> list:
+    """All (or ``stage_ids``) stages of ``model`` as HFCausalLMStage modules, in one process."""
+    names = hf.hf_module_names_per_stage(model, num_stages)
+    ids = list(range(num_stages)) if stage_ids is None else stage_ids
+    layout = hf.detect_layout(model)
+    raw = ss._split_stages(model, names, ids)
+    return [
+        hf.HFCausalLMStage(
+            p,
+            layout,
+            i,
+            num_stages,
+            tied_groups=hf._tied_groups(model),
+            full_state_keys=hf._state_keys(model),
+        )
+        for p, i in zip(raw, ids)
+    ]
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (4, 8), generator=g)
+    labels = ids.clone()
+    labels[0, 2:5] = -100  # microbatches with different numbers of labelled tokens
+    labels[3, 1] = -100
+    return ids, labels
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
+class TestHFStages(TestCase):
+    def setUp(self):
+        super().setUp()
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def tearDown(self):
+        torch.set_num_threads(self._threads)
+        super().tearDown()
+
+    @parametrize("family", HF_FAMILIES)
+    def test_stage_chain_matches_hf_forward_loss_and_gradients(self, family):
+        model = tiny_hf_model(family)
+        ids, labels = _batch()
+        ref = model(input_ids=ids, labels=labels)
+        ref.loss.backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stages = _split(model, 3)
+        tie_warnings = [w for w in caught if "shared across pipeline stages" in str(w.message)]
+        self.assertEqual(len(tie_warnings), 1 if family == "gpt2" else 0)
+        loss_fn = hf.CausalLMLoss()
+        loss_fn.set_labels(labels)
+        losses = []
+        for i, (mb_ids, mb_labels) in enumerate(zip(ids.split(2), labels.split(2))):
+            h = mb_ids
+            for stage in stages:
+                h = stage(h)
+            torch.testing.assert_close(h, ref.logits[2 * i : 2 * i + 2])
+            losses.append(loss_fn(h, mb_labels))
+        total = torch.stack(losses).sum()
+        torch.testing.assert_close(total, ref.loss)
+        total.backward()
+        hf.sync_tied_gradients(stages)
+        ref_params = dict(model.named_parameters(remove_duplicate=False))
+        checked = []
+        for stage in stages:
+            for name, p in stage.named_parameters():
+                want = ref_params[name].grad
+                if want is None:
+                    self.assertIsNone(p.grad, name)
+                else:
+                    torch.testing.assert_close(p.grad, want, msg=f"grad of {name}")
+                checked.append(name)
+        self.assertEqual(sorted(checked), sorted(ref_params))
+
+    def test_stage_inputs_and_outputs_are_plain_tensors(self):
+        model = tiny_hf_model("llama", num_layers=2)
+        first, middle, last = _split(model, 3)
+        ids, _ = _batch()
+        h = first(ids)
+        self.assertEqual((type(h), h.shape), (torch.Tensor, (4, 8, 32)))
+        h = middle(h)
+        self.assertEqual(h.shape, (4, 8, 32))
+        self.assertEqual(last(h).shape, (4, 8, VOCAB))
+        with self.assertRaisesRegex(TypeError, "first stage takes token ids"):
+            first(h)
+
+    def test_moe_layers_cost_more(self):
+        model = tiny_hf_model("deepseek_v3", num_layers=4)  # layer 0 dense, 1..3 MoE
+        costs = hf.estimate_layer_costs(model)
+        self.assertEqual(len(costs), 4)
+        self.assertEqual(len(set(costs[1:])), 1)
+        self.assertNotEqual(costs[0], costs[1])
+        names = hf.hf_module_names_per_stage(model, 2, layer_costs=[1, 3, 3, 3])
+        self.assertEqual(names[0][:3], ["model.embed_tokens", "model.layers.0", "model.layers.1"])
+        self.assertEqual(names[1][-3:], ["model.norm", "lm_head", "model.rotary_emb"])
+        with self.assertRaisesRegex(ValueError, "layer_costs must be 'auto'"):
+            hf.hf_module_names_per_stage(model, 2, layer_costs="flops")
+
+    def test_loss_errors(self):
+        loss_fn = hf.CausalLMLoss()
+        logits, labels = torch.randn(1, 4, VOCAB), torch.zeros(1, 4, dtype=torch.long)
+        with self.assertRaisesRegex(RuntimeError, "call set_labels"):
+            loss_fn(logits, labels)
+        with self.assertRaisesRegex(ValueError, "no token to predict"):
+            loss_fn.set_labels(torch.full((2, 4), -100))
+
+    def test_layout_errors_name_what_is_missing(self):
+        with self.assertRaisesRegex(ValueError, "no .config"):
+            hf.detect_layout(nn.Linear(2, 2))
+        model = tiny_hf_model("llama", num_layers=2)
+        model.extra = nn.Linear(2, 2)
+        with self.assertRaisesRegex(ValueError, r"'extra' holds parameters and is neither the base model nor the head"):
+            hf.detect_layout(model)
+        model = tiny_hf_model("gpt2", num_layers=2)
+        del model.transformer.ln_f
+        with self.assertRaisesRegex(ValueError, r"expected one final norm after transformer.h, found none"):
+            hf.detect_layout(model)
+        model = tiny_hf_model("llama", num_layers=2)
+        model.model.adapter = nn.Linear(2, 2)
+        with self.assertRaisesRegex(ValueError, r"model.adapter holds parameters but is not in base_model_pp_plan"):
+            hf.detect_layout(model)
+        model = tiny_hf_model("qwen3_moe", num_layers=2, output_router_logits=True)
+        with self.assertRaisesRegex(ValueError, "output_router_logits"):
+            hf._check_training_config(model)
+
+    def test_stage_placement_errors(self):
+        model = tiny_hf_model("llama", num_layers=2)
+        layout = hf.detect_layout(model)
+        names = [["model.embed_tokens", "model.layers.0", "model.norm", "model.rotary_emb"], ["model.layers.1", "lm_head"]]
+        part = ss._split_stages(model, names, [0])[0]
+        with self.assertRaisesRegex(ValueError, r"stage 0 of 2 holds 'model.norm', which only the last stage can run"):
+            hf.HFCausalLMStage(part, layout, 0, 2)
+        names = [["model.embed_tokens", "model.layers.0", "model.rotary_emb"], ["model.layers.1", "model.norm", "lm_head"]]
+        part = ss._split_stages(model, names, [1])[0]
+        with self.assertRaisesRegex(ValueError, r"stage 1 of 2 runs layers but lacks 'model.rotary_emb'"):
+            hf.HFCausalLMStage(part, layout, 1, 2)
+
+
+def _save_hf(model: nn.Module, directory: str, **kwargs) -> None:
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
+class TestHFLoading(TestCase):
+    """Meta construction and per-stage loading through ``pipeline_hf_causal_lm``
+    on a one-rank gloo group (every stage local)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls._owns_pg = not dist.is_initialized()
+        if cls._owns_pg:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls._owns_pg:
+            dist.destroy_process_group()
+        super().tearDownClass()
+
+    def setUp(self):
+        super().setUp()
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        self._dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self._dir.cleanup)
+        self.dir = self._dir.name
+
+    def tearDown(self):
+        torch.set_num_threads(self._threads)
+        super().tearDown()
+
+    @parametrize("family", ["llama", "gpt2", "deepseek_v3"])
+    @parametrize("sharded", [False, True])
+    def test_meta_build_load_only_stage_tensors(self, family, sharded):
+        ref = tiny_hf_model(family, num_layers=3).to(torch.bfloat16)
+        _save_hf(ref, self.dir, max_shard_size="20KB" if sharded else "1GB")
+        files = os.listdir(self.dir)
+        self.assertEqual("model.safetensors.index.json" in files, sharded)
+        config = tiny_hf_config(family, num_layers=3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # GPT-2's tie across stages
+            stages, parts = hf.pipeline_hf_causal_lm(
+                config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=3, checkpoint=self.dir
+            )
+        self.assertEqual(len(parts), 3)
+        want = ref.state_dict()
+        ids, _ = _batch()
+        h = ids
+        for part in parts:
+            for key, t in part.state_dict().items():
+                self.assertEqual(t.dtype, torch.bfloat16, key)  # the checkpoint's dtype is kept
+                self.assertTrue(torch.equal(t, want[key]), key)
+            self.assertFalse(any(t.is_meta for t in part.state_dict().values()))
+            h = part(h)
+        with torch.no_grad():
+            # bf16 tolerance: ``ref.to(bfloat16)`` also rounded its rotary frequencies, which
+            # stay float32 in the meta-built model (as in ``from_pretrained``)
+            torch.testing.assert_close(h, ref(input_ids=ids).logits, atol=4e-3, rtol=2e-2)
+
+    def test_reads_only_this_stage(self):
+        ref = tiny_hf_model("llama", num_layers=4)
+        _save_hf(ref, self.dir, max_shard_size="20KB")
+        model = hf.meta_causal_lm(tiny_hf_config("llama", num_layers=4))
+        self.assertTrue(all(p.is_meta for p in model.parameters()))
+        self.assertFalse(model.model.rotary_emb.inv_freq.is_meta)
+        (part,) = _split(model, 4, stage_ids=[1])
+        read = []
+        real_read = _hf_loading.read_tensor
+        with mock.patch.object(_hf_loading, "read_tensor", lambda f, e, out: (read.append(e), real_read(f, e, out))):
+            hf.load_stage_weights([part], self.dir)
+        keys = set(part.state_dict())
+        self.assertTrue(keys and all(k.startswith("model.layers.") for k in keys))
+        self.assertEqual(len(read), len(keys))
+        self.assertEqual(sum(e.nbytes for e in read), sum(t.nbytes for t in part.state_dict().values()))
+        for key, t in part.state_dict().items():
+            self.assertTrue(torch.equal(t, ref.state_dict()[key]), key)
+
+    def test_tied_head_read_from_embedding_key(self):
+        ref = tiny_hf_model("gpt2", num_layers=2)
+        _save_hf(ref, self.dir)
+        header = _hf_loading.checkpoint_entries(self.dir)
+        self.assertNotIn("lm_head.weight", header)  # transformers saves the tie once
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (last,) = _split(hf.meta_causal_lm(tiny_hf_config("gpt2", num_layers=2)), 2, stage_ids=[1])
+        hf.load_stage_weights([last], self.dir)
+        self.assertTrue(torch.equal(last.lm_head.weight, ref.transformer.wte.weight))
+
+    def test_errors_list_every_key_and_load_nothing(self):
+        ref = tiny_hf_model("llama", num_layers=2)
+        sd = {k: v.contiguous() for k, v in ref.state_dict().items()}
+        del sd["model.layers.1.mlp.up_proj.weight"], sd["model.norm.weight"]
+        sd["model.layers.7.bogus"] = torch.zeros(2)
+        sd["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+        path = os.path.join(self.dir, "model.safetensors")
+        safetensors.torch.save_file(sd, path)
+        model = hf.meta_causal_lm(tiny_hf_config("llama", num_layers=2))
+        parts = _split(model, 2)
+        msg = (
+            r"missing from the checkpoint \(2\): 'model.layers.1.mlp.up_proj.weight', 'model.norm.weight'; "
+            r"not in the model \(1\): 'model.layers.7.bogus'; shape mismatches \(1\): "
+            r"'model.layers.0.mlp.down_proj.weight': checkpoint \[3, 3\] vs model \[32, 64\]. Nothing was loaded"
+        )
+        with mock.patch.object(_hf_loading, "read_tensor") as read:
+            with self.assertRaisesRegex(ValueError, msg):
+                hf.load_stage_weights(parts, path)
+            self.assertEqual(read.call_count, 0)
+        self.assertTrue(all(p.is_meta for part in parts for p in part.parameters()))
+        with self.assertRaisesRegex(FileNotFoundError, "neither model.safetensors nor"):
+            hf.load_stage_weights(parts, tempfile.mkdtemp(dir=self.dir))
+        with open(os.path.join(self.dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {"model.norm.weight": "absent.safetensors"}}, f)
+        with self.assertRaises(FileNotFoundError):
+            hf.load_stage_weights(parts, self.dir)
+
+    def test_meta_model_needs_checkpoint_or_init(self):
+        config = tiny_hf_config("llama", num_layers=2)
+        with self.assertRaisesRegex(ValueError, "pass checkpoint= .* or init_weights=True"):
+            hf.pipeline_hf_causal_lm(config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2)
+        _, parts = hf.pipeline_hf_causal_lm(
+            config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2, init_weights=True
+        )
+        for part in parts:
+            for key, t in part.state_dict().items():
+                self.assertFalse(t.is_meta, key)
+                self.assertTrue(torch.isfinite(t).all(), key)
+        torch.testing.assert_close(parts[1].model.norm.weight, torch.ones(32))
+
+    def test_real_model_is_copied_not_modified(self):
+        model = tiny_hf_model("qwen3", num_layers=2)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        stages, parts = hf.pipeline_hf_causal_lm(model, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2)
+        self.assertEqual([s.stage_index for s in stages], [0, 1])
+        self.assertEqual(set(parts[0].state_dict()) | set(parts[1].state_dict()), set(before))
+        for k, v in model.state_dict().items():
+            self.assertTrue(torch.equal(v, before[k]), k)
+        self.assertIsNot(parts[0].model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+instantiate_parametrized_tests(TestHFStages)
+instantiate_parametrized_tests(TestHFLoading)
+
+if __name__ == "__main__":
+    run_tests()
