@@ -124,36 +124,52 @@ class _RecordedP2POp:
         self.recorded.append((tensor.dtype, group_peer))
 
 
+class _ProbeStage:
+    """The inputs of the handshake builder for a V-schedule middle stage.
+
+    Stage 1 of three, on group rank 1 with stage 2 (the V's turn), stage 0 on
+    group rank 0.  The attributes set here decide which ops are built; any
+    other attribute the builder reads (the process groups, which torch 2.14
+    keeps per direction) is only handed to ``P2POp`` and reads as ``None``.
+    """
+
+    stage_index = 1
+    stage_index_to_group_rank = {0: 0, 1: 1, 2: 1}
+    group_rank = 1
+    is_first = False
+    is_last = False
+    device = torch.device("cpu")
+
+    def __getattr__(self, name: str) -> None:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 def _probe_init_p2p_handshake() -> tuple[str, str]:
-    """Run torch's handshake builder, with a recording P2POp, for a middle stage
-    whose next stage is on the same rank (V-schedule)."""
+    """Run torch's handshake builder, with a recording ``P2POp``, for a middle
+    stage whose next stage is on the same rank (V-schedule)."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
 
-    fn = _PipelineStageBase._get_init_p2p_neighbors_ops
+    fn = getattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", None)
+    if fn is None:
+        return AlreadyUpstream, "not applicable: torch has no stage-init P2P handshake"
     recorder = type("_Recorder", (_RecordedP2POp,), {"recorded": []})
     fake_dist = types.SimpleNamespace(P2POp=recorder, isend="isend", irecv="irecv")
     isolated = types.FunctionType(
         fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__
     )
-    v_middle_stage = types.SimpleNamespace(
-        stage_index=1,
-        stage_index_to_group_rank={0: 0, 1: 1, 2: 1},
-        group_rank=1,
-        device=torch.device("cpu"),
-        group=None,
-        is_first=False,
-        is_last=False,
-    )
-    isolated(v_middle_stage)
+    stage = _ProbeStage()
+    isolated(stage)
     if not recorder.recorded:
         raise RuntimeError("_get_init_p2p_neighbors_ops built no P2P ops for a middle stage")
     problems = []
     dtypes = {dtype for dtype, _ in recorder.recorded}
     if len(dtypes) > 1:
         problems.append(f"mixes {sorted(str(d) for d in dtypes)}")
-    if any(peer == v_middle_stage.group_rank for _, peer in recorder.recorded):
+    if any(peer == stage.group_rank for _, peer in recorder.recorded):
         problems.append("sends to its own rank")
     if not problems:
         return AlreadyUpstream, "handshake uses one dtype and skips same-rank neighbours"

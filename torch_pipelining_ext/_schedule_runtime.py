@@ -43,10 +43,12 @@ action, :func:`_make_prepare_comms` adds the REDUCE_GRAD a
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import inspect
 import logging
+import textwrap
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -280,8 +282,9 @@ def run_action(ctx: _PipelineContext, action: _Action, send_ops: list[list[dist.
     returns when ``send_ops`` is None); RECV_F/RECV_B start their receives
     and store them in ``schedule.fwd_recv_ops`` / ``bwd_recv_ops`` for the
     compute action to wait; UNSHARD/RESHARD act on every FSDP module of the
-    stage; REDUCE_GRAD (where torch has it) runs FSDP's post-backward and
-    scales the gradients.
+    stage; REDUCE_GRAD and WAIT_REDUCE_GRAD (where torch has them) reduce
+    and scale the gradients as the installed torch does (see
+    :func:`_reduce_grad`).
 
     Raises:
         ValueError: OVERLAP_F_B (run its ``sub_actions``) or an unknown type.
@@ -313,11 +316,19 @@ def run_action(ctx: _PipelineContext, action: _Action, send_ops: list[list[dist.
         schedule.bwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(stage.get_bwd_recv_ops(mb_index))
     elif ctype == _schedules.UNSHARD:
         if _fsdp_stage.stage_uses_fsdp(stage):
+            if _take_marker(schedule, "_deferred_stages", stage_idx):
+                return  # kept unsharded from a step that did not finalize its gradients
             if stage_idx in schedule.unsharded_stages or stage_idx in schedule.unshard_ops:
                 raise AssertionError(f"Unsharding the same {stage_idx=} twice")
             schedule.unshard_ops[stage_idx] = _fsdp_stage.unshard_async(stage)
     elif ctype == _schedules.RESHARD:
         if _fsdp_stage.stage_uses_fsdp(stage):
+            if _take_marker(schedule, "_finalized_stages", stage_idx):
+                return  # the gradient reduction resharded it
+            finalize = getattr(schedule, "_finalize_gradients", True)
+            if not finalize and schedule.backward_counter[stage_idx] == schedule._n_microbatches:
+                schedule._deferred_stages.add(stage_idx)  # keep the accumulated gradients unsharded
+                return
             if stage_idx not in schedule.unsharded_stages:
                 raise AssertionError(f"Resharding {stage_idx=} without unsharding")
             if stage_idx in schedule.unshard_ops:
@@ -325,9 +336,55 @@ def run_action(ctx: _PipelineContext, action: _Action, send_ops: list[list[dist.
             _fsdp_stage.reshard_stage(stage)
             schedule.unsharded_stages.remove(stage_idx)
     elif ctype is not None and ctype == _reduce_grad_type():
-        stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
+        _reduce_grad(schedule, stage)
+    elif ctype is not None and ctype == _computation_type("WAIT_REDUCE_GRAD"):
+        _wait_reduce_grad(schedule, stage)
     else:
         raise ValueError(f"{action=} is unknown or unsupported")
+
+
+def _take_marker(schedule: _PipelineScheduleRuntime, name: str, stage_idx: int) -> bool:
+    """Remove ``stage_idx`` from the schedule's set ``name`` (torch 2.15+); whether it was there."""
+    marked = getattr(schedule, name, None)
+    if marked is None or stage_idx not in marked:
+        return False
+    marked.remove(stage_idx)
+    return True
+
+
+def _grad_scale_factor(schedule: _PipelineScheduleRuntime) -> int:
+    return schedule._n_microbatches if schedule.scale_grads else 1
+
+
+def _reduce_grad(schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase) -> None:
+    """REDUCE_GRAD as the installed torch runs it.
+
+    Before torch 2.15, ``perform_reduce_grad`` runs FSDP's post-backward and
+    scales the gradients.  From 2.15 on, an FSDP stage only starts its
+    reduce-scatter here (WAIT_REDUCE_GRAD waits and scales), and a step with
+    ``finalize_gradients=False`` defers the reduction to a later step.
+    """
+    if not hasattr(stage, "start_gradient_reduction"):
+        stage.perform_reduce_grad(_grad_scale_factor(schedule))
+        return
+    if not schedule._has_backward:
+        return
+    stage_idx = stage.stage_index
+    if not _fsdp_stage.stage_uses_fsdp(stage):
+        stage.perform_reduce_grad(_grad_scale_factor(schedule))
+    elif not schedule._finalize_gradients:
+        schedule._deferred_stages.add(stage_idx)
+    else:
+        stage.start_gradient_reduction()
+        schedule.unsharded_stages.discard(stage_idx)
+        schedule._deferred_stages.discard(stage_idx)
+        schedule._finalized_stages.add(stage_idx)
+
+
+def _wait_reduce_grad(schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase) -> None:
+    """WAIT_REDUCE_GRAD (torch 2.15+): wait for the FSDP reduce-scatter REDUCE_GRAD started, then scale."""
+    if schedule._has_backward and schedule._finalize_gradients and _fsdp_stage.stage_uses_fsdp(stage):
+        stage.wait_for_gradient_reduction(_grad_scale_factor(schedule))
 
 
 # --------------------------------------------------------------------------- #
@@ -639,29 +696,52 @@ def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
 # --------------------------------------------------------------------------- #
 
 
-def _add_missing_reduce_grad(actions: list[_Action], n_microbatches: int) -> list[_Action]:
-    """Insert REDUCE_GRAD after each stage's last backward where ``actions`` has none.
+def _add_missing_reduce_grad(actions: list[_Action | None], n_microbatches: int) -> list[_Action | None]:
+    """Complete the gradient reduction of one rank's compute_comms actions.
 
-    Counts FULL_BACKWARD and BACKWARD_WEIGHT (also inside OVERLAP_F_B) per
-    stage like upstream's ``_add_reduce_grad``; the REDUCE_GRAD goes after the
-    sends that follow the last backward, so they are not delayed by it.
+    Inserts REDUCE_GRAD after each stage's last backward where ``actions`` has
+    none, counting FULL_BACKWARD and BACKWARD_WEIGHT (also inside OVERLAP_F_B)
+    per stage like upstream's ``_add_reduce_grad``; it goes after the sends
+    that follow the last backward, so they are not delayed by it.  Where torch
+    has WAIT_REDUCE_GRAD (2.15+, which requires one after each REDUCE_GRAD),
+    each REDUCE_GRAD without a wait gets one right after it, and a wait whose
+    REDUCE_GRAD is missing is replaced by the added pair.  Anything else is
+    left as it is, for torch to validate.
     """
     reduce_grad = _reduce_grad_type()
-    has_reduce = {a.stage_index for a in actions if a.computation_type == reduce_grad}
+    wait = _computation_type("WAIT_REDUCE_GRAD")
+    present = [a for a in actions if a is not None]
+    reduced = {a.stage_index for a in present if a.computation_type == reduce_grad}
+    waited = {a.stage_index for a in present if wait is not None and a.computation_type == wait}
+
+    def reduction(stage_idx: int) -> list[_Action]:
+        pair = [_schedules._Action(stage_idx, reduce_grad, None)]
+        if wait is not None:
+            pair.append(_schedules._Action(stage_idx, wait, None))
+        return pair
+
     counts: dict[int, int] = defaultdict(int)
-    out: list[_Action] = []
+    out: list[_Action | None] = []
     due: list[int] = []  # stages whose REDUCE_GRAD waits for the trailing sends
     for action in actions:
-        if due and action.computation_type not in (_schedules.SEND_F, _schedules.SEND_B):
-            out.extend(_schedules._Action(s, reduce_grad, None) for s in due)
+        ctype = action.computation_type if action is not None else None
+        if due and ctype not in (_schedules.SEND_F, _schedules.SEND_B):
+            out.extend(a for s in due for a in reduction(s))
             due.clear()
+        if action is None:
+            out.append(action)
+            continue
+        if wait is not None and ctype == wait and action.stage_index not in reduced:
+            continue  # replaced by the pair added after the stage's last backward
         out.append(action)
+        if wait is not None and ctype == reduce_grad and action.stage_index not in waited:
+            out.append(_schedules._Action(action.stage_index, wait, None))
         for a in action.sub_actions if action.sub_actions is not None else (action,):
             if a.computation_type in (_schedules.FULL_BACKWARD, _schedules.BACKWARD_WEIGHT):
                 counts[a.stage_index] += 1
-                if counts[a.stage_index] == n_microbatches and a.stage_index not in has_reduce:
+                if counts[a.stage_index] == n_microbatches and a.stage_index not in reduced:
                     due.append(a.stage_index)
-    out.extend(_schedules._Action(s, reduce_grad, None) for s in due)
+    out.extend(a for s in due for a in reduction(s))
     return out
 
 
@@ -671,17 +751,22 @@ def _make_prepare_comms(original: Callable[..., Any]) -> Callable[..., Any]:
     A ``compute_comms`` schedule is taken as given, so one written before
     REDUCE_GRAD existed (or by hand) has none, and on torch 2.10+ -- where only
     REDUCE_GRAD runs FSDP's post-backward and scales gradients -- its
-    gradients would be neither reduced nor scaled.  Add the missing ones.
+    gradients would be neither reduced nor scaled; on torch 2.15+ one written
+    before WAIT_REDUCE_GRAD existed is rejected.  The missing actions are
+    added before torch reads the schedule (:func:`_add_missing_reduce_grad`).
     """
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def _prepare_schedule_with_comms(self: Any, actions: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, actions, *args, **kwargs)
-        fmt = kwargs.get("format", args[0] if args else "compute_only")
-        if fmt == "compute_comms":
-            for rank, rank_actions in self.pipeline_order_with_comms.items():
-                self.pipeline_order_with_comms[rank] = _add_missing_reduce_grad(rank_actions, self._n_microbatches)
-        return result
+    def _prepare_schedule_with_comms(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["format"] == "compute_comms":
+            bound.arguments["actions"] = {
+                rank: _add_missing_reduce_grad(list(rank_actions), self._n_microbatches)
+                for rank, rank_actions in bound.arguments["actions"].items()
+            }
+        return original(*bound.args, **bound.kwargs)
 
     return _prepare_schedule_with_comms
 
@@ -741,20 +826,38 @@ def _probe_step_context() -> tuple[str, str]:
 
 
 def _probe_compute_comms_reduce_grad() -> tuple[str, str]:
-    """Load a tiny compute_comms schedule without REDUCE_GRAD; does torch add it?"""
+    """Does ``_prepare_schedule_with_comms`` add REDUCE_GRAD to compute_comms schedules?
+
+    Reads the method's ``format == "compute_comms"`` branch: torch's lowering
+    (``_add_reduce_grad``) runs only for compute-only schedules.
+    """
     from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
 
-    reduce_grad = _reduce_grad_type()
-    if reduce_grad is None:
+    if _reduce_grad_type() is None:
         return AlreadyUpstream, "not applicable: torch has no REDUCE_GRAD action, the last backward reduces"
-    A = _schedules._Action
-    runtime = _schedules._PipelineScheduleRuntime
-    probe_schedule = runtime.__new__(runtime)  # no stages needed to lower
-    probe_schedule.pp_group_size, probe_schedule._num_stages, probe_schedule._n_microbatches = 1, 1, 1
-    probe_schedule._stages = []
-    probe_schedule._defer_pp_recv = False
-    actions = {0: [A(0, _schedules.FORWARD, 0), A(0, _schedules.FULL_BACKWARD, 0)]}
-    runtime._prepare_schedule_with_comms(probe_schedule, actions, format="compute_comms")
-    if any(a.computation_type == reduce_grad for a in probe_schedule.pipeline_order_with_comms[0]):
+    method = _schedules._PipelineScheduleRuntime._prepare_schedule_with_comms
+    params = list(inspect.signature(method).parameters)
+    if params != ["self", "actions", "format"]:
+        raise RuntimeError(f"unrecognised _PipelineScheduleRuntime._prepare_schedule_with_comms{tuple(params)}")
+    branch = _compute_comms_branch(method)
+    calls = {
+        node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        for node in ast.walk(ast.Module(body=branch, type_ignores=[]))
+        if isinstance(node, ast.Call)
+    }
+    if any("reduce_grad" in name for name in calls):
         return AlreadyUpstream, "compute_comms schedules get REDUCE_GRAD"
     return PatchNeeded, "a compute_comms schedule without REDUCE_GRAD never reduces or scales gradients"
+
+
+def _compute_comms_branch(method: Callable[..., Any]) -> list[ast.stmt]:
+    """The body of ``if format == "compute_comms":`` in ``method``'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
+            operands = [node.test.left, *node.test.comparators]
+            names = {n.id for n in operands if isinstance(n, ast.Name)}
+            consts = {n.value for n in operands if isinstance(n, ast.Constant)}
+            if names == {"format"} and consts == {"compute_comms"}:
+                return node.body
+    raise RuntimeError("_prepare_schedule_with_comms has no `if format == \"compute_comms\"` branch")

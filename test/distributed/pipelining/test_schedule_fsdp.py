@@ -16,15 +16,10 @@ reduce-scattered (a sharded DTensor; nothing left on the unsharded parameters).
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
-import unittest
-
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+from common_pipelining import check_on_all_ranks, load_csv, nccl_variant, PipelineMultiProcTest
 from model_registry import FSDPMLPStage, fully_shard_stage
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard, FSDPModule
@@ -40,7 +35,6 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Shard
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -51,6 +45,7 @@ import torch_pipelining_ext  # noqa: F401  (applies the patches)
 
 
 REDUCE_GRAD = getattr(sched._ComputationType, "REDUCE_GRAD", None)
+WAIT_REDUCE_GRAD = getattr(sched._ComputationType, "WAIT_REDUCE_GRAD", None)  # torch 2.15+
 
 DIM = 8
 N_MICROBATCHES = 4
@@ -87,21 +82,6 @@ def _stage_indices(v_placement: bool, pp_rank: int) -> list[int]:
     return [pp_rank, N_STAGES - 1 - pp_rank] if v_placement else [pp_rank, pp_rank + PP]
 
 
-def _check_on_all_ranks(check: Callable[[], None], device: torch.device) -> None:
-    """Run ``check`` here and raise on every rank if it failed on any rank."""
-    error: BaseException | None = None
-    try:
-        check()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
-        error = e
-    failed = torch.tensor([int(error is not None)], device=device)
-    dist.all_reduce(failed)
-    if error is not None:
-        raise error
-    if failed.item():
-        raise AssertionError(f"{int(failed.item())} other rank(s) failed this check; see their errors")
-
-
 def _fsdp_params(module: nn.Module) -> list:
     """The FSDPParams of one ``fully_shard`` module (torch 2.9: one group; 2.10+: a list)."""
     state = fully_shard.state(module)
@@ -128,7 +108,7 @@ class _FSDPPipeline:
         self.device = device
         self.schedule: _PipelineScheduleRuntime | None = None
 
-    def step(self, test: MultiProcContinuousTest, step: int) -> None:
+    def step(self, test: PipelineMultiProcTest, step: int) -> None:
         assert self.schedule is not None
         x, y = (t.to(self.device) for t in _batch(step))
         losses: list[torch.Tensor] = []
@@ -154,9 +134,9 @@ class _FSDPPipeline:
             self.check_resharded_and_reduced(test)
             self.check_gradients(test, step, full_grads)
 
-        _check_on_all_ranks(check, self.device)
+        check_on_all_ranks(check, self.device)
 
-    def check_resharded_and_reduced(self, test: MultiProcContinuousTest) -> None:
+    def check_resharded_and_reduced(self, test: PipelineMultiProcTest) -> None:
         for module, i in zip(self.modules, self.stage_indices):
             for fsdp_module in (m for m in module.modules() if isinstance(m, FSDPModule)):
                 for fsdp_param in _fsdp_params(fsdp_module):
@@ -172,7 +152,7 @@ class _FSDPPipeline:
                     test.assertIsInstance(grad, DTensor, f"{name}: no reduce-scattered gradient")
                     test.assertEqual(grad.placements, (Shard(0),), name)
 
-    def check_gradients(self, test: MultiProcContinuousTest, step: int, full_grads: list[list]) -> None:
+    def check_gradients(self, test: PipelineMultiProcTest, step: int, full_grads: list[list]) -> None:
         for module, i, grads in zip(self.modules, self.stage_indices, full_grads):
             for (name, _), grad, ref_p in zip(module.named_parameters(), grads, self.ref[i].parameters()):
                 test.assertIsNotNone(grad, f"step {step} stage {i} {name}: no gradient")
@@ -239,27 +219,11 @@ _COMPUTE_ONLY_CSV = """\
 _MESH: DeviceMesh | None = None
 
 
-class ScheduleFSDPTest(MultiProcContinuousTest):
+class ScheduleFSDPTest(PipelineMultiProcTest):
     world_size = PP * DP
-
-    @classmethod
-    def backend_str(cls) -> str:
-        return "gloo"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cpu"
-
-    @property
-    def device(self) -> torch.device:
-        if self.device_type() == "cuda":
-            torch.cuda.set_device(self.rank)
-            return torch.device("cuda", self.rank)
-        return torch.device("cpu")
 
     def _pipeline(self, schedule_class: type) -> _FSDPPipeline:
         global _MESH
-        torch.set_num_threads(1)
         if _MESH is None:
             _MESH = init_device_mesh(self.device_type(), (PP, DP), mesh_dim_names=("pp", "dp"))
         return _FSDPPipeline(_MESH, schedule_class, self.device)
@@ -293,47 +257,47 @@ class ScheduleFSDPTest(MultiProcContinuousTest):
         self._run_two_steps(pipeline)
         self.assertEqual(functions.calls, 2 * len(pipeline.stage_indices) * N_MICROBATCHES)
 
-    def _load_csv(self, schedule: _PipelineScheduleRuntime, text: str, fmt: str) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "schedule.csv")
-            with open(path, "w") as f:
-                f.write(text)
-            schedule._load_csv(path, format=fmt)
-
     def test_fsdp_compute_only_csv_with_forward_between_input_and_weight(self) -> None:
         pipeline = self._pipeline(_PipelineScheduleRuntime)
         schedule = _PipelineScheduleRuntime(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
-        self._load_csv(schedule, _COMPUTE_ONLY_CSV, "compute_only")
+        load_csv(schedule, _COMPUTE_ONLY_CSV, "compute_only")
         lowered = schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank]
         self.assertTrue(any(a.computation_type == sched.OVERLAP_F_B for a in lowered))
         pipeline.schedule = schedule
         self._run_two_steps(pipeline)
 
-    def test_fsdp_compute_comms_csv_with_overlap_f_b(self) -> None:
+    @parametrize("written_without", ["REDUCE_GRAD", "WAIT_REDUCE_GRAD"])
+    def test_fsdp_compute_comms_csv_with_overlap_f_b(self, written_without: str) -> None:
         pipeline = self._pipeline(_PipelineScheduleRuntime)
-        # The lowered DualPipeV schedule, written as a compute_comms CSV without
-        # REDUCE_GRAD (as written by hand, or before REDUCE_GRAD existed).
+        # The lowered DualPipeV schedule, written as a compute_comms CSV by hand
+        # or for an older torch: without REDUCE_GRAD (and so without its
+        # WAIT_REDUCE_GRAD; before torch 2.10), or with REDUCE_GRAD but without
+        # WAIT_REDUCE_GRAD (torch 2.10 - 2.14).
         lowered = ScheduleDualPipeV(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn).pipeline_order_with_comms
-        rows = [[a for a in lowered[rank] if a.computation_type != REDUCE_GRAD] for rank in sorted(lowered)]
+        dropped = {WAIT_REDUCE_GRAD} if written_without == "WAIT_REDUCE_GRAD" else {REDUCE_GRAD, WAIT_REDUCE_GRAD}
+        rows = [[a for a in lowered[rank] if a.computation_type not in dropped] for rank in sorted(lowered)]
         self.assertTrue(any(a.computation_type == sched.OVERLAP_F_B for row in rows for a in row))
+        if REDUCE_GRAD is not None:
+            self.assertEqual(
+                any(a.computation_type == REDUCE_GRAD for row in rows for a in row), written_without != "REDUCE_GRAD"
+            )
         schedule = _PipelineScheduleRuntime(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
-        self._load_csv(schedule, "".join(",".join(map(str, row)) + "\n" for row in rows), "compute_comms")
+        load_csv(schedule, "".join(",".join(map(str, row)) + "\n" for row in rows), "compute_comms")
+        self.assertEqual(
+            _reduce_grad_actions(schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank]),
+            _reduce_grad_actions(lowered[pipeline.mesh_pp_rank]),
+        )
         pipeline.schedule = schedule
         self._run_two_steps(pipeline)
 
 
+def _reduce_grad_actions(actions: list[_Action]) -> list[_Action]:
+    """The REDUCE_GRAD and WAIT_REDUCE_GRAD actions, in order."""
+    return [a for a in actions if a.computation_type is not None and a.computation_type in (REDUCE_GRAD, WAIT_REDUCE_GRAD)]
+
+
 instantiate_parametrized_tests(ScheduleFSDPTest)
-
-
-@unittest.skipIf(torch.cuda.device_count() < PP * DP, "NCCL variant needs {} GPUs".format(PP * DP))
-class ScheduleFSDPTestNCCL(ScheduleFSDPTest):
-    @classmethod
-    def backend_str(cls) -> str:
-        return "nccl"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cuda"
+ScheduleFSDPTestNCCL = nccl_variant(ScheduleFSDPTest)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+# Owner(s): ["oncall: distributed"]
+"""Helpers shared by the pipelining tests.
+
+* :class:`PipelineMultiProcTest` -- ``MultiProcContinuousTest`` with what every
+  multi-process class here needs: the backend and device (gloo on CPU, or
+  NCCL with one GPU per rank), one intra-op thread per rank, and fresh ranks
+  after a failed test instead of skipping the rest of the class.
+* :func:`nccl_variant` -- the NCCL copy of a gloo test class, guarded by
+  upstream's ``requires_nccl()`` and ``skip_if_lt_x_gpu(world_size)``.
+* :func:`check_on_all_ranks` -- assertions that fail on every rank together.
+* :func:`load_csv` -- load a schedule written as a string.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest,
+    requires_nccl,
+    skip_if_lt_x_gpu,
+)
+
+
+__all__ = ["check_on_all_ranks", "load_csv", "nccl_variant", "PipelineMultiProcTest"]
+
+
+class PipelineMultiProcTest(MultiProcContinuousTest):
+    """``world_size`` ranks, kept alive across the tests of a class.
+
+    ``backend`` is ``"gloo"`` (CPU) or ``"nccl"`` (``cuda:<rank>``); tests use
+    :attr:`device`.  Each rank runs with one intra-op thread, so that four
+    ranks fit on two cores.
+
+    ``MultiProcContinuousTest`` skips every test after a failed one
+    ("Previous test failed"), because a rank that failed may have left the
+    others inside a collective.  Here the ranks are ended instead and the next
+    test runs on new ones: each failure is reported by the test that failed,
+    and no later test is hidden by it.
+    """
+
+    backend: ClassVar[str] = "gloo"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Every class spawns its own ranks; a subclass must not use its parent's.
+        cls._processes_spawned = False
+        cls.poison_pill = False
+
+    @classmethod
+    def backend_str(cls) -> str:
+        return cls.backend
+
+    @classmethod
+    def device_type(cls) -> str:
+        return "cuda" if cls.backend == "nccl" else "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type() == "cuda":
+            return torch.device("cuda", self.rank)
+        return torch.device("cpu")
+
+    @classmethod
+    def _init_pg(cls, rank: int, world_size: int, rdvz_file: str) -> None:
+        # Runs once in each rank's process, before its first test.
+        torch.set_num_threads(1)
+        if cls.device_type() == "cuda":
+            torch.cuda.set_device(rank)
+        super()._init_pg(rank, world_size, rdvz_file)
+
+    def setUp(self) -> None:
+        cls = type(self)
+        if self.device_type() == "cuda" and torch.cuda.device_count() < cls.world_size:
+            # skip_if_lt_x_gpu (see nccl_variant) skips inside the ranks; checking
+            # here as well spares spawning ranks that have no GPU to run on.
+            self.skipTest(f"Need at least {cls.world_size} CUDA devices")
+        if cls.poison_pill:
+            cls._restart_ranks()
+        super().setUp()
+
+    @classmethod
+    def _restart_ranks(cls) -> None:
+        """End the ranks of a class whose last test failed; the next test spawns new ones."""
+        for process in cls.processes:
+            process.terminate()
+        for process in cls.processes:
+            process.join(timeout=60)
+        if cls.rdvz_file is not None and os.path.exists(cls.rdvz_file):
+            os.remove(cls.rdvz_file)
+        cls.poison_pill = False
+        if hasattr(cls, "_ensure_processes_spawned"):
+            cls._processes_spawned = False  # spawned again by setUp
+        else:  # torch whose MultiProcContinuousTest spawns in setUpClass only
+            cls._spawn_processes(cls.world_size)
+
+
+def nccl_variant(test_class: type[PipelineMultiProcTest], name: str | None = None) -> type[PipelineMultiProcTest]:
+    """The NCCL variant of a gloo test class: the same tests, one GPU per rank.
+
+    ``requires_nccl()`` skips the class without NCCL (no rank is spawned), and
+    every test carries ``skip_if_lt_x_gpu(world_size)``.  Create it after
+    ``instantiate_parametrized_tests(test_class)``, and bind it to a module
+    name so that the test runner finds it::
+
+        ScheduleRuntimeTestNCCL = nccl_variant(ScheduleRuntimeTest)
+    """
+    name = name or f"{test_class.__name__}NCCL"
+    namespace: dict[str, Any] = {
+        "backend": "nccl",
+        "__module__": test_class.__module__,
+        "__qualname__": name,
+        "__doc__": f"{test_class.__name__} on NCCL, one GPU per rank.",
+    }
+    for attr in dir(test_class):
+        if attr.startswith("test"):
+            namespace[attr] = skip_if_lt_x_gpu(test_class.world_size)(getattr(test_class, attr))
+    return requires_nccl()(type(name, (test_class,), namespace))
+
+
+def check_on_all_ranks(
+    check: Callable[[], None],
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Run ``check`` on this rank; raise on every rank of ``group`` if it failed on any.
+
+    A rank that stops at a failed assertion would leave the others waiting in
+    the next collective; here they all learn of the failure and raise
+    together, so no assertion sits between collectives.  Run collectives the
+    checks need (gathering gradients, say) before calling this.
+    """
+    error: Exception | None = None
+    try:
+        check()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+        error = e
+    failed = torch.tensor([int(error is not None)], device=device)
+    dist.all_reduce(failed, group=group)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise AssertionError(f"{int(failed.item())} other rank(s) failed this check; see their errors")
+
+
+def load_csv(schedule: Any, text: str, format: str = "compute_only") -> None:
+    """``schedule._load_csv`` of a schedule given as CSV text (through a temporary file, removed after)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "schedule.csv")
+        with open(path, "w") as f:
+            f.write(text)
+        schedule._load_csv(path, format=format)
