@@ -123,8 +123,8 @@ for name in "${ALL_PATCHES[@]}"; do
     diff="${dir}/patch.diff"
     test_file="$(ls "${dir}"/test_*.py 2>/dev/null | head -n 1)"
     [[ -f "${diff}" && -n "${test_file}" ]] || { echo "${name}: missing patch.diff or test_*.py"; status=1; continue; }
-    added=$(grep -c '^+[^+]' "${diff}" || true)
-    removed=$(grep -c '^-[^-]' "${diff}" || true)
+    added=$(grep -v '^+++ ' "${diff}" | grep -c '^+')
+    removed=$(grep -v '^--- ' "${diff}" | grep -c '^-')
     if ! patch -p1 --fuzz=0 --no-backup-if-mismatch --batch -d "${PATCHED}/site" <"${diff}" >"${LOG_DIR}/${name}.apply.log" 2>&1; then
         ROWS+=("${name}|+${added} -${removed}|does not apply|-|-")
         status=1
