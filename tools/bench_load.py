@@ -1,0 +1,231 @@
+"""Benchmark: loading one pipeline stage of a Hugging Face checkpoint.
+
+Writes a ~1.1B-parameter bf16 Llama checkpoint (TinyLlama-shaped: hidden 2048,
+22 layers, vocab 32000; random weights, sharded safetensors) to a temporary
+directory, then loads stage 1 of 4 in two fresh processes, side by side:
+
+* ``stage_load``: ``meta_causal_lm`` + split + ``load_stage_weights``
+  (torch_pipelining_ext.hf): only the stage's tensors are read;
+* ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained`` of the whole
+  model, then ``split_module`` of stage 1 (and the whole model dropped).
+
+For each, the extra peak RSS (from after the imports to the loaded stage) is
+divided by the stage's bytes.  The stage's tensors are then compared with the
+checkpoint.  The last line is::
+
+    stage_load_rss_ratio=<..> from_pretrained_rss_ratio=<..>
+
+Target: ``stage_load_rss_ratio <= 1.1``.
+
+Usage: ``python tools/bench_load.py [--dir DIR] [--keep]`` (needs the ``hf``
+extra; about 2.3 GB of disk and 5 GB of RAM at peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NUM_STAGES = 4
+STAGE = 1
+SHARD_BYTES = 512 * 1024**2
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+
+
+def write_checkpoint(directory: str) -> dict:
+    """Write the checkpoint one shard at a time (never the whole model in memory)."""
+    import safetensors.torch
+    import torch
+
+    from torch_pipelining_ext.hf import meta_causal_lm
+
+    torch.manual_seed(0)
+    config = _config()
+    config.save_pretrained(directory)
+    model = meta_causal_lm(config, dtype=torch.bfloat16)
+    shapes = {k: t.shape for k, t in model.state_dict().items()}
+    pool = torch.randn(max(s.numel() for s in shapes.values()) + 1_000_003, dtype=torch.bfloat16)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total = 0
+    files: list[tuple[str, dict]] = []
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            safetensors.torch.save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
+            files.append((name, shard))
+            shard, shard_bytes = {}, 0
+
+    for i, (key, shape) in enumerate(shapes.items()):
+        offset = (i * 7919) % 1_000_003  # windows of one pool: no two tensors equal
+        t = pool[offset : offset + shape.numel()].view(shape).clone()
+        if shard_bytes + t.nbytes > SHARD_BYTES:
+            flush()
+        shard[key] = t
+        weight_map[key] = f"model-{len(files) + 1:05d}.safetensors"
+        shard_bytes += t.nbytes
+        total += t.nbytes
+    flush()
+    n = len(files)
+    renamed = {}
+    for j, (name, _) in enumerate(files):
+        new = f"model-{j + 1:05d}-of-{n:05d}.safetensors"
+        os.rename(os.path.join(directory, name), os.path.join(directory, new))
+        renamed[name] = new
+    index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    return dict(n_params=sum(s.numel() for s in shapes.values()), bytes=total, shards=n)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def worker(method: str, directory: str) -> dict:
+    import torch
+    import transformers  # noqa: F401  (imports before the measurement)
+
+    from torch_pipelining_ext import hf, stage_split
+
+    torch.set_num_threads(1)
+    config = _config()
+    rss_before = _status("VmRSS")
+    peak_reset = _reset_peak()
+    hwm_before = _status("VmHWM")
+    t0 = time.perf_counter()
+    if method == "stage_load":
+        model = hf.meta_causal_lm(config)
+        names = hf.hf_module_names_per_stage(model, NUM_STAGES)
+        (raw,) = stage_split._split_stages(model, names, [STAGE])
+        part = hf.HFCausalLMStage(
+            raw,
+            hf.detect_layout(model),
+            STAGE,
+            NUM_STAGES,
+            tied_groups=hf._tied_groups(model),
+            full_state_keys=hf._state_keys(model),
+        )
+        del model, raw
+        hf.load_stage_weights([part], directory)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+        names = hf.hf_module_names_per_stage(model, NUM_STAGES)
+        part = stage_split.split_module(model, names[STAGE])
+        del model
+    elapsed = time.perf_counter() - t0
+    extra = _status("VmHWM") - (rss_before if peak_reset else hwm_before)
+    sd = part.state_dict()
+    stage_bytes = sum(t.nbytes for t in sd.values())
+
+    # Every stage tensor equals the checkpoint's (read independently).
+    from safetensors import safe_open
+
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    for key, t in sd.items():
+        with safe_open(os.path.join(directory, weight_map[key]), framework="pt") as f:
+            want = f.get_tensor(key)
+        if t.dtype != torch.bfloat16 or not torch.equal(t, want):
+            raise AssertionError(f"{method}: stage tensor {key!r} differs from the checkpoint")
+    return dict(
+        method=method,
+        stage_bytes=stage_bytes,
+        n_tensors=len(sd),
+        extra_peak=extra,
+        seconds=elapsed,
+        peak_reset=peak_reset,
+    )
+
+
+def _run_worker(method: str, directory: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--dir", directory]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {method} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = write_checkpoint(args.dir) if args.worker == "write" else worker(args.worker, args.dir)
+        print(json.dumps(result))
+        return
+
+    directory = args.dir or tempfile.mkdtemp(prefix="bench_load_")
+    os.makedirs(directory, exist_ok=True)
+    gib = 1024**3
+    t_start = time.perf_counter()
+    try:
+        info = _run_worker("write", directory)
+        print(
+            f"[ckpt] {info['n_params']:.3e} params, {info['bytes'] / gib:.2f} GiB bf16 in {info['shards']} "
+            f"safetensors shards at {directory}",
+            flush=True,
+        )
+        rows = []
+        for method in ("stage_load", "from_pretrained"):
+            r = _run_worker(method, directory)
+            r["ratio"] = r["extra_peak"] / r["stage_bytes"]
+            rows.append(r)
+            print(
+                f"[load] {method:15s} stage {STAGE} of {NUM_STAGES} ({r['n_tensors']} tensors, "
+                f"{r['stage_bytes'] / gib:.2f} GiB): extra peak RSS {r['extra_peak'] / gib:.2f} GiB = "
+                f"{r['ratio']:.3f} x stage, {r['seconds']:.1f} s; tensors equal the checkpoint",
+                flush=True,
+            )
+        if not all(r["peak_reset"] for r in rows):
+            print("[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before")
+        print(f"[done] {time.perf_counter() - t_start:.0f} s")
+        print(f"stage_load_rss_ratio={rows[0]['ratio']:.3f} from_pretrained_rss_ratio={rows[1]['ratio']:.3f}")
+    finally:
+        if not args.keep and not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
