@@ -136,7 +136,8 @@ def _from_pp_plan(model: nn.Module, base_name: str, base: nn.Module, plan: dict)
             layers = name
         elif layers is not None:
             norm = name
-    missing = [what for what, v in (("token embedding", embed), ("layer list", layers), ("final norm", norm)) if v is None]
+    found = (("token embedding", embed), ("layer list", layers), ("final norm", norm))
+    missing = [what for what, v in found if v is None]
     if missing:
         raise _unsupported(model, f"base_model_pp_plan {plan} has no {', no '.join(missing)}")
     rotary = None
@@ -190,7 +191,9 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
         elif _is_rotary(name, module):
             rotary = name
         elif _owns_parameters(module):
-            raise _unsupported(model, f"{base_name}.{name} ({type(module).__name__}) before the layers is not understood")
+            raise _unsupported(
+                model, f"{base_name}.{name} ({type(module).__name__}) before the layers is not understood"
+            )
     for name in after:
         module = base._modules[name]
         if module is None:

@@ -297,7 +297,8 @@ class HFCausalLMStage(nn.Module):
                 )
         if self._layers() and lay.rotary is not None and self._base_child(lay.rotary) is None:
             raise ValueError(
-                f"{where} runs layers but lacks {lay.fqn(lay.rotary)!r}: list it in every stage (it holds no parameters)"
+                f"{where} runs layers but lacks {lay.fqn(lay.rotary)!r}: list it in every stage "
+                "(it holds no parameters)"
             )
 
     def _call_layer(self, layer: nn.Module, h: torch.Tensor, available: dict[str, Any]) -> torch.Tensor:

@@ -170,11 +170,17 @@ class TestHFStages(TestCase):
     def test_stage_placement_errors(self):
         model = tiny_hf_model("llama", num_layers=2)
         layout = hf.detect_layout(model)
-        names = [["model.embed_tokens", "model.layers.0", "model.norm", "model.rotary_emb"], ["model.layers.1", "lm_head"]]
+        names = [
+            ["model.embed_tokens", "model.layers.0", "model.norm", "model.rotary_emb"],
+            ["model.layers.1", "lm_head"],
+        ]
         part = ss._split_stages(model, names, [0])[0]
         with self.assertRaisesRegex(ValueError, r"stage 0 of 2 holds 'model.norm', which only the last stage can run"):
             hf.HFCausalLMStage(part, layout, 0, 2)
-        names = [["model.embed_tokens", "model.layers.0", "model.rotary_emb"], ["model.layers.1", "model.norm", "lm_head"]]
+        names = [
+            ["model.embed_tokens", "model.layers.0", "model.rotary_emb"],
+            ["model.layers.1", "model.norm", "lm_head"],
+        ]
         part = ss._split_stages(model, names, [1])[0]
         with self.assertRaisesRegex(ValueError, r"stage 1 of 2 runs layers but lacks 'model.rotary_emb'"):
             hf.HFCausalLMStage(part, layout, 1, 2)
