@@ -745,7 +745,7 @@ def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGro
     """
     if not parts:
         return
-    for names, shape, dtype in parts[0].tied_groups:
+    for names, shape, _ in parts[0].tied_groups:
         holders = []
         for part in parts:
             params = dict(part.named_parameters(remove_duplicate=False))
@@ -758,17 +758,18 @@ def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGro
         if group is None and len(holders) < 2:
             continue
         device = holders[0].device if holders else _group_device(group)
-        total = torch.zeros(shape, dtype=holders[0].dtype if holders else dtype, device=device)
+        # float32 on every rank: ranks holding no copy do not know the loaded dtype
+        total = torch.zeros(shape, dtype=torch.float32, device=device)
         for p in holders:
             if p.grad is not None:
-                total += p.grad
+                total += p.grad.float()
         if group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(total, group=group)
         for p in holders:
             if p.grad is None:
-                p.grad = total.clone()
+                p.grad = total.to(p.dtype)
             else:
                 p.grad.copy_(total)
 
