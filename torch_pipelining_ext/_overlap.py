@@ -1,4 +1,4 @@
-"""OVERLAP_F_B that really overlaps: the forward and the backward sub-actions run concurrently.
+"""Concurrent OVERLAP_F_B: the forward and the backward sub-actions run on two threads.
 
 Upstream file: ``torch/distributed/pipelining/schedules.py`` -- a concurrent
 implementation of the ``OVERLAP_F_B`` action that ``ScheduleDualPipeV`` emits
@@ -10,6 +10,16 @@ protocol) that the patch table installs for OVERLAP_F_B on every
 ``_PipelineScheduleRuntime`` while the package is patched.  Opt out globally
 with ``TORCH_PIPELINING_EXT_OVERLAP=0`` (schedules built while it is set do
 not get it) or per schedule by registering another OVERLAP_F_B function.
+
+What overlaps: the two threads take turns at the expert-parallel
+communication marks (:mod:`torch_pipelining_ext.ep_overlap`), so while one
+side communicates the other computes; outside communication regions they hand
+the processor over rather than compute at once.  A pair without marks (a dense
+model) therefore runs one sub-action after the other on CPU -- nothing is
+hidden, the cost is one thread hand-over.  On accelerators the stream plan
+below also lets the two sides' kernels run concurrently on the device.  A pair
+on one stage that holds ``fully_shard`` modules runs sequentially (FSDP2's
+per-module state is not meant for a forward and a backward at once).
 
 Running one action::
 
@@ -32,7 +42,11 @@ under a :class:`~torch_pipelining_ext.ep_overlap._CommCoordinator` owned by the
 action, so the expert-parallel communication marks of the model
 (:mod:`torch_pipelining_ext.ep_overlap`) make the threads take turns.  The
 worker inherits the caller's grad mode, autocast state and current
-accelerator device; profiler ranges are added for both threads only when the
+accelerator device, intra-op thread count, in a copy of the caller's
+``contextvars`` context, plus what ``ep_overlap.register_thread_state``
+registered; random numbers are drawn as under the sequential handler
+(see [Note: random numbers in an overlapped action] in ``ep_overlap.py``);
+profiler ranges are added for both threads only when the
 profiler is on (the worker's appear in traces recorded with
 ``_ExperimentalConfig(profile_all_threads=True)``).  An action returns or
 raises only once its backward has finished.  The worker thread serves every

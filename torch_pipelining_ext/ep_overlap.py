@@ -36,6 +36,8 @@ Rules for MoE code:
 * every collective that the stage's forward or backward issues from inside a
   stage must be inside a region (the token-count exchange of a dispatch
   included);
+* code inside a region must not draw random numbers (it runs while the other
+  thread may own the generators, see ``_CommCoordinator``);
 * regions do not need to match across the two threads: the sides may have
   different numbers of MoE layers (none, too), and one side may finish long
   before the other;

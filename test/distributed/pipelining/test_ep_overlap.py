@@ -470,6 +470,17 @@ class RandomNumbersTest(TestCase):
             # the generator goes on from where the sequential handler leaves it
             torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
+    def test_random_timing_many_times(self) -> None:
+        # random sleeps at every mark and in every compute, 24 repetitions: bitwise equal, no hang
+        logs = []
+        for seed in range(24):
+            run, state, ref_run, ref_state = self.run_both(seed, ac="full")
+            self.assertEqual(run.comm.violations, [])
+            logs.append(run.comm.log)
+            self.assertEqual(logs[-1], logs[0])  # the same collectives in the same order, every time
+            self.assert_pair_matches_sequential(run, ref_run)
+            torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
+
     def test_recomputation_without_rng_preservation_that_draws_raises(self) -> None:
         with self.assertRaisesRegex(RuntimeError, "rank 0, action 0F0;1B0: the backward sub-action .*preserve_rng_state"):
             PairRun(1, 1, ac="no_rng", random_ops=True).run()

@@ -9,22 +9,36 @@ stage 0 holds the embeddings and the dense layer (no MoE layer), stages 1-3 one
 MoE layer each -- so the overlapped pairs of pipeline rank 0 have 0 and 1 MoE
 layers on their two sides.
 
-Every test runs two steps of the overlapped schedule
-and checks outputs, losses and every gradient against
+Every test runs two steps of the overlapped schedule, with an optimizer step
+between them, and checks outputs, losses and every gradient against
 
 * the same schedule with a sequential OVERLAP_F_B function registered (the
   per-schedule opt-out): bitwise equal, since only the timing differs;
 * a single-process reference of the same model (all experts local), fed every
-  expert-parallel rank's data: equal up to floating-point reassociation.
+  expert-parallel rank's data: equal up to floating-point reassociation.  Not
+  with random ops: the reference runs the microbatches in another order, so it
+  draws other random numbers.
+
+The compositions: dropout and random noise on/off x activation checkpointing
+none/full/selective x expert parallelism (marks) on/off x ScheduleDualPipeV and
+a CSV schedule with a same-stage pair; and FSDP2 (PP=2 x DP=2, nested
+``fully_shard``) with random delays, where the data-parallel collectives each
+rank issues are recorded and must not depend on timing.  The suite runs a
+covering subset; ``TORCH_PIPELINING_EXT_FULL_MATRIX=1`` runs every composition
+(``tools/overlap_compositions.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import os
-import tempfile
+import random
 import threading
+import time
 import unittest
+import unittest.mock
 
 import torch
 import torch.distributed as dist
@@ -32,7 +46,6 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, ScheduleDualPipeV
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
 from torch.utils.checkpoint import checkpoint
 
@@ -41,6 +54,9 @@ from torch_pipelining_ext import _overlap
 from torch_pipelining_ext._schedule_runtime import run_action
 from torch_pipelining_ext.demo.model import is_expert_param, MoEModelArgs, MoETransformer
 from torch_pipelining_ext.stage_split import split_module
+
+from common_pipelining import check_on_all_ranks, load_csv, nccl_variant, PipelineMultiProcTest
+from model_registry import FSDPMLPStage, fully_shard_stage
 
 
 PP, EP = 2, 2
@@ -85,6 +101,61 @@ def _sequential_overlap_f_b(action: sched._Action, ctx: sched._PipelineContext) 
         run_action(ctx, sub)
 
 
+def _with_random_ops(forward):
+    """``forward`` with the random ops of a training model around it: input noise, dropout."""
+
+    def random_forward(x: torch.Tensor) -> torch.Tensor:
+        x = x + 1e-3 * torch.randn_like(x)
+        return F.dropout(forward(x), p=0.2, training=True)
+
+    return random_forward
+
+
+def _random_delay(*args) -> None:
+    time.sleep(random.uniform(0, 0.002))
+
+
+class _Delay(torch.autograd.Function):
+    """Identity that sleeps a random 0-2 ms in forward and in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        _random_delay()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        _random_delay()
+        return grad
+
+
+FULL_MATRIX = os.environ.get("TORCH_PIPELINING_EXT_FULL_MATRIX", "0") == "1"
+
+
+def _compositions() -> list[tuple[str, bool, bool, str]]:
+    """(schedule, expert parallelism, random ops, activation checkpointing) to test."""
+    if FULL_MATRIX:
+        every = itertools.product(["dualpipev", "csv"], [True, False], [True, False], ["", "full", "selective"])
+        # torch allows one backward per selectively checkpointed region, so not
+        # DualPipeV's split (input, then weight) backward.
+        return [c for c in every if not (c[0] == "dualpipev" and c[3] == "selective")]
+    return [
+        ("dualpipev", True, False, ""),
+        ("dualpipev", False, False, ""),
+        ("csv", False, False, ""),
+        ("dualpipev", True, False, "full"),
+        ("csv", True, False, "selective"),
+        ("dualpipev", True, True, "full"),  # dropout + AC: the recomputation draws on the backward thread
+        ("csv", True, True, "selective"),
+        ("csv", False, True, ""),
+    ]
+
+
+def _composition_name(c: tuple[str, bool, bool, str]) -> str:
+    schedule, ep, random_ops, ac = c
+    return f"{schedule}_{'ep' if ep else 'noep'}_{'random' if random_ops else 'norandom'}_{ac or 'noac'}"
+
+
 def _selective_ac_context():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -117,7 +188,7 @@ class _Pipeline:
         *,
         overlap: bool,
         ac: str = "",
-        csv_path: str | None = None,
+        random_ops: bool = False,
     ) -> None:
         pp_rank = dist.get_rank(pp_group)
         if schedule == "dualpipev":
@@ -126,15 +197,18 @@ class _Pipeline:
             self.stage_ids = [pp_rank, pp_rank + PP]
         model = _build_model(ep_group, device)
         self.parts = [split_module(model, STAGE_MODULES[i]) for i in self.stage_ids]
-        if ac:
-            for part in self.parts:
+        for part in self.parts:
+            if random_ops:
+                for block in part.layers.values():
+                    block.forward = _with_random_ops(block.forward)
+            if ac:
                 _apply_ac(part, ac)
         stages = [PipelineStage(part, i, N_STAGES, device, group=pp_group) for part, i in zip(self.parts, self.stage_ids)]
         if schedule == "dualpipev":
             self.schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=_loss_fn)
         else:
             self.schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=_loss_fn)
-            self.schedule._load_csv(csv_path)
+            load_csv(self.schedule, CSV_SCHEDULE)
         if not overlap:
             self.schedule.register_custom_function(sched.OVERLAP_F_B, _sequential_overlap_f_b)
         self.n_overlap = sum(
@@ -160,6 +234,9 @@ class _Pipeline:
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for part in self.parts for n, p in part.named_parameters()}
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for part in self.parts for p in part.parameters()], lr=0.1)
 
     def worker_backwards(self) -> int:
         return sum(name.startswith("OVERLAP_F_B backward") for name in self.backward_threads)
@@ -187,20 +264,8 @@ class _Reference:
         return results
 
 
-class ScheduleOverlapTest(MultiProcContinuousTest):
+class ScheduleOverlapTest(PipelineMultiProcTest):
     world_size = PP * EP
-
-    @classmethod
-    def backend_str(cls) -> str:
-        return "gloo"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cpu"
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
 
     @property
     def _exact(self) -> dict[str, float]:
@@ -218,58 +283,73 @@ class ScheduleOverlapTest(MultiProcContinuousTest):
         pp, ep = cls._pp_ep_groups
         return pp[self.rank % EP], ep[self.rank // EP]
 
-    def _csv_path(self) -> str:
-        path = os.path.join(tempfile.gettempdir(), f"overlap_csv_{os.getpid()}.csv")
-        with open(path, "w") as f:
-            f.write(CSV_SCHEDULE)
-        return path
-
-    def _check(self, schedule: str, use_ep: bool, ac: str = "") -> None:
-        # (in the rank's process: MultiProcContinuousTest does not run setUp there)
-        torch.set_num_threads(1)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.rank)
+    def _check(self, schedule: str, use_ep: bool, random_ops: bool = False, ac: str = "") -> None:
         pp_group, ep_group = self._groups()
         ep_group = ep_group if use_ep else None
         ep_rank = self.rank % EP  # this rank's data; with EP also its expert shard
-        csv_path = self._csv_path() if schedule == "csv" else None
-        overlapped = _Pipeline(schedule, pp_group, ep_group, self.device, overlap=True, ac=ac, csv_path=csv_path)
+        kwargs = {"ac": ac, "random_ops": random_ops}
+        overlapped = _Pipeline(schedule, pp_group, ep_group, self.device, overlap=True, **kwargs)
         with self.assertNoLogs(level="WARNING"):  # replacing the package's OVERLAP_F_B function is quiet
-            sequential = _Pipeline(schedule, pp_group, ep_group, self.device, overlap=False, ac=ac, csv_path=csv_path)
+            sequential = _Pipeline(schedule, pp_group, ep_group, self.device, overlap=False, **kwargs)
         self.assertIs(overlapped.schedule._comp_type_to_function_map[sched.OVERLAP_F_B], _overlap.overlap_f_b)
         self.assertGreater(overlapped.n_overlap, 0)
         reference = _Reference(self.device, data_ranks=list(range(EP)) if use_ep else [ep_rank])
+        optimizers = [p.optimizer() for p in (overlapped, sequential)]
+        optimizers.append(torch.optim.SGD(reference.model.parameters(), lr=0.1))
 
         for step in range(2):
             for model in (*overlapped.parts, *sequential.parts, reference.model):
                 model.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)  # both runs draw from the same generator state
             out, losses = overlapped.step(step, ep_rank, self.device)
+            torch.manual_seed(100 + step)
             seq_out, seq_losses = sequential.step(step, ep_rank, self.device)
             ref_out, ref_losses = reference.step(step, self.device)[ep_rank]
-            # the backward sub-actions of OVERLAP_F_B ran on the worker thread
-            self.assertEqual(overlapped.worker_backwards(), (step + 1) * overlapped.n_overlap)
-            self.assertEqual(sequential.worker_backwards(), 0)
-            # the backward thread does not outlive the step
-            self.assertEqual([t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")], [])
-            if out is not None:
-                torch.testing.assert_close(out, seq_out, **self._exact)
-                torch.testing.assert_close(losses, seq_losses, **self._exact)
-                torch.testing.assert_close(out, ref_out)
-                torch.testing.assert_close(losses, ref_losses)
-            self._check_gradients(overlapped, sequential, reference, ep_group)
+            grads = self._gather_gradients(overlapped, sequential, reference, ep_group)
 
-    def _check_gradients(
+            def check() -> None:
+                # the backward sub-actions of OVERLAP_F_B ran on the worker thread
+                self.assertEqual(overlapped.worker_backwards(), (step + 1) * overlapped.n_overlap)
+                self.assertEqual(sequential.worker_backwards(), 0)
+                # the backward thread does not outlive the step
+                self.assertEqual([t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")], [])
+                if out is not None:
+                    torch.testing.assert_close(out, seq_out, **self._exact)
+                    torch.testing.assert_close(losses, seq_losses, **self._exact)
+                    if not random_ops:
+                        torch.testing.assert_close(out, ref_out)
+                        torch.testing.assert_close(losses, ref_losses)
+                for name, (grad, seq_grad, comparable, ref_grad) in grads.items():
+                    self.assertIsNotNone(grad, f"{name}: no gradient")
+                    torch.testing.assert_close(grad, seq_grad, **self._exact, msg=lambda m: f"{name}: {m}")
+                    if not random_ops:
+                        torch.testing.assert_close(comparable, ref_grad, msg=lambda m: f"{name} vs reference: {m}")
+
+            check_on_all_ranks(check, self.device)
+            if ep_group is not None:
+                # data parallelism over the EP group: replicated gradients are summed before the update
+                for pipeline in (overlapped, sequential):
+                    for name, p in pipeline.named_parameters().items():
+                        if not is_expert_param(name):
+                            dist.all_reduce(p.grad, group=ep_group)
+            for optimizer in optimizers:
+                optimizer.step()
+
+    def _gather_gradients(
         self, overlapped: _Pipeline, sequential: _Pipeline, reference: _Reference, ep_group: dist.ProcessGroup | None
-    ) -> None:
+    ) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
+        """name -> (gradient, sequential gradient, gradient comparable with the reference, reference gradient).
+
+        All collectives happen here, before any assertion.
+        """
         ref_params = dict(reference.model.named_parameters())
         seq_params = sequential.named_parameters()
-        params = overlapped.named_parameters()
-        self.assertEqual(params.keys(), seq_params.keys())
-        for name, p in params.items():
-            self.assertIsNotNone(p.grad, f"{name}: no gradient")
-            torch.testing.assert_close(p.grad, seq_params[name].grad, **self._exact, msg=lambda m: f"{name}: {m}")
+        self.assertEqual(overlapped.named_parameters().keys(), seq_params.keys())
+        grads = {}
+        for name, p in overlapped.named_parameters().items():
             grad, ref_grad = p.grad, ref_params[name].grad
-            if ep_group is not None:
+            comparable = grad
+            if ep_group is not None and grad is not None:
                 if is_expert_param(name):
                     # this rank's experts; their gradient already sums every EP rank's tokens
                     n_local = MODEL_ARGS.n_experts // EP
@@ -277,50 +357,196 @@ class ScheduleOverlapTest(MultiProcContinuousTest):
                     ref_grad = ref_grad[ep_rank * n_local : (ep_rank + 1) * n_local]
                 else:
                     # replicated over the EP group, each rank saw its own data
-                    grad = grad.clone()
-                    dist.all_reduce(grad, group=ep_group)
-            torch.testing.assert_close(grad, ref_grad, msg=lambda m: f"{name} vs reference: {m}")
+                    comparable = grad.clone()
+                    dist.all_reduce(comparable, group=ep_group)
+            grads[name] = (grad, seq_params[name].grad, comparable, ref_grad)
+        return grads
 
-    def test_dualpipev_pp2_ep2(self) -> None:
-        self._check("dualpipev", use_ep=True)
+    @parametrize("composition", _compositions(), name_fn=_composition_name)
+    def test_overlapped_equals_sequential(self, composition: tuple[str, bool, bool, str]) -> None:
+        schedule, use_ep, random_ops, ac = composition
+        if ac == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+            self.skipTest("selective activation checkpointing needs a newer torch")
+        self._check(schedule, use_ep, random_ops=random_ops, ac=ac)
 
-    @parametrize("schedule", ["dualpipev", "csv"])
-    def test_pp2_without_ep(self, schedule: str) -> None:
-        self._check(schedule, use_ep=False)
 
-    def test_dualpipev_pp2_ep2_activation_checkpointing(self) -> None:
-        self._check("dualpipev", use_ep=True, ac="full")
+# --------------------------------------------------------------------------- #
+# FSDP2 stages: PP=2 x DP=2                                                    #
+# --------------------------------------------------------------------------- #
 
-    @unittest.skipIf(
-        not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"),
-        "selective activation checkpointing needs a newer torch",
+FSDP_DIM = 8
+FSDP_MB_SIZE = 2
+FSDP_REPEATS = 3  # overlapped runs with other random delays, per schedule
+_MESH = None
+
+
+def _fsdp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(N_MICROBATCHES * FSDP_MB_SIZE, FSDP_DIM, generator=gen)
+    return x, torch.randn(N_MICROBATCHES * FSDP_MB_SIZE, FSDP_DIM, generator=gen)
+
+
+def _fsdp_reference() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(FSDPMLPStage(FSDP_DIM) for _ in range(N_STAGES)))
+
+
+class _CollectiveLog:
+    """Records the FSDP collectives a rank issues, in order: (kind, parameter names)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names  # id(sharded parameter) -> name
+        self.entries: list[tuple[str, tuple[str, ...]]] = []
+        self._lock = threading.Lock()
+
+    def _wrap(self, kind: str, fn):
+        def recorded(fsdp_params, *args, **kwargs):
+            names = tuple(self.names.get(id(fp.sharded_param), "?") for fp in fsdp_params)
+            with self._lock:
+                self.entries.append((kind, names))
+            return fn(fsdp_params, *args, **kwargs)
+
+        return recorded
+
+    @contextlib.contextmanager
+    def recording(self):
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+        with unittest.mock.patch.object(pg, "foreach_all_gather", self._wrap("all_gather", pg.foreach_all_gather)):
+            with unittest.mock.patch.object(pg, "foreach_reduce", self._wrap("reduce_scatter", pg.foreach_reduce)):
+                yield self
+
+
+class _FSDPPipeline:
+    """This rank's two FSDP stages (every layer and the root ``fully_shard``-ed) and their schedule."""
+
+    def __init__(self, schedule: str, mesh, device: torch.device, *, overlap: bool, random_ops: bool, ac: str) -> None:
+        pp_rank = mesh["pp"].get_local_rank()
+        self.stage_ids = [pp_rank, N_STAGES - 1 - pp_rank] if schedule == "dualpipev" else [pp_rank, pp_rank + PP]
+        reference = _fsdp_reference()
+        self.modules = []
+        for i in self.stage_ids:
+            module = reference[i]
+            for layer in module.layers:
+                layer.register_forward_hook(lambda m, args, out: _Delay.apply(out))  # random timing
+                if random_ops:
+                    layer.forward = _with_random_ops(layer.forward)
+                if ac:
+                    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+            self.modules.append(fully_shard_stage(module.to(device), mesh["dp"]))
+        stages = [
+            PipelineStage(m, i, N_STAGES, device, group=mesh["pp"].get_group()) for m, i in zip(self.modules, self.stage_ids)
+        ]
+        loss_fn = torch.nn.functional.mse_loss
+        if schedule == "dualpipev":
+            self.schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=loss_fn)
+        else:
+            self.schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=loss_fn)
+            load_csv(self.schedule, CSV_SCHEDULE)
+        if not overlap:
+            self.schedule.register_custom_function(sched.OVERLAP_F_B, _sequential_overlap_f_b)
+        self.param_names = {
+            id(p): f"{i}.{n}" for m, i in zip(self.modules, self.stage_ids) for n, p in m.named_parameters()
+        }
+
+    def step(self, step: int, device: torch.device) -> tuple[list[tuple[str, tuple[str, ...]]], list[torch.Tensor]]:
+        x, y = _fsdp_batch(step)
+        losses: list[torch.Tensor] = []
+        log = _CollectiveLog(self.param_names)
+        with log.recording():
+            if 0 in self.stage_ids:
+                self.schedule.step(x.to(device), target=y.to(device), losses=losses)
+            else:
+                self.schedule.step(target=y.to(device), losses=losses)
+        return log.entries, losses
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full gradient (a collective over the DP group)."""
+        return {
+            f"{i}.{n}": p.grad.full_tensor()
+            for m, i in zip(self.modules, self.stage_ids)
+            for n, p in m.named_parameters()
+        }
+
+
+class ScheduleOverlapFSDPTest(PipelineMultiProcTest):
+    """OVERLAP_F_B with FSDP2 stages: results and each rank's collectives do not depend on timing."""
+
+    world_size = PP * 2
+
+    def _mesh(self):
+        global _MESH
+        if _MESH is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            _MESH = init_device_mesh(self.device_type(), (PP, 2), mesh_dim_names=("pp", "dp"))
+        return _MESH
+
+    @parametrize(
+        "schedule,composition",
+        [("dualpipev", "plain"), ("csv", "plain"), ("csv", "random_ac")]
+        + ([("dualpipev", "random_ac")] if FULL_MATRIX else []),
     )
-    def test_csv_pp2_ep2_selective_activation_checkpointing(self) -> None:
-        # torch allows one backward per selectively checkpointed region, so not
-        # with DualPipeV's split (input, then weight) backward: the CSV schedule
-        # has full backwards only.
-        self._check("csv", use_ep=True, ac="selective")
+    def test_collectives_do_not_depend_on_timing(self, schedule: str, composition: str) -> None:
+        # csv: rank 1's (1F2;1B0) is a same-stage pair of an FSDP stage.
+        mesh = self._mesh()
+        random_ops = ac = composition == "random_ac"
+        ac = "full" if ac else ""
+        runs = []
+        for repeat in range(FSDP_REPEATS + 1):
+            overlap = repeat < FSDP_REPEATS  # the last run is the sequential handler
+            random.seed(1000 * self.rank + repeat)  # other delays on every rank and run
+            pipeline = _FSDPPipeline(schedule, mesh, self.device, overlap=overlap, random_ops=random_ops, ac=ac)
+            logs, all_losses, all_grads = [], [], []
+            for step in range(2):
+                torch.manual_seed(100 + step)
+                log, losses = pipeline.step(step, self.device)
+                logs.append(log)
+                all_losses.append(losses)
+                all_grads.append(pipeline.full_gradients())
+            runs.append((logs, all_losses, all_grads))
+        # (every rank issues the same collectives: gathered before any assertion)
+        dp_logs: list = [None] * 2
+        dist.all_gather_object(dp_logs, runs[0][0], group=mesh["dp"].get_group())
 
+        reference = _fsdp_reference().to(self.device)
+        ref_losses, ref_grads = [], []
+        for step in range(2):
+            x, y = (t.to(self.device) for t in _fsdp_batch(step))
+            if random_ops:
+                break
+            losses = []
+            for xb, yb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
+                loss = torch.nn.functional.mse_loss(reference(xb), yb)
+                (loss / N_MICROBATCHES).backward()
+                losses.append(loss.detach())
+            ref_losses.append(losses)
+            ref_grads.append({f"{i}.{n}": p.grad.clone() for i, m in enumerate(reference) for n, p in m.named_parameters()})
 
-@unittest.skipIf(
-    not (dist.is_nccl_available() and torch.cuda.is_available() and torch.cuda.device_count() >= PP * EP),
-    f"NCCL variants need {PP * EP} GPUs",
-)
-class ScheduleOverlapNCCLTest(ScheduleOverlapTest):
-    @classmethod
-    def backend_str(cls) -> str:
-        return "nccl"
+        def check() -> None:
+            seq_logs, seq_losses, seq_grads = runs[-1]
+            for logs, losses, grads in runs[:-1]:
+                self.assertEqual(logs, runs[0][0])  # the same collectives, in the same order, every run
+                for step in range(2):
+                    torch.testing.assert_close(losses[step], seq_losses[step], rtol=0, atol=0)
+                    self.assertEqual(grads[step].keys(), seq_grads[step].keys())
+                    for name, grad in grads[step].items():
+                        torch.testing.assert_close(grad, seq_grads[step][name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+            self.assertEqual(dp_logs[0], dp_logs[1])  # and as the other data-parallel rank
+            self.assertGreater(sum(len(log) for log in runs[0][0]), 0)  # the recorder saw FSDP's collectives
+            for step, ref in enumerate(ref_grads):  # without random ops: equal to the reference too
+                if seq_losses[step]:
+                    torch.testing.assert_close(seq_losses[step], ref_losses[step])
+                for name, grad in seq_grads[step].items():
+                    torch.testing.assert_close(grad, ref[name], msg=lambda m: f"{name} vs reference: {m}")
 
-    @classmethod
-    def device_type(cls) -> str:
-        return "cuda"
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", self.rank)
+        check_on_all_ranks(check, self.device)
 
 
 instantiate_parametrized_tests(ScheduleOverlapTest)
+instantiate_parametrized_tests(ScheduleOverlapFSDPTest)
+ScheduleOverlapTestNCCL = nccl_variant(ScheduleOverlapTest)
+ScheduleOverlapFSDPTestNCCL = nccl_variant(ScheduleOverlapFSDPTest)
 
 
 if __name__ == "__main__":
