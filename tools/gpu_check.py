@@ -534,6 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments for part (a), after --")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
+    # before any cuBLAS handle exists (gpu_check.sh sets it too): deterministic across streams
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
     dry_run = args.device == "cpu"
     if dry_run:
