@@ -157,7 +157,7 @@ class GpuCheckDryRunTest(TestCase):
             argv = ["--device", "cpu", "--dim", "32", "--tokens", "16", "--layers", "2", "--microbatches", "4"]
             argv += ["--steps", "1", "--warmup", "1", "--latency-ms", "0.5", "--out", tmp]
             out = io.StringIO()
-            with contextlib.redirect_stdout(out):
+            with contextlib.redirect_stdout(out), mock.patch.dict(os.environ):
                 rc = gpu_check.main(argv)
             self.assertTrue(os.path.exists(os.path.join(tmp, "trace_overlap.json")))
         last = out.getvalue().strip().splitlines()[-1]
