@@ -27,14 +27,39 @@ fi
 
 VENV_PY="$VENV_DIR/bin/python"
 stamp="$VENV_DIR/.installed-$TORCH_VERSION-$EXTRAS"
+
+# A failed install must not leave an environment that looks usable: the one
+# created here is removed (an existing one is kept, and retried next time).
+_env_failed() {
+    echo "error: $1" >&2
+    if [[ "$_env_created" == "1" ]]; then
+        rm -rf "$VENV_DIR"
+        echo "error: removed the half-built $VENV_DIR" >&2
+    fi
+    exit 2
+}
+
+_env_pip_install() {
+    local log rc=0
+    log="$(mktemp)"
+    "$VENV_PY" -m pip install --quiet --disable-pip-version-check "$@" >"$log" 2>&1 || rc=$?
+    # (pip warns about find-links folders that do not exist on this machine)
+    grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
+    rm -f "$log"
+    if [[ $rc -ne 0 ]]; then
+        _env_failed "pip install $* failed (exit status $rc, output above). If the resolver found no torch==$TORCH_VERSION, a pip configuration may cap torch: 'pip config list' shows it, PIP_CONFIG_FILE=/dev/null ignores it"
+    fi
+}
+
 if [[ ! -x "$VENV_PY" || ! -f "$stamp" || "$REPO_ROOT/setup.py" -nt "$stamp" ]]; then
     echo ">>> creating $VENV_DIR (torch==$TORCH_VERSION)" >&2
-    "$PYTHON" -m venv "$VENV_DIR"
-    "$VENV_PY" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" 2>&1 \
-        | grep -v "is ignored: it is neither a file nor a directory" >&2 || true
-    "$VENV_PY" -m pip install --quiet --disable-pip-version-check -e "$REPO_ROOT[$EXTRAS]" "torch==$TORCH_VERSION" 2>&1 \
-        | grep -v "is ignored: it is neither a file nor a directory" >&2 || true
-    "$VENV_PY" -c "import torch, torch_pipelining_ext" >/dev/null
+    _env_created=0
+    [[ -e "$VENV_DIR" ]] || _env_created=1
+    "$PYTHON" -m venv "$VENV_DIR" || _env_failed "$PYTHON -m venv $VENV_DIR failed"
+    _env_pip_install "torch==$TORCH_VERSION"
+    _env_pip_install -e "$REPO_ROOT[$EXTRAS]" "torch==$TORCH_VERSION"
+    "$VENV_PY" -c "import torch, torch_pipelining_ext" >/dev/null \
+        || _env_failed "torch or torch_pipelining_ext does not import in $VENV_DIR"
     touch "$stamp"
 fi
 installed="$("$VENV_PY" -c 'import torch; print(torch.__version__.split("+")[0])')"

@@ -650,6 +650,19 @@ def _action_at_failure(tb: TracebackType | None, loop_code: Any) -> tuple[Any, A
     return None
 
 
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``; on Python 3.10 the same ``__notes__`` (PEP 678),
+    which its tracebacks do not print, so the note is logged too."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+        return
+    try:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+    logger.error("%s: %s: %s", note, type(error).__name__, error)
+
+
 def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``_PipelineScheduleRuntime._step_microbatches`` (torch's loop or ours).
 
@@ -680,10 +693,7 @@ def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
             note = f"[rank {self.rank}] {type(self).__name__} step failed"
             if where is not None:
                 note += f" at time step {where[0]} running action {where[1]}"
-            if hasattr(e, "add_note"):  # Python 3.11+
-                e.add_note(note)
-            else:
-                logger.error("%s: %s", note, e)
+            _add_note(e, note)
             raise
         finally:
             _STEP_OPTIONS.pop(self, None)

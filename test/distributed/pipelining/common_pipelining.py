@@ -6,8 +6,11 @@
   NCCL with one GPU per rank), one intra-op thread per rank, and fresh ranks
   after a failed test instead of skipping the rest of the class.
 * :func:`nccl_variant` -- the NCCL copy of a gloo test class, guarded by
-  upstream's ``requires_nccl()`` and ``skip_if_lt_x_gpu(world_size)``.
+  upstream's ``requires_nccl()`` and ``skip_if_lt_x_gpu(world_size)``;
+  :func:`nccl_decorators` -- the same guards for a single-process test that
+  starts NCCL ranks itself.
 * :func:`check_on_all_ranks` -- assertions that fail on every rank together.
+* :func:`reference_step` -- one step of the unsplit model, for comparison.
 * :func:`load_csv` -- load a schedule written as a string.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import unittest
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -25,9 +29,17 @@ from torch.testing._internal.common_distributed import (
     requires_nccl,
     skip_if_lt_x_gpu,
 )
+from torch.testing._internal.common_utils import skip_but_pass_in_sandcastle_if
 
 
-__all__ = ["check_on_all_ranks", "load_csv", "nccl_variant", "PipelineMultiProcTest"]
+__all__ = [
+    "check_on_all_ranks",
+    "load_csv",
+    "nccl_decorators",
+    "nccl_variant",
+    "PipelineMultiProcTest",
+    "reference_step",
+]
 
 
 class PipelineMultiProcTest(MultiProcContinuousTest):
@@ -74,14 +86,17 @@ class PipelineMultiProcTest(MultiProcContinuousTest):
             torch.cuda.set_device(rank)
         super()._init_pg(rank, world_size, rdvz_file)
 
-    def setUp(self) -> None:
-        cls = type(self)
-        if self.device_type() == "cuda" and torch.cuda.device_count() < cls.world_size:
+    @classmethod
+    def setUpClass(cls) -> None:
+        if cls.device_type() == "cuda" and torch.cuda.device_count() < cls.world_size:
             # skip_if_lt_x_gpu (see nccl_variant) skips inside the ranks; checking
             # here as well spares spawning ranks that have no GPU to run on.
-            self.skipTest(f"Need at least {cls.world_size} CUDA devices")
-        if cls.poison_pill:
-            cls._restart_ranks()
+            raise unittest.SkipTest(f"Need at least {cls.world_size} CUDA devices")
+        super().setUpClass()
+
+    def setUp(self) -> None:
+        if type(self).poison_pill:
+            type(self)._restart_ranks()
         super().setUp()
 
     @classmethod
@@ -123,6 +138,17 @@ def nccl_variant(test_class: type[PipelineMultiProcTest], name: str | None = Non
     return requires_nccl()(type(name, (test_class,), namespace))
 
 
+def nccl_decorators(n_gpus: int) -> list[Callable[[Any], Any]]:
+    """``requires_nccl()`` and a skip below ``n_gpus`` GPUs, for a single-process
+    test that starts NCCL ranks itself (``skip_if_lt_x_gpu`` skips only inside
+    the ranks of a multi-process test), e.g.
+    ``@parametrize("backend", ["gloo", subtest("nccl", decorators=nccl_decorators(4))])``."""
+    return [
+        requires_nccl(),
+        skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < n_gpus, f"Need at least {n_gpus} CUDA devices"),
+    ]
+
+
 def check_on_all_ranks(
     check: Callable[[], None],
     device: torch.device,
@@ -132,8 +158,10 @@ def check_on_all_ranks(
 
     A rank that stops at a failed assertion would leave the others waiting in
     the next collective; here they all learn of the failure and raise
-    together, so no assertion sits between collectives.  Run collectives the
-    checks need (gathering gradients, say) before calling this.
+    together (the ranks that passed with every failed rank's error), so no
+    assertion sits between collectives.  Run the collectives the checks need
+    (gathering gradients, say) before calling this.  ``device`` is the rank's
+    device (:attr:`PipelineMultiProcTest.device`).
     """
     error: Exception | None = None
     try:
@@ -142,10 +170,16 @@ def check_on_all_ranks(
         error = e
     failed = torch.tensor([int(error is not None)], device=device)
     dist.all_reduce(failed, group=group)
+    if not failed.item():
+        return
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group)
     if error is not None:
         raise error
-    if failed.item():
-        raise AssertionError(f"{int(failed.item())} other rank(s) failed this check; see their errors")
+    raise AssertionError(
+        "the check failed on other ranks:\n"
+        + "\n".join(f"rank {rank}: {message}" for rank, message in enumerate(errors) if message is not None)
+    )
 
 
 def load_csv(schedule: Any, text: str, format: str = "compute_only") -> None:
@@ -155,3 +189,27 @@ def load_csv(schedule: Any, text: str, format: str = "compute_only") -> None:
         with open(path, "w") as f:
             f.write(text)
         schedule._load_csv(path, format=format)
+
+
+def reference_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    target: torch.Tensor,
+    n_microbatches: int,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One training step of the unsplit ``model`` on the schedule's microbatches.
+
+    Gradients accumulate into ``model``'s like a schedule's with
+    ``scale_grads=True`` (each microbatch's loss divided by
+    ``n_microbatches``).  Returns the output (microbatches concatenated) and
+    the per-microbatch losses, as ``schedule.step`` does.
+    """
+    outputs, losses = [], []
+    for x, y in zip(inputs.chunk(n_microbatches), target.chunk(n_microbatches)):
+        out = model(x)
+        loss = loss_fn(out, y)
+        (loss / n_microbatches).backward()
+        outputs.append(out.detach())
+        losses.append(loss.detach())
+    return torch.cat(outputs), losses

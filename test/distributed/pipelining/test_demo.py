@@ -24,10 +24,13 @@ import tempfile
 from unittest import mock
 
 import torch
+from common_pipelining import nccl_decorators
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
+    skip_but_pass_in_sandcastle_if,
+    subtest,
     TestCase,
 )
 
@@ -54,11 +57,8 @@ def _run_demo(*flags: str) -> subprocess.CompletedProcess:
 
 
 class DemoRunTest(TestCase):
-    @parametrize("backend", ["gloo", "nccl"])
+    @parametrize("backend", ["gloo", subtest("nccl", decorators=nccl_decorators(4))])
     def test_two_steps_with_trace(self, backend: str) -> None:
-        if backend == "nccl":
-            if torch.cuda.device_count() < 4:
-                self.skipTest("NCCL needs 4 GPUs")
         with tempfile.TemporaryDirectory() as tmp:
             trace_dir = os.path.join(tmp, "trace")
             proc = _run_demo("--steps", "2", "--backend", backend, "--trace", trace_dir)
@@ -231,9 +231,8 @@ class DemoArgumentsTest(TestCase):
         self.assertIn("starts 16 local ranks", self._parse_with_stderr(many, {**torchrun, "RANK": "0"}, cores=2))
         self.assertEqual(self._parse_with_stderr(many, {**torchrun, "RANK": "5"}, cores=2), "")
 
+    @skip_but_pass_in_sandcastle_if(torch.cuda.device_count() >= 4, "this machine can run the demo on NCCL")
     def test_nccl_without_gpus(self) -> None:
-        if torch.cuda.device_count() >= 4:
-            self.skipTest("this machine can run the demo on NCCL")
         msg = self._error(["--backend", "nccl"])
         self.assertIn("--backend nccl needs NCCL and one CUDA device per local rank (4)", msg)
 

@@ -27,6 +27,36 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 
 _FAKE = "_tpe_fake_torch_module"
 
+# The status every patch gets on each supported torch minor (A: applied,
+# U: upstream -- torch has the behaviour, or the patch does not apply to it).
+# A probe that misreads a torch release fails test_status_pinned_per_torch_minor
+# instead of warning on import.
+_PINNED_STATUS = """
+patch                       2.9 2.10 2.11 2.12 2.13 2.14 2.15
+stage_init_handshake         A   A    A    A    A    A    U
+p2p_to_own_rank              A   U    U    U    U    U    U
+schedule_backward_counter    A   A    A    A    A    A    A
+runtime_custom_functions     A   U    U    U    U    U    U
+runtime_step_loop            A   U    U    U    U    U    U
+runtime_keep_overlap_f_b     A   U    U    U    U    U    U
+runtime_step_context         A   A    A    A    A    A    A
+scale_grads_per_step         A   A    A    A    A    A    A
+compute_comms_reduce_grad    U   A    A    A    A    A    A
+fsdp_split_backward_params   A   A    A    A    A    A    A
+overlap_f_b                  A   A    A    A    A    A    A
+stage_split                  A   A    A    A    A    A    A
+"""
+
+
+def _pinned_status(minor: str) -> dict[str, str] | None:
+    """``{patch: status}`` pinned for torch ``minor`` (``"2.13"``), or None if it is not supported."""
+    header, *rows = (line.split() for line in _PINNED_STATUS.strip().splitlines())
+    if minor not in header:
+        return None
+    column = header.index(minor)
+    status = {"A": PatchStatus.APPLIED.value, "U": PatchStatus.UPSTREAM.value}
+    return {row[0]: status[row[column]] for row in rows}
+
 
 def _fake_module() -> types.ModuleType:
     mod = types.ModuleType(_FAKE)
@@ -45,12 +75,14 @@ def _needed():
     return PatchNeeded, "feature missing"
 
 
-def _run_python(code: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("TORCH_PIPELINING_EXT_DISABLE", None)
+def _run_python(
+    code: str, env_extra: dict[str, str] | None = None, flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter, without the package's switches set (but ``env_extra``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_PIPELINING_EXT_")}
     env.update(env_extra or {})
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, *flags, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         env=env,
@@ -323,6 +355,23 @@ class PackagePatchTest(TestCase):
         self.assertEqual(len(res["msgs"]), 1, res["msgs"])
         for name in res["not_applied"]:
             self.assertIn(name, res["msgs"][0])
+
+    def test_status_pinned_per_torch_minor(self):
+        # A fresh interpreter, RuntimeWarnings as errors: importing the package is
+        # quiet (no patch skipped or failed) and every patch has its pinned status.
+        minor = ".".join(torch.__version__.split(".")[:2])
+        expected = _pinned_status(minor)
+        self.assertIsNotNone(expected, f"torch {torch.__version__} is not in _PINNED_STATUS; add its column")
+        out = _run_python(
+            """
+            import json
+            import torch_pipelining_ext
+            print(json.dumps({r.name: r.status.value for r in torch_pipelining_ext.patch_report()}))
+            """,
+            flags=("-W", "error::RuntimeWarning"),
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(json.loads(out.stdout.strip().splitlines()[-1]), expected)
 
     def test_cli_report(self):
         out = subprocess.run(

@@ -16,10 +16,11 @@ reduce-scattered (a sharded DTensor; nothing left on the unsharded parameters).
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import torch
 import torch.nn as nn
-from common_pipelining import check_on_all_ranks, load_csv, nccl_variant, PipelineMultiProcTest
+from common_pipelining import check_on_all_ranks, load_csv, nccl_variant, PipelineMultiProcTest, reference_step
 from model_registry import FSDPMLPStage, fully_shard_stage
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard, FSDPModule
@@ -42,6 +43,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
+from torch_pipelining_ext._schedule_runtime import run_action
 
 
 REDUCE_GRAD = getattr(sched._ComputationType, "REDUCE_GRAD", None)
@@ -113,13 +115,7 @@ class _FSDPPipeline:
         x, y = (t.to(self.device) for t in _batch(step))
         losses: list[torch.Tensor] = []
         out = self.schedule.step(x, target=y, losses=losses)
-        ref_outputs, ref_losses = [], []
-        for x_mb, y_mb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
-            ref_out = self.ref(x_mb)
-            loss = _loss_fn(ref_out, y_mb)
-            (loss / N_MICROBATCHES).backward()
-            ref_outputs.append(ref_out.detach())
-            ref_losses.append(loss.detach())
+        ref_out, ref_losses = reference_step(self.ref, _loss_fn, x, y, N_MICROBATCHES)
         # Collectives first (same on every rank), then the checks; all ranks
         # fail together, so no rank waits for one that stopped at an assert.
         full_grads = [
@@ -129,7 +125,7 @@ class _FSDPPipeline:
 
         def check() -> None:
             if N_STAGES - 1 in self.stage_indices:
-                torch.testing.assert_close(out, torch.cat(ref_outputs))
+                torch.testing.assert_close(out, ref_out)
                 torch.testing.assert_close(losses, ref_losses)
             self.check_resharded_and_reduced(test)
             self.check_gradients(test, step, full_grads)
@@ -195,8 +191,6 @@ class _UserBackwardFunctions:
             stage.scale_grads(schedule._n_microbatches)
 
     def overlap_f_b(self, action: _Action, ctx: sched._PipelineContext) -> None:
-        from torch_pipelining_ext._schedule_runtime import run_action
-
         function_map = ctx.schedule_ref._comp_type_to_function_map
         for sub_action in action.sub_actions:
             function = function_map.get(sub_action.computation_type)
@@ -253,9 +247,24 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
         schedule.register_custom_function(sched.FULL_BACKWARD, functions.backward)
         schedule.register_custom_function(sched.BACKWARD_WEIGHT, functions.backward)
         schedule.register_custom_function(sched.OVERLAP_F_B, functions.overlap_f_b)
+        # The FSDP actions through the package's run_action (REDUCE_GRAD and, on
+        # torch 2.15+, WAIT_REDUCE_GRAD as torch runs them).
+        fsdp_types = [t for t in (sched.UNSHARD, sched.RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD) if t is not None]
+        ran: Counter = Counter()
+
+        def fsdp_action(action: _Action, ctx: sched._PipelineContext) -> None:
+            ran[action.computation_type] += 1
+            run_action(ctx, action)
+
+        for ctype in fsdp_types:
+            schedule.register_custom_function(ctype, fsdp_action)
+        lowered = Counter(a.computation_type for a in schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank])
         pipeline.schedule = schedule
         self._run_two_steps(pipeline)
         self.assertEqual(functions.calls, 2 * len(pipeline.stage_indices) * N_MICROBATCHES)
+        self.assertEqual(ran, Counter({t: 2 * lowered[t] for t in fsdp_types}))
+        if REDUCE_GRAD is not None:
+            self.assertEqual(ran[REDUCE_GRAD], 2 * len(pipeline.stage_indices))
 
     def test_fsdp_compute_only_csv_with_forward_between_input_and_weight(self) -> None:
         pipeline = self._pipeline(_PipelineScheduleRuntime)
@@ -293,7 +302,8 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
 
 def _reduce_grad_actions(actions: list[_Action]) -> list[_Action]:
     """The REDUCE_GRAD and WAIT_REDUCE_GRAD actions, in order."""
-    return [a for a in actions if a.computation_type is not None and a.computation_type in (REDUCE_GRAD, WAIT_REDUCE_GRAD)]
+    types = {t for t in (REDUCE_GRAD, WAIT_REDUCE_GRAD) if t is not None}
+    return [a for a in actions if a.computation_type in types]
 
 
 instantiate_parametrized_tests(ScheduleFSDPTest)

@@ -17,11 +17,11 @@ import inspect
 import logging
 import unittest
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from common_pipelining import check_on_all_ranks, nccl_variant, PipelineMultiProcTest, reference_step
 from model_registry import MLPStage
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
@@ -33,7 +33,6 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -49,6 +48,7 @@ from torch_pipelining_ext._backward_counter import BackwardCounter
 F, B, I, W = sched.FORWARD, sched.FULL_BACKWARD, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT
 OVERLAP_F_B = sched.OVERLAP_F_B
 REDUCE_GRAD = getattr(sched._ComputationType, "REDUCE_GRAD", None)
+WAIT_REDUCE_GRAD = getattr(sched._ComputationType, "WAIT_REDUCE_GRAD", None)  # torch 2.15+
 
 D_HID = 8
 N_MICROBATCHES = 4
@@ -138,33 +138,34 @@ class LoweringTest(TestCase):
             a(0, F, 1), a(0, B, 1),
         ]  # fmt: skip
         out = rt._add_missing_reduce_grad(actions, n_microbatches=2)
-        reduces = [(i, x.stage_index) for i, x in enumerate(out) if x.computation_type == REDUCE_GRAD]
+
+        def reduction(stage: int) -> list[_Action]:
+            pair = [a(stage, REDUCE_GRAD, None)]
+            return pair + [a(stage, WAIT_REDUCE_GRAD, None)] if WAIT_REDUCE_GRAD is not None else pair
+
         # stage 1's last backward is inside the OVERLAP_F_B: its REDUCE_GRAD follows the trailing send.
-        self.assertEqual(reduces, [(7, 1), (12, 0)])
-        self.assertEqual(out[6], a(1, sched.SEND_B, 1))
-        # A schedule that has its REDUCE_GRADs is left alone.
+        self.assertEqual(out, actions[:7] + reduction(1) + actions[7:] + reduction(0))
+        # A schedule that has its REDUCE_GRADs (and their waits) is left alone.
         self.assertEqual(rt._add_missing_reduce_grad(out, n_microbatches=2), out)
+
+    @unittest.skipIf(WAIT_REDUCE_GRAD is None, "this torch has no WAIT_REDUCE_GRAD action")
+    def test_add_missing_wait_reduce_grad(self) -> None:
+        a = _Action
+        complete = [
+            a(0, F, 0), a(0, B, 0), a(0, REDUCE_GRAD, None), a(0, WAIT_REDUCE_GRAD, None),
+            a(1, F, 0), a(1, B, 0), a(1, REDUCE_GRAD, None), a(1, WAIT_REDUCE_GRAD, None),
+        ]  # fmt: skip
+        # REDUCE_GRAD written without its wait (a schedule for torch 2.10 - 2.14): the wait follows it.
+        no_waits = [x for x in complete if x.computation_type != WAIT_REDUCE_GRAD]
+        self.assertEqual(rt._add_missing_reduce_grad(no_waits, n_microbatches=1), complete)
+        # A wait without its REDUCE_GRAD: the pair is added after the last backward instead.
+        no_reduce_0 = [x for x in complete if x != a(0, REDUCE_GRAD, None)]
+        self.assertEqual(rt._add_missing_reduce_grad(no_reduce_0, n_microbatches=1), complete)
 
 
 # --------------------------------------------------------------------------- #
 # Multi-process helpers                                                        #
 # --------------------------------------------------------------------------- #
-
-
-def _check_on_all_ranks(check: Callable[[], None], device: torch.device) -> None:
-    """Run ``check`` here and raise on every rank if it failed on any rank
-    (so that no rank starts the next step and waits for one that stopped)."""
-    error: BaseException | None = None
-    try:
-        check()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
-        error = e
-    failed = torch.tensor([int(error is not None)], device=device)
-    dist.all_reduce(failed)
-    if error is not None:
-        raise error
-    if failed.item():
-        raise AssertionError(f"{int(failed.item())} other rank(s) failed this check; see their errors")
 
 
 def _local_stage_indices(schedule_class: type, rank: int) -> list[int]:
@@ -189,18 +190,6 @@ def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def _reference_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One step of the single-process reference; gradients accumulate like the schedule's."""
-    outputs, losses = [], []
-    for x_mb, y_mb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
-        out = ref(x_mb)
-        loss = _loss_fn(out, y_mb)
-        (loss / N_MICROBATCHES).backward()
-        outputs.append(out.detach())
-        losses.append(loss.detach())
-    return torch.cat(outputs), losses
-
-
 class _PipelineRun:
     """The local stages of a 4-stage pipeline on 2 ranks, and their reference."""
 
@@ -220,7 +209,7 @@ class _PipelineRun:
         x, y = (t.to(self.device) for t in _batch(step))
         losses: list[torch.Tensor] = []
         out = self.schedule.step(x, target=y, losses=losses)
-        ref_out, ref_losses = _reference_step(self.ref, x, y)
+        ref_out, ref_losses = reference_step(self.ref, _loss_fn, x, y, N_MICROBATCHES)
 
         def check() -> None:
             if N_STAGES - 1 in self.stage_indices:
@@ -228,7 +217,7 @@ class _PipelineRun:
                 test.assertEqual(losses, ref_losses)
             self.check_gradients(test)
 
-        _check_on_all_ranks(check, self.device)
+        check_on_all_ranks(check, self.device)
 
     def check_gradients(self, test: TestCase) -> None:
         for module, i in zip(self.modules, self.stage_indices):
@@ -267,26 +256,10 @@ class _RecordingFunctions:
 # --------------------------------------------------------------------------- #
 
 
-class ScheduleRuntimeTest(MultiProcContinuousTest):
+class ScheduleRuntimeTest(PipelineMultiProcTest):
     world_size = PP
 
-    @classmethod
-    def backend_str(cls) -> str:
-        return "gloo"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cpu"
-
-    @property
-    def device(self) -> torch.device:
-        if self.device_type() == "cuda":
-            torch.cuda.set_device(self.rank)
-            return torch.device("cuda", self.rank)
-        return torch.device("cpu")
-
     def _run(self, schedule_class: type) -> _PipelineRun:
-        torch.set_num_threads(1)
         return _PipelineRun(schedule_class, self.rank, self.device, dist.group.WORLD)
 
     def test_register_custom_function_semantics(self) -> None:
@@ -349,7 +322,7 @@ class ScheduleRuntimeTest(MultiProcContinuousTest):
             self.assertEqual(dict(last_backward_calls), {i: step + 1 for i in run.stage_indices})
         once = _reference_model().to(self.device)
         x, y = (t.to(self.device) for t in _batch(0))
-        _reference_step(once, x, y)
+        reference_step(once, _loss_fn, x, y, N_MICROBATCHES)
         for module, i in zip(run.modules, run.stage_indices):
             for p, p_once in zip(module.parameters(), once[i].parameters()):
                 torch.testing.assert_close(p.grad, 2 * p_once.grad)
@@ -382,17 +355,7 @@ class ScheduleRuntimeTest(MultiProcContinuousTest):
 
 
 instantiate_parametrized_tests(ScheduleRuntimeTest)
-
-
-@unittest.skipIf(torch.cuda.device_count() < PP, "NCCL variant needs {} GPUs".format(PP))
-class ScheduleRuntimeTestNCCL(ScheduleRuntimeTest):
-    @classmethod
-    def backend_str(cls) -> str:
-        return "nccl"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cuda"
+ScheduleRuntimeTestNCCL = nccl_variant(ScheduleRuntimeTest)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,13 @@ global ranks), the group given as a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
 
 from __future__ import annotations
 
-import unittest
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from common_pipelining import check_on_all_ranks, nccl_variant, PipelineMultiProcTest
 from model_registry import NestedToyLLM, ToyLLM, toy_moe_llm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
-from torch.testing._internal.common_distributed import MultiProcContinuousTest, skip_if_lt_x_gpu
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
@@ -48,22 +46,10 @@ def _loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-class StageSplitGlooTest(MultiProcContinuousTest):
+class StageSplitGlooTest(PipelineMultiProcTest):
     world_size = 4
-    # (pp size, as mesh) -> pipeline group or mesh, built once per worker
+    # (pp size, as mesh) -> pipeline group or mesh, built once per rank
     _groups: dict = {}
-
-    @classmethod
-    def backend_str(cls) -> str:
-        return "gloo"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cpu"
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
 
     def _build(self, kind: str, num_layers: int, meta: bool) -> nn.Module:
         with torch.device("meta" if meta else self.device):
@@ -89,7 +75,6 @@ class StageSplitGlooTest(MultiProcContinuousTest):
         return self._groups[key]
 
     def _check_split_schedule(self, kind: str, schedule: str, pp: int, source: str, use_mesh: bool) -> None:
-        torch.set_num_threads(1)
         torch.manual_seed(0)
         schedule_cls, stages_per_rank = _SCHEDULES[schedule]
         num_stages = pp * stages_per_rank
@@ -117,20 +102,26 @@ class StageSplitGlooTest(MultiProcContinuousTest):
         stages, parts = pipeline_module_split(
             whole, group, schedule_cls, self.device, names, move=source == "meta_move"
         )
-        self.assertEqual(len(stages), stages_per_rank)
         ref_buffers = dict(ref.named_buffers())
         ref_params = dict(ref.named_parameters())
         ref_state = ref.state_dict()
+        missing: list[str] = []
         for part in parts:
             if source != "copy":
                 part.to_empty(device=self.device)
-                missing, _ = part.load_state_dict(ref_state, strict=False)
-                self.assertEqual(missing, [])
+                missing += part.load_state_dict(ref_state, strict=False).missing_keys
                 with torch.no_grad():  # non-persistent buffers are not checkpointed
                     for name, buf in part.named_buffers():
                         buf.copy_(ref_buffers[name])
-            for name, p in part.named_parameters():
-                self.assertIsNot(p, ref_params[name])
+
+        def check_parts() -> None:
+            self.assertEqual(len(stages), stages_per_rank)
+            self.assertEqual(missing, [])
+            for part in parts:
+                for name, p in part.named_parameters():
+                    self.assertIsNot(p, ref_params[name])
+
+        check_on_all_ranks(check_parts, self.device)
 
         # single-stage schedules take the stage, multi-stage ones the list
         sched = schedule_cls(
@@ -141,28 +132,28 @@ class StageSplitGlooTest(MultiProcContinuousTest):
         has_last = any(s.is_last for s in stages)
         args = (tokens,) if has_first else ()
         out = sched.step(*args, target=target, losses=losses)
-
-        if has_last:
-            torch.testing.assert_close(out, ref_out)
-            self.assertEqual(len(losses), n_microbatches)
-            for got, want in zip(losses, ref_losses):
-                torch.testing.assert_close(got, want)
-        checked = []
-        for part in parts:
-            for name, p in part.named_parameters():
-                want = ref_params[name].grad
-                if want is None:  # an expert no token was routed to
-                    self.assertIsNone(p.grad, name)
-                else:
-                    self.assertIsNotNone(p.grad, name)
-                    torch.testing.assert_close(p.grad, want, msg=f"grad of {name}")
-                checked.append(name)
-        # Every parameter of the model was checked on exactly one rank of the pipeline.
-        pp_group = group.get_group() if use_mesh else group
+        # Every parameter of the model is checked on exactly one rank of the pipeline.
+        checked = [name for part in parts for name, _ in part.named_parameters()]
         gathered: list = [None] * pp
-        dist.all_gather_object(gathered, checked, group=pp_group)
-        all_checked = [n for names_ in gathered for n in names_]
-        self.assertEqual(sorted(all_checked), sorted(ref_params))
+        dist.all_gather_object(gathered, checked, group=group.get_group() if use_mesh else group)
+
+        def check_results() -> None:
+            if has_last:
+                torch.testing.assert_close(out, ref_out)
+                self.assertEqual(len(losses), n_microbatches)
+                for got, want in zip(losses, ref_losses):
+                    torch.testing.assert_close(got, want)
+            for part in parts:
+                for name, p in part.named_parameters():
+                    want = ref_params[name].grad
+                    if want is None:  # an expert no token was routed to
+                        self.assertIsNone(p.grad, name)
+                    else:
+                        self.assertIsNotNone(p.grad, name)
+                        torch.testing.assert_close(p.grad, want, msg=f"grad of {name}")
+            self.assertEqual(sorted(n for names_ in gathered for n in names_), sorted(ref_params))
+
+        check_on_all_ranks(check_results, self.device)
 
     @parametrize("pp", [2, 4])
     @parametrize("schedule", list(_SCHEDULES))
@@ -182,39 +173,7 @@ class StageSplitGlooTest(MultiProcContinuousTest):
 instantiate_parametrized_tests(StageSplitGlooTest)
 
 
-class StageSplitNcclTest(StageSplitGlooTest):
-    world_size = 4
-    _processes_spawned = False
-    _groups: dict = {}
-
-    @classmethod
-    def backend_str(cls) -> str:
-        return "nccl"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cuda"
-
-    @classmethod
-    def setUpClass(cls):
-        # Skip before spawning: ranks cannot even create an NCCL group without GPUs.
-        if not torch.cuda.is_available() or torch.cuda.device_count() < cls.world_size:
-            raise unittest.SkipTest(f"NCCL tests need {cls.world_size} GPUs")
-        super().setUpClass()
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", self.rank)
-
-    def _check_split_schedule(self, *args, **kwargs) -> None:
-        torch.cuda.set_device(self.device)
-        super()._check_split_schedule(*args, **kwargs)
-
-
-# Every NCCL test also carries the per-test GPU guard.
-for _name in [n for n in vars(StageSplitGlooTest) if n.startswith("test_")]:
-    _test = getattr(StageSplitGlooTest, _name)
-    setattr(StageSplitNcclTest, _name, skip_if_lt_x_gpu(StageSplitNcclTest.world_size)(_test))
+StageSplitNcclTest = nccl_variant(StageSplitGlooTest, "StageSplitNcclTest")
 
 
 if __name__ == "__main__":
