@@ -1,0 +1,140 @@
+"""Build the upstream files of patch 0007 from the package's committed modules."""
+import re
+import sys
+
+ep_src, ov_src, out_dir = sys.argv[1:4]
+ep = open(ep_src).read()
+ov = open(ov_src).read()
+
+
+def replace(text, old, new, count=1):
+    if text.count(old) != count:
+        raise SystemExit(f"expected {count}x {old[:70]!r}, found {text.count(old)}")
+    return text.replace(old, new)
+
+
+# ---- ep_overlap.py ----------------------------------------------------------
+ep = replace(ep, '''Upstream target: a new public module ``torch/distributed/pipelining/ep_overlap.py``.
+
+While this package is patched, an ``OVERLAP_F_B`` action of a
+``_PipelineScheduleRuntime`` (``ScheduleDualPipeV``, or a CSV schedule) runs
+the forward of one microbatch on the calling thread and the backward of
+another on a worker thread (``_overlap.py``).''', '''With :func:`overlap_f_b` registered for ``OVERLAP_F_B``
+(``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``),
+an ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``
+(``ScheduleDualPipeV``, or a CSV schedule) runs the forward of one microbatch
+on the calling thread and the backward of another on a worker thread
+(``_overlap.py``; design: [Note: concurrent OVERLAP_F_B] there).''')
+ep = ep.replace("TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT", "TORCH_PIPELINING_OVERLAP_TIMEOUT")
+ep = replace(ep, '''"the sequential handler would. Use preserve_rng_state=True, or run OVERLAP_F_B "
+                            "sequentially (TORCH_PIPELINING_EXT_OVERLAP=0)."''', '''"the sequential handler would. Use preserve_rng_state=True, or run OVERLAP_F_B "
+                            "sequentially (do not register ep_overlap.overlap_f_b)."''')
+ep = replace(ep, "    # So fork_rng on the backward side opens an \"RNG window\" (the patch table\n    # routes it here).",
+             "    # So fork_rng on the backward side opens an \"RNG window\" (rng_window;\n    # torch.random.fork_rng is to call it, a follow-up of this change).")
+ep = replace(ep, '''__all__ = [
+    "CommWaitTimeoutError",''', '''__all__ = [
+    "CommWaitTimeoutError",
+    "overlap_f_b",''')
+# public entry point, defined at the end (imports _overlap lazily: no cycle)
+ep = ep.rstrip() + '''
+
+
+def overlap_f_b(action: Any, ctx: Any) -> None:
+    """Custom function that runs an ``OVERLAP_F_B`` action's sub-actions concurrently.
+
+    Register it on a schedule to opt in::
+
+        schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)
+
+    See [Note: concurrent OVERLAP_F_B] in ``torch/distributed/pipelining/_overlap.py``.
+    """
+    from torch.distributed.pipelining._overlap import overlap_f_b as _overlap_f_b
+
+    _overlap_f_b(action, ctx)
+'''
+assert "torch_pipelining_ext" not in ep and "TORCH_PIPELINING_EXT" not in ep, [
+    l for l in ep.splitlines() if "PIPELINING_EXT" in l or "pipelining_ext" in l
+]
+
+# ---- _overlap.py ------------------------------------------------------------
+head_end = ov.index('"""', 3) + 3
+ov = '''"""Concurrent OVERLAP_F_B for ``_PipelineScheduleRuntime``; see [Note: concurrent OVERLAP_F_B]."""''' + ov[head_end:]
+ov = replace(ov, "from torch_pipelining_ext import ep_overlap\nfrom torch_pipelining_ext.ep_overlap import",
+             "from . import ep_overlap\nfrom .ep_overlap import")
+ov = replace(ov, '''OVERLAP_ENV = "TORCH_PIPELINING_EXT_OVERLAP"
+OVERLAP_PATCH_NAME = "overlap_f_b"  # its entry in _patches.py
+
+
+def overlap_enabled() -> bool:
+    """False when ``$TORCH_PIPELINING_EXT_OVERLAP`` is ``0`` (opt out globally)."""
+    return os.environ.get(OVERLAP_ENV, "1").strip() != "0"
+''', "__NOTE__")
+ov = replace(ov, "    sequentially, as does every pair once ``unpatch()`` has been called.\n", "    sequentially.\n")
+ov = replace(ov, '''    from torch_pipelining_ext import _schedule_runtime
+
+    schedule = ctx.schedule_ref
+    pair = _forward_and_backward(action)
+    if pair is None or not _patch_applied() or _same_fsdp_stage(schedule, action):
+        for sub in action.sub_actions:
+            _schedule_runtime.run_action(ctx, sub)
+        return
+''', '''    schedule = ctx.schedule_ref
+    pair = _forward_and_backward(action)
+    if pair is None or _same_fsdp_stage(schedule, action):
+        for sub in action.sub_actions:
+            schedule.perform_action(sub, ctx)
+        return
+''')
+ov = replace(ov, "    computes = [_schedule_runtime.prepare_compute_action(ctx, sub) for sub in action.sub_actions]",
+             "    computes = [schedule.prepare_compute_action(sub, ctx) for sub in action.sub_actions]")
+ov = replace(ov, "    stages = _schedule_runtime.stage_index_to_stage(schedule)\n    streams",
+             "    stages = schedule._local_stages()\n    streams")
+ov = replace(ov, '''    from torch_pipelining_ext import _fsdp_stage, _schedule_runtime
+
+    fwd, bwd = action.sub_actions
+    if fwd.stage_index != bwd.stage_index:
+        return False
+    stage = _schedule_runtime.stage_index_to_stage(schedule).get(fwd.stage_index)
+    return stage is not None and _fsdp_stage.stage_uses_fsdp(stage)
+
+
+def _patch_applied() -> bool:
+    from torch_pipelining_ext._patches import _REGISTRY
+
+    return _REGISTRY.is_applied(OVERLAP_PATCH_NAME)
+''', '''    from torch.distributed.fsdp import FSDPModule
+
+    fwd, bwd = action.sub_actions
+    if fwd.stage_index != bwd.stage_index:
+        return False
+    stage = schedule._local_stages().get(fwd.stage_index)
+    return stage is not None and isinstance(stage.submod, FSDPModule)
+''')
+# the step wrapper becomes a call in _PipelineScheduleRuntime._step_microbatches
+ov = re.sub(r"\ndef _make_step_microbatches\(.*?\n    return _step_microbatches\n\n", "\n", ov, flags=re.S)
+# installation: descriptor, register wrapper and probe go; the fork_rng hook stays (for the follow-up)
+start = ov.index("# --------------------------------------------------------------------------- #\n# Installation")
+keep = ov.index("def _rng_devices(")
+probe = ov.index("def _probe_overlap(")
+ov = ov[:start] + '''# --------------------------------------------------------------------------- #
+# Random numbers: the torch.random.fork_rng hook (follow-up, see the note)      #
+# --------------------------------------------------------------------------- #
+
+
+''' + ov[keep:probe].rstrip() + "\n"
+note_src = open(ov_src).read()
+doc = note_src[note_src.index("Running one action::"):note_src.index('"""', note_src.index("Running one action::"))]
+doc = doc.replace("``_schedule_runtime.prepare_compute_action``", "``_PipelineScheduleRuntime.prepare_compute_action``")
+doc = doc.replace(":class:`~torch_pipelining_ext.ep_overlap._CommCoordinator`", "``ep_overlap._CommCoordinator``")
+doc = doc.replace("(:mod:`torch_pipelining_ext.ep_overlap`)", "(``ep_overlap``)")
+doc = doc.replace("to the previous stage, last-backward", "to the previous stage)")
+doc = doc.replace("work on torches without REDUCE_GRAD)", "")
+note = "# [Note: concurrent OVERLAP_F_B]\n#\n# ``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``\n# runs the forward sub-action of each OVERLAP_F_B on the calling thread and\n# the backward sub-action on a worker thread, at the same time.\n#\n" + "\n".join(
+    ("# " + l).rstrip() for l in doc.rstrip().splitlines()) + "\n"
+ov = ov.replace("__NOTE__", note)
+ov = ov.replace("the step wrapper (:func:`_make_step_microbatches`) closes", "``_PipelineScheduleRuntime._step_microbatches`` closes")
+assert "torch_pipelining_ext" not in ov and "PIPELINING_EXT" not in ov, [
+    l for l in ov.splitlines() if "PIPELINING_EXT" in l or "pipelining_ext" in l
+]
+open(f"{out_dir}/ep_overlap.py", "w").write(ep)
+open(f"{out_dir}/_overlap.py", "w").write(ov)

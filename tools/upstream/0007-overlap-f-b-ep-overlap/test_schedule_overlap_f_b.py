@@ -1,0 +1,192 @@
+# Owner(s): ["oncall: distributed"]
+# Upstream path: test/distributed/pipelining/test_schedule_overlap_f_b.py
+"""Concurrent OVERLAP_F_B (``ep_overlap.overlap_f_b``) and its communication marks.
+
+* ScheduleDualPipeV with ``ep_overlap.overlap_f_b`` registered gives bitwise
+  the outputs, losses and gradients of the sequential (built-in) OVERLAP_F_B,
+  and those of a single-process reference; backward sub-actions really ran on
+  the worker thread.
+* A model with dispatch/combine marks: inside overlapped actions, the marked
+  communication regions of the two threads never overlap.
+"""
+
+import copy
+import threading
+import time
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import ep_overlap, PipelineStage, ScheduleDualPipeV
+from torch.distributed.pipelining.schedules import OVERLAP_F_B
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest,
+    requires_nccl,
+)
+from torch.testing._internal.common_utils import (
+    run_tests,
+    skip_but_pass_in_sandcastle_if,
+)
+
+
+N_MICROBATCHES = 4
+MB_SIZE = 2
+DIM = 8
+
+
+class Recorder:
+    """What ran where: backward threads, and communication region entries/exits."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.backward_threads: set[int] = set()
+        self.events: list[tuple[str, int]] = []
+
+    def clear(self) -> None:
+        with self.lock:
+            self.backward_threads.clear()
+            self.events.clear()
+
+
+RECORDER = Recorder()
+
+
+class _Probe(torch.autograd.Function):
+    """Identity that records its backward thread; inside a region, a region event."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, in_region: bool) -> torch.Tensor:
+        ctx.in_region = in_region
+        if in_region:
+            _region_event()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with RECORDER.lock:
+            RECORDER.backward_threads.add(threading.get_ident())
+        if ctx.in_region:
+            _region_event()
+        return grad, None
+
+
+def _region_event() -> None:
+    me = threading.get_ident()
+    with RECORDER.lock:
+        RECORDER.events.append(("enter", me))
+    time.sleep(0.002)  # give the other thread time to (wrongly) enter too
+    with RECORDER.lock:
+        RECORDER.events.append(("exit", me))
+
+
+class MarkedLayer(nn.Module):
+    """Linear layers around a "dispatch" and a "combine" communication region (MoE-like)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, dim)
+        self.w2 = nn.Linear(dim, dim)
+        self.w3 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _Probe.apply(torch.relu(self.w1(x)), False)
+        x = ep_overlap.dispatch_begin(x)
+        x = _Probe.apply(x, True)
+        x = ep_overlap.dispatch_end(x)
+        x = torch.tanh(self.w2(x))
+        x = ep_overlap.combine_begin(x)
+        x = _Probe.apply(x, True)
+        x = ep_overlap.combine_end(x)
+        return self.w3(x)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+class ScheduleOverlapFBTest(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls) -> str:
+        return "gloo"
+
+    @classmethod
+    def device_type(cls) -> str:
+        return "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type() == "cuda":
+            torch.cuda.set_device(self.rank)
+            return torch.device("cuda", self.rank)
+        return torch.device("cpu")
+
+    def _run(self, overlap: bool):
+        n_stages = 2 * self.world_size
+        stage_indices = [self.rank, n_stages - 1 - self.rank]
+        torch.manual_seed(0)
+        ref = nn.Sequential(*(MarkedLayer(DIM) for _ in range(n_stages))).to(self.device)
+        modules = [copy.deepcopy(ref[i]) for i in stage_indices]
+        stages = [
+            PipelineStage(m, i, n_stages, self.device)
+            for m, i in zip(modules, stage_indices)
+        ]
+        schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=loss_fn)
+        if overlap:
+            schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen).to(self.device)
+        y = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen).to(self.device)
+        losses: list[torch.Tensor] = []
+        RECORDER.clear()
+        out = schedule.step(x, target=y, losses=losses)
+        with RECORDER.lock:
+            threads = set(RECORDER.backward_threads)
+            events = list(RECORDER.events)
+        grads = [[p.grad.clone() for p in m.parameters()] for m in modules]
+        # single-process reference
+        for x_mb, y_mb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
+            (loss_fn(ref(x_mb), y_mb) / N_MICROBATCHES).backward()
+        for i, stage_grads in zip(stage_indices, grads):
+            for g, ref_p in zip(stage_grads, ref[i].parameters()):
+                torch.testing.assert_close(g, ref_p.grad, msg=f"stage {i}")
+        return (out, losses, grads), threads, events
+
+    def test_overlapped_matches_sequential(self):
+        torch.set_num_threads(1)
+        sequential, seq_threads, _ = self._run(overlap=False)
+        overlapped, threads, _ = self._run(overlap=True)
+        # On CPU the same kernels run on the same data: identical results.
+        torch.testing.assert_close(overlapped, sequential, rtol=0, atol=0)
+        main = threading.get_ident()
+        self.assertEqual(seq_threads, {main})
+        self.assertIn(main, threads)
+        self.assertGreater(len(threads - {main}), 0, "no backward ran on the worker thread")
+
+    def test_marked_regions_are_exclusive(self):
+        torch.set_num_threads(1)
+        _, threads, events = self._run(overlap=True)
+        self.assertGreater(len(threads), 1)
+        self.assertGreater(len(events), 0)
+        # enter/exit pairs never interleave: one thread in a region at a time
+        for i in range(0, len(events), 2):
+            (kind_in, tid_in), (kind_out, tid_out) = events[i], events[i + 1]
+            self.assertEqual((kind_in, kind_out), ("enter", "exit"), f"event {i}")
+            self.assertEqual(tid_in, tid_out, f"event {i}: regions of two threads overlap")
+        self.assertGreater(len({tid for _, tid in events}), 1)
+
+
+@requires_nccl()
+@skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs")
+class ScheduleOverlapFBTestNCCL(ScheduleOverlapFBTest):
+    @classmethod
+    def backend_str(cls) -> str:
+        return "nccl"
+
+    @classmethod
+    def device_type(cls) -> str:
+        return "cuda"
+
+
+if __name__ == "__main__":
+    run_tests()
