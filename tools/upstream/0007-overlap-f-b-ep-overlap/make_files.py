@@ -1,4 +1,12 @@
-"""Build the upstream files of patch 0007 from the package's committed modules."""
+"""Build the new files of patch 0007 from the package's modules.
+
+    python make_files.py EP_OVERLAP_PY OVERLAP_PY OUT_DIR
+    black -l 88 OUT_DIR/_overlap.py OUT_DIR/ep_overlap.py
+
+EP_OVERLAP_PY / OVERLAP_PY: torch_pipelining_ext/ep_overlap.py and
+_overlap.py (e.g. ``git show HEAD:torch_pipelining_ext/_overlap.py``); OUT_DIR:
+torch/distributed/pipelining of a torch 2.15.0 copy with patches 0001-0006.
+"""
 import re
 import sys
 
@@ -123,13 +131,17 @@ ov = ov[:start] + '''# ---------------------------------------------------------
 
 ''' + ov[keep:probe].rstrip() + "\n"
 note_src = open(ov_src).read()
-doc = note_src[note_src.index("Running one action::"):note_src.index('"""', note_src.index("Running one action::"))]
+doc_start = note_src.find("What overlaps:")
+if doc_start < 0:
+    doc_start = note_src.index("Running one action::")
+doc = note_src[doc_start:note_src.index('"""', doc_start)]
+doc = doc.replace(" (:mod:`torch_pipelining_ext.ep_overlap`)", "")
 doc = doc.replace("``_schedule_runtime.prepare_compute_action``", "``_PipelineScheduleRuntime.prepare_compute_action``")
 doc = doc.replace(":class:`~torch_pipelining_ext.ep_overlap._CommCoordinator`", "``ep_overlap._CommCoordinator``")
 doc = doc.replace("(:mod:`torch_pipelining_ext.ep_overlap`)", "(``ep_overlap``)")
 doc = doc.replace("to the previous stage, last-backward", "to the previous stage)")
 doc = doc.replace("work on torches without REDUCE_GRAD)", "")
-note = "# [Note: concurrent OVERLAP_F_B]\n#\n# ``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``\n# runs the forward sub-action of each OVERLAP_F_B on the calling thread and\n# the backward sub-action on a worker thread, at the same time.\n#\n" + "\n".join(
+note = "# [Note: concurrent OVERLAP_F_B]\n#\n# ``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``\n# runs the forward sub-action of each OVERLAP_F_B on the calling thread and\n# the backward sub-action on a worker thread.\n#\n" + "\n".join(
     ("# " + l).rstrip() for l in doc.rstrip().splitlines()) + "\n"
 ov = ov.replace("__NOTE__", note)
 ov = ov.replace("the step wrapper (:func:`_make_step_microbatches`) closes", "``_PipelineScheduleRuntime._step_microbatches`` closes")
