@@ -22,9 +22,10 @@ handshake fails twice over on torch 2.9:
   neighbouring stages on one rank, and the handshake sends from the rank to
   itself; gloo has no connection to itself ("Pair is not connected").  The
   runtime never sends between such stages (they hand tensors over locally),
-  so the handshake need not either.  Upstream 2.10+ replaced this handshake by
-  a vote protocol for ``PipelineStage`` and keeps it only for other stage
-  types.
+  so the handshake need not either.  torch 2.10 and 2.11 run the handshake
+  for every stage; 2.12 - 2.14 warm up ``PipelineStage`` with a vote protocol
+  and keep the handshake for other stage types (those ``pipeline()`` builds);
+  2.15 has no handshake, and the patch does not apply there.
 
 :func:`_make_get_init_p2p_neighbors_ops` converts the handshake tensors to
 float32 and drops the ops whose peer is the calling rank.

@@ -115,7 +115,7 @@ def _schedule_runtime_patches() -> list[Patch]:
             targets=(Target(_STAGE, "_PipelineStageBase._get_init_p2p_neighbors_ops", make=init_p2p),),
             probe=init_p2p_probe,
             description="stage init handshake: float32 tensors, no send to the own rank (gloo)",
-            upstream="stage.py _get_init_p2p_neighbors_ops (float32 since 2.10)",
+            upstream="stage.py _get_init_p2p_neighbors_ops (float32 since 2.10; no handshake in 2.15)",
         ),
         Patch(
             name="p2p_to_own_rank",
