@@ -106,6 +106,9 @@ class PipelineMultiProcTest(MultiProcContinuousTest):
             process.terminate()
         for process in cls.processes:
             process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=60)
         if cls.rdvz_file is not None and os.path.exists(cls.rdvz_file):
             os.remove(cls.rdvz_file)
         cls.poison_pill = False
