@@ -2,8 +2,9 @@
 # Upstream path: test/distributed/pipelining/test_schedule_grad_accumulation.py
 """Gradient accumulation across ``step()`` calls with ``scale_grads=True``.
 
-Two steps without ``zero_grad()`` must give the sum of the two steps'
-gradients: ``scale_grads`` may only divide what the current step added.
+Steps without ``zero_grad()`` must give the sum of the steps' gradients:
+``scale_grads`` may only divide what the current step added, also when FSDP
+reductions are deferred with ``step(finalize_gradients=False)``.
 PP=2 x DP=2; the data-parallel replicas see the same batch, plain or
 ``fully_shard``-ed stages, so every gradient must equal a single-process
 reference.
@@ -106,6 +107,15 @@ class ScheduleGradAccumulationTest(MultiProcContinuousTest):
     )
     @parametrize("use_fsdp", [False, True])
     def test_accumulate_without_zero_grad(self, ScheduleClass, use_fsdp):
+        self._accumulate(ScheduleClass, use_fsdp, finalize=[True] * N_STEPS)
+
+    @parametrize("ScheduleClass", [Schedule1F1B, ScheduleInterleaved1F1B])
+    def test_accumulate_with_deferred_fsdp_reduction(self, ScheduleClass):
+        # A finalized step, then one whose reduction is deferred, then the
+        # step that finalizes it: the first step's gradients are carried.
+        self._accumulate(ScheduleClass, True, finalize=[True, False, True])
+
+    def _accumulate(self, ScheduleClass, use_fsdp, finalize):
         torch.set_num_threads(1)
         mesh = self._mesh()
         pp_rank = mesh["pp"].get_local_rank()
@@ -127,13 +137,15 @@ class ScheduleGradAccumulationTest(MultiProcContinuousTest):
             schedule = ScheduleClass(stages, N_MICROBATCHES, loss_fn=loss_fn)
 
         gen = torch.Generator().manual_seed(1)
-        for step in range(N_STEPS):  # no zero_grad(): gradients accumulate
+        for step, finalize_gradients in enumerate(finalize):  # no zero_grad()
             x = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen)
             y = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen)
             x, y = x.to(self.device), y.to(self.device)
-            schedule.step(x, target=y)
+            schedule.step(x, target=y, finalize_gradients=finalize_gradients)
             for x_mb, y_mb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
                 (loss_fn(ref(x_mb), y_mb) / N_MICROBATCHES).backward()
+            if not finalize_gradients:
+                continue  # .grad is only valid once the reduction is finalized
 
             # Gather first (the same collectives on every rank), then compare.
             grads = [
