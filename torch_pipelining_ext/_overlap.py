@@ -511,6 +511,7 @@ class _StreamPlan:
     def for_action(cls, schedule: Any, stages: dict[int, Any], fwd: _Action, bwd: _Action) -> _StreamPlan | None:
         """The plan for this action, or None on CPU."""
         device = getattr(stages[fwd.stage_index], "device", None)
+        device = None if device is None else torch.device(device)  # a stage may hold "cuda:0" as given
         if device is None or device.type == "cpu" or not _accelerator_available():
             return None
         if torch.accelerator.current_accelerator().type != device.type:

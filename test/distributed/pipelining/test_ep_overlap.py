@@ -906,6 +906,16 @@ class StreamPlanTest(TestCase):
         # the caller joins on the calling thread, after the worker finished
         self.assertEqual({t for t, _ in log}, {threading.current_thread().name})
 
+    def test_no_plan_on_cpu_whatever_the_device_is_given_as(self) -> None:
+        from types import SimpleNamespace
+
+        from torch.distributed.pipelining.schedules import _Action, BACKWARD_INPUT, FORWARD
+
+        for device in ("cpu", torch.device("cpu")):  # PipelineStage keeps the device as it was given
+            stages = {0: SimpleNamespace(device=device), 3: SimpleNamespace(device=device)}
+            plan = _StreamPlan.for_action(object(), stages, _Action(0, FORWARD, 1), _Action(3, BACKWARD_INPUT, 0))
+            self.assertIsNone(plan)
+
 
 instantiate_parametrized_tests(RandomNumbersTest)
 instantiate_parametrized_tests(FailureTest)
