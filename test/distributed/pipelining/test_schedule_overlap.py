@@ -129,6 +129,13 @@ class _Delay(torch.autograd.Function):
         return grad
 
 
+def _marked_delay(x: torch.Tensor) -> torch.Tensor:
+    """A stand-in for expert-parallel communication: a random delay between dispatch marks."""
+    from torch_pipelining_ext import ep_overlap
+
+    return ep_overlap.dispatch_end(_Delay.apply(ep_overlap.dispatch_begin(x)))
+
+
 FULL_MATRIX = os.environ.get("TORCH_PIPELINING_EXT_FULL_MATRIX", "0") == "1"
 
 
@@ -428,7 +435,9 @@ class _FSDPPipeline:
         for i in self.stage_ids:
             module = reference[i]
             for layer in module.layers:
-                layer.register_forward_hook(lambda m, args, out: _Delay.apply(out))  # random timing
+                # random timing, and a marked communication region after every layer, so that the two
+                # threads of an overlapped action take turns inside the stage
+                layer.register_forward_hook(lambda m, args, out: _marked_delay(_Delay.apply(out)))
                 if random_ops:
                     layer.forward = _with_random_ops(layer.forward)
                 if ac:
