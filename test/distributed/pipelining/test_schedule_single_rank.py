@@ -31,10 +31,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from common_pipelining import nccl_decorators, reference_step
 from model_registry import FSDPMLPStage, fully_shard_stage, MLPStage
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
-from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests, TestCase
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    subtest,
+    TestCase,
+)
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import _overlap
@@ -47,7 +54,7 @@ DIM = 16
 N_MICROBATCHES = 4
 MB_SIZE = 2
 HAS_CUDA = torch.cuda.is_available() and dist.is_nccl_available()
-DEVICES = ["cpu", "cuda"]
+DEVICES = ["cpu", subtest("cuda", decorators=nccl_decorators(1))]
 MULTI_STAGE = (
     sched.ScheduleDualPipeV,
     sched.ScheduleZBVZeroBubble,
@@ -95,15 +102,7 @@ def _tokens(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
 def _reference_step(
     model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The unsplit model on the same microbatches, gradients scaled like the schedules'."""
-    outs, losses = [], []
-    for xm, ym in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
-        out = model(xm)
-        loss = loss_fn(out, ym)
-        (loss / N_MICROBATCHES).backward()
-        outs.append(out.detach())
-        losses.append(loss.detach())
-    return torch.cat(outs), losses
+    return reference_step(model, loss_fn, x, y, N_MICROBATCHES)
 
 
 def _build(schedule_class: type, parts: list[nn.Module], device: torch.device, loss_fn) -> sched._PipelineSchedule:
