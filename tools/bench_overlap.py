@@ -276,20 +276,25 @@ def _segments(trace: _ActionTrace, kind: str) -> tuple[list[float], float, float
 _RELEASES = {"open": 3, "close": 2, "finish": 2}  # which timestamp of the other thread's call releases
 
 
-def _handovers(trace: _ActionTrace) -> tuple[list[float], list[float]]:
-    """(hand-over latencies, durations of the coordinator calls that did not wait for the other thread)."""
-    handovers, costs = [], []
+def _handovers(trace: _ActionTrace) -> tuple[list[float], list[float], int]:
+    """(hand-over latencies, durations of the coordinator calls that did not wait for the other thread,
+    closes that waited for an open the other thread was already blocked in when the close began)."""
+    handovers, costs, relay = [], [], 0
     for name, thread, call, ret in trace.coord:
         releases = [
-            ev[_RELEASES[ev[0]]]
+            ev
             for ev in trace.coord
             if ev[1] != thread and ev[0] in _RELEASES and call <= ev[_RELEASES[ev[0]]] <= ret
         ]
         if releases and name in ("open", "close", "_start"):
-            handovers.append(ret - max(releases))
+            last = max(releases, key=lambda ev: ev[_RELEASES[ev[0]]])
+            handovers.append(ret - last[_RELEASES[last[0]]])
+            # the other thread was already waiting for this turn: two wake-ups in a row, the second
+            # only to let this thread compute on
+            relay += name == "close" and last[0] == "open" and last[2] < call
         elif name in ("open", "close"):
             costs.append(ret - call)
-    return handovers, costs
+    return handovers, costs, relay
 
 
 def summarize_action(trace: _ActionTrace) -> dict[str, Any] | None:
@@ -302,7 +307,7 @@ def summarize_action(trace: _ActionTrace) -> dict[str, Any] | None:
     f_thread = next(s[1] for s in trace.subs if s[0] == "F")
     b_thread = next(s[1] for s in trace.subs if s[0] == "B")
     starts = {th: c for name, th, c, _ in trace.coord if name == "_start"}
-    handovers, costs = _handovers(trace)
+    handovers, costs, relay = _handovers(trace)
     return {
         "total": trace.end - trace.start,
         "spans": (f1 - f0) + (b1 - b0),  # both sub-actions' compute closures, as if back to back
@@ -313,6 +318,7 @@ def summarize_action(trace: _ActionTrace) -> dict[str, Any] | None:
         # the calling thread running again after the backward, when it finished last
         "join_wake": trace.end - b1 if b1 > f1 else 0.0,
         "handovers": handovers,
+        "relay_closes": relay,
         "coord_costs": costs,
     }
 
@@ -574,6 +580,7 @@ class _ModeBreakdown:
     handover_us: float = math.nan  # median
     handover_p90_us: float = math.nan
     handovers_per_action: float = math.nan
+    relay_per_action: float = math.nan  # closes that waited for an open already in progress
     coord_call_us: float = math.nan  # median duration of open/close calls that did not wait
     coord_calls_per_action: float = math.nan
     # per round, summed over ranks and actions, medians: where achieved - ideal goes
@@ -591,7 +598,7 @@ def _breakdown(ranks: list[dict[str, Any]], inside: dict[str, list[float]]) -> d
         counterpart = COUNTERPART[name]
         ideal, ideal_own, eff, compute, comm = [], [], [], [], []
         lost_wake, lost_ho, lost_coord = [], [], []
-        worker_w, join_w, handovers, calls, n_actions = [], [], [], [], 0
+        worker_w, join_w, handovers, calls, n_actions, relay = [], [], [], [], 0, 0
         ok = True
         for rnd in range(n_rounds):
             i_seq = i_own = c = m = wake = ho = co = 0.0
@@ -614,6 +621,7 @@ def _breakdown(ranks: list[dict[str, Any]], inside: dict[str, list[float]]) -> d
                         join_w.append(a["join_wake"] * 1e6)
                         wake += a["join_wake"]
                     handovers += [h * 1e6 for h in a["handovers"]]
+                    relay += a["relay_closes"]
                     ho += sum(a["handovers"])
                     calls += [x * 1e6 for x in a["coord_costs"]]
                     co += sum(a["coord_costs"])
@@ -646,6 +654,7 @@ def _breakdown(ranks: list[dict[str, Any]], inside: dict[str, list[float]]) -> d
             handover_us=_median(handovers),
             handover_p90_us=_percentile(handovers, 0.9),
             handovers_per_action=len(handovers) / n_actions,
+            relay_per_action=relay / n_actions,
             coord_call_us=_median(calls),
             coord_calls_per_action=len(calls) / n_actions,
             lost_wake=_median(lost_wake),
@@ -797,16 +806,19 @@ def _print_part1(args: argparse.Namespace, r: dict[str, Any], bd: dict[str, _Mod
         )
     if not bd:
         return
-    print("  overlapped modes, per action (µs; medians over the actions of all ranks and rounds):")
     print(
-        f"  {'mode':<18} {'hand-over':>10} {'p90':>7} {'/action':>8} {'worker wake':>12} {'join wake':>10} "
-        f"{'coord call':>11} {'/action':>8}"
+        "  overlapped modes, per action (µs; medians over the actions of all ranks and rounds; relay: hand-overs "
+        "per action where a closing thread waited for an open the other thread was already blocked in)"
+    )
+    print(
+        f"  {'mode':<18} {'hand-over':>10} {'p90':>7} {'/action':>8} {'relay':>6} {'worker wake':>12} "
+        f"{'join wake':>10} {'coord call':>11} {'/action':>8}"
     )
     for name in ("overlap", "overlap L=0", "overlap dense"):
         b = bd[name]
         print(
             f"  {name:<18} {_fmt(b.handover_us, '10.0f')} {_fmt(b.handover_p90_us, '7.0f')} "
-            f"{_fmt(b.handovers_per_action, '8.1f')} {_fmt(b.worker_wake_us, '12.0f')} "
+            f"{_fmt(b.handovers_per_action, '8.1f')} {_fmt(b.relay_per_action, '6.1f')} {_fmt(b.worker_wake_us, '12.0f')} "
             f"{_fmt(b.join_wake_us, '10.0f')} {_fmt(b.coord_call_us, '11.1f')} {_fmt(b.coord_calls_per_action, '8.1f')}"
         )
     print("  where achieved - ideal goes, per step (ms, all ranks; the parts overlap where both threads wait):")
