@@ -125,7 +125,6 @@ __all__ = ["overlap_f_b"]
 logger = logging.getLogger(__name__)
 
 OVERLAP_ENV = "TORCH_PIPELINING_EXT_OVERLAP"
-OVERLAP_PATCH_NAME = "overlap_f_b"  # its entry in _patches.py
 
 
 def overlap_enabled() -> bool:
@@ -182,9 +181,11 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     schedule = ctx.schedule_ref
     pair = _forward_and_backward(action)
     if pair is None or not _patch_applied() or _same_fsdp_stage(schedule, action):
+        logger.debug("[rank %s] %s: sub-actions run one after the other", _rank(schedule), action)
         for sub in action.sub_actions:
             _schedule_runtime.run_action(ctx, sub)
         return
+    logger.debug("[rank %s] %s: forward and backward run concurrently", _rank(schedule), action)
 
     # In schedule order, on this thread: recv waits, FSDP checks, the backward
     # counter, the loss.
@@ -226,9 +227,9 @@ def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:
 
 
 def _patch_applied() -> bool:
-    from torch_pipelining_ext._patches import _REGISTRY
-
-    return _REGISTRY.is_applied(OVERLAP_PATCH_NAME)
+    """Whether the ``overlap_f_b`` patch is applied now (a schedule built before ``unpatch()`` keeps its map)."""
+    runtime = _schedules()._PipelineScheduleRuntime
+    return isinstance(inspect.getattr_static(runtime, _FUNCTION_MAP, None), _FunctionMapWithOverlap)
 
 
 # --------------------------------------------------------------------------- #

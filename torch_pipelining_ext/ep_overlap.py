@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import logging
 import math
 import os
 import sys
@@ -89,8 +88,6 @@ __all__ = [
     "set_wait_timeout",
     "wrap_dispatch_combine",
 ]
-
-logger = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
 # A side hands the processor over after a region only if the region took at
