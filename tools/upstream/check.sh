@@ -25,6 +25,8 @@ LOG_DIR="${CHECK_DIR}/logs"
 
 die() { echo "check.sh: $*" >&2; exit 1; }
 
+command -v patch >/dev/null || die "needs the patch tool (e.g. apt-get install patch)"
+
 # --- 1. a python with torch 2.15.0 ----------------------------------------------
 mkdir -p "${CHECK_DIR}" "${LOG_DIR}" || die "cannot create ${CHECK_DIR}"
 if [[ -n "${UPSTREAM_TORCH_PYTHON:-}" ]]; then
