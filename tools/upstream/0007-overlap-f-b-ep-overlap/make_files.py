@@ -69,8 +69,8 @@ head_end = ov.index('"""', 3) + 3
 ov = '''"""Concurrent OVERLAP_F_B for ``_PipelineScheduleRuntime``; see [Note: concurrent OVERLAP_F_B]."""''' + ov[head_end:]
 ov = replace(ov, "from torch_pipelining_ext import ep_overlap\nfrom torch_pipelining_ext.ep_overlap import",
              "from . import ep_overlap\nfrom .ep_overlap import")
+ov = ov.replace('OVERLAP_PATCH_NAME = "overlap_f_b"  # its entry in _patches.py\n', "")
 ov = replace(ov, '''OVERLAP_ENV = "TORCH_PIPELINING_EXT_OVERLAP"
-OVERLAP_PATCH_NAME = "overlap_f_b"  # its entry in _patches.py
 
 
 def overlap_enabled() -> bool:
@@ -78,21 +78,10 @@ def overlap_enabled() -> bool:
     return os.environ.get(OVERLAP_ENV, "1").strip() != "0"
 ''', "__NOTE__")
 ov = replace(ov, "    sequentially, as does every pair once ``unpatch()`` has been called.\n", "    sequentially.\n")
-ov = replace(ov, '''    from torch_pipelining_ext import _schedule_runtime
-
-    schedule = ctx.schedule_ref
-    pair = _forward_and_backward(action)
-    if pair is None or not _patch_applied() or _same_fsdp_stage(schedule, action):
-        for sub in action.sub_actions:
-            _schedule_runtime.run_action(ctx, sub)
-        return
-''', '''    schedule = ctx.schedule_ref
-    pair = _forward_and_backward(action)
-    if pair is None or _same_fsdp_stage(schedule, action):
-        for sub in action.sub_actions:
-            schedule.perform_action(sub, ctx)
-        return
-''')
+ov = replace(ov, "    from torch_pipelining_ext import _schedule_runtime\n\n    schedule = ctx.schedule_ref",
+             "    schedule = ctx.schedule_ref")
+ov = replace(ov, " or not _patch_applied() or ", " or ")
+ov = replace(ov, "            _schedule_runtime.run_action(ctx, sub)", "            schedule.perform_action(sub, ctx)")
 ov = replace(ov, "    computes = [_schedule_runtime.prepare_compute_action(ctx, sub) for sub in action.sub_actions]",
              "    computes = [schedule.prepare_compute_action(sub, ctx) for sub in action.sub_actions]")
 ov = replace(ov, "    stages = _schedule_runtime.stage_index_to_stage(schedule)\n    streams",
@@ -104,12 +93,6 @@ ov = replace(ov, '''    from torch_pipelining_ext import _fsdp_stage, _schedule_
         return False
     stage = _schedule_runtime.stage_index_to_stage(schedule).get(fwd.stage_index)
     return stage is not None and _fsdp_stage.stage_uses_fsdp(stage)
-
-
-def _patch_applied() -> bool:
-    from torch_pipelining_ext._patches import _REGISTRY
-
-    return _REGISTRY.is_applied(OVERLAP_PATCH_NAME)
 ''', '''    from torch.distributed.fsdp import FSDPModule
 
     fwd, bwd = action.sub_actions
@@ -118,6 +101,7 @@ def _patch_applied() -> bool:
     stage = schedule._local_stages().get(fwd.stage_index)
     return stage is not None and isinstance(stage.submod, FSDPModule)
 ''')
+ov = re.sub(r"\n\ndef _patch_applied\(\) -> bool:\n.*?(?=\n\n\n)", "", ov, flags=re.S)
 # the step wrapper becomes a call in _PipelineScheduleRuntime._step_microbatches
 ov = re.sub(r"\ndef _make_step_microbatches\(.*?\n    return _step_microbatches\n\n", "\n", ov, flags=re.S)
 # installation: descriptor, register wrapper and probe go; the fork_rng hook stays (for the follow-up)
