@@ -47,15 +47,28 @@ def _make_clear_runtime_states(original: Callable[..., Any]) -> Callable[..., An
     @functools.wraps(original)
     def clear_runtime_states(self: Any) -> None:
         original(self)
-        carried = []
-        if self.has_backward:
-            carried = [(p, p.grad.detach().clone()) for p in self.submod.parameters() if p.grad is not None]
+        params = list(self.submod.parameters()) if self.has_backward else []
+        if _reduction_deferred(self.submod, params):
+            # An earlier step(finalize_gradients=False) (torch 2.15+) left FSDP's
+            # parameters unsharded with the reduction pending: the step that
+            # finalizes scales what the deferred steps added, so the gradients
+            # recorded when the first of them started stay recorded.
+            return
+        carried = [(p, p.grad.detach().clone()) for p in params if p.grad is not None]
         if carried:
             _CARRIED_GRADS[self] = carried
         else:
             _CARRIED_GRADS.pop(self, None)
 
     return clear_runtime_states
+
+
+def _reduction_deferred(submod: torch.nn.Module, params: list[torch.Tensor]) -> bool:
+    """Whether ``submod`` is an FSDP module whose parameters are still unsharded from a deferred step."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(submod, FSDPModule) and any(not isinstance(p, DTensor) for p in params)
 
 
 def _make_scale_grads(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,6 +16,8 @@ reduce-scattered (a sharded DTensor; nothing left on the unsharded parameters).
 from __future__ import annotations
 
 import copy
+import inspect
+import unittest
 from collections import Counter
 
 import torch
@@ -231,6 +233,27 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
         pipeline = self._pipeline(schedule_class)
         pipeline.schedule = schedule_class(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
         self._run_two_steps(pipeline)
+
+    @unittest.skipIf(
+        "finalize_gradients" not in inspect.signature(ScheduleInterleaved1F1B.step).parameters,
+        "step(finalize_gradients=...) needs torch 2.15+",
+    )
+    def test_fsdp_deferred_gradient_finalization(self) -> None:
+        # Steps that defer FSDP's reduction (finalize_gradients=False) between finalized
+        # ones, no zero_grad: the finalizing step must scale only what the deferred steps added.
+        pipeline = self._pipeline(ScheduleInterleaved1F1B)
+        pipeline.schedule = ScheduleInterleaved1F1B(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        for step, finalize in enumerate([True, False, True]):
+            x, y = (t.to(self.device) for t in _batch(step))
+            pipeline.schedule.step(x, target=y, finalize_gradients=finalize)
+            reference_step(pipeline.ref, _loss_fn, x, y, N_MICROBATCHES)
+            if not finalize:
+                continue
+            full_grads = [
+                [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
+                for module in pipeline.modules
+            ]
+            check_on_all_ranks(lambda: pipeline.check_gradients(self, step, full_grads), self.device)
 
     def test_fsdp_dual_pipe_v_sequential_overlap_f_b(self) -> None:
         pipeline = self._pipeline(ScheduleDualPipeV)
