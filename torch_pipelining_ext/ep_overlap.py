@@ -320,6 +320,8 @@ class _CommCoordinator:
         with self._cond:
             if self._depth[side]:
                 self._depth[side] += 1  # nested, e.g. recomputation inside a region
+                if self._waiting[side.other]:
+                    self._cond.notify_all()  # may have parked this side (inside an RNG window)
                 return
             self._wait(side, where, lambda: self._may_open(side), "for its turn to communicate")
             if self._stopped:
@@ -427,6 +429,8 @@ class _CommCoordinator:
         finally:
             with self._cond:
                 self._window_depths.pop()
+                # whether this side counts as parked depends on its innermost window
+                self._cond.notify_all()
                 if outermost:
                     drew = start is not None and not failed and not self._stopped and self._drew(start)
                     saved = self._rng_saved[other]
@@ -434,7 +438,6 @@ class _CommCoordinator:
                         self._rng_devices.install(saved)
                     self._rng_saved = [None, None]
                     self._rng_owner = other
-                    self._cond.notify_all()
                     if drew:
                         raise RuntimeError(
                             f"rank {self.rank}, action {self.action}: an activation-checkpointing recomputation "
@@ -498,8 +501,11 @@ class _CommCoordinator:
             return False
         self._waiting[side] += 1
         try:
-            if self._window_depths:
-                self._cond.notify_all()  # the other side may be waiting for this one to park
+            if self._waiting[side.other]:
+                # This side is parked now, which the other side may be waiting
+                # for (the start of a recomputation, before its RNG window is
+                # recorded, or taking the generators over).
+                self._cond.notify_all()
             if self._cond.wait_for(predicate, timeout=self._wait_timeout):
                 return True
         finally:

@@ -84,6 +84,15 @@ class PipelineMultiProcTest(MultiProcContinuousTest):
         torch.set_num_threads(1)
         if cls.device_type() == "cuda":
             torch.cuda.set_device(rank)
+        # Process groups a test creates later (new_group, init_device_mesh)
+        # get torch's default timeout of 30 minutes; give them the class's
+        # timeout, like the default group, so that a collective that never
+        # completes fails the test in minutes.
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d.default_pg_timeout = cls.timeout
+        if isinstance(distributed_c10d.default_pg_nccl_timeout, type(cls.timeout)):
+            distributed_c10d.default_pg_nccl_timeout = cls.timeout
         super()._init_pg(rank, world_size, rdvz_file)
 
     @classmethod

@@ -493,6 +493,34 @@ class RandomNumbersTest(TestCase):
         ref.backward()
         self.assert_pair_matches_sequential(run, ref)
 
+    def test_recomputation_that_starts_before_the_forward_waits(self) -> None:
+        # The backward side reaches its recomputation (and waits there for the
+        # forward side to pause) before the forward side has reached the
+        # coordinator at all: the forward side's starting to wait must wake
+        # it.  Seen as a hang on a loaded machine: the forward waited for the
+        # backward's first region, the backward for the forward to pause.
+        entered = threading.Event()
+        start = _CommCoordinator._start
+
+        def late_forward_start(coordinator: _CommCoordinator, side: _Side) -> None:
+            if side is _Side.FORWARD:
+                self.assertTrue(entered.wait(5.0))
+                time.sleep(0.05)  # the backward is waiting in its RNG window by now
+            start(coordinator, side)
+
+        def backward() -> None:
+            entered.set()
+            with torch.random.fork_rng():
+                torch.rand(2)
+
+        drawn = {}
+        torch.manual_seed(5)
+        with unittest.mock.patch.object(_CommCoordinator, "_start", late_forward_start):
+            begun = time.perf_counter()
+            _run_overlapped(lambda: drawn.setdefault("forward", torch.rand(2)), backward, rank=0, action="a", timeout=10.0)
+        self.assertLess(time.perf_counter() - begun, 5.0)
+        torch.testing.assert_close(drawn["forward"], torch.manual_seed(5) and torch.rand(2), rtol=0, atol=0)
+
     def test_fork_rng_elsewhere_is_the_original(self) -> None:
         torch.manual_seed(3)
         with torch.random.fork_rng():
@@ -584,7 +612,7 @@ class TimeoutSettingTest(TestCase):
 _LIBRARY_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("library_var", default="unset")
 
 
-class ThreadStateTest(TestCase):
+class WorkerContextTest(TestCase):
     def test_worker_runs_in_a_copy_of_the_callers_context(self) -> None:
         seen = {}
         token = _LIBRARY_VAR.set("caller")
@@ -628,6 +656,7 @@ class ThreadStateTest(TestCase):
         self.assertIsNone(seen["mesh"])  # removed: not carried any more
         with self.assertRaises(TypeError):
             ep_overlap.register_thread_state(None, apply)
+
 
 class ThreadStateTest(TestCase):
     def test_worker_inherits_grad_mode_and_autocast(self) -> None:
