@@ -22,7 +22,6 @@ and no torch method has to be replaced.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -30,8 +29,6 @@ from typing import Any
 
 
 __all__ = ["BackwardCounter"]
-
-logger = logging.getLogger(__name__)
 
 
 class BackwardCounter(Counter):

@@ -37,7 +37,6 @@ an unsharded module, so nothing is all-gathered twice.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any, TYPE_CHECKING
 
@@ -51,8 +50,6 @@ if TYPE_CHECKING:
 
 
 __all__: list[str] = []
-
-logger = logging.getLogger(__name__)
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:

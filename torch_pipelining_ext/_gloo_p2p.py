@@ -44,7 +44,6 @@ the matching receive from it.  torch 2.10+ runs every multi-stage schedule on
 from __future__ import annotations
 
 import functools
-import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -54,8 +53,6 @@ import torch.distributed as dist
 
 
 __all__: list[str] = []
-
-logger = logging.getLogger(__name__)
 
 
 def _make_get_init_p2p_neighbors_ops(original: Callable[..., Any]) -> Callable[..., Any]:

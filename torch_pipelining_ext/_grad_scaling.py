@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -34,8 +33,6 @@ import torch
 
 
 __all__: list[str] = []
-
-logger = logging.getLogger(__name__)
 
 # Per stage: (parameter, its gradient when the step started).
 _CARRIED_GRADS: weakref.WeakKeyDictionary[Any, list[tuple[torch.Tensor, torch.Tensor]]] = weakref.WeakKeyDictionary()

@@ -142,3 +142,4 @@ def read_tensors(requests: list[tuple[TensorEntry, torch.Tensor]]) -> None:
                 if out.dtype != entry.dtype or out.device.type != "cpu" or not out.is_contiguous():
                     raise AssertionError("internal error: read destination must be a contiguous CPU tensor")
                 read_tensor(f, entry, out)
+        logger.debug("read %d tensors (%d bytes) from %s", len(items), sum(e.nbytes for e, _ in items), file)

@@ -50,7 +50,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 import socket
@@ -74,8 +73,6 @@ from torch_pipelining_ext.demo.model import is_expert_param, MoEModelArgs, MoETr
 
 
 __all__ = ["DemoResult", "build_parser", "main", "parse_args", "run"]
-
-logger = logging.getLogger(__name__)
 
 # Fixed sizes of the synthetic task (the flags choose the parallel layout and
 # the model's depth/width in experts).
