@@ -19,13 +19,16 @@ gradients it carries in, and ``scale_grads`` scales only what the step added.
 This costs one copy of the carried gradients for the duration of the step,
 and nothing when gradients are ``None`` at the start of the step (the usual
 ``optimizer.zero_grad()``, which sets them to ``None``).
+
+The copy is kept on the stage, not in the schedule's ``_ScheduleState``: every
+schedule class (single-stage ones too) calls these two methods, and neither
+is given the schedule.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +37,8 @@ import torch
 
 __all__: list[str] = []
 
-# Per stage: (parameter, its gradient when the step started).
-_CARRIED_GRADS: weakref.WeakKeyDictionary[Any, list[tuple[torch.Tensor, torch.Tensor]]] = weakref.WeakKeyDictionary()
+# Stage instance attribute: [(parameter, its gradient when the step started)] while a step runs.
+_CARRIED_GRADS = "_pipelining_ext_carried_grads"
 
 
 def _make_clear_runtime_states(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -53,9 +56,9 @@ def _make_clear_runtime_states(original: Callable[..., Any]) -> Callable[..., An
             return
         carried = [(p, p.grad.detach().clone()) for p in params if p.grad is not None]
         if carried:
-            _CARRIED_GRADS[self] = carried
+            self.__dict__[_CARRIED_GRADS] = carried
         else:
-            _CARRIED_GRADS.pop(self, None)
+            self.__dict__.pop(_CARRIED_GRADS, None)
 
     return clear_runtime_states
 
@@ -73,7 +76,7 @@ def _make_scale_grads(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def scale_grads(self: Any, grad_scale_factor: int) -> None:
-        carried = _CARRIED_GRADS.pop(self, None)
+        carried = self.__dict__.pop(_CARRIED_GRADS, None)
         if not carried or grad_scale_factor == 1:
             return original(self, grad_scale_factor)
         for p, start in carried:

@@ -51,8 +51,12 @@ profiler is on (the worker's appear in traces recorded with
 ``_ExperimentalConfig(profile_all_threads=True)``).  An action returns or
 raises only once its backward has finished.  The worker thread serves every
 OVERLAP_F_B action of one step (a fresh thread per action would cost
-milliseconds of cold allocator and math-library state each time) and is
-joined when the step ends, however it ends: no thread outlives a step.
+milliseconds of cold allocator and math-library state each time); it is kept
+in the schedule's ``_schedule_state._ScheduleState`` and joined when the step
+ends, however it ends (``_ScheduleState.end_step``): no thread outlives a step.
+
+Ranks: "rank R" in messages and thread names is the global rank (of the
+default process group); ``schedule.rank`` is the pipeline rank.
 
 Streams (CUDA and other accelerators)
 -------------------------------------
@@ -104,15 +108,13 @@ import logging
 import os
 import queue
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from torch_pipelining_ext import ep_overlap
+from torch_pipelining_ext import _schedule_state, ep_overlap
 from torch_pipelining_ext.ep_overlap import _CommCoordinator, _RNGDevices, _Side, _wait_arg, get_wait_timeout
 
 
@@ -157,10 +159,6 @@ def _forward_and_backward(action: _Action) -> tuple[int, int] | None:
     return None
 
 
-def _rank(schedule: Any) -> int:
-    return dist.get_rank() if dist.is_initialized() else getattr(schedule, "rank", 0)
-
-
 def overlap_f_b(action: _Action, ctx: Any) -> None:
     """Run an OVERLAP_F_B action with its forward and backward sub-actions concurrently.
 
@@ -173,19 +171,20 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
 
     Raises:
         RuntimeError: a sub-action failed (or waited too long at a
-            communication boundary); the message names the rank and the
-            action, the original exception is the cause.
+            communication boundary); the message names the global rank and
+            the action, the original exception is the cause.
     """
     from torch_pipelining_ext import _schedule_runtime
 
     schedule = ctx.schedule_ref
+    global_rank = _schedule_state.global_rank(schedule)
     pair = _forward_and_backward(action)
     if pair is None or not _patch_applied() or _same_fsdp_stage(schedule, action):
-        logger.debug("[rank %s] %s: sub-actions run one after the other", _rank(schedule), action)
+        logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
         for sub in action.sub_actions:
             _schedule_runtime.run_action(ctx, sub)
         return
-    logger.debug("[rank %s] %s: forward and backward run concurrently", _rank(schedule), action)
+    logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
 
     # In schedule order, on this thread: recv waits, FSDP checks, the backward
     # counter, the loss.
@@ -194,15 +193,14 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     fwd_action, bwd_action = action.sub_actions[f], action.sub_actions[b]
     stages = _schedule_runtime.stage_index_to_stage(schedule)
     streams = _StreamPlan.for_action(schedule, stages, fwd_action, bwd_action)
-    rank = _rank(schedule)
     _run_overlapped(
         computes[f],
         computes[b],
-        rank=rank,
+        global_rank=global_rank,
         action=str(action),
         sub_actions=(str(fwd_action), str(bwd_action)),
         streams=streams,
-        worker=_worker_for(schedule, rank),
+        worker=_worker_for(schedule, global_rank),
     )
     if streams is not None:
         streams.record_handoffs(stages, fwd_action, bwd_action)
@@ -297,9 +295,9 @@ class _BackwardWorker:
     A thread that has run torch code once runs it faster the next time (its
     allocator and math-library state are warm: a fresh thread costs
     milliseconds per action), so one worker serves every OVERLAP_F_B action
-    of a step; the step wrapper (:func:`_make_step_microbatches`) closes and
-    joins it when the step ends, however it ends.  Each action still waits
-    for its own backward to finish before it returns.
+    of a step; it is held by the schedule's ``_ScheduleState``, whose
+    ``end_step`` closes and joins it when the step ends, however it ends.
+    Each action still waits for its own backward to finish before it returns.
     """
 
     def __init__(self, name: str) -> None:
@@ -331,48 +329,33 @@ class _BackwardWorker:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def close_after_step(self, owner: str) -> None:
+        """Close and join the thread at the end of a step (``owner``'s); log if it is stuck."""
+        if self.stuck or not self.close(_wait_arg(get_wait_timeout())):
+            logger.error("the OVERLAP_F_B backward thread of %s is stuck; it is left behind", owner)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self.stuck
 
 
-# Per schedule: the worker of the step in progress.
-_workers: weakref.WeakKeyDictionary[Any, _BackwardWorker] = weakref.WeakKeyDictionary()
+def _worker_name(global_rank: int) -> str:
+    return f"OVERLAP_F_B backward (rank {global_rank})"
 
 
-def _worker_for(schedule: Any, rank: int) -> _BackwardWorker:
-    worker = _workers.get(schedule)
-    if worker is None or not worker.alive:
-        worker = _workers[schedule] = _BackwardWorker(f"OVERLAP_F_B backward (rank {rank})")
-    return worker
-
-
-def _close_worker(schedule: Any) -> None:
-    worker = _workers.pop(schedule, None)
-    if worker is None:
-        return
-    if worker.stuck or not worker.close(_wait_arg(get_wait_timeout())):
-        logger.error("the OVERLAP_F_B backward thread of %s is stuck; it is left behind", type(schedule).__name__)
-
-
-def _make_step_microbatches(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``_PipelineScheduleRuntime._step_microbatches``: join the backward worker when the step ends."""
-
-    @functools.wraps(original)
-    def _step_microbatches(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _close_worker(self)
-
-    return _step_microbatches
+def _worker_for(schedule: Any, global_rank: int) -> _BackwardWorker:
+    """The backward thread of ``schedule``'s step in progress, started on first use."""
+    state = _schedule_state.schedule_state(schedule)
+    if state.backward_worker is None or not state.backward_worker.alive:
+        state.backward_worker = _BackwardWorker(_worker_name(global_rank))
+    return state.backward_worker
 
 
 def _run_overlapped(
     forward: Callable[[], None],
     backward: Callable[[], None],
     *,
-    rank: int,
+    global_rank: int,
     action: str,
     sub_actions: tuple[str, str] = ("forward", "backward"),
     streams: _StreamPlan | None = None,
@@ -381,12 +364,13 @@ def _run_overlapped(
 ) -> _CommCoordinator:
     """Run ``backward`` on the worker thread and ``forward`` here, coordinated; wait for both; re-raise.
 
-    Without ``worker``, a thread is started for this call and joined before
-    it returns.  Returns the action's coordinator (tests inspect it).
+    ``global_rank`` names the process in messages.  Without ``worker``, a
+    thread is started for this call and joined before it returns.  Returns
+    the action's coordinator (tests inspect it).
     """
     timeout = get_wait_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
-    coordinator = _CommCoordinator(rank=rank, action=action, timeout=timeout)
+    coordinator = _CommCoordinator(rank=global_rank, action=action, timeout=timeout)
     failures: list[tuple[_Side, BaseException]] = []
     failures_lock = threading.Lock()
 
@@ -419,7 +403,7 @@ def _run_overlapped(
     own_worker = worker is None
     state = _ThreadState.capture()
     if own_worker:
-        worker = _BackwardWorker(f"OVERLAP_F_B backward (rank {rank})")
+        worker = _BackwardWorker(_worker_name(global_rank))
     if streams is not None:
         streams.start()
     backward_done = worker.submit(backward_task)
@@ -438,7 +422,7 @@ def _run_overlapped(
         coordinator.stop()
         worker.stuck = True
         raise RuntimeError(
-            f"rank {rank}, action {action}: the backward sub-action {sub_actions[_Side.BACKWARD]} "
+            f"rank {global_rank}, action {action}: the backward sub-action {sub_actions[_Side.BACKWARD]} "
             f"did not finish within {timeout:g} s after the forward sub-action did (see "
             "ep_overlap.set_wait_timeout)"
         )
@@ -451,7 +435,7 @@ def _run_overlapped(
             other_side, other = failures[1]
             also = f" (then the {other_side.thread_name} sub-action failed: {_describe(other)})"
         raise RuntimeError(
-            f"rank {rank}, action {action}: the {side.thread_name} sub-action {sub_actions[side]} "
+            f"rank {global_rank}, action {action}: the {side.thread_name} sub-action {sub_actions[side]} "
             f"failed: {_describe(error)}{also}"
         ) from error
     return coordinator
@@ -492,9 +476,6 @@ class _StreamPlan:
         set_stream: makes a stream current on the calling thread.
     """
 
-    # Per schedule: stage index -> the stage's stream, created on first use.
-    _per_schedule: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
-
     def __init__(
         self,
         caller: Any,
@@ -517,10 +498,10 @@ class _StreamPlan:
             return None
         if torch.accelerator.current_accelerator().type != device.type:
             return None
-        stage_streams = cls._per_schedule.get(schedule)
-        if stage_streams is None:
-            stage_streams = {idx: torch.Stream(device=device) for idx in stages}
-            cls._per_schedule[schedule] = stage_streams
+        state = _schedule_state.schedule_state(schedule)
+        if state.stage_streams is None:  # one stream per stage, created once
+            state.stage_streams = {idx: torch.Stream(device=device) for idx in stages}
+        stage_streams = state.stage_streams
         caller = torch.accelerator.current_stream(device)
         return cls(caller, stage_streams, fwd.stage_index, bwd.stage_index, torch.accelerator.set_stream)
 

@@ -166,6 +166,8 @@ def _schedule_runtime_patches() -> list[Patch]:
             probe=probe("_probe_step_context"),
             description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches / _PipelineContext",
+            # wraps the loop in place, so once the 2.9 loop is installed (the only wrapper of the step)
+            requires=("runtime_step_loop",),
         ),
         Patch(
             name="scale_grads_per_step",
@@ -229,11 +231,6 @@ def _overlap_patch() -> Patch:
 
         return _make_register_custom_function(original)  # type: ignore[arg-type]
 
-    def step(original: object) -> object:
-        from torch_pipelining_ext._overlap import _make_step_microbatches
-
-        return _make_step_microbatches(original)  # type: ignore[arg-type]
-
     def fork_rng(original: object) -> object:
         from torch_pipelining_ext._overlap import _make_fork_rng
 
@@ -246,8 +243,6 @@ def _overlap_patch() -> Patch:
             Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=function_map),
             # registering another OVERLAP_F_B function (the opt-out) replaces it without a warning
             Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=register),
-            # the backward thread lives for one step: joined when the step ends
-            Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=step),
             # checkpoint recomputation on the backward thread draws the sequential handler's random numbers
             Target("torch.random", "fork_rng", make=fork_rng),
         ),
@@ -255,6 +250,7 @@ def _overlap_patch() -> Patch:
         description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "
         "(TORCH_PIPELINING_EXT_OVERLAP=0: sequential)",
         upstream="schedules.py OVERLAP_F_B of _PipelineScheduleRuntime; new ep_overlap.py",
+        # runtime_step_context ends each step by joining the step's backward thread
         requires=("schedule_backward_counter", "runtime_custom_functions", "runtime_keep_overlap_f_b", "runtime_step_context"),
     )
 

@@ -33,10 +33,13 @@ patch table installs them only where a feature probe finds them missing:
   :func:`_runtime_step_microbatches`;
 * OVERLAP_F_B kept through lowering (2.9's ``_add_send_recv`` flattens it).
 
-On every torch, :func:`_make_step_context` wraps the step loop to publish the
-step's ``return_outputs`` / ``loss_kwargs`` (which ``_PipelineContext`` does
-not carry) to :func:`prepare_compute_action`, and to name the rank, time step
-and action in any exception the step raises.  Where torch has a REDUCE_GRAD
+On every torch, :func:`_make_step_context` wraps the step loop (torch's, or
+ours on 2.9) once: each step begins and ends on the schedule's
+``_schedule_state._ScheduleState``, which carries the step's
+``return_outputs`` / ``loss_kwargs`` (which ``_PipelineContext`` does not
+carry) to :func:`prepare_compute_action`, the sends to wait and the
+OVERLAP_F_B worker to close when the step ends, and the time step and action
+that any exception the step raises is noted with.  Where torch has a REDUCE_GRAD
 action, :func:`_make_prepare_comms` adds the REDUCE_GRAD a
 ``compute_comms`` schedule lacks, so gradients are reduced whatever the CSV.
 """
@@ -44,22 +47,22 @@ action, :func:`_make_prepare_comms` adds the REDUCE_GRAD a
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import textwrap
-import weakref
 from collections import defaultdict
-from collections.abc import Callable
-from types import TracebackType
-from typing import Any, NamedTuple, Protocol, TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _schedules
 from torch.profiler import record_function
 
 from torch_pipelining_ext import _fsdp_stage
+from torch_pipelining_ext._schedule_state import rank_label, schedule_state
 
 
 if TYPE_CHECKING:
@@ -96,19 +99,6 @@ class _CustomFunctionProtocol(Protocol):
     def __call__(self, action: _Action, ctx: _PipelineContext) -> None: ...
 
 
-class _StepOptions(NamedTuple):
-    """Arguments of the running ``step()`` that ``_PipelineContext`` does not carry."""
-
-    return_outputs: bool = True
-    loss_kwargs: dict[str, Any] | None = None
-
-
-# Per schedule: options of the step in progress, and sends started by
-# ``run_action(..., send_ops=None)`` that the step waits before returning.
-_STEP_OPTIONS: weakref.WeakKeyDictionary[Any, _StepOptions] = weakref.WeakKeyDictionary()
-_PENDING_SENDS: weakref.WeakKeyDictionary[Any, list[list[dist.Work]]] = weakref.WeakKeyDictionary()
-
-
 def _computation_type(name: str) -> Any:
     """``_ComputationType.<name>``, or ``None`` where this torch lacks it."""
     return getattr(_schedules._ComputationType, name, None)
@@ -142,12 +132,12 @@ def _wait_recv(
     key = (action.stage_index, action.microbatch_index)
     works = recv_ops.pop(key, None)
     if works is None:
-        raise AssertionError(f"[rank {schedule.rank}] computing {action} before receiving its {what}")
+        raise AssertionError(f"[{rank_label(schedule)}] computing {action} before receiving its {what}")
     try:
         _schedules._wait_batch_p2p(works)
     except Exception as e:
         raise RuntimeError(
-            f"[rank {schedule.rank}] {action}: waiting for the {what} of stage "
+            f"[{rank_label(schedule)}] {action}: waiting for the {what} of stage "
             f"{action.stage_index} microbatch {action.microbatch_index} failed"
         ) from e
 
@@ -226,14 +216,15 @@ def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[
     if ctype == _schedules.FORWARD:
         if not stage.is_first and stage_idx - 1 not in stages:
             _wait_recv(schedule, schedule.fwd_recv_ops, action, "activations")
-        options = _STEP_OPTIONS.get(schedule, _StepOptions())
+        state = schedule_state(schedule)
+        return_outputs, loss_kwargs = state.return_outputs, state.loss_kwargs
         next_stage = stages.get(stage_idx + 1)
         arg_mbs = ctx.arg_mbs if ctx.arg_mbs is not None else [()] * schedule._n_microbatches
         kwarg_mbs = ctx.kwarg_mbs if ctx.kwarg_mbs is not None else [{}] * schedule._n_microbatches
 
         def forward() -> None:
-            output = _forward_one_chunk(stage, mb_index, arg_mbs[mb_index], kwarg_mbs[mb_index], options.return_outputs)
-            _maybe_compute_loss(schedule, stage, output, ctx.target_mbs, mb_index, options.loss_kwargs)
+            output = _forward_one_chunk(stage, mb_index, arg_mbs[mb_index], kwarg_mbs[mb_index], return_outputs)
+            _maybe_compute_loss(schedule, stage, output, ctx.target_mbs, mb_index, loss_kwargs)
             if next_stage is not None:
                 next_stage.set_local_fwd_input(output, mb_index)
 
@@ -270,7 +261,7 @@ def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[
 
 def _append_send(schedule: _PipelineScheduleRuntime, send_ops: list | None, works: list[dist.Work]) -> None:
     if send_ops is None:
-        send_ops = _PENDING_SENDS.setdefault(schedule, [])
+        send_ops = schedule_state(schedule).pending_sends
     send_ops.append(works)
 
 
@@ -518,9 +509,11 @@ def _runtime_step_microbatches(
     self.unshard_ops.clear()
     self.unsharded_stages.clear()
     ctx = _PipelineContext(self, arg_mbs, kwarg_mbs, target_mbs, losses)
-    send_ops = _PENDING_SENDS.setdefault(self, [])
+    state = schedule_state(self)
+    send_ops = state.pending_sends
 
     for time_step, action in enumerate(self.pipeline_order_with_comms[self.rank]):
+        state.record_action(time_step, action)
         logger.debug("_PipelineScheduleRuntime running time_step %d, action %s", time_step, action)
         try:
             with record_function(_schedules._get_profiler_function_name(action)):
@@ -534,25 +527,19 @@ def _runtime_step_microbatches(
                     run_action(ctx, action, send_ops)
         except Exception:
             logger.error(
-                "[rank %s] _PipelineScheduleRuntime caught exception at time step %s when running "
+                "[%s] _PipelineScheduleRuntime caught exception at time step %s when running "
                 "action %s.  Full schedule:\n%s",
-                self.rank,
+                rank_label(self),
                 time_step,
                 action,
                 _schedules._format_pipeline_order(self.pipeline_order_with_comms, error_step_number=time_step),
             )
             raise
 
-    _wait_pending_sends(self)
+    state.wait_sends()
     if len(self.unshard_ops) != 0:
         raise AssertionError("Unused unshard operations")
     self._update_losses(self._stages, losses)
-
-
-def _wait_pending_sends(schedule: Any) -> None:
-    send_ops = _PENDING_SENDS.pop(schedule, [])
-    while send_ops:
-        _schedules._wait_batch_p2p(send_ops.pop())
 
 
 # --------------------------------------------------------------------------- #
@@ -635,19 +622,8 @@ def _add_send_recv(
 
 
 # --------------------------------------------------------------------------- #
-# Every torch: step options and error context for custom functions            #
+# Every torch: the step, begun and ended on the schedule's state               #
 # --------------------------------------------------------------------------- #
-
-
-def _action_at_failure(tb: TracebackType | None, loop_code: Any) -> tuple[Any, Any] | None:
-    """(time_step, action) of the step loop's frame in a traceback, if there is one."""
-    while tb is not None:
-        if tb.tb_frame.f_code is loop_code:
-            frame_locals = tb.tb_frame.f_locals
-            if "time_step" in frame_locals:
-                return frame_locals["time_step"], frame_locals.get("action")
-        tb = tb.tb_next
-    return None
 
 
 def _add_note(error: BaseException, note: str) -> None:
@@ -663,40 +639,61 @@ def _add_note(error: BaseException, note: str) -> None:
     logger.error("%s: %s: %s", note, type(error).__name__, error)
 
 
-def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``_PipelineScheduleRuntime._step_microbatches`` (torch's loop or ours).
+@contextlib.contextmanager
+def _recording_actions(schedule: _PipelineScheduleRuntime) -> Iterator[None]:
+    """For torch's loop: the rank's actions, while it runs, record the loop's position in the state.
 
-    Before the loop: publishes the step's ``return_outputs`` and
-    ``loss_kwargs`` for :func:`prepare_compute_action`.  After it: waits the
-    sends that custom functions started through ``run_action(...,
-    send_ops=None)``.  On an exception: adds a note naming the rank, the time
-    step and the action (upstream logs the time step and action, but neither
-    the rank nor the exception says where the step failed), and re-raises it.
+    See ``_schedule_state._RecordedActions``.  The actions are put back when
+    the loop returns, unless something replaced them meanwhile.
+    """
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    actions = order.get(schedule.rank) if order is not None else None
+    if actions is None:
+        yield
+        return
+    recorded = order[schedule.rank] = schedule_state(schedule).recording(actions)
+    try:
+        yield
+    finally:
+        if order.get(schedule.rank) is recorded:
+            order[schedule.rank] = actions
+
+
+def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineScheduleRuntime._step_microbatches`` (torch's loop or ours) once.
+
+    The step begins and ends on the schedule's ``_ScheduleState``: before the
+    loop it holds the step's ``return_outputs`` and ``loss_kwargs`` for
+    :func:`prepare_compute_action`; after it, the sends that custom functions
+    started through ``run_action(..., send_ops=None)`` are waited; when the
+    step ends, however it ends, the OVERLAP_F_B backward thread is closed.  On
+    an exception a note names the rank, the time step and the action
+    (upstream logs the time step and action, but neither the rank nor the
+    exception says where the step failed) and the exception is re-raised.
+    Our loop (torch 2.9) records its time step and action itself; torch's is
+    followed through :func:`_recording_actions`.
     """
     signature = inspect.signature(original)
-    loop_code = getattr(original, "__code__", None)
+    loop_records_actions = original is _runtime_step_microbatches
 
     @functools.wraps(original)
     def _step_microbatches(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
-        _STEP_OPTIONS[self] = _StepOptions(
-            return_outputs=bound.arguments.get("return_outputs", True),
-            loss_kwargs=bound.arguments.get("loss_kwargs"),
-        )
+        state = schedule_state(self)
+        state.begin_step(bound.arguments.get("return_outputs", True), bound.arguments.get("loss_kwargs"))
         try:
-            result = original(self, *args, **kwargs)
-            _wait_pending_sends(self)
+            with contextlib.nullcontext() if loop_records_actions else _recording_actions(self):
+                result = original(self, *args, **kwargs)
+            state.wait_sends()
             return result
         except Exception as e:
-            _PENDING_SENDS.pop(self, None)
-            where = _action_at_failure(e.__traceback__, loop_code)
-            note = f"[rank {self.rank}] {type(self).__name__} step failed"
-            if where is not None:
-                note += f" at time step {where[0]} running action {where[1]}"
+            note = f"[{rank_label(self)}] {type(self).__name__} step failed"
+            if state.time_step is not None:
+                note += f" at time step {state.time_step} running action {state.action}"
             _add_note(e, note)
             raise
         finally:
-            _STEP_OPTIONS.pop(self, None)
+            state.end_step(type(self).__name__)
 
     return _step_microbatches
 

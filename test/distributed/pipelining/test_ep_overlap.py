@@ -208,7 +208,7 @@ class PairRun:
         self.loss.backward()
 
     def run(self, timeout: float = TIMEOUT, rank: int = 0, action: str = "0F0;1B0", **kw) -> _CommCoordinator:
-        return _run_overlapped(self.forward, self.backward, rank=rank, action=action, timeout=timeout, **kw)
+        return _run_overlapped(self.forward, self.backward, global_rank=rank, action=action, timeout=timeout, **kw)
 
 
 class CoordinatorTest(TestCase):
@@ -517,7 +517,7 @@ class RandomNumbersTest(TestCase):
         torch.manual_seed(5)
         with unittest.mock.patch.object(_CommCoordinator, "_start", late_forward_start):
             begun = time.perf_counter()
-            _run_overlapped(lambda: drawn.setdefault("forward", torch.rand(2)), backward, rank=0, action="a", timeout=10.0)
+            _run_overlapped(lambda: drawn.setdefault("forward", torch.rand(2)), backward, global_rank=0, action="a", timeout=10.0)
         self.assertLess(time.perf_counter() - begun, 5.0)
         torch.testing.assert_close(drawn["forward"], torch.manual_seed(5) and torch.rand(2), rtol=0, atol=0)
 
@@ -556,7 +556,7 @@ class FailureTest(TestCase):
         run = PairRun(1, 1)
         fwd, bwd = (failing, run.backward) if failing_side == "forward" else (run.forward, failing)
         with self.assertRaises(RuntimeError) as cm:
-            _run_overlapped(fwd, bwd, rank=5, action="3F4;1B0", sub_actions=("3F4", "1B0"), timeout=TIMEOUT)
+            _run_overlapped(fwd, bwd, global_rank=5, action="3F4;1B0", sub_actions=("3F4", "1B0"), timeout=TIMEOUT)
         first_line = str(cm.exception).split("\n")[0]
         sub = "3F4" if failing_side == "forward" else "1B0"
         self.assertTrue(
@@ -622,7 +622,7 @@ class WorkerContextTest(TestCase):
                 seen["backward"] = _LIBRARY_VAR.get()
                 _LIBRARY_VAR.set("changed on the worker")
 
-            _run_overlapped(lambda: None, backward, rank=0, action="a", timeout=5.0)
+            _run_overlapped(lambda: None, backward, global_rank=0, action="a", timeout=5.0)
             self.assertEqual(seen["backward"], "caller")
             self.assertEqual(_LIBRARY_VAR.get(), "caller")  # a copy: the caller's is unchanged
         finally:
@@ -645,14 +645,14 @@ class WorkerContextTest(TestCase):
         seen = {}
         handle = ep_overlap.register_thread_state(lambda: local.mesh, apply)
         try:
-            _run_overlapped(lambda: None, lambda: seen.setdefault("mesh", getattr(local, "mesh", None)), rank=0, action="a", timeout=5.0)
+            _run_overlapped(lambda: None, lambda: seen.setdefault("mesh", getattr(local, "mesh", None)), global_rank=0, action="a", timeout=5.0)
         finally:
             handle.remove()
         self.assertEqual(seen["mesh"], "pp x ep mesh")
         self.assertEqual(len(applied), 1)
         self.assertNotEqual(applied[0], threading.current_thread().name)
         seen.clear()
-        _run_overlapped(lambda: None, lambda: seen.setdefault("mesh", getattr(local, "mesh", None)), rank=0, action="a", timeout=5.0)
+        _run_overlapped(lambda: None, lambda: seen.setdefault("mesh", getattr(local, "mesh", None)), global_rank=0, action="a", timeout=5.0)
         self.assertIsNone(seen["mesh"])  # removed: not carried any more
         with self.assertRaises(TypeError):
             ep_overlap.register_thread_state(None, apply)
@@ -674,10 +674,10 @@ class ThreadStateTest(TestCase):
             return fn
 
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            _run_overlapped(record("forward"), record("backward"), rank=0, action="a", timeout=5.0)
+            _run_overlapped(record("forward"), record("backward"), global_rank=0, action="a", timeout=5.0)
         self.assertEqual(seen["forward"], (False, True, torch.bfloat16, True))
         self.assertEqual(seen["backward"], (False, True, torch.bfloat16, False))
-        _run_overlapped(record("forward"), record("backward"), rank=0, action="a", timeout=5.0)
+        _run_overlapped(record("forward"), record("backward"), global_rank=0, action="a", timeout=5.0)
         self.assertEqual(seen["backward"][:2], (True, False))
 
     def test_profiler_ranges_of_both_threads(self) -> None:
@@ -925,7 +925,7 @@ class StreamPlanTest(TestCase):
             return fn
 
         try:
-            _run_overlapped(compute("forward"), compute("backward"), rank=0, action="a", streams=plan, timeout=5.0)
+            _run_overlapped(compute("forward"), compute("backward"), global_rank=0, action="a", streams=plan, timeout=5.0)
         except RuntimeError:
             self.assertNotEqual(failing, "none")
         self.assertEqual(seen, {"forward": "s0", "backward": "s3"})

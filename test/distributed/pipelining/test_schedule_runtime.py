@@ -43,6 +43,7 @@ from torch.testing._internal.common_utils import (
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import _schedule_runtime as rt
 from torch_pipelining_ext._backward_counter import BackwardCounter
+from torch_pipelining_ext._schedule_state import _ScheduleState
 
 
 F, B, I, W = sched.FORWARD, sched.FULL_BACKWARD, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT
@@ -188,6 +189,39 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
+
+
+class ScheduleStateTest(TestCase):
+    def test_recorded_actions(self) -> None:
+        state = _ScheduleState()
+        actions = [_Action(0, F, 0), None, _Action(0, B, 0)]
+        recorded = state.recording(actions)
+        copied = copy.deepcopy(recorded)  # torch copies the schedule to format it: a plain list, not iterated
+        self.assertIs(type(copied), list)
+        seen = []
+        for time_step, action in enumerate(recorded):
+            seen.append((state.time_step, state.action))
+            self.assertEqual((time_step, action), seen[-1])
+        self.assertEqual(len(seen), 3)
+        self.assertEqual(list(recorded), actions)  # a later iteration records nothing
+        self.assertEqual((state.time_step, state.action), (2, actions[2]))
+        self.assertEqual(copied, actions)
+
+    def test_end_step_forgets_the_step(self) -> None:
+        class Worker:
+            closed_for = None
+
+            def close_after_step(self, owner: str) -> None:
+                self.closed_for = owner
+
+        state, worker = _ScheduleState(), Worker()
+        state.begin_step(False, {"scale": 2})
+        state.pending_sends.append([])
+        state.backward_worker = worker
+        state.end_step("Sched")
+        self.assertEqual((state.return_outputs, state.loss_kwargs, state.pending_sends), (True, None, []))
+        self.assertIsNone(state.backward_worker)
+        self.assertEqual(worker.closed_for, "Sched")
 
 
 class _PipelineRun:

@@ -1,0 +1,152 @@
+"""The package's state of one ``_PipelineScheduleRuntime``, kept on the schedule.
+
+Upstream file: ``torch/distributed/pipelining/schedules.py`` (state that
+``_PipelineScheduleRuntime`` would hold in attributes of its own).
+
+Everything the package remembers about a schedule between the actions of a
+step (and the accelerator streams it keeps across steps) is one
+:class:`_ScheduleState`, found with :func:`schedule_state`.  The step wrapper
+of ``_schedule_runtime`` starts and ends each step on it
+(:meth:`_ScheduleState.begin_step`, :meth:`_ScheduleState.end_step`); the
+actions of the step read and add to it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any, Protocol, TYPE_CHECKING
+
+import torch.distributed as dist
+
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _Action
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_pipelining_ext_state"
+
+
+class _StepWorker(Protocol):
+    """A thread serving one step (``_overlap._BackwardWorker``)."""
+
+    def close_after_step(self, owner: str) -> None: ...
+
+
+@dataclasses.dataclass
+class _ScheduleState:
+    """Per-schedule state of the package, held by the schedule (see :func:`schedule_state`).
+
+    Attributes:
+        return_outputs: ``return_outputs`` of the step in progress (True between steps).
+        loss_kwargs: ``loss_kwargs`` of the step in progress.
+        pending_sends: sends started during the step that it waits before returning.
+        backward_worker: the OVERLAP_F_B backward thread of the step in progress.
+        stage_streams: stage index -> accelerator stream of the overlapped
+            actions, created on first use and kept across steps.
+        time_step: position in the rank's lowered schedule of the action running now.
+        action: the action running now (last started, when the step failed).
+    """
+
+    return_outputs: bool = True
+    loss_kwargs: dict[str, Any] | None = None
+    pending_sends: list[list[dist.Work]] = dataclasses.field(default_factory=list)
+    backward_worker: _StepWorker | None = None
+    stage_streams: dict[int, Any] | None = None
+    time_step: int | None = None
+    action: _Action | None = None
+
+    def begin_step(self, return_outputs: bool, loss_kwargs: dict[str, Any] | None) -> None:
+        """Start a step with these ``step()`` arguments."""
+        self.return_outputs = return_outputs
+        self.loss_kwargs = loss_kwargs
+        self.pending_sends.clear()
+        self.time_step = self.action = None
+
+    def record_action(self, time_step: int, action: _Action | None) -> None:
+        """The step loop is at ``time_step``, running ``action``."""
+        self.time_step, self.action = time_step, action
+
+    def wait_sends(self) -> None:
+        """Wait the sends the step started and has not waited."""
+        from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+        while self.pending_sends:
+            _wait_batch_p2p(self.pending_sends.pop())
+
+    def end_step(self, owner: str) -> None:
+        """End the step, however it ended: forget its sends and options, close its worker.
+
+        Args:
+            owner: the schedule, as named in a log line about a stuck worker.
+        """
+        self.pending_sends.clear()
+        self.return_outputs, self.loss_kwargs = True, None
+        worker, self.backward_worker = self.backward_worker, None
+        if worker is not None:
+            worker.close_after_step(owner)
+
+    def recording(self, actions: list[_Action | None]) -> _RecordedActions:
+        """``actions`` as a list whose first iteration records each position here."""
+        return _RecordedActions(actions, self)
+
+
+class _RecordedActions(list):
+    """A rank's lowered actions whose first iteration records each action it yields.
+
+    Torch's step loop (2.10+) iterates ``pipeline_order_with_comms[rank]``
+    once per step; with this list in its place for the step, the state knows
+    the time step and action the loop is at without reading its frame.
+    Later iterations (torch formats the whole schedule when an action fails)
+    and copies are plain.
+    """
+
+    def __init__(self, actions: list[_Action | None], state: _ScheduleState) -> None:
+        super().__init__(actions)
+        self._state: _ScheduleState | None = state
+
+    def __iter__(self) -> Iterator[_Action | None]:
+        state, self._state = self._state, None
+        if state is None:
+            return super().__iter__()
+        return self._record(state)
+
+    def _record(self, state: _ScheduleState) -> Iterator[_Action | None]:
+        for time_step, action in enumerate(super().__iter__()):
+            state.record_action(time_step, action)
+            yield action
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> list[_Action | None]:
+        return copy.deepcopy(self[:], memo)  # slicing does not iterate
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return list, (self[:],)
+
+
+def schedule_state(schedule: Any) -> _ScheduleState:
+    """The package's state of ``schedule``, created on first use.
+
+    Kept in the instance ``__dict__``: nothing is installed on torch's class,
+    and the state goes with the schedule.
+    """
+    state = schedule.__dict__.get(_STATE_ATTR)
+    if state is None:
+        state = schedule.__dict__.setdefault(_STATE_ATTR, _ScheduleState())
+    return state
+
+
+def global_rank(schedule: Any) -> int:
+    """This process's rank in the default group (``schedule.rank``, the pipeline rank, without one)."""
+    return dist.get_rank() if dist.is_initialized() else getattr(schedule, "rank", 0)
+
+
+def rank_label(schedule: Any) -> str:
+    """``"rank G"`` (global rank), with ``" (pipeline rank P)"`` where the two differ."""
+    rank, pp_rank = global_rank(schedule), getattr(schedule, "rank", 0)
+    return f"rank {rank}" if rank == pp_rank else f"rank {rank} (pipeline rank {pp_rank})"
