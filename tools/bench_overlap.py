@@ -87,7 +87,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch_pipelining_ext  # noqa: E402, F401  (applies the patches)
 from torch_pipelining_ext import _overlap, _schedule_runtime, ep_overlap  # noqa: E402
-from torch_pipelining_ext._schedule_runtime import run_action  # noqa: E402
+from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b  # noqa: E402
 
 
 # --------------------------------------------------------------------------- #
@@ -420,11 +420,6 @@ def _block_time(dim: int, tokens: int, repeats: int = 30) -> float:
     return min(times[repeats // 3 :])
 
 
-def _sequential_overlap_f_b(action: Any, ctx: Any) -> None:
-    """OVERLAP_F_B as upstream runs it."""
-    for sub in action.sub_actions:
-        run_action(ctx, sub)
-
 
 class _Timed:
     """Wraps an OVERLAP_F_B function and sums the time spent in it (and traces it with the breakdown on)."""
@@ -498,7 +493,7 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
         for i in stage_ids
     ]
     schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=lambda y, t: F.mse_loss(y, t))
-    handlers = {True: _Timed(_overlap.overlap_f_b), False: _Timed(_sequential_overlap_f_b)}
+    handlers = {True: _Timed(_overlap.overlap_f_b), False: _Timed(sequential_overlap_f_b)}
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.microbatches * tokens, args.dim, generator=gen)
     target = torch.randn(args.microbatches * tokens, args.dim, generator=gen)
@@ -713,7 +708,7 @@ def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=loss_fn)
-    handlers = {"overlap": _Timed(_overlap.overlap_f_b), "sequential": _Timed(_sequential_overlap_f_b)}
+    handlers = {"overlap": _Timed(_overlap.overlap_f_b), "sequential": _Timed(sequential_overlap_f_b)}
     gen = torch.Generator().manual_seed(rank % 2)
     tokens = torch.randint(0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen)
     labels = torch.randint(0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen)

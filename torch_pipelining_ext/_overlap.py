@@ -181,8 +181,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     pair = _forward_and_backward(action)
     if pair is None or not _patch_applied() or _same_fsdp_stage(schedule, action):
         logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
-        for sub in action.sub_actions:
-            _schedule_runtime.run_action(ctx, sub)
+        _schedule_runtime.sequential_overlap_f_b(action, ctx)
         return
     logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
 

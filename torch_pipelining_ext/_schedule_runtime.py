@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
 
-__all__ = ["prepare_compute_action", "run_action", "stage_index_to_stage"]
+__all__ = ["prepare_compute_action", "run_action", "sequential_overlap_f_b", "stage_index_to_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -332,6 +332,18 @@ def run_action(ctx: _PipelineContext, action: _Action, send_ops: list[list[dist.
         _wait_reduce_grad(schedule, stage)
     else:
         raise ValueError(f"{action=} is unknown or unsupported")
+
+
+def sequential_overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:
+    """Run an OVERLAP_F_B action as torch does: its sub-actions one after the other.
+
+    Custom-function protocol.  Registered for OVERLAP_F_B, it opts one
+    schedule out of the concurrent handler (``_overlap.overlap_f_b``)::
+
+        schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
+    """
+    for sub_action in action.sub_actions or ():
+        run_action(ctx, sub_action)
 
 
 def _take_marker(schedule: _PipelineScheduleRuntime, name: str, stage_idx: int) -> bool:

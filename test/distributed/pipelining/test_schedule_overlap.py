@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import _overlap
-from torch_pipelining_ext._schedule_runtime import run_action
+from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 from torch_pipelining_ext.demo.model import is_expert_param, MoEModelArgs, MoETransformer
 from torch_pipelining_ext.stage_split import split_module
 
@@ -94,11 +94,6 @@ def _build_model(ep_group: dist.ProcessGroup | None, device: torch.device) -> Mo
     with torch.device(device):
         return MoETransformer(MODEL_ARGS, ep_group=ep_group)
 
-
-def _sequential_overlap_f_b(action: sched._Action, ctx: sched._PipelineContext) -> None:
-    """OVERLAP_F_B as upstream runs it: one sub-action after the other."""
-    for sub in action.sub_actions:
-        run_action(ctx, sub)
 
 
 def _with_random_ops(forward):
@@ -217,7 +212,7 @@ class _Pipeline:
             self.schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=_loss_fn)
             load_csv(self.schedule, CSV_SCHEDULE)
         if not overlap:
-            self.schedule.register_custom_function(sched.OVERLAP_F_B, _sequential_overlap_f_b)
+            self.schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
         self.n_overlap = sum(
             a.computation_type == sched.OVERLAP_F_B for a in self.schedule.pipeline_order_with_comms[pp_rank]
         )
@@ -456,7 +451,7 @@ class _FSDPPipeline:
             self.schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=loss_fn)
             load_csv(self.schedule, CSV_SCHEDULE)
         if not overlap:
-            self.schedule.register_custom_function(sched.OVERLAP_F_B, _sequential_overlap_f_b)
+            self.schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
         self.param_names = {
             id(p): f"{i}.{n}" for m, i in zip(self.modules, self.stage_ids) for n, p in m.named_parameters()
         }

@@ -45,7 +45,7 @@ from torch.testing._internal.common_utils import (
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import _overlap
-from torch_pipelining_ext._schedule_runtime import run_action
+from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 from torch_pipelining_ext.demo.model import MoEModelArgs, MoETransformer
 from torch_pipelining_ext.stage_split import split_module
 
@@ -71,11 +71,6 @@ MOE_ARGS = MoEModelArgs(
 MOE_STAGES = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
 SEQ_LEN = 8
 
-
-def _sequential_overlap_f_b(action: sched._Action, ctx: sched._PipelineContext) -> None:
-    """OVERLAP_F_B as upstream runs it: one sub-action after the other."""
-    for sub in action.sub_actions:
-        run_action(ctx, sub)
 
 
 def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -180,7 +175,7 @@ class ScheduleSingleRankTest(_OneRankTestCase):
             mode_parts = [copy.deepcopy(p) for p in parts]
             schedule = _build(sched.ScheduleDualPipeV, mode_parts, dev, _mse)
             if mode == "sequential":
-                schedule.register_custom_function(sched.OVERLAP_F_B, _sequential_overlap_f_b)
+                schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
             else:
                 self.assertIs(schedule._comp_type_to_function_map[sched.OVERLAP_F_B], _overlap.overlap_f_b)
             runs[mode] = (schedule, mode_parts)
@@ -212,7 +207,7 @@ class ScheduleSingleRankTest(_OneRankTestCase):
             parts = [split_module(model, names).to(dev) for names in MOE_STAGES]
             schedule = _build(sched.ScheduleDualPipeV, parts, dev, _cross_entropy)
             if mode == "sequential":
-                schedule.register_custom_function(sched.OVERLAP_F_B, _sequential_overlap_f_b)
+                schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
             runs[mode] = (schedule, parts)
         for step in range(2):
             tokens, labels = _tokens(step, dev)
