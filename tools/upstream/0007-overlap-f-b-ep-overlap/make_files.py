@@ -6,6 +6,13 @@
 EP_OVERLAP_PY / OVERLAP_PY: torch_pipelining_ext/ep_overlap.py and
 _overlap.py (e.g. ``git show HEAD:torch_pipelining_ext/_overlap.py``); OUT_DIR:
 torch/distributed/pipelining of a torch 2.15.0 copy with patches 0001-0006.
+
+The package keeps its per-schedule state in ``_schedule_state._ScheduleState``
+(a module upstream does not have) and closes the worker thread in its step
+wrapper.  Upstream, ``_overlap.py`` keeps the little it needs on the schedule
+itself (``_OverlapState``, the schedule's ``_overlap_state`` attribute), and
+``_PipelineScheduleRuntime._step_microbatches`` calls ``_close_worker`` when a
+step ends (the ``schedules.py`` part of the patch, written by hand).
 """
 import re
 import sys
@@ -39,6 +46,13 @@ ep = replace(ep, '''"the sequential handler would. Use preserve_rng_state=True, 
                             "sequentially (do not register ep_overlap.overlap_f_b)."''')
 ep = replace(ep, "    # So fork_rng on the backward side opens an \"RNG window\" (the patch table\n    # routes it here).",
              "    # So fork_rng on the backward side opens an \"RNG window\" (rng_window;\n    # torch.random.fork_rng is to call it, a follow-up of this change).")
+# the comment on the wake-up rule, reflowed (black leaves comments as they are)
+ep = replace(ep, """    # too (it may be waiting for exactly this side to park).  A window with RNG preservation off (checkpoint(...,
+    # preserve_rng_state=False)) has no states to replay; if its
+""", """    # too (it may be waiting for exactly this side to park).  A window with
+    # RNG preservation off (checkpoint(..., preserve_rng_state=False)) has no
+    # states to replay; if its
+""")
 ep = replace(ep, '''__all__ = [
     "CommWaitTimeoutError",''', '''__all__ = [
     "CommWaitTimeoutError",
@@ -67,8 +81,10 @@ assert "torch_pipelining_ext" not in ep and "TORCH_PIPELINING_EXT" not in ep, [
 # ---- _overlap.py ------------------------------------------------------------
 head_end = ov.index('"""', 3) + 3
 ov = '''"""Concurrent OVERLAP_F_B for ``_PipelineScheduleRuntime``; see [Note: concurrent OVERLAP_F_B]."""''' + ov[head_end:]
-ov = replace(ov, "from torch_pipelining_ext import ep_overlap\nfrom torch_pipelining_ext.ep_overlap import",
+ov = replace(ov, "from torch_pipelining_ext import _schedule_state, ep_overlap\nfrom torch_pipelining_ext.ep_overlap import",
              "from . import ep_overlap\nfrom .ep_overlap import")
+ov = replace(ov, "import os\n", "")  # only the environment switch used it
+ov = replace(ov, "import torch\nfrom torch.autograd", "import torch\nimport torch.distributed as dist\nfrom torch.autograd")
 ov = ov.replace('OVERLAP_PATCH_NAME = "overlap_f_b"  # its entry in _patches.py\n', "")
 ov = replace(ov, '''OVERLAP_ENV = "TORCH_PIPELINING_EXT_OVERLAP"
 
@@ -81,7 +97,12 @@ ov = replace(ov, "    sequentially, as does every pair once ``unpatch()`` has be
 ov = replace(ov, "    from torch_pipelining_ext import _schedule_runtime\n\n    schedule = ctx.schedule_ref",
              "    schedule = ctx.schedule_ref")
 ov = replace(ov, " or not _patch_applied() or ", " or ")
-ov = replace(ov, "            _schedule_runtime.run_action(ctx, sub)", "            schedule.perform_action(sub, ctx)")
+# the sequential path (the package's helper, or its loop)
+if "_schedule_runtime.sequential_overlap_f_b(action, ctx)" in ov:
+    ov = replace(ov, "        _schedule_runtime.sequential_overlap_f_b(action, ctx)\n",
+                 "        for sub in action.sub_actions:\n            schedule.perform_action(sub, ctx)\n")
+else:
+    ov = replace(ov, "            _schedule_runtime.run_action(ctx, sub)", "            schedule.perform_action(sub, ctx)")
 ov = replace(ov, "    computes = [_schedule_runtime.prepare_compute_action(ctx, sub) for sub in action.sub_actions]",
              "    computes = [schedule.prepare_compute_action(sub, ctx) for sub in action.sub_actions]")
 ov = replace(ov, "    stages = _schedule_runtime.stage_index_to_stage(schedule)\n    streams",
@@ -102,8 +123,69 @@ ov = replace(ov, '''    from torch_pipelining_ext import _fsdp_stage, _schedule_
     return stage is not None and isinstance(stage.submod, FSDPModule)
 ''')
 ov = re.sub(r"\n\ndef _patch_applied\(\) -> bool:\n.*?(?=\n\n\n)", "", ov, flags=re.S)
-# the step wrapper becomes a call in _PipelineScheduleRuntime._step_microbatches
-ov = re.sub(r"\ndef _make_step_microbatches\(.*?\n    return _step_microbatches\n\n", "\n", ov, flags=re.S)
+# per-schedule state: the package's _schedule_state module becomes a small
+# state object here, kept on the schedule; the package's step wrapper becomes
+# a call in _PipelineScheduleRuntime._step_microbatches (_close_worker)
+ov = replace(ov, "    global_rank = _schedule_state.global_rank(schedule)\n", "    global_rank = _global_rank(schedule)\n")
+ov = replace(ov, '''
+
+def overlap_f_b(action: _Action, ctx: Any) -> None:
+''', '''
+
+def _global_rank(schedule: Any) -> int:
+    """This process's rank in the default group (``schedule.rank``, the pipeline rank, without one)."""
+    return dist.get_rank() if dist.is_initialized() else getattr(schedule, "rank", 0)
+
+
+def overlap_f_b(action: _Action, ctx: Any) -> None:
+''')
+ov = replace(ov, '''    of a step; it is held by the schedule's ``_ScheduleState``, whose
+    ``end_step`` closes and joins it when the step ends, however it ends.
+''', '''    of a step; it is held by the schedule's :class:`_OverlapState`, and
+    ``_PipelineScheduleRuntime._step_microbatches`` closes and joins it
+    (:func:`_close_worker`) when the step ends, however it ends.
+''')
+ov = replace(ov, '''def _worker_for(schedule: Any, global_rank: int) -> _BackwardWorker:
+    """The backward thread of ``schedule``'s step in progress, started on first use."""
+    state = _schedule_state.schedule_state(schedule)
+    if state.backward_worker is None or not state.backward_worker.alive:
+''', '''@dataclasses.dataclass
+class _OverlapState:
+    """What concurrent OVERLAP_F_B keeps on a schedule, as its ``_overlap_state``.
+
+    Attributes:
+        backward_worker: the backward thread of the step in progress.
+        stage_streams: stage index -> accelerator stream of the overlapped
+            actions, created on first use and kept across steps.
+    """
+
+    backward_worker: _BackwardWorker | None = None
+    stage_streams: dict[int, Any] | None = None
+
+
+def _overlap_state(schedule: Any) -> _OverlapState:
+    """``schedule``'s :class:`_OverlapState`, created on first use."""
+    state = getattr(schedule, "_overlap_state", None)
+    if state is None:
+        state = schedule._overlap_state = _OverlapState()
+    return state
+
+
+def _close_worker(schedule: Any) -> None:
+    """Close and join the backward thread of ``schedule``'s step, if it has one: the step ended."""
+    state = getattr(schedule, "_overlap_state", None)
+    if state is None or state.backward_worker is None:
+        return
+    worker, state.backward_worker = state.backward_worker, None
+    worker.close_after_step(type(schedule).__name__)
+
+
+def _worker_for(schedule: Any, global_rank: int) -> _BackwardWorker:
+    """The backward thread of ``schedule``'s step in progress, started on first use."""
+    state = _overlap_state(schedule)
+    if state.backward_worker is None or not state.backward_worker.alive:
+''')
+ov = replace(ov, "        state = _schedule_state.schedule_state(schedule)\n", "        state = _overlap_state(schedule)\n")
 # installation: descriptor, register wrapper and probe go; the fork_rng hook stays (for the follow-up)
 start = ov.index("# --------------------------------------------------------------------------- #\n# Installation")
 keep = ov.index("def _rng_devices(")
@@ -125,10 +207,14 @@ doc = doc.replace(":class:`~torch_pipelining_ext.ep_overlap._CommCoordinator`", 
 doc = doc.replace("(:mod:`torch_pipelining_ext.ep_overlap`)", "(``ep_overlap``)")
 doc = doc.replace("to the previous stage, last-backward", "to the previous stage)")
 doc = doc.replace("work on torches without REDUCE_GRAD)", "")
+doc = replace(doc, """in the schedule's ``_schedule_state._ScheduleState`` and joined when the step
+ends, however it ends (``_ScheduleState.end_step``): no thread outlives a step.""",
+              """in the schedule's ``_OverlapState`` and joined when the step ends, however
+it ends (``_PipelineScheduleRuntime._step_microbatches`` calls
+``_close_worker``): no thread outlives a step.""")
 note = "# [Note: concurrent OVERLAP_F_B]\n#\n# ``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``\n# runs the forward sub-action of each OVERLAP_F_B on the calling thread and\n# the backward sub-action on a worker thread.\n#\n" + "\n".join(
     ("# " + l).rstrip() for l in doc.rstrip().splitlines()) + "\n"
 ov = ov.replace("__NOTE__", note)
-ov = ov.replace("the step wrapper (:func:`_make_step_microbatches`) closes", "``_PipelineScheduleRuntime._step_microbatches`` closes")
 assert "torch_pipelining_ext" not in ov and "PIPELINING_EXT" not in ov, [
     l for l in ov.splitlines() if "PIPELINING_EXT" in l or "pipelining_ext" in l
 ]

@@ -8,15 +8,21 @@
   the worker thread.
 * A model with dispatch/combine marks: inside overlapped actions, the marked
   communication regions of the two threads never overlap.
+* A recomputation (RNG window) that the backward side reaches before the
+  forward side has started waiting does not stall the two threads until the
+  wait timeout: the side that starts waiting wakes the other.
 """
 
 import copy
 import threading
 import time
+from unittest import mock
 
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import ep_overlap, PipelineStage, ScheduleDualPipeV
+from torch.distributed.pipelining._overlap import _run_overlapped
+from torch.distributed.pipelining.ep_overlap import _CommCoordinator, _RNGDevices, _Side
 from torch.distributed.pipelining.schedules import OVERLAP_F_B
 from torch.testing._internal.common_distributed import (
     MultiProcContinuousTest,
@@ -25,6 +31,7 @@ from torch.testing._internal.common_distributed import (
 from torch.testing._internal.common_utils import (
     run_tests,
     skip_but_pass_in_sandcastle_if,
+    TestCase,
 )
 
 
@@ -186,6 +193,52 @@ class ScheduleOverlapFBTestNCCL(ScheduleOverlapFBTest):
     @classmethod
     def device_type(cls) -> str:
         return "cuda"
+
+
+class CommCoordinatorTest(TestCase):
+    def test_recomputation_that_starts_before_the_forward_waits(self):
+        # The backward side has the first turn, so it runs at once and reaches
+        # its recomputation, where it waits for the forward side to pause,
+        # before the forward side has reached the coordinator at all.  The
+        # forward side then waits for the backward side's first communication
+        # region.  Each waits for the other: the forward side's starting to
+        # wait must wake the backward side, or both sleep until the timeout.
+        timeout = 30.0
+        backward_waits = threading.Event()
+        start = _CommCoordinator._start
+
+        def late_forward_start(coordinator, side):
+            if side is _Side.FORWARD:
+                self.assertTrue(backward_waits.wait(timeout))
+                time.sleep(0.05)  # the backward side waits in its RNG window by now
+            start(coordinator, side)
+
+        def backward():
+            backward_waits.set()
+            binding = ep_overlap._current_binding()
+            # what checkpoint recomputation does: an RNG window around fork_rng
+            with binding.coordinator.rng_window(
+                binding.side, _RNGDevices(None, ()), preserve=True
+            ):
+                with torch.random.fork_rng(devices=[]):
+                    torch.rand(2)
+
+        drawn = {}
+        torch.manual_seed(5)
+        with mock.patch.object(_CommCoordinator, "_start", late_forward_start):
+            begun = time.monotonic()
+            _run_overlapped(
+                lambda: drawn.setdefault("forward", torch.rand(2)),
+                backward,
+                global_rank=0,
+                action="0F0;1B0",
+                timeout=timeout,
+            )
+            elapsed = time.monotonic() - begun
+        self.assertLess(elapsed, timeout / 3, "the two sides waited for each other")
+        # the forward side drew the numbers it draws without the recomputation
+        torch.manual_seed(5)
+        torch.testing.assert_close(drawn["forward"], torch.rand(2), rtol=0, atol=0)
 
 
 if __name__ == "__main__":
