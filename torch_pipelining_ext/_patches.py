@@ -166,7 +166,7 @@ def _schedule_runtime_patches() -> list[Patch]:
             probe=probe("_probe_step_context"),
             description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches / _PipelineContext",
-            # wraps the loop in place, so once the 2.9 loop is installed (the only wrapper of the step)
+            # the one wrapper of the step: on torch 2.9 it wraps our loop, so it is applied after it
             requires=("runtime_step_loop",),
         ),
         Patch(

@@ -288,8 +288,9 @@ class _CommCoordinator:
     # window's exit installs the forward side's current states.  Windows
     # cannot deadlock the turn-taking: every wait in this class parks its
     # side, and a side that starts waiting wakes the other if that one waits
-    # too (it may be waiting for exactly this side to park).  A window with RNG preservation off (checkpoint(...,
-    # preserve_rng_state=False)) has no states to replay; if its
+    # too (it may be waiting for exactly this side to park).  A window with
+    # RNG preservation off (checkpoint(..., preserve_rng_state=False)) has no
+    # states to replay; if its
     # recomputation draws numbers, the numbers the sequential handler would
     # draw are not known yet, so it raises instead of giving other results.
 

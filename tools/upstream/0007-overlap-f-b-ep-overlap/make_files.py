@@ -46,13 +46,6 @@ ep = replace(ep, '''"the sequential handler would. Use preserve_rng_state=True, 
                             "sequentially (do not register ep_overlap.overlap_f_b)."''')
 ep = replace(ep, "    # So fork_rng on the backward side opens an \"RNG window\" (the patch table\n    # routes it here).",
              "    # So fork_rng on the backward side opens an \"RNG window\" (rng_window;\n    # torch.random.fork_rng is to call it, a follow-up of this change).")
-# the comment on the wake-up rule, reflowed (black leaves comments as they are)
-ep = replace(ep, """    # too (it may be waiting for exactly this side to park).  A window with RNG preservation off (checkpoint(...,
-    # preserve_rng_state=False)) has no states to replay; if its
-""", """    # too (it may be waiting for exactly this side to park).  A window with
-    # RNG preservation off (checkpoint(..., preserve_rng_state=False)) has no
-    # states to replay; if its
-""")
 ep = replace(ep, '''__all__ = [
     "CommWaitTimeoutError",''', '''__all__ = [
     "CommWaitTimeoutError",
