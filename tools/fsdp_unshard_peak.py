@@ -1,4 +1,4 @@
-"""Peak unsharded FSDP2 parameter bytes of a pipeline rank: overlapped OVERLAP_F_B vs torch's own path.
+"""Peak unsharded FSDP2 parameter bytes of a pipeline rank: overlapped OVERLAP_F_B vs the sequential path.
 
 PP=2 x DP=2 on 4 gloo/CPU ranks, ScheduleDualPipeV over 4 stages of
 ``FSDPMLPStage`` (``fully_shard`` on every layer and on the stage root,
@@ -7,14 +7,14 @@ resharded after forward), one step each, side by side in the same processes:
 * ``stock``      -- torch without this package (``torch_pipelining_ext.unpatch()``;
   its split-backward gradients are wrong, see ``tools/fsdp_pp_gradients.py``);
 * ``upstream``   -- the schedule built with ``TORCH_PIPELINING_EXT_OVERLAP=0``:
-  torch runs OVERLAP_F_B's sub-actions through its own per-action path, which
-  waits for the root's unshard and lets every nested module all-gather in its
-  own pre-forward / pre-backward hook;
-* ``overlapped`` -- the package's concurrent OVERLAP_F_B, whose bookkeeping
-  (``_schedule_runtime.prepare_compute_action``) unshards every FSDP module of
-  both sub-actions' stages before either computes, so that neither thread
-  issues a data-parallel collective while the other may (their order would
-  then depend on timing).
+  OVERLAP_F_B's sub-actions run one after the other with torch's per-action
+  semantics (``_schedule_runtime.run_action``, as every plain action): wait
+  for the root's unshard and let every nested module all-gather in its own
+  pre-forward / pre-backward hook;
+* ``overlapped`` -- the package's concurrent OVERLAP_F_B, which unshards every
+  FSDP module of both sub-actions' stages before either computes, so that
+  neither thread issues a data-parallel collective while the other may
+  (their order would then depend on timing).
 
 The unsharded bytes are the storage of every ``FSDPParam``'s all-gather
 output on the rank, sampled after each allocation and each free.  Prints the

@@ -29,6 +29,7 @@ Running one action::
       (recv waits, FSDP unshard checks, the
        backward counter and last_backward,
        the loss: everything order-sensitive)
+    unshard both stages' fully_shard modules
     hand B to the worker ------------------> B compute (backward, local hand-off
     F compute (forward, loss, local             to the previous stage, last-backward
       hand-off to the next stage)               work on torches without REDUCE_GRAD)
@@ -114,7 +115,7 @@ from typing import Any, TYPE_CHECKING
 import torch
 from torch.autograd.profiler import record_function
 
-from torch_pipelining_ext import _schedule_state, ep_overlap
+from torch_pipelining_ext import _fsdp_stage, _schedule_runtime, _schedule_state, ep_overlap
 from torch_pipelining_ext.ep_overlap import _CommCoordinator, _RNGDevices, _Side, _wait_arg, get_wait_timeout
 
 
@@ -174,8 +175,6 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
             communication boundary); the message names the global rank and
             the action, the original exception is the cause.
     """
-    from torch_pipelining_ext import _schedule_runtime
-
     schedule = ctx.schedule_ref
     global_rank = _schedule_state.global_rank(schedule)
     pair = _forward_and_backward(action)
@@ -191,6 +190,11 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     f, b = pair
     fwd_action, bwd_action = action.sub_actions[f], action.sub_actions[b]
     stages = _schedule_runtime.stage_index_to_stage(schedule)
+    # Every fully_shard module of both stages is unsharded now, so that
+    # neither thread's compute issues a data-parallel collective (whose order
+    # would then depend on timing) except the last backward's reduce-scatter.
+    for sub in (fwd_action, bwd_action):
+        _fsdp_stage.unshard_stage(stages[sub.stage_index])
     streams = _StreamPlan.for_action(schedule, stages, fwd_action, bwd_action)
     _run_overlapped(
         computes[f],
@@ -214,8 +218,6 @@ def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:
     depending on whether the forward thread had resharded it yet, so the
     data-parallel collectives of a rank would depend on thread timing.
     """
-    from torch_pipelining_ext import _fsdp_stage, _schedule_runtime
-
     fwd, bwd = action.sub_actions
     if fwd.stage_index != bwd.stage_index:
         return False
@@ -226,7 +228,7 @@ def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:
 def _patch_applied() -> bool:
     """Whether the ``overlap_f_b`` patch is applied now (a schedule built before ``unpatch()`` keeps its map)."""
     runtime = _schedules()._PipelineScheduleRuntime
-    return isinstance(inspect.getattr_static(runtime, _FUNCTION_MAP, None), _FunctionMapWithOverlap)
+    return isinstance(inspect.getattr_static(runtime, _schedule_runtime._FUNCTION_MAP, None), _FunctionMapWithOverlap)
 
 
 # --------------------------------------------------------------------------- #
@@ -544,59 +546,28 @@ class _StreamPlan:
 # Installation (the "overlap_f_b" entry of _patches.py)                        #
 # --------------------------------------------------------------------------- #
 
-_FUNCTION_MAP = "_comp_type_to_function_map"
 
 
-class _FunctionMapWithOverlap:
-    """Class-level data descriptor for ``_PipelineScheduleRuntime._comp_type_to_function_map``.
+class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
+    """The runtime's default custom-function map, with :func:`overlap_f_b` for OVERLAP_F_B.
 
-    Every schedule's custom-function map gets :func:`overlap_f_b` for
-    OVERLAP_F_B when it is created -- assigned in ``__init__`` (torch 2.10+),
-    or on first use where ``__init__`` does not create it (torch 2.9) -- unless
-    ``$TORCH_PIPELINING_EXT_OVERLAP`` is ``0``.  The map lives in the instance
-    ``__dict__`` under the same name, so removing the descriptor (``unpatch()``)
-    leaves every schedule with its map.  Nothing else of the schedule changes:
-    the step loop finds the function as it finds any registered one.
+    Installed over ``_schedule_runtime._FunctionMapWithDefaults`` by the
+    ``overlap_f_b`` patch: a schedule created while it is installed runs
+    OVERLAP_F_B concurrently, unless ``$TORCH_PIPELINING_EXT_OVERLAP`` is
+    ``0`` then (its map holds the sequential handler).  Nothing else of the
+    schedule changes: the step loop finds the function as it finds any
+    registered one, and registering another OVERLAP_F_B function -- the
+    per-schedule opt-out -- replaces it without a warning.
     """
 
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        try:
-            return obj.__dict__[_FUNCTION_MAP]
-        except KeyError:
-            return obj.__dict__.setdefault(_FUNCTION_MAP, self._with_default({}))
+    def overlap_function(self) -> Callable[..., None]:
+        return overlap_f_b if overlap_enabled() else _schedule_runtime.sequential_overlap_f_b
 
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[_FUNCTION_MAP] = self._with_default(value)
-
-    def __delete__(self, obj: Any) -> None:
-        obj.__dict__.pop(_FUNCTION_MAP, None)
-
-    @staticmethod
-    def _with_default(function_map: dict) -> dict:
-        if overlap_enabled():
-            function_map.setdefault(_schedules().OVERLAP_F_B, overlap_f_b)
-        return function_map
-
-
-def _make_register_custom_function(original: Callable[..., None]) -> Callable[..., None]:
-    """``register_custom_function`` that replaces the package's default OVERLAP_F_B quietly.
-
-    Registering another OVERLAP_F_B function is the documented per-schedule
-    opt-out; it should not log "already registered" for a function the user
-    never registered.
-    """
-
-    def register_custom_function(self: Any, computation_type: Any, custom_function: Callable[..., None]) -> None:
-        function_map = self._comp_type_to_function_map
-        if function_map.get(computation_type) is overlap_f_b:
-            del function_map[computation_type]
-        original(self, computation_type, custom_function)
-
-    register_custom_function.__doc__ = original.__doc__
-    register_custom_function.__wrapped__ = original  # type: ignore[attr-defined]
-    return register_custom_function
+    def is_default(self, computation_type: Any, function: Any) -> bool:
+        # the OVERLAP_F_B default depends on the environment when the map was made
+        if computation_type == _schedules().OVERLAP_F_B:
+            return function is overlap_f_b or function is _schedule_runtime.sequential_overlap_f_b
+        return super().is_default(computation_type, function)
 
 
 def _rng_devices(devices: Any, device_type: str | None) -> _RNGDevices:

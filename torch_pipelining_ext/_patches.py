@@ -60,6 +60,9 @@ def _schedule_runtime_patches() -> list[Patch]:
     def wrap(factory: str) -> Callable[[Any], Any]:  # replacement: factory(original)
         return lambda original: _rt(factory)(original)
 
+    def install_new(cls: str) -> Callable[[Any], Any]:  # replacement: a new instance of the module's class
+        return lambda original: _rt(cls)()
+
     def init_p2p_probe() -> tuple[str, str]:
         from torch_pipelining_ext._gloo_p2p import _probe_init_p2p_handshake
 
@@ -170,6 +173,21 @@ def _schedule_runtime_patches() -> list[Patch]:
             requires=("runtime_step_loop",),
         ),
         Patch(
+            name="runtime_action_functions",
+            targets=(
+                # every schedule's custom-function map starts with perform_action for each customizable type
+                Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=install_new("_FunctionMapWithDefaults")),
+                # registering a function over a default one replaces it without a warning
+                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=wrap("_make_register_custom_function")),
+            ),
+            probe=probe("_probe_action_functions"),
+            description="every compute, UNSHARD, RESHARD and gradient-reduction action runs perform_action "
+            "(plain or inside OVERLAP_F_B: one implementation)",
+            upstream="schedules.py _PipelineScheduleRuntime._step_microbatches: _perform_action as per-action functions",
+            # perform_action reads the step's return_outputs/loss_kwargs; on torch 2.9 our loop dispatches the map
+            requires=("runtime_custom_functions", "runtime_step_loop", "runtime_step_context"),
+        ),
+        Patch(
             name="scale_grads_per_step",
             targets=(
                 Target(_STAGE, f"{_STAGE_BASE}.clear_runtime_states", make=grad_scaling("_make_clear_runtime_states")),
@@ -226,11 +244,6 @@ def _overlap_patch() -> Patch:
 
         return _FunctionMapWithOverlap()
 
-    def register(original: object) -> object:
-        from torch_pipelining_ext._overlap import _make_register_custom_function
-
-        return _make_register_custom_function(original)  # type: ignore[arg-type]
-
     def fork_rng(original: object) -> object:
         from torch_pipelining_ext._overlap import _make_fork_rng
 
@@ -239,10 +252,9 @@ def _overlap_patch() -> Patch:
     return Patch(
         name="overlap_f_b",
         targets=(
-            # every schedule's custom-function map starts with the overlap handler for OVERLAP_F_B
+            # the runtime's default map, with the overlap handler for OVERLAP_F_B (registering
+            # another OVERLAP_F_B function, the opt-out, replaces it without a warning)
             Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=function_map),
-            # registering another OVERLAP_F_B function (the opt-out) replaces it without a warning
-            Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=register),
             # checkpoint recomputation on the backward thread draws the sequential handler's random numbers
             Target("torch.random", "fork_rng", make=fork_rng),
         ),
@@ -250,8 +262,15 @@ def _overlap_patch() -> Patch:
         description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "
         "(TORCH_PIPELINING_EXT_OVERLAP=0: sequential)",
         upstream="schedules.py OVERLAP_F_B of _PipelineScheduleRuntime; new ep_overlap.py",
-        # runtime_step_context ends each step by joining the step's backward thread
-        requires=("schedule_backward_counter", "runtime_custom_functions", "runtime_keep_overlap_f_b", "runtime_step_context"),
+        # runtime_step_context ends each step by joining the step's backward thread;
+        # runtime_action_functions is the map this one extends
+        requires=(
+            "schedule_backward_counter",
+            "runtime_custom_functions",
+            "runtime_keep_overlap_f_b",
+            "runtime_step_context",
+            "runtime_action_functions",
+        ),
     )
 
 

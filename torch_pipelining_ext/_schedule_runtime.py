@@ -180,10 +180,9 @@ def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[
     For FORWARD, FULL_BACKWARD, BACKWARD_INPUT and BACKWARD_WEIGHT.  On the
     calling thread, in schedule order:
 
-    * FSDP: ``schedule._assert_unsharded(stage)`` (waits pending UNSHARD ops)
-      and unsharding every FSDP module of the stage, so that the compute
-      issues no data-parallel collective except the last backward's
-      reduce-scatter;
+    * FSDP: ``schedule._assert_unsharded(stage)`` (waits pending UNSHARD
+      ops), as torch does; nested ``fully_shard`` modules are left to FSDP's
+      hooks (the concurrent OVERLAP_F_B handler unshards them all first);
     * waiting the receives of (stage, microbatch), unless the neighbouring
       stage is local (V-schedule hand-off, no send/recv);
     * FULL_BACKWARD / BACKWARD_WEIGHT: counting the backward in
@@ -211,7 +210,6 @@ def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[
     stage = stages[stage_idx]
 
     schedule._assert_unsharded(stage)
-    _fsdp_stage.unshard_stage(stage)
 
     if ctype == _schedules.FORWARD:
         if not stage.is_first and stage_idx - 1 not in stages:
@@ -346,6 +344,26 @@ def sequential_overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:
         run_action(ctx, sub_action)
 
 
+def perform_action(action: _Action, ctx: _PipelineContext) -> None:
+    """Run one action with this module's implementation: :func:`run_action` as a custom function.
+
+    Custom-function protocol.  Every schedule's custom-function map holds it
+    for each computation type ``register_custom_function`` accepts (except
+    OVERLAP_F_B, see :class:`_FunctionMapWithDefaults`), so every compute,
+    UNSHARD, RESHARD and gradient-reduction action runs the same bookkeeping
+    whether it is a plain action or a sub-action of OVERLAP_F_B, on every
+    supported torch.  A custom function that only adds to an action calls it::
+
+        def forward_with_timing(action, ctx):
+            start = time.perf_counter()
+            perform_action(action, ctx)
+            times.append(time.perf_counter() - start)
+
+        schedule.register_custom_function(FORWARD, forward_with_timing)
+    """
+    run_action(ctx, action)
+
+
 def _take_marker(schedule: _PipelineScheduleRuntime, name: str, stage_idx: int) -> bool:
     """Remove ``stage_idx`` from the schedule's set ``name`` (torch 2.15+); whether it was there."""
     marked = getattr(schedule, name, None)
@@ -403,7 +421,13 @@ _CUSTOMIZABLE_TYPES = (
     "UNSHARD",
     "RESHARD",
     "REDUCE_GRAD",
+    "WAIT_REDUCE_GRAD",
 )
+
+
+def _customizable_types() -> list[Any]:
+    """The computation types custom functions may replace, as far as this torch has them."""
+    return [t for t in map(_computation_type, _CUSTOMIZABLE_TYPES) if t is not None]
 
 
 def register_custom_function(
@@ -426,7 +450,7 @@ def register_custom_function(
     Raises:
         ValueError: ``computation_type`` cannot be overridden.
     """
-    allowed = [t for t in map(_computation_type, _CUSTOMIZABLE_TYPES) if t is not None]
+    allowed = _customizable_types()
     if computation_type not in allowed:
         raise ValueError(
             f"Invalid computation type {computation_type}. Only "
@@ -708,6 +732,98 @@ def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
             state.end_step(type(self).__name__)
 
     return _step_microbatches
+
+
+# --------------------------------------------------------------------------- #
+# Every torch: every customizable action runs this module's implementation     #
+# --------------------------------------------------------------------------- #
+
+_FUNCTION_MAP = "_comp_type_to_function_map"
+
+
+class _FunctionMapWithDefaults:
+    """Class-level data descriptor for ``_PipelineScheduleRuntime._comp_type_to_function_map``.
+
+    Every schedule's custom-function map starts with this module's functions:
+    :func:`perform_action` for each type ``register_custom_function`` accepts
+    and :meth:`overlap_function` for OVERLAP_F_B.  Torch's step loop (2.10+)
+    calls a mapped function instead of its nested ``_perform_action``, so a
+    plain FORWARD and the FORWARD inside an OVERLAP_F_B share one
+    implementation.  Communication actions (SEND/RECV and, on 2.15+, the
+    send waits) cannot be customised and stay torch's.
+
+    The map is assigned in ``__init__`` (torch 2.10+) or created on first use
+    (torch 2.9); either way it lives in the instance ``__dict__`` under the
+    same name, so removing the descriptor (``unpatch()``) leaves every schedule
+    with its map.  Registering a function replaces a default without the
+    "already registered" warning (:func:`_make_register_custom_function`).
+    """
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[_FUNCTION_MAP]
+        except KeyError:
+            return obj.__dict__.setdefault(_FUNCTION_MAP, self._with_defaults({}))
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[_FUNCTION_MAP] = self._with_defaults(value)
+
+    def __delete__(self, obj: Any) -> None:
+        obj.__dict__.pop(_FUNCTION_MAP, None)
+
+    def overlap_function(self) -> _CustomFunctionProtocol:
+        """The default OVERLAP_F_B function: its sub-actions one after the other."""
+        return sequential_overlap_f_b
+
+    def defaults(self) -> dict[Any, _CustomFunctionProtocol]:
+        """Computation type -> the function a new schedule's map holds for it."""
+        functions: dict[Any, _CustomFunctionProtocol] = dict.fromkeys(_customizable_types(), perform_action)
+        functions[_schedules.OVERLAP_F_B] = self.overlap_function()
+        return functions
+
+    def is_default(self, computation_type: Any, function: Any) -> bool:
+        """Whether ``function`` is what this descriptor puts in a new map for ``computation_type``."""
+        return function is self.defaults().get(computation_type)
+
+    def _with_defaults(self, function_map: dict) -> dict:
+        for computation_type, function in self.defaults().items():
+            function_map.setdefault(computation_type, function)
+        return function_map
+
+
+def _make_register_custom_function(original: Callable[..., None]) -> Callable[..., None]:
+    """``register_custom_function`` that replaces one of the package's default functions quietly.
+
+    Registering a function for a type whose entry is still the default
+    (:class:`_FunctionMapWithDefaults`) is a first registration for the user:
+    it should not log "already registered".  Replacing a function the user
+    registered still warns, as torch does.
+    """
+
+    def register_custom_function(self: Any, computation_type: Any, custom_function: Callable[..., None]) -> None:
+        descriptor = inspect.getattr_static(type(self), _FUNCTION_MAP, None)
+        function_map = self._comp_type_to_function_map
+        if isinstance(descriptor, _FunctionMapWithDefaults) and computation_type in function_map:
+            if descriptor.is_default(computation_type, function_map[computation_type]):
+                del function_map[computation_type]
+        original(self, computation_type, custom_function)
+
+    register_custom_function.__doc__ = original.__doc__
+    register_custom_function.__wrapped__ = original  # type: ignore[attr-defined]
+    return register_custom_function
+
+
+def _probe_action_functions() -> tuple[str, str]:
+    """Probe of ``runtime_action_functions``: torch's loop must dispatch through the custom-function map."""
+    from torch_pipelining_ext._patching import PatchNeeded
+
+    runtime = _schedules._PipelineScheduleRuntime
+    for name in ("register_custom_function", "_step_microbatches"):
+        if not callable(getattr(runtime, name, None)):
+            raise AttributeError(f"_PipelineScheduleRuntime.{name} is missing")
+    return PatchNeeded, "plain actions bypass the custom-function map: they and OVERLAP_F_B's sub-actions would run different code"
 
 
 # --------------------------------------------------------------------------- #

@@ -858,17 +858,19 @@ class PatchTest(TestCase):
     def test_env_opt_out_and_default(self) -> None:
         from torch.distributed.pipelining import schedules
 
-        from torch_pipelining_ext import _overlap
+        from torch_pipelining_ext import _overlap, _schedule_runtime
 
         class Owner:
             _comp_type_to_function_map = _overlap._FunctionMapWithOverlap()
 
         self.assertIs(Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.overlap_f_b)
+        self.assertIs(Owner()._comp_type_to_function_map[schedules.FORWARD], _schedule_runtime.perform_action)
         with unittest.mock.patch.dict(os.environ, {_overlap.OVERLAP_ENV: "0"}):
-            self.assertEqual(Owner()._comp_type_to_function_map, {})
+            sequential = _schedule_runtime.sequential_overlap_f_b
+            self.assertIs(Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B], sequential)
             owner = Owner()
             owner._comp_type_to_function_map = {}  # as upstream __init__ assigns it
-            self.assertEqual(owner._comp_type_to_function_map, {})
+            self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], sequential)
         owner = Owner()
         owner._comp_type_to_function_map = {}
         self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.overlap_f_b)
@@ -876,7 +878,7 @@ class PatchTest(TestCase):
     def test_registering_another_function_replaces_it_quietly(self) -> None:
         from torch.distributed.pipelining import schedules
 
-        from torch_pipelining_ext import _overlap
+        from torch_pipelining_ext import _overlap, _schedule_runtime
 
         calls = []
 
@@ -887,13 +889,14 @@ class PatchTest(TestCase):
 
         class Owner:
             _comp_type_to_function_map = _overlap._FunctionMapWithOverlap()
-            register_custom_function = _overlap._make_register_custom_function(original)
+            register_custom_function = _schedule_runtime._make_register_custom_function(original)
 
         owner = Owner()
         mine = lambda action, ctx: None  # noqa: E731
-        owner.register_custom_function(schedules.OVERLAP_F_B, mine)
-        self.assertEqual(calls, [])
-        self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], mine)
+        for ctype in (schedules.OVERLAP_F_B, schedules.FORWARD):
+            owner.register_custom_function(ctype, mine)
+            self.assertEqual(calls, [])
+            self.assertIs(owner._comp_type_to_function_map[ctype], mine)
         owner.register_custom_function(schedules.OVERLAP_F_B, mine)  # replacing a user's function still warns
         self.assertEqual(calls, ["warned"])
 

@@ -40,6 +40,7 @@ runtime_custom_functions     A   U    U    U    U    U    U
 runtime_step_loop            A   U    U    U    U    U    U
 runtime_keep_overlap_f_b     A   U    U    U    U    U    U
 runtime_step_context         A   A    A    A    A    A    A
+runtime_action_functions     A   A    A    A    A    A    A
 scale_grads_per_step         A   A    A    A    A    A    A
 compute_comms_reduce_grad    U   A    A    A    A    A    A
 fsdp_split_backward_params   A   A    A    A    A    A    A

@@ -16,7 +16,9 @@ import copy
 import inspect
 import logging
 import unittest
+import unittest.mock
 from collections import Counter
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -304,9 +306,11 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         with self.assertRaisesRegex(ValueError, "Invalid computation type"):
             schedule.register_custom_function(sched.RECV_B, lambda action, ctx: None)
         first, second = (lambda action, ctx: None), (lambda action, ctx: None)
-        schedule.register_custom_function(F, first)
         # Upstream's and this package's register_custom_function warn on their module's logger.
         logger_name = inspect.unwrap(type(schedule).register_custom_function).__module__
+        self.assertIs(schedule._comp_type_to_function_map[F], rt.perform_action)
+        with self.assertNoLogs(logger_name, level=logging.WARNING):  # replaces the package's default
+            schedule.register_custom_function(F, first)
         with self.assertLogs(logger_name, level=logging.WARNING) as logs:
             schedule.register_custom_function(F, second)
         self.assertIn("already registered", "\n".join(logs.output))
@@ -336,6 +340,39 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
             # Every local stage had all its backwards counted, built-in and custom together.
             for i in run.stage_indices:
                 self.assertEqual(run.schedule.backward_counter[i], N_MICROBATCHES)
+
+    def test_every_compute_action_runs_the_shared_bookkeeping(self) -> None:
+        """Plain actions and OVERLAP_F_B's sub-actions run one implementation, on every torch."""
+        run = self._run(ScheduleDualPipeV)
+        schedule = run.schedule
+        for ctype in (F, B, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT, sched.UNSHARD, sched.RESHARD):
+            self.assertIs(schedule._comp_type_to_function_map[ctype], rt.perform_action, ctype)
+        # A custom function that adds to an action reuses perform_action.
+        forwards: list[_Action] = []
+
+        def counting_forward(action: _Action, ctx: sched._PipelineContext) -> None:
+            forwards.append(action)
+            rt.perform_action(action, ctx)
+
+        schedule.register_custom_function(F, counting_forward)
+        lowered = schedule.pipeline_order_with_comms[self.rank]
+        compute_actions = Counter(
+            a.computation_type
+            for action in lowered
+            for a in (action.sub_actions if action.computation_type == OVERLAP_F_B else (action,))
+            if a.computation_type in (F, B, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT)
+        )
+        prepared: Counter[Any] = Counter()
+        original = rt.prepare_compute_action
+
+        def spy(ctx: sched._PipelineContext, action: _Action):  # type: ignore[no-untyped-def]
+            prepared[action.computation_type] += 1
+            return original(ctx, action)
+
+        with unittest.mock.patch.object(rt, "prepare_compute_action", spy):
+            run.step(self, 0)
+        self.assertEqual(prepared, compute_actions)
+        self.assertEqual(len(forwards), sum(a.computation_type == F for a in lowered))
 
     @parametrize("schedule_class", MULTI_STAGE_SCHEDULES)
     def test_gradient_accumulation(self, schedule_class: type) -> None:
