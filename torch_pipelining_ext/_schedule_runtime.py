@@ -12,11 +12,19 @@ an action copies it.  This module writes it once:
 * :func:`prepare_compute_action` -- the part of a compute action that must
   run in schedule order, on the calling thread; returns the compute itself as
   a closure that may run on another thread (how OVERLAP_F_B overlaps);
-* :func:`run_action` -- any single action, sequentially;
+* :func:`run_action` -- any single action, sequentially, and
+  :func:`perform_action`, the same as a custom function;
 * :func:`stage_index_to_stage` -- the schedule's local stages by index.
 
-The built-in path on torch 2.9 (this package's step loop), the OVERLAP_F_B
-handler and users' custom functions all call them.
+On every supported torch every action custom functions may replace runs this
+code: each schedule's custom-function map starts with :func:`perform_action`
+for those types (:class:`_FunctionMapWithDefaults`), which torch's step loop
+(2.10+) calls instead of its nested ``_perform_action``; this package's loop
+(2.9) calls :func:`run_action` for the rest.  The OVERLAP_F_B handler and
+users' custom functions call the same functions, so a FORWARD runs the same
+bookkeeping whether or not it is inside an OVERLAP_F_B.  Only the
+communication actions torch does not let custom functions replace (SEND/RECV,
+and 2.15's send waits) stay torch's on 2.10+.
 
 torch 2.9 has no custom-function runtime.  The pieces upstream added in the
 2.10 cycle (the PR that introduced ``register_custom_function`` and
@@ -70,7 +78,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
 
-__all__ = ["prepare_compute_action", "run_action", "sequential_overlap_f_b", "stage_index_to_stage"]
+__all__ = ["perform_action", "prepare_compute_action", "run_action", "sequential_overlap_f_b", "stage_index_to_stage"]
 
 logger = logging.getLogger(__name__)
 
