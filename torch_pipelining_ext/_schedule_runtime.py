@@ -565,8 +565,7 @@ def _runtime_step_microbatches(
                 if custom_function is not None:
                     custom_function(action, ctx)
                 elif action.computation_type == _schedules.OVERLAP_F_B:
-                    for sub_action in action.sub_actions or ():
-                        run_action(ctx, sub_action, send_ops)
+                    sequential_overlap_f_b(action, ctx)
                 else:
                     run_action(ctx, action, send_ops)
         except Exception:
@@ -824,13 +823,15 @@ def _make_register_custom_function(original: Callable[..., None]) -> Callable[..
 
 
 def _probe_action_functions() -> tuple[str, str]:
-    """Probe of ``runtime_action_functions``: torch's loop must dispatch through the custom-function map."""
+    """Probe of ``runtime_action_functions``: the step loop (torch's, or ours on 2.9) must dispatch the map."""
     from torch_pipelining_ext._patching import PatchNeeded
 
     runtime = _schedules._PipelineScheduleRuntime
-    for name in ("register_custom_function", "_step_microbatches"):
-        if not callable(getattr(runtime, name, None)):
-            raise AttributeError(f"_PipelineScheduleRuntime.{name} is missing")
+    if not callable(getattr(runtime, "register_custom_function", None)):
+        raise AttributeError("_PipelineScheduleRuntime.register_custom_function is missing")
+    loop = inspect.unwrap(runtime._step_microbatches)
+    if _FUNCTION_MAP not in inspect.getsource(loop):
+        raise RuntimeError("_PipelineScheduleRuntime._step_microbatches does not look up custom functions")
     return PatchNeeded, "plain actions bypass the custom-function map: they and OVERLAP_F_B's sub-actions would run different code"
 
 
