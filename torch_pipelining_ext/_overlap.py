@@ -16,8 +16,11 @@ communication marks (:mod:`torch_pipelining_ext.ep_overlap`), so while one
 side communicates the other computes; outside communication regions they hand
 the processor over rather than compute at once.  A pair without marks (a dense
 model) therefore runs one sub-action after the other on CPU -- nothing is
-hidden, the cost is one thread hand-over.  On accelerators the stream plan
-below also lets the two sides' kernels run concurrently on the device.  A pair
+hidden, the cost is the thread hand-overs -- so once a stage pair's concurrent
+run has passed no mark, its later OVERLAP_F_B actions of the step run
+sequentially on CPU (see [Note: stage pairs without marks]).  On accelerators
+the stream plan below also lets the two sides' kernels run concurrently on the
+device, so there every pair stays concurrent.  A pair
 on one stage that holds ``fully_shard`` modules runs sequentially (FSDP2's
 per-module state is not meant for a forward and a backward at once).
 
@@ -168,7 +171,9 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     order; then the backward computes on a worker thread while the forward
     computes here.  A pair that is not one forward plus one backward-like
     action (FULL_BACKWARD, BACKWARD_INPUT or BACKWARD_WEIGHT) runs
-    sequentially, as does every pair once ``unpatch()`` has been called.
+    sequentially, as does every pair once ``unpatch()`` has been called, and,
+    on CPU, a stage pair whose concurrent run earlier in the step passed no
+    communication mark.
 
     Raises:
         RuntimeError: a sub-action failed (or waited too long at a
@@ -178,8 +183,18 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     schedule = ctx.schedule_ref
     global_rank = _schedule_state.global_rank(schedule)
     pair = _forward_and_backward(action)
+    state = _schedule_state.schedule_state(schedule)
     if pair is None or not _patch_applied() or _same_fsdp_stage(schedule, action):
         logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
+        _schedule_runtime.sequential_overlap_f_b(action, ctx)
+        return
+    key = (action.sub_actions[pair[0]].stage_index, action.sub_actions[pair[1]].stage_index)
+    if key in state.unmarked_pairs:
+        logger.debug(
+            "[rank %s] %s: sub-actions run one after the other (no communication marks in this stage pair)",
+            global_rank,
+            action,
+        )
         _schedule_runtime.sequential_overlap_f_b(action, ctx)
         return
     logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
@@ -196,7 +211,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     for sub in (fwd_action, bwd_action):
         _fsdp_stage.unshard_stage(stages[sub.stage_index])
     streams = _StreamPlan.for_action(schedule, stages, fwd_action, bwd_action)
-    _run_overlapped(
+    coordinator = _run_overlapped(
         computes[f],
         computes[b],
         global_rank=global_rank,
@@ -207,6 +222,17 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     )
     if streams is not None:
         streams.record_handoffs(stages, fwd_action, bwd_action)
+    elif not any(coordinator.regions_opened(side) for side in _Side):
+        # [Note: stage pairs without marks]
+        # Neither sub-action passed a communication mark, so the forward side
+        # waited for the backward side to finish: nothing overlapped, and on
+        # CPU (no streams) the two threads only added their hand-overs.  The
+        # rest of the step runs this stage pair's OVERLAP_F_B sequentially --
+        # same results, by the bitwise contract.  The decision depends only
+        # on the marks passed, which every rank of a group passes alike, never
+        # on timing; each step decides afresh.  With streams the device may
+        # still run the two sides' kernels at once, so the pair stays concurrent.
+        state.unmarked_pairs.add(key)
 
 
 def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:

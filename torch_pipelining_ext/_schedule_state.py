@@ -50,6 +50,9 @@ class _ScheduleState:
         backward_worker: the OVERLAP_F_B backward thread of the step in progress.
         stage_streams: stage index -> accelerator stream of the overlapped
             actions, created on first use and kept across steps.
+        unmarked_pairs: (forward stage, backward stage) pairs whose concurrent
+            OVERLAP_F_B passed no communication mark this step (on CPU they run
+            sequentially for the rest of the step; see ``_overlap.overlap_f_b``).
         time_step: position in the rank's lowered schedule of the action running now.
         action: the action running now (last started, when the step failed).
     """
@@ -59,6 +62,7 @@ class _ScheduleState:
     pending_sends: list[list[dist.Work]] = dataclasses.field(default_factory=list)
     backward_worker: _StepWorker | None = None
     stage_streams: dict[int, Any] | None = None
+    unmarked_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     time_step: int | None = None
     action: _Action | None = None
 
@@ -67,6 +71,7 @@ class _ScheduleState:
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
         self.pending_sends.clear()
+        self.unmarked_pairs.clear()
         self.time_step = self.action = None
 
     def record_action(self, time_step: int, action: _Action | None) -> None:

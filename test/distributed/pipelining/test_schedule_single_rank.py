@@ -16,16 +16,21 @@ exists, so CUDA tensors go through NCCL with world size 1).
   ``CUBLAS_WORKSPACE_CONFIG=:4096:8``); with the demo's MoE model and an
   expert-parallel group of size 1 (``all_to_all_single`` and the
   ``ep_overlap`` marks in both threads), equal to the sequential run and the
-  reference.
+  reference.  Every OVERLAP_F_B of the MoE model runs concurrently; a stage
+  pair of the MLP (no marks) runs concurrently once per step and then, on
+  CPU, sequentially (on CUDA it stays concurrent: the device may overlap it).
 * FSDP2 on a one-rank mesh with the V schedules (split backward included):
   gradients equal to the reference, every parameter resharded after the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import unittest
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -108,6 +113,31 @@ def _build(schedule_class: type, parts: list[nn.Module], device: torch.device, l
     return schedule_class(stages, N_MICROBATCHES, loss_fn=loss_fn)
 
 
+@contextlib.contextmanager
+def _counting_concurrent_runs() -> Iterator[list[int]]:
+    """Counts the OVERLAP_F_B actions run concurrently (by ``_overlap._run_overlapped``) while open."""
+    count = [0]
+    original = _overlap._run_overlapped
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    with mock.patch.object(_overlap, "_run_overlapped", counted):
+        yield count
+
+
+def _overlap_pairs(schedule: sched._PipelineSchedule) -> list[tuple[int, int]]:
+    """(forward stage, backward stage) of every OVERLAP_F_B action of rank 0, in order."""
+    pairs = []
+    for action in schedule.pipeline_order_with_comms[0]:
+        if action is not None and action.computation_type == sched.OVERLAP_F_B:
+            fwd = next(a for a in action.sub_actions if a.computation_type == sched.FORWARD)
+            bwd = next(a for a in action.sub_actions if a.computation_type != sched.FORWARD)
+            pairs.append((fwd.stage_index, bwd.stage_index))
+    return pairs
+
+
 class _OneRankTestCase(TestCase):
     """Owns a one-rank default process group for the class (unless one exists already)."""
 
@@ -179,14 +209,18 @@ class ScheduleSingleRankTest(_OneRankTestCase):
             else:
                 self.assertIs(schedule._comp_type_to_function_map[sched.OVERLAP_F_B], _overlap.overlap_f_b)
             runs[mode] = (schedule, mode_parts)
-        n_overlap = sum(a.computation_type == sched.OVERLAP_F_B for a in runs["overlap"][0].pipeline_order_with_comms[0])
-        self.assertGreater(n_overlap, 0)
+        pairs = _overlap_pairs(runs["overlap"][0])
+        self.assertGreater(len(pairs), len(set(pairs)))  # some pair comes back within a step
+        # No marks: on CPU each stage pair runs concurrently once per step, then sequentially.
+        expected_concurrent = len(set(pairs)) if dev.type == "cpu" else len(pairs)
         for step in range(2):
             x, y = _batch(step, dev)
             results = {}
             for mode, (schedule, _) in runs.items():
                 losses: list[torch.Tensor] = []
-                out = schedule.step(x, target=y, losses=losses)
+                with _counting_concurrent_runs() as concurrent:
+                    out = schedule.step(x, target=y, losses=losses)
+                self.assertEqual(concurrent[0], expected_concurrent if mode == "overlap" else 0, f"{mode}, step {step}")
                 results[mode] = (out, losses)
             exact = self._exact(dev)
             torch.testing.assert_close(results["overlap"], results["sequential"], **exact)
@@ -216,7 +250,11 @@ class ScheduleSingleRankTest(_OneRankTestCase):
                 for part in parts:
                     part.zero_grad(set_to_none=True)
                 losses: list[torch.Tensor] = []
-                out = schedule.step(tokens, target=labels, losses=losses)
+                with _counting_concurrent_runs() as concurrent:
+                    out = schedule.step(tokens, target=labels, losses=losses)
+                # marks in both stages: every OVERLAP_F_B runs concurrently
+                expected = len(_overlap_pairs(schedule)) if mode == "overlap" else 0
+                self.assertEqual(concurrent[0], expected, f"{mode}, step {step}")
                 results[mode] = (out, losses)
             reference.zero_grad(set_to_none=True)
             ref_out, ref_losses = _reference_step(reference, _cross_entropy, tokens, labels)
