@@ -17,7 +17,12 @@ mode:
 * ``sequential`` / ``overlap``: the sequential and the concurrent OVERLAP_F_B
   handler, latency L;
 * ``sequential L=0`` / ``overlap L=0``: marks, no latency (T_0 is the first);
-* ``sequential dense`` / ``overlap dense``: no marks and no regions at all.
+* ``sequential dense`` / ``overlap dense``: no marks and no regions at all
+  (on CPU the overlap handler runs each stage pair concurrently once per step,
+  then sequentially: nothing to hide);
+* ``sequential dense again``: the same as ``sequential dense``, measured once
+  more each round.  Two identical modes differ only by noise, so their ratio
+  (``repeat_no_marks``) is the noise floor of every step-time ratio here.
 
 It reports step-time medians (slowest rank) and the time spent inside
 OVERLAP_F_B actions (summed over ranks): warm-up and cool-down forward and
@@ -47,6 +52,7 @@ The last line is machine-readable::
 
     hidden_fraction=... hidden_fraction_e2e=... efficiency=... handover_us=... overhead_no_marks=...
     overhead_marks_L0=... handover_p90_us=... cpu_probe=... hidden_fraction_paired=... ep_step_ratio=...
+    repeat_no_marks=...
 
 (one line; ratios are overlapped / sequential; ``efficiency`` is the ideal /
 achieved time inside the OVERLAP_F_B actions of the ``overlap`` mode;
@@ -460,6 +466,7 @@ MODES = {
     "overlap L=0": (True, True, False),
     "sequential dense": (False, False, False),
     "overlap dense": (True, False, False),
+    "sequential dense again": (False, False, False),
 }
 # The sequential mode whose bookkeeping and segments an overlapped mode is compared with.
 COUNTERPART = {
@@ -469,6 +476,7 @@ COUNTERPART = {
     "overlap L=0": "sequential L=0",
     "sequential dense": "sequential dense",
     "overlap dense": "sequential dense",
+    "sequential dense again": "sequential dense",
 }
 
 
@@ -869,6 +877,7 @@ def main(argv: list[str] | None = None) -> int:
     hidden_in, hidden_e2e = hidden(inside), hidden(steps)
     overhead_dense = steps["overlap dense"] / steps["sequential dense"]
     overhead_l0 = steps["overlap L=0"] / steps["sequential L=0"]
+    repeat_dense = steps["sequential dense again"] / steps["sequential dense"]
     print(f"  communication hidden inside OVERLAP_F_B actions: {hidden_in:.3f} (end to end: {hidden_e2e:.3f})")
     if bd:
         print(
@@ -880,6 +889,10 @@ def main(argv: list[str] | None = None) -> int:
         if r["coordinator_hooks"] != list(_Tracer.COORDINATOR_METHODS):
             print(f"  (coordinator transitions timed: {r['coordinator_hooks'] or 'none'}; hand-overs need all four)")
     print(f"  overlap / sequential step time: no marks {overhead_dense:.3f}, marks with L=0 {overhead_l0:.3f}")
+    print(
+        f"  noise floor: sequential dense again / sequential dense = {repeat_dense:.3f} (identical modes; a step-time "
+        "ratio this far from 1.0 says nothing)"
+    )
     print(f"  losses identical in every mode: {'yes' if r['same_losses'] else 'NO'}")
     marks_cost = steps["sequential L=0"] / steps["sequential dense"]
     print(f"  (marks and zero-latency stand-in ops, sequential handler: L=0 / dense = {marks_cost:.3f})")
@@ -925,7 +938,8 @@ def main(argv: list[str] | None = None) -> int:
         f"hidden_fraction={hidden_in:.3f} hidden_fraction_e2e={hidden_e2e:.3f} efficiency={ovl.efficiency:.3f} "
         f"handover_us={ovl.handover_us:.0f} overhead_no_marks={overhead_dense:.3f} "
         f"overhead_marks_L0={overhead_l0:.3f} handover_p90_us={ovl.handover_p90_us:.0f} cpu_probe={cpu_probe:.2f} "
-        f"hidden_fraction_paired={ovl.hidden_paired:.3f} ep_step_ratio={ep_ratio:.3f}"
+        f"hidden_fraction_paired={ovl.hidden_paired:.3f} ep_step_ratio={ep_ratio:.3f} "
+        f"repeat_no_marks={repeat_dense:.3f}"
     )
     return 0 if ok else 1
 
