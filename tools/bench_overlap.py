@@ -3,6 +3,7 @@
     python tools/bench_overlap.py                 # both parts, a few minutes on 2 CPU cores
     python tools/bench_overlap.py --rounds 12 --latency-ms 5 --no-ep
     python tools/bench_overlap.py --no-ep --pp 1  # one rank: both stages of the V on it
+    python tools/bench_overlap.py --no-ep --switch-interval 5e-4  # GIL switch interval of the ranks
 
 Part 1 -- simulated communication latency (the headline numbers).  PP=2 on two
 gloo ranks (``--pp 1``: one rank), ``ScheduleDualPipeV``, each of the
@@ -485,6 +486,8 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
     torch.set_num_threads(1)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     n_stages = 2 * world
     tokens = args.microbatch_tokens
@@ -852,16 +855,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--latency-ms", type=float, default=None, help="simulated latency L (default: one block's compute)")
     p.add_argument("--no-breakdown", action="store_true", help="no timestamps: step times and ratios only")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval() of every rank of part 1, seconds (default: Python's, 0.005)",
+    )
     p.add_argument("--no-ep", action="store_true", help="skip part 2 (PP=2 x EP=2 on 4 ranks)")
     p.add_argument("--ep-rounds", type=int, default=4, help="measured rounds of part 2")
     p.add_argument("--ep-dim", type=int, default=128, help="model width of part 2")
     args = p.parse_args(argv)
+    if args.switch_interval is not None and not 0 < args.switch_interval <= 1:
+        p.error(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     probe_baseline = calibrate_probe()
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs; ScheduleDualPipeV, {args.microbatches} microbatches; "
-        f"CPU probe baseline {probe_baseline * 1e3:.2f} ms (busy loop, this process alone)"
+        f"CPU probe baseline {probe_baseline * 1e3:.2f} ms (busy loop, this process alone); GIL switch interval "
+        f"{(args.switch_interval or sys.getswitchinterval()) * 1e3:g} ms"
     )
     world = args.pp
     results = sorted(_spawn(_part1_worker, world, args, n_results=world), key=lambda x: x["rank"])
