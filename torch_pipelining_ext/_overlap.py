@@ -183,18 +183,15 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     schedule = ctx.schedule_ref
     global_rank = _schedule_state.global_rank(schedule)
     pair = _forward_and_backward(action)
-    state = _schedule_state.schedule_state(schedule)
-    if pair is None or not _patch_applied() or _same_fsdp_stage(schedule, action):
+    unmarked_pairs = _schedule_state.schedule_state(schedule).unmarked_pairs
+    stage_pair = None if pair is None else tuple(action.sub_actions[i].stage_index for i in pair)
+    if (
+        pair is None
+        or not _patch_applied()
+        or _same_fsdp_stage(schedule, action)
+        or stage_pair in unmarked_pairs
+    ):
         logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
-        _schedule_runtime.sequential_overlap_f_b(action, ctx)
-        return
-    key = (action.sub_actions[pair[0]].stage_index, action.sub_actions[pair[1]].stage_index)
-    if key in state.unmarked_pairs:
-        logger.debug(
-            "[rank %s] %s: sub-actions run one after the other (no communication marks in this stage pair)",
-            global_rank,
-            action,
-        )
         _schedule_runtime.sequential_overlap_f_b(action, ctx)
         return
     logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
@@ -232,7 +229,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         # on the marks passed, which every rank of a group passes alike, never
         # on timing; each step decides afresh.  With streams the device may
         # still run the two sides' kernels at once, so the pair stays concurrent.
-        state.unmarked_pairs.add(key)
+        unmarked_pairs.add(stage_pair)
 
 
 def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:
