@@ -30,8 +30,8 @@ setup(
     extras_require={
         "test": ["pytest", "expecttest", "hypothesis", "numpy", "matplotlib"],
         "plot": ["matplotlib"],
-        # torch_pipelining_ext.hf; tested with transformers 4.57 (the last 4.x line)
-        "hf": ["transformers>=4.57,<4.58", "safetensors>=0.4"],
+        # torch_pipelining_ext.hf; tested with transformers 4.57 (the last 4.x line) and 5.x
+        "hf": ["transformers>=4.57,<6", "safetensors>=0.4"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

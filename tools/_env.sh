@@ -4,6 +4,8 @@
 #   TORCH_VERSION   torch release to install (default 2.13.0)
 #   PYTHON          interpreter used to create the environment (default python3)
 #   VENV_DIR        where the environment lives (default .venv/torch-$TORCH_VERSION)
+#   TRANSFORMERS_VERSION  pin transformers (e.g. 4.57.6; default: the newest 5.x);
+#                   the default VENV_DIR then ends in -transformers-$TRANSFORMERS_VERSION
 #   FRESH=1         delete and recreate the environment first
 #
 # After sourcing, $VENV_PY is the environment's python.
@@ -13,7 +15,9 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
-VENV_DIR="${VENV_DIR:-$REPO_ROOT/.venv/torch-$TORCH_VERSION}"
+TRANSFORMERS_VERSION="${TRANSFORMERS_VERSION:-}"
+_venv_name="torch-$TORCH_VERSION${TRANSFORMERS_VERSION:+-transformers-$TRANSFORMERS_VERSION}"
+VENV_DIR="${VENV_DIR:-$REPO_ROOT/.venv/$_venv_name}"
 EXTRAS="${EXTRAS:-test,hf}"
 
 if [[ "${FRESH:-0}" == "1" ]]; then
@@ -26,7 +30,7 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
 fi
 
 VENV_PY="$VENV_DIR/bin/python"
-stamp="$VENV_DIR/.installed-$TORCH_VERSION-$EXTRAS"
+stamp="$VENV_DIR/.installed-$_venv_name-$EXTRAS"
 
 # A failed install must not leave an environment that looks usable: the one
 # created here is removed (an existing one is kept, and retried next time).
@@ -57,7 +61,10 @@ if [[ ! -x "$VENV_PY" || ! -f "$stamp" || "$REPO_ROOT/setup.py" -nt "$stamp" ]];
     [[ -e "$VENV_DIR" ]] || _env_created=1
     "$PYTHON" -m venv "$VENV_DIR" || _env_failed "$PYTHON -m venv $VENV_DIR failed"
     _env_pip_install "torch==$TORCH_VERSION"
-    _env_pip_install -e "$REPO_ROOT[$EXTRAS]" "torch==$TORCH_VERSION"
+    # unpinned: the newest 5.x, what a user installing the hf extra gets today
+    _tf_req="transformers>=5,<6"
+    [[ -z "$TRANSFORMERS_VERSION" ]] || _tf_req="transformers==$TRANSFORMERS_VERSION"
+    _env_pip_install -e "$REPO_ROOT[$EXTRAS]" "torch==$TORCH_VERSION" "$_tf_req"
     "$VENV_PY" -c "import torch, torch_pipelining_ext" >/dev/null \
         || _env_failed "torch or torch_pipelining_ext does not import in $VENV_DIR"
     touch "$stamp"

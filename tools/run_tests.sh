@@ -4,6 +4,7 @@
 #   bash tools/run_tests.sh                       # torch 2.13.0 (default)
 #   bash tools/run_tests.sh --torch 2.9.1         # any release 2.9 ... 2.15
 #   bash tools/run_tests.sh --torch 2.11.0 --fresh -- -k overlap   # fresh venv, extra pytest args
+#   bash tools/run_tests.sh --transformers 4.57.6 -- test/distributed/pipelining/test_hf_stages.py
 #
 # Exits non-zero when a test fails (or when no test ran).
 set -euo pipefail
@@ -12,9 +13,10 @@ cd "$(dirname "$0")/.."
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --torch) export TORCH_VERSION="$2"; shift 2 ;;
+        --transformers) export TRANSFORMERS_VERSION="$2"; shift 2 ;;
         --fresh) export FRESH=1; shift ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
         *) break ;;
     esac
 done

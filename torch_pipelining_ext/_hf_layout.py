@@ -47,7 +47,7 @@ class DecoderLayout:
     num_layers: int
     pos_embed: str | None = None
     embed_dropout: str | None = None
-    rotary: str | None = None
+    rotaries: tuple[str, ...] = ()  # Gemma3 on 4.57 has a global and a local one
     source: str = "pp_plan"  # or "detected"
 
     def fqn(self, name: str) -> str:
@@ -67,7 +67,7 @@ class DecoderLayout:
 
     @property
     def replicated_modules(self) -> list[str]:
-        return [self.fqn(self.rotary)] if self.rotary is not None else []
+        return [self.fqn(r) for r in self.rotaries]
 
 
 def _owns_parameters(module: nn.Module) -> bool:
@@ -106,6 +106,14 @@ def _base_model(model: nn.Module) -> tuple[str, nn.Module]:
     prefix = getattr(model, "base_model_prefix", None)
     base = model._modules.get(prefix) if isinstance(prefix, str) and prefix else None
     if base is None:
+        # a prefix that names no child (Gemma3ForCausalLM on 4.57): the one child that is a
+        # PreTrainedModel is the base model
+        from transformers import PreTrainedModel
+
+        found = [(n, m) for n, m in model._modules.items() if isinstance(m, PreTrainedModel)]
+        if len(found) == 1:
+            return found[0]
+    if base is None:
         raise _unsupported(
             model, f"it has no base model submodule (base_model_prefix is {prefix!r}, children {list(model._modules)})"
         )
@@ -140,12 +148,12 @@ def _from_pp_plan(model: nn.Module, base_name: str, base: nn.Module, plan: dict)
     missing = [what for what, v in found if v is None]
     if missing:
         raise _unsupported(model, f"base_model_pp_plan {plan} has no {', no '.join(missing)}")
-    rotary = None
+    rotaries = []
     for name, module in base._modules.items():
         if name in plan or module is None:
             continue
         if _is_rotary(name, module):
-            rotary = name
+            rotaries.append(name)
         elif _owns_parameters(module):
             raise _unsupported(model, f"{base_name}.{name} holds parameters but is not in base_model_pp_plan")
     return DecoderLayout(
@@ -155,7 +163,7 @@ def _from_pp_plan(model: nn.Module, base_name: str, base: nn.Module, plan: dict)
         norm=norm,
         head=_head_name(model),
         num_layers=_num_layers(model, model.config),
-        rotary=rotary,
+        rotaries=tuple(rotaries),
         source="pp_plan",
     )
 
@@ -176,7 +184,8 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
     layers = lists[0]
     names = list(base._modules)
     before, after = names[: names.index(layers)], names[names.index(layers) + 1 :]
-    pos_embed = dropout = rotary = None
+    pos_embed = dropout = None
+    rotaries: list[str] = []
     norms: list[str] = []
     for name in before:
         module = base._modules[name]
@@ -189,7 +198,7 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
         elif isinstance(module, nn.Dropout):
             dropout = name
         elif _is_rotary(name, module):
-            rotary = name
+            rotaries.append(name)
         elif _owns_parameters(module):
             raise _unsupported(
                 model, f"{base_name}.{name} ({type(module).__name__}) before the layers is not understood"
@@ -199,7 +208,7 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
         if module is None:
             continue
         if _is_rotary(name, module):
-            rotary = name
+            rotaries.append(name)
         elif _owns_parameters(module):
             norms.append(name)
     if len(norms) != 1:
@@ -215,7 +224,7 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
         num_layers=num_layers,
         pos_embed=pos_embed,
         embed_dropout=dropout,
-        rotary=rotary,
+        rotaries=tuple(rotaries),
         source="detected",
     )
 

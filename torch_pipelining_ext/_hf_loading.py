@@ -13,6 +13,7 @@ bytes of RSS.
 from __future__ import annotations
 
 import ctypes
+import re
 import json
 import logging
 import os
@@ -143,3 +144,112 @@ def read_tensors(requests: list[tuple[TensorEntry, torch.Tensor]]) -> None:
                     raise AssertionError("internal error: read destination must be a contiguous CPU tensor")
                 read_tensor(f, entry, out)
         logger.debug("read %d tensors (%d bytes) from %s", len(items), sum(e.nbytes for e, _ in items), file)
+
+
+def rows(entry: TensorEntry, start: int, stop: int) -> TensorEntry:
+    """The rows ``start:stop`` (first dimension) of a stored tensor: a
+    contiguous byte range of the same file."""
+    per_row = entry.nbytes // entry.shape[0]
+    return TensorEntry(entry.file, entry.dtype, (stop - start, *entry.shape[1:]), entry.offset + start * per_row, (stop - start) * per_row)
+
+
+def summarize_keys(keys: list[str], first: int = 5, patterns: int = 5) -> str:
+    """``count``, the first few keys and the most common patterns (numbers
+    replaced by ``*``) of a long key list, for error messages."""
+    keys = sorted(keys)
+    if len(keys) <= first:
+        return f"({len(keys)}): {', '.join(map(repr, keys))}"
+    counts: dict[str, int] = {}
+    for k in keys:
+        p = re.sub(r"\.\d+(?=\.|$)", ".*", k)
+        counts[p] = counts.get(p, 0) + 1
+    common = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:patterns]
+    shown = ", ".join(map(repr, keys[:first]))
+    pats = ", ".join(f"{p!r} x{n}" for p, n in common)
+    more = f" and {len(counts) - patterns} more patterns" if len(counts) > patterns else ""
+    return f"({len(keys)}): {shown}, ...; patterns: {pats}{more}"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A stored tensor that fills part of a fused model tensor: one
+    expert's (global index ``expert``) tensor of the converter's source
+    pattern number ``part``."""
+
+    key: str
+    entry: TensorEntry
+    expert: int
+    part: int  # which source pattern of the converter (gate = 0, up = 1, ...)
+
+
+class CheckpointKeys:
+    """The keys of a checkpoint in the model's key space.
+
+    A checkpoint key is the model's own key, the key without the base-model
+    prefix (checkpoints of the bare base model), or, on transformers 5.x, a
+    key that transformers' own conversion mapping renames (Mixtral's
+    ``block_sparse_moe`` -> ``mlp``) and, for fused experts, merges: the
+    per-expert keys ``...experts.{e}.gate_proj.weight`` and
+    ``...experts.{e}.up_proj.weight`` are the rows of ``gate_up_proj[e]``,
+    ``...experts.{e}.down_proj.weight`` is ``down_proj[e]``
+    (``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)``).  Each stored
+    tensor then fills its slice of the fused parameter directly.
+    """
+
+    SUPPORTED_OPS = (("MergeModulelist(dim=0)",), ("MergeModulelist(dim=0)", "Concatenate(dim=1)"))
+
+    def __init__(self, entries: dict[str, TensorEntry], model_keys: frozenset[str], prefix: str, conversions) -> None:
+        from torch_pipelining_ext._hf_compat import describe_ops
+
+        self.entries = entries
+        self.direct: dict[str, str] = {}  # model key -> checkpoint key
+        self.pieces: dict[str, list[Piece]] = {}  # model key -> per-expert pieces
+        self.ops: dict[str, tuple[str, ...]] = {}  # model key -> converter operations
+        self.unmatched: list[str] = []
+        renamings, converters = conversions if conversions is not None else ([], [])
+
+        def in_model(key: str) -> str | None:
+            for cand in (key, prefix + key):
+                if cand in model_keys:
+                    return cand
+            return None
+
+        for key, entry in entries.items():
+            found = in_model(key)
+            if found is not None:
+                self.direct.setdefault(found, key)
+                continue
+            renamed = key
+            for r in renamings:
+                renamed = r.rename_source_key(renamed)[0]
+            found = in_model(renamed)
+            if found is not None:
+                self.direct.setdefault(found, key)
+                continue
+            matched = False
+            for conv in converters:
+                target, pattern = conv.rename_source_key(renamed)
+                if pattern is None:
+                    continue
+                found = in_model(target)
+                index = conv.source_patterns.index(pattern)
+                originals = getattr(conv, "_original_source_patterns", conv.source_patterns)
+                number = _expert_number(originals[index], renamed)
+                if found is not None and number is not None:
+                    self.pieces.setdefault(found, []).append(Piece(key, entry, number, index))
+                    self.ops[found] = describe_ops(conv)
+                    matched = True
+                break  # at most one converter applies to a key, as in transformers
+            if not matched:
+                self.unmatched.append(key)
+
+    def has(self, model_key: str) -> bool:
+        return model_key in self.direct or model_key in self.pieces
+
+
+def _expert_number(pattern: str, key: str) -> int | None:
+    """The expert index in ``key`` at the ``*`` of a converter's source
+    pattern (``mlp.experts.*.gate_proj.weight``)."""
+    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    m = re.search(regex, key)
+    return int(m.group(1)) if m else None

@@ -29,6 +29,7 @@ tied across stages (GPT-2's embedding and head) right.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -36,14 +37,14 @@ import re
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Any, TYPE_CHECKING
+from typing import Any, Callable, TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from torch_pipelining_ext import stage_split as _ss
+from torch_pipelining_ext import _hf_compat, _hf_selfcheck, stage_split as _ss
 from torch_pipelining_ext._hf_layout import DecoderLayout, detect_layout, VERIFIED_MODEL_TYPES
-from torch_pipelining_ext._hf_loading import checkpoint_entries, read_tensors
+from torch_pipelining_ext._hf_loading import checkpoint_entries, CheckpointKeys, read_tensors, rows, summarize_keys
 
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CausalLMLoss",
+    "self_check",
     "HFCausalLMStage",
     "estimate_layer_costs",
     "hf_module_names_per_stage",
@@ -105,8 +107,12 @@ def meta_causal_lm(config: Any, *, dtype: torch.dtype | None = None) -> nn.Modul
     """Build ``AutoModelForCausalLM.from_config(config)`` with every
     parameter on the meta device (nothing allocated for weights).
 
-    Buffers are built for real: they are small, and non-persistent ones
-    (rotary frequencies) are not in checkpoints.
+    Non-persistent buffers (rotary frequencies, embedding scales), which no
+    checkpoint holds, are real after :func:`pipeline_hf_causal_lm` has
+    materialised a stage: on transformers 5.x the model is built entirely on
+    meta and the stage's buffers are restored with the model's own
+    ``_init_weights``; on 4.57 they are built for real (see
+    ``[Note: meta build]`` in ``_hf_compat.py``).
 
     Args:
         config: a transformers ``PretrainedConfig``.
@@ -117,6 +123,14 @@ def meta_causal_lm(config: Any, *, dtype: torch.dtype | None = None) -> nn.Modul
     transformers = _transformers()
     if not isinstance(config, transformers.PretrainedConfig):
         raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
+    if _hf_compat.builds_buffers_on_meta():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        if dtype is not None:
+            for old, places in _tensor_slots(model).values():  # parameters only: buffers keep their dtype
+                if isinstance(old, nn.Parameter) and old.is_floating_point():
+                    _replace(places, old.to(dtype), old)
+        return model
     with _parameters_on_meta(dtype):
         return transformers.AutoModelForCausalLM.from_config(config)
 
@@ -131,8 +145,10 @@ def estimate_layer_costs(model: nn.Module) -> list[float]:
     parameters a token goes through (for MoE layers only ``top_k`` of the
     routed experts), relative to the cheapest layer.
 
-    Works on meta models.  Experts are found as ``nn.ModuleList`` children
-    named ``experts``; ``top_k`` is ``config.num_experts_per_tok``.
+    Works on meta models.  Experts are the submodules named ``experts``:
+    an ``nn.ModuleList`` of per-expert modules (transformers 4.57) or one
+    module whose parameters hold every expert along their first dimension
+    (fused, 5.x); ``top_k`` is ``config.num_experts_per_tok``.
     """
     layout = detect_layout(model)
     layers = model.get_submodule(layout.layers_prefix)
@@ -142,15 +158,37 @@ def estimate_layer_costs(model: nn.Module) -> list[float]:
         total = 0.0
         expert_params: set[int] = set()
         for name, mod in layer.named_modules():
-            if name.rsplit(".", 1)[-1] == "experts" and isinstance(mod, nn.ModuleList) and len(mod) and top_k:
-                share = min(1.0, top_k / len(mod))
-                for p in mod.parameters():
-                    expert_params.add(id(p))
-                    total += p.numel() * share
+            if name.rsplit(".", 1)[-1] != "experts" or not top_k:
+                continue
+            if isinstance(mod, nn.ModuleList):
+                num_experts = len(mod)
+            else:
+                num_experts = _num_fused_experts(mod, model.config)
+            if not num_experts:
+                continue
+            share = min(1.0, top_k / num_experts)
+            for p in mod.parameters():
+                expert_params.add(id(p))
+                total += p.numel() * share
         total += sum(p.numel() for p in layer.parameters() if id(p) not in expert_params)
         costs.append(total)
     low = min((c for c in costs if c > 0), default=1.0)
     return [c / low for c in costs]
+
+
+_NUM_EXPERTS_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _num_fused_experts(experts: nn.Module, config: Any) -> int:
+    """Number of experts of a fused experts module (0: not fused), from the
+    module's or the config's expert count, checked against its parameters."""
+    n = getattr(experts, "num_experts", None)
+    if not isinstance(n, int):
+        n = next((getattr(config, a) for a in _NUM_EXPERTS_ATTRS if isinstance(getattr(config, a, None), int)), 0)
+    params = list(experts.parameters(recurse=False))
+    if n and params and all(p.dim() >= 2 and p.shape[0] == n for p in params):
+        return n
+    return 0
 
 
 def hf_module_names_per_stage(
@@ -207,14 +245,18 @@ def hf_module_names_per_stage(
 # runs the same steps itself, each only where its modules are present:
 #   * positions are 0..seq-1 (no padding, no KV cache: training), derived
 #     from the received tensor, so every stage recomputes them locally;
-#   * the mask comes from transformers.masking_utils, per layer: a layer with
-#     an ``attention_type`` (Qwen2/Qwen3) gets the mask of that type, others
-#     a sliding-window mask when ``config.sliding_window`` is set
-#     (Mixtral, Qwen3-MoE) and the full causal mask otherwise, exactly as the
-#     families' own forwards choose;
+#   * the mask comes from transformers.masking_utils, per layer, by the
+#     layer's attention type (``config.layer_types[i]`` where the config
+#     lists them, else the layer's ``attention_type``, else sliding-window
+#     when ``config.sliding_window`` is set), exactly as the families' own
+#     forwards choose (_hf_compat.layer_kind);
+#   * rotary tables: one per rotary module, or one per attention type where
+#     the rotary module takes the layer type (Gemma3);
+#   * ``config.final_logit_softcapping`` is applied to the logits (Gemma2/3);
 #   * a layer gets only the arguments its forward names.
-# Model types not in VERIFIED_MODEL_TYPES may do more in their forwards
-# (e.g. scale the embeddings) and get a warning.
+# Model types not in VERIFIED_MODEL_TYPES may do more in their forwards; they
+# are compared with the unsplit forward on a tiny config of the same type
+# before any stage is built (``[Note: HF self-check]``).
 
 
 class HFCausalLMStage(nn.Module):
@@ -245,6 +287,7 @@ class HFCausalLMStage(nn.Module):
         tied_groups: Sequence[tuple[tuple[str, ...], torch.Size, torch.dtype]] = (),
         full_state_keys: frozenset[str] = frozenset(),
         ignore_unexpected: Sequence[str] = (),
+        checkpoint_conversions: Any = None,
     ) -> None:
         super().__init__()
         if any(p is not None for p in part._parameters.values()):
@@ -259,7 +302,13 @@ class HFCausalLMStage(nn.Module):
         self._layout = layout
         self._full_state_keys = full_state_keys
         self._ignore_unexpected = tuple(ignore_unexpected)
+        self._checkpoint_conversions = checkpoint_conversions
+        # fused expert parameters holding only experts [start, stop) of the model's (expert parallelism)
+        self.expert_ranges: dict[str, tuple[int, int]] = {}
         self._layer_args: dict[type, frozenset[str]] = {}
+        self._checkpoint_context: Any = None  # set by set_activation_checkpointing
+        base = part._modules.get(layout.base)
+        self._embedding_normalizer = _hf_compat.embedding_normalizer(base) if base is not None else None
         self._check_placement()
 
     @property
@@ -274,9 +323,34 @@ class HFCausalLMStage(nn.Module):
         base = self._modules.get(self._layout.base)
         return None if base is None or name is None else base._modules.get(name)
 
-    def _layers(self) -> list[nn.Module]:
+    def _layers(self) -> list[tuple[int, nn.Module]]:
+        """(index in the whole model, layer) of this stage's layers."""
         container = self._base_child(self._layout.layers)
-        return [] if container is None else [m for m in container._modules.values() if m is not None]
+        if container is None:
+            return []
+        return [(int(name), m) for name, m in container._modules.items() if m is not None]
+
+    def set_activation_checkpointing(self, mode: str | Callable | Sequence | None) -> None:
+        """Recompute each decoder layer in backward (non-reentrant
+        ``torch.utils.checkpoint``).
+
+        Args:
+            mode: ``None`` (off), ``"full"`` (save only each layer's input),
+                or selective: a policy function for
+                ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
+                or a sequence of ops whose outputs are saved (e.g.
+                ``[torch.ops.aten.mm.default]``).
+        """
+        if mode is None or mode == "full":
+            self._checkpoint_context = mode
+        elif callable(mode) or (isinstance(mode, Sequence) and not isinstance(mode, str)):
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            self._checkpoint_context = functools.partial(create_selective_checkpoint_contexts, mode)
+        else:
+            raise ValueError(
+                f"activation_checkpointing must be None, 'full', a policy function or a sequence of ops, got {mode!r}"
+            )
 
     def _check_placement(self) -> None:
         lay = self._layout
@@ -295,42 +369,45 @@ class HFCausalLMStage(nn.Module):
                     f"{where} holds {fqn!r}, which only the {role} stage can run "
                     "(the forward is embedding -> layers -> norm -> head)"
                 )
-        if self._layers() and lay.rotary is not None and self._base_child(lay.rotary) is None:
-            raise ValueError(
-                f"{where} runs layers but lacks {lay.fqn(lay.rotary)!r}: list it in every stage "
-                "(it holds no parameters)"
-            )
+        for rotary in lay.rotaries:
+            if self._layers() and self._base_child(rotary) is None:
+                raise ValueError(
+                    f"{where} runs layers but lacks {lay.fqn(rotary)!r}: list it in every stage "
+                    "(it holds no parameters)"
+                )
 
-    def _call_layer(self, layer: nn.Module, h: torch.Tensor, available: dict[str, Any]) -> torch.Tensor:
+    def _call_layer(self, index: int, layer: nn.Module, h: torch.Tensor, available: dict[str, Any]) -> torch.Tensor:
         names = self._layer_args.get(type(layer))
         if names is None:
             names = frozenset(inspect.signature(layer.forward).parameters)
             self._layer_args[type(layer)] = names
-        out = layer(h, **{k: v for k, v in available.items() if k in names})
+        _check_not_reentrant(layer, f"{self._layout.layers_prefix}.{index}")
+        kwargs = {k: v for k, v in available.items() if k in names}
+        if self._checkpoint_context is None:
+            out = layer(h, **kwargs)
+        else:
+            from torch.utils.checkpoint import checkpoint
+
+            extra = {} if self._checkpoint_context == "full" else {"context_fn": self._checkpoint_context}
+            out = checkpoint(layer, h, use_reentrant=False, **kwargs, **extra)
         return out[0] if isinstance(out, tuple) else out
 
-    def _mask(self, kind: str, h: torch.Tensor, cache_position: torch.Tensor, position_ids: torch.Tensor):
-        from transformers import masking_utils
-
-        make = (
-            masking_utils.create_sliding_window_causal_mask
-            if kind == "sliding_attention"
-            else masking_utils.create_causal_mask
-        )
-        return make(
-            config=self.config,
-            input_embeds=h,
-            attention_mask=None,
-            cache_position=cache_position,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
-
-    def _mask_kind(self, layer: nn.Module) -> str:
-        kind = getattr(layer, "attention_type", None)
-        if kind is not None:
-            return kind
-        return "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
+    def _position_embeddings(self, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict:
+        """Rotary tables by attention type: ``{kind: {argument name: table}}``."""
+        tables: dict[str, dict[str, Any]] = {kind: {} for kind in kinds}
+        for name in self._layout.rotaries:
+            rotary = self._base_child(name)
+            if _hf_compat.rotary_takes_layer_type(rotary):
+                for kind in kinds:
+                    tables[kind]["position_embeddings"] = rotary(h, position_ids, kind)
+                continue
+            # Gemma3 on 4.57: ``rotary_emb`` (global) and ``rotary_emb_local``
+            suffix = name.removeprefix("rotary_emb").strip("_")
+            keys = [f"position_embeddings_{suffix}"] if suffix else ["position_embeddings", "position_embeddings_global"]
+            table = rotary(h, position_ids)
+            for kind in kinds:
+                tables[kind].update(dict.fromkeys(keys, table))
+        return tables
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run this stage (see the class docstring); see ``[Note: HF stage forward]``."""
@@ -339,6 +416,9 @@ class HFCausalLMStage(nn.Module):
             if x.is_floating_point():
                 raise TypeError(f"the first stage takes token ids, got a {x.dtype} tensor")
             h = self._base_child(lay.embed)(x)
+            if self._embedding_normalizer is not None:
+                # in the embeddings' dtype, as the model's own forward rounds it
+                h = h * torch.tensor(self._embedding_normalizer, dtype=h.dtype)
         else:
             h = x
         cache_position = torch.arange(h.shape[1], device=h.device)
@@ -350,22 +430,45 @@ class HFCausalLMStage(nn.Module):
                 h = self._base_child(lay.embed_dropout)(h)
         layers = self._layers()
         if layers:
+            kinds = {index: _hf_compat.layer_kind(self.config, layer, index) for index, layer in layers}
+            tables = self._position_embeddings(h, position_ids, set(kinds.values()))
+            masks = {k: _hf_compat.attention_mask(k, self.config, h, position_ids) for k in set(kinds.values())}
             available: dict[str, Any] = dict(
-                position_ids=position_ids, cache_position=cache_position, past_key_values=None, use_cache=False
+                position_ids=position_ids,
+                cache_position=cache_position,
+                past_key_values=None,
+                cache=None,
+                use_cache=False,
             )
-            if lay.rotary is not None:
-                available["position_embeddings"] = self._base_child(lay.rotary)(h, position_ids)
-            masks: dict[str, Any] = {}
-            for layer in layers:
-                kind = self._mask_kind(layer)
-                if kind not in masks:
-                    masks[kind] = self._mask(kind, h, cache_position, position_ids)
-                available["attention_mask"] = masks[kind]
-                h = self._call_layer(layer, h, available)
+            for index, layer in layers:
+                available["attention_mask"] = masks[kinds[index]]
+                available.update(tables[kinds[index]])
+                h = self._call_layer(index, layer, h, available)
         if self.is_last:
             h = self._base_child(lay.norm)(h)
             h = self._modules[lay.head](h)
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            if cap:
+                h = torch.tanh(h / cap) * cap
         return h
+
+
+def _check_not_reentrant(layer: nn.Module, fqn: str) -> None:
+    """Refuse Hugging Face's reentrant gradient checkpointing (the default of
+    ``gradient_checkpointing_enable()``): the reentrant ``checkpoint`` runs
+    its backward inside autograd's engine as a new backward, which the
+    pipeline schedules' own backward calls cannot drive."""
+    if not getattr(layer, "gradient_checkpointing", False):
+        return
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    keywords = getattr(func, "keywords", None) or {}
+    if keywords.get("use_reentrant", True):
+        raise ValueError(
+            f"{fqn} uses reentrant activation checkpointing (model.gradient_checkpointing_enable() defaults to it), "
+            "which pipeline schedules cannot run. Pass activation_checkpointing='full' (or a selective policy) to "
+            "pipeline_hf_causal_lm, or call model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})"
+        )
 
 
 def _tied_groups(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Size, torch.dtype]]:
@@ -446,32 +549,25 @@ def load_stage_weights(
     if not parts or not all(isinstance(p, HFCausalLMStage) for p in parts):
         raise TypeError("parts must be a non-empty sequence of HFCausalLMStage modules")
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    entries = checkpoint_entries(checkpoint)
     layout = parts[0]._layout
-    prefix = layout.base + "."
-    full_keys = parts[0]._full_state_keys
+    keys = CheckpointKeys(
+        checkpoint_entries(checkpoint),
+        parts[0]._full_state_keys,
+        layout.base + ".",
+        parts[0]._checkpoint_conversions,
+    )
     aliases: dict[str, tuple[str, ...]] = {}
     for names, _, _ in parts[0].tied_groups:
         for n in names:
             aliases[n] = names
 
-    def source_key(fqn: str) -> str | None:
-        for cand in aliases.get(fqn, (fqn,)):
-            for key in (cand, cand[len(prefix) :] if cand.startswith(prefix) else None):
-                if key is not None and key in entries:
-                    return key
-        return None
-
     ignore = [re.compile(p) for p in parts[0]._ignore_unexpected]
-    unexpected = sorted(
-        k
-        for k in entries
-        if k not in full_keys and prefix + k not in full_keys and not any(p.search(k) for p in ignore)
-    )
+    unexpected = [k for k in keys.unmatched if not any(p.search(k) for p in ignore)]
     missing: list[str] = []
     mismatched: list[str] = []
+    unsupported: list[str] = []
     meta_left: list[str] = []
-    plan = []  # (old tensor, places, entry)
+    plan = []  # (old tensor, places, [(entry, index into the new tensor)])
     for part in parts:
         persistent = _state_keys(part)
         for old, places in _tensor_slots(part).values():
@@ -481,21 +577,31 @@ def load_stage_weights(
                     meta_left.append(places[0][3])
                 plan.append((old, places, None))
                 continue
-            key = next((k for k in map(source_key, fqns) if k is not None), None)
+            key = next((a for f in fqns for a in aliases.get(f, (f,)) if keys.has(a)), None)
             if key is None:
                 missing.extend(fqns)
                 continue
-            entry = entries[key]
-            if entry.shape != tuple(old.shape):
-                mismatched.append(f"{fqns[0]!r}: checkpoint {list(entry.shape)} vs model {list(old.shape)}")
-            plan.append((old, places, entry))
+            start, stop = part.expert_ranges.get(key, (0, None))
+            reads, problem = _reads_for(keys, key, tuple(old.shape), start, stop)
+            if problem is None:
+                plan.append((old, places, reads))
+            elif problem[0] == "missing":
+                missing.extend(problem[1])
+            elif problem[0] == "unsupported":
+                unsupported.append(f"{key!r} needs {problem[1]}")
+            else:
+                mismatched.append(f"{key!r}: {problem[1]}")
     problems = []
     if missing:
-        problems.append(f"missing from the checkpoint ({len(missing)}): {', '.join(map(repr, sorted(missing)))}")
+        problems.append(f"missing from the checkpoint {summarize_keys(missing)}")
     if unexpected:
-        problems.append(f"not in the model ({len(unexpected)}): {', '.join(map(repr, unexpected))}")
+        problems.append(f"not in the model {summarize_keys(unexpected)}")
     if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {'; '.join(mismatched)}")
+        problems.append(
+            f"shape mismatches ({len(mismatched)}): {'; '.join(mismatched[:5])}{'; ...' if len(mismatched) > 5 else ''}"
+        )
+    if unsupported:
+        problems.append(f"conversions per-stage loading cannot do ({len(unsupported)}): {'; '.join(unsupported[:3])}")
     if meta_left:
         problems.append(
             f"non-persistent buffers on the meta device, which no checkpoint holds: {meta_left}; build the model "
@@ -504,22 +610,22 @@ def load_stage_weights(
     if problems:
         raise ValueError(f"cannot load {checkpoint}: " + "; ".join(problems) + ". Nothing was loaded")
 
-    loaded: list[tuple[torch.Tensor, list, torch.Tensor]] = []
+    loaded = []
     requests = []
-    for old, places, entry in plan:
-        if entry is None:
+    for old, places, reads in plan:
+        if reads is None:
             continue
-        target = entry.dtype
-        if dtype is not None and entry.dtype.is_floating_point:
-            target = dtype
-        buf = torch.empty(entry.shape, dtype=entry.dtype)
-        requests.append((entry, buf))
+        stored = reads[0][0].dtype
+        target = dtype if dtype is not None and stored.is_floating_point else stored
+        buf = torch.empty(old.shape, dtype=stored)
+        for entry, index in reads:
+            requests.append((entry, buf[index] if index is not None else buf))
         loaded.append((old, places, buf, target))
     read_tensors(requests)
     for old, places, buf, target in loaded:
         _replace(places, buf.to(device=device, dtype=target), old)
-    for old, places, entry in plan:
-        if entry is None and old.device != device:
+    for old, places, reads in plan:
+        if reads is None and old.device != device:
             _replace(places, old.to(device), old)
     logger.info(
         "loaded %d tensors (%.1f MiB) of stages %s from %s",
@@ -528,6 +634,53 @@ def load_stage_weights(
         [p.stage_index for p in parts],
         checkpoint,
     )
+
+
+def _reads_for(
+    keys: CheckpointKeys, key: str, shape: tuple[int, ...], start: int, stop: int | None
+) -> tuple[list[tuple[Any, Any]], tuple[str, Any] | None]:
+    """What to read for model tensor ``key`` of ``shape`` (holding experts
+    ``start:stop`` when it is a fused expert tensor sliced for expert
+    parallelism): ``([(entry, index into the tensor or None)], None)``, or
+    ``([], (kind, detail))`` with kind ``"missing"`` (detail: the absent
+    pieces), ``"unsupported"`` or ``"shape"``."""
+    sliced = stop is not None
+    if key in keys.direct:
+        entry = keys.entries[keys.direct[key]]
+        if sliced:
+            if entry.shape[1:] != shape[1:] or entry.shape[0] < stop:
+                return [], ("shape", f"checkpoint {list(entry.shape)} vs model experts {start}:{stop} of shape {list(shape)}")
+            entry = rows(entry, start, stop)
+        if entry.shape != shape:
+            return [], ("shape", f"checkpoint {list(entry.shape)} vs model {list(shape)}")
+        return [(entry, None)], None
+    ops = keys.ops[key]
+    if ops not in CheckpointKeys.SUPPORTED_OPS:
+        return [], ("unsupported", ' then '.join(ops))
+    pieces = {(p.expert, p.part): p for p in keys.pieces[key]}
+    num_parts = 1 + max(p.part for p in pieces.values())
+    first = start
+    last = stop if sliced else shape[0] + start
+    if last - first != shape[0]:
+        return [], ("shape", f"model holds {shape[0]} experts, expected {last - first}")
+    absent = [f"{key}[expert {e}, source {k}]" for e in range(first, last) for k in range(num_parts) if (e, k) not in pieces]
+    if absent:
+        return [], ("missing", absent)
+    reads = []
+    offsets = [0]
+    for k in range(num_parts):
+        offsets.append(offsets[-1] + pieces[(first, k)].entry.shape[0])
+    if num_parts > 1 and offsets[-1] != shape[1]:
+        return [], ("shape", f"{num_parts} stored parts of {offsets[-1]} rows vs model {list(shape)}")
+    for e in range(first, last):
+        for k in range(num_parts):
+            entry = pieces[(e, k)].entry
+            index = (e - first,) if num_parts == 1 else (e - first, slice(offsets[k], offsets[k + 1]))
+            want = shape[1:] if num_parts == 1 else (offsets[k + 1] - offsets[k], *shape[2:])
+            if entry.shape != tuple(want):
+                return [], ("shape", f"expert {e}: checkpoint {list(entry.shape)} vs model slice {list(want)}")
+            reads.append((entry, index))
+    return reads, None
 
 
 def _init_stage_weights(hf_part: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
@@ -557,14 +710,32 @@ def _check_training_config(model: nn.Module) -> None:
             "Hugging Face forward and is not part of CausalLMLoss; set it to False (or add the auxiliary loss "
             "yourself) for pipeline training"
         )
-    model_type = getattr(config, "model_type", None)
-    if model_type not in VERIFIED_MODEL_TYPES:
-        warnings.warn(
-            f"model type {model_type!r} has not been verified against its unsplit forward (verified: "
-            f"{sorted(VERIFIED_MODEL_TYPES)}); compare a split run with the whole model before training",
-            UserWarning,
-            stacklevel=3,
-        )
+    layout = detect_layout(model)
+    for i, layer in enumerate(model.get_submodule(layout.layers_prefix)):
+        _check_not_reentrant(layer, f"{layout.layers_prefix}.{i}")
+
+
+def _chain_stages(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``model`` cut into stages of one layer each (at most 4
+    stages), run one after the other in this process."""
+    layout = detect_layout(model)
+    n = max(2, min(4, layout.num_layers))
+    names = hf_module_names_per_stage(model, n, layer_costs=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ties split across stages
+        parts = _ss._split_stages(model, names, list(range(n)))
+    h = ids
+    for i, part in enumerate(parts):
+        h = HFCausalLMStage(part, layout, i, n)(h)
+    return h
+
+
+def self_check(config: Any) -> float:
+    """Compare the pipeline stages of ``config``'s model type with its
+    unsplit Hugging Face forward on a tiny config of the same type (see
+    ``[Note: HF self-check]``); returns the max abs logit difference, raises
+    ``ValueError`` when the stages are wrong or cannot be checked."""
+    return _hf_selfcheck.check_stages_match(config, _chain_stages)
 
 
 def _default_num_stages(schedule: Any, pp_size: int) -> int:
@@ -586,6 +757,8 @@ def pipeline_hf_causal_lm(
     checkpoint: str | os.PathLike | None = None,
     init_weights: bool = False,
     dtype: torch.dtype | None = None,
+    activation_checkpointing: str | Callable | Sequence | None = None,
+    verify: bool | None = None,
     **stage_kwargs: Any,
 ) -> tuple[list[PipelineStage], list[HFCausalLMStage]]:
     """Build this rank's pipeline stages of a Hugging Face causal LM.
@@ -609,6 +782,15 @@ def pipeline_hf_causal_lm(
         init_weights: for a meta model without checkpoint, initialise the
             stage weights with the model's own ``_init_weights``.
         dtype: cast floating-point weights to this dtype.
+        activation_checkpointing: recompute each decoder layer in backward
+            (non-reentrant): ``"full"``, or selective with a policy function
+            or a sequence of ops to save (see
+            :meth:`HFCausalLMStage.set_activation_checkpointing`).  Hugging
+            Face's reentrant ``gradient_checkpointing_enable()`` is refused.
+        verify: compare the stages of this model type with its unsplit
+            forward on a tiny config first (:func:`self_check`); default:
+            only for model types outside the verified list, which are
+            refused if the check fails.
         **stage_kwargs: further ``PipelineStage`` arguments.
 
     Returns:
@@ -630,6 +812,8 @@ def pipeline_hf_causal_lm(
     _ss._check_model(model)
     layout = detect_layout(model)
     _check_training_config(model)
+    if verify or (verify is None and getattr(model.config, "model_type", None) not in VERIFIED_MODEL_TYPES):
+        self_check(model.config)
     group, _, pp_size = _ss._pp_group(pp_mesh_or_group)
     if module_names_per_stage is None:
         n = num_stages if num_stages is not None else _default_num_stages(schedule, pp_size)
@@ -648,13 +832,25 @@ def pipeline_hf_causal_lm(
     tied = _tied_groups(model)
     full_keys = _state_keys(model)
     ignore = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    conversions = _hf_compat.conversion_mapping(model) if checkpoint is not None else None
 
     def prepare(part: nn.Module, stage_id: int, n_stages: int) -> nn.Module:
         if checkpoint is None and on_meta:
             _init_stage_weights(part, device, dtype)
-        return HFCausalLMStage(
-            part, layout, stage_id, n_stages, tied_groups=tied, full_state_keys=full_keys, ignore_unexpected=ignore
+        elif on_meta:
+            _hf_compat.restore_buffers(model, part, device)
+        stage = HFCausalLMStage(
+            part,
+            layout,
+            stage_id,
+            n_stages,
+            tied_groups=tied,
+            full_state_keys=full_keys,
+            ignore_unexpected=ignore,
+            checkpoint_conversions=conversions,
         )
+        stage.set_activation_checkpointing(activation_checkpointing)
+        return stage
 
     stages, parts = _ss._pipeline_split(
         model,

@@ -1,0 +1,149 @@
+"""Tiny Hugging Face causal LMs for the tests of ``torch_pipelining_ext.hf``.
+
+Each factory returns a transformers config small enough for four gloo ranks
+on two CPU cores (hidden size 32, 4 heads, a few experts), with dropout off so
+that split and unsplit runs compute the same thing.  Mixed attention types
+use a window of 4 < the tests' sequence length 8, so a wrong mask shows.
+No download: every model is built from its config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# Every family the package claims (README): exact against the unsplit model
+# on transformers 4.57.x and 5.x.
+HF_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen2_sliding",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "gpt2",
+    "mistral",
+    "phi3",
+    "olmo2",
+    "gpt_oss",
+    "qwen2_moe",
+    "olmoe",
+    "glm4_moe",
+    "gemma2",
+    "gemma3_text",
+)
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe", "olmoe", "glm4_moe")
+WINDOW = 4
+
+
+def tiny_hf_config(family: str, num_layers: int = 3, vocab_size: int = 64, **overrides):
+    """A tiny transformers config of ``family``; ``overrides`` go to the config's constructor."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if family == "llama":
+        cls, kw = tf.LlamaConfig, {}
+    elif family == "qwen2":
+        cls, kw = tf.Qwen2Config, {}
+    elif family == "qwen2_sliding":
+        # layers from max_window_layers on use the sliding window
+        cls, kw = tf.Qwen2Config, dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    elif family == "qwen3":
+        cls, kw = tf.Qwen3Config, dict(head_dim=8)
+    elif family == "qwen3_moe":
+        cls, kw = tf.Qwen3MoeConfig, dict(head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    elif family == "mixtral":
+        cls, kw = tf.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)
+    elif family == "deepseek_v3":
+        cls = tf.DeepseekV3Config
+        kw = dict(
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
+    elif family == "gpt2":
+        cfg = tf.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=32,
+            n_layer=num_layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            loss_type="ForCausalLM",
+            **overrides,
+        )
+        return cfg
+    elif family == "mistral":
+        cls, kw = tf.MistralConfig, dict(sliding_window=WINDOW)
+    elif family == "phi3":
+        cls, kw = tf.Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0)
+    elif family == "olmo2":
+        cls, kw = tf.Olmo2Config, dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif family == "gpt_oss":
+        cls = tf.GptOssConfig
+        kw = dict(
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            layer_types=alternating,
+            intermediate_size=16,
+        )
+    elif family == "qwen2_moe":
+        cls = tf.Qwen2MoeConfig
+        kw = dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    elif family == "olmoe":
+        cls, kw = tf.OlmoeConfig, dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif family == "glm4_moe":
+        cls = tf.Glm4MoeConfig
+        kw = dict(
+            head_dim=8,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+        )
+    elif family == "gemma2":
+        cls = tf.Gemma2Config
+        kw = dict(head_dim=8, sliding_window=WINDOW, layer_types=alternating, query_pre_attn_scalar=8)
+    elif family == "gemma3_text":
+        cls = tf.Gemma3TextConfig
+        kw = dict(head_dim=8, sliding_window=WINDOW, layer_types=alternating, query_pre_attn_scalar=8)
+    else:
+        raise ValueError(f"unknown family {family!r}; one of {HF_FAMILIES}")
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop"):
+        common.setdefault(key, 0.0)
+    return cls(**{**common, **kw, **overrides})
+
+
+def tiny_hf_model(family: str, seed: int = 0, **kwargs):
+    """A tiny transformers causal LM of ``family`` with seeded random weights, in float32."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(tiny_hf_config(family, **kwargs)).float()
