@@ -144,9 +144,9 @@ def builds_buffers_on_meta() -> bool:
     return hasattr(PreTrainedModel, "named_non_persistent_buffers")
 
 
-def restore_buffers(model: nn.Module, part: nn.Module, device: torch.device) -> None:
-    """Give every non-persistent meta buffer of ``part`` (a split piece of
-    ``model``) its value, with the model's own ``_init_weights``.
+def restore_buffers(init_weights: Callable, part: nn.Module, device: torch.device) -> None:
+    """Give every meta buffer of ``part`` (a split piece of a model) its
+    value, with the model's own ``_init_weights`` (``init_weights``).
 
     Raises ``ValueError`` naming the buffers the model did not restore.
     """
@@ -162,7 +162,7 @@ def restore_buffers(model: nn.Module, part: nn.Module, device: torch.device) -> 
         owners.append((mod_name, mod, names))
     with torch.no_grad():
         for _, mod, _ in owners:
-            model._init_weights(mod)
+            init_weights(mod)
     left = [
         f"{mod_name}.{n}" if mod_name else n
         for mod_name, mod, names in owners
@@ -171,8 +171,8 @@ def restore_buffers(model: nn.Module, part: nn.Module, device: torch.device) -> 
     ]
     if left:
         raise ValueError(
-            f"{type(model).__name__}._init_weights did not restore the non-persistent buffers {left} of a model "
-            "built on the meta device; pass a model built for real instead of a config"
+            f"the model's _init_weights did not restore the non-persistent buffers {left} of a model built on the "
+            "meta device; pass a model built for real instead of a config"
         )
 
 

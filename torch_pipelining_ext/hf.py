@@ -303,6 +303,8 @@ class HFCausalLMStage(nn.Module):
         self._full_state_keys = full_state_keys
         self._ignore_unexpected = tuple(ignore_unexpected)
         self._checkpoint_conversions = checkpoint_conversions
+        # the model's own initialisation restores non-persistent buffers of a meta build (5.x)
+        self._init_weights_fn = getattr(part, "_init_weights", None)
         # fused expert parameters holding only experts [start, stop) of the model's (expert parallelism)
         self.expert_ranges: dict[str, tuple[int, int]] = {}
         self._layer_args: dict[type, frozenset[str]] = {}
@@ -561,6 +563,9 @@ def load_stage_weights(
         for n in names:
             aliases[n] = names
 
+    for part in parts:
+        if part._init_weights_fn is not None and any(b.is_meta for b in part.buffers()):
+            _hf_compat.restore_buffers(part._init_weights_fn, part, device)
     ignore = [re.compile(p) for p in parts[0]._ignore_unexpected]
     unexpected = [k for k in keys.unmatched if not any(p.search(k) for p in ignore)]
     missing: list[str] = []
@@ -837,8 +842,6 @@ def pipeline_hf_causal_lm(
     def prepare(part: nn.Module, stage_id: int, n_stages: int) -> nn.Module:
         if checkpoint is None and on_meta:
             _init_stage_weights(part, device, dtype)
-        elif on_meta:
-            _hf_compat.restore_buffers(model, part, device)
         stage = HFCausalLMStage(
             part,
             layout,

@@ -32,8 +32,9 @@ HF_FAMILIES = (
     "glm4_moe",
     "gemma2",
     "gemma3_text",
+    "qwen3_next",
 )
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe", "olmoe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe", "olmoe", "glm4_moe", "qwen3_next")
 WINDOW = 4
 
 
@@ -92,13 +93,15 @@ def tiny_hf_config(family: str, num_layers: int = 3, vocab_size: int = 64, **ove
             embd_pdrop=0.0,
             attn_pdrop=0.0,
             loss_type="ForCausalLM",
+            bos_token_id=1,
+            eos_token_id=2,
             **overrides,
         )
         return cfg
     elif family == "mistral":
         cls, kw = tf.MistralConfig, dict(sliding_window=WINDOW)
     elif family == "phi3":
-        cls, kw = tf.Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0)
+        cls, kw = tf.Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif family == "olmo2":
         cls, kw = tf.Olmo2Config, dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif family == "gpt_oss":
@@ -134,6 +137,20 @@ def tiny_hf_config(family: str, num_layers: int = 3, vocab_size: int = 64, **ove
     elif family == "gemma3_text":
         cls = tf.Gemma3TextConfig
         kw = dict(head_dim=8, sliding_window=WINDOW, layer_types=alternating, query_pre_attn_scalar=8)
+    elif family == "qwen3_next":
+        cls = tf.Qwen3NextConfig
+        kw = dict(
+            head_dim=8,
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
     else:
         raise ValueError(f"unknown family {family!r}; one of {HF_FAMILIES}")
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop"):

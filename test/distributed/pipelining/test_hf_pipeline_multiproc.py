@@ -20,7 +20,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from model_registry import tiny_hf_model
+from hf_model_registry import tiny_hf_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
