@@ -306,7 +306,7 @@ class TestHFLoading(TestCase):
         torch.set_num_threads(self._threads)
         super().tearDown()
 
-    @parametrize("family", ["llama", "gpt2", "deepseek_v3"])
+    @parametrize("family", ["llama", "gpt2", "deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "gemma3_text"])
     @parametrize("sharded", [False, True])
     def test_meta_build_load_only_stage_tensors(self, family, sharded):
         ref = tiny_hf_model(family, num_layers=3).to(torch.bfloat16)
@@ -352,6 +352,106 @@ class TestHFLoading(TestCase):
             self.assertTrue(torch.equal(t, ref.state_dict()[key]), key)
         # non-persistent buffers (rotary frequencies): real, and those of a model built for real
         torch.testing.assert_close(part.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq, rtol=0, atol=0)
+
+    @parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+    def test_fused_experts_read_straight_into_their_slices(self, family):
+        from torch_pipelining_ext import _hf_compat
+
+        ref = tiny_hf_model(family, num_layers=4)
+        _save_hf(ref, self.dir, max_shard_size="20KB")
+        header = _hf_loading.checkpoint_entries(self.dir)
+        fused_model = any(k.endswith("experts.gate_up_proj") for k in ref.state_dict())
+        per_expert_disk = any(".experts.0." in k for k in header)
+        if family == "gpt_oss":  # fused in the model and on disk on both majors
+            self.assertTrue(fused_model and not per_expert_disk)
+        elif _hf_compat.conversion_mapping(ref) is None:  # 4.57: per-expert modules, keys as they are
+            self.assertFalse(fused_model)
+        else:  # 5.x: fused in the model, per expert on disk
+            self.assertTrue(fused_model and per_expert_disk)
+        model = hf.meta_causal_lm(tiny_hf_config(family, num_layers=4))
+        (part,) = _split(model, 4, stage_ids=[1])
+        read = []
+        real_read = _hf_loading.read_tensor
+        with mock.patch.object(_hf_loading, "read_tensor", lambda f, e, out: (read.append(e), real_read(f, e, out))):
+            hf.load_stage_weights([part], self.dir)
+        want = {k: v for k, v in ref.state_dict().items() if k in part.state_dict()}
+        self.assertEqual(set(want), set(part.state_dict()))
+        for key, t in part.state_dict().items():
+            self.assertTrue(torch.equal(t, want[key]), key)
+        # every stored tensor of this stage read once, nothing else: the stage's bytes
+        self.assertEqual(sum(e.nbytes for e in read), sum(t.nbytes for t in part.state_dict().values()))
+        self.assertEqual(len(read), len({(e.file, e.offset) for e in read}))
+
+    def test_expert_range_reads_only_those_experts(self):
+        ref = tiny_hf_model("qwen3_moe", num_layers=2)
+        _save_hf(ref, self.dir)
+        model = hf.meta_causal_lm(tiny_hf_config("qwen3_moe", num_layers=2))
+        (part,) = _split(model, 2, stage_ids=[1])
+        experts = part.get_submodule("model.layers.1.mlp.experts")
+        fused = [n for n, _ in experts.named_parameters() if n in ("gate_up_proj", "down_proj")]
+        if not fused:
+            self.skipTest("per-expert modules (transformers 4.57): expert ranges apply to fused experts")
+        for name in fused:  # this rank keeps experts 1 and 2 of 4
+            full = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(torch.empty((2, *full.shape[1:]), device="meta")))
+            part.expert_ranges[f"model.layers.1.mlp.experts.{name}"] = (1, 3)
+        hf.load_stage_weights([part], self.dir)
+        for name in fused:
+            got = getattr(part.get_submodule("model.layers.1.mlp.experts"), name)
+            self.assertTrue(torch.equal(got, getattr(ref.model.layers[1].mlp.experts, name)[1:3]), name)
+
+    def test_long_key_lists_are_summarised(self):
+        ref = tiny_hf_model("qwen3_moe", num_layers=4)
+        sd = {k: v.contiguous() for k, v in ref.state_dict().items() if ".mlp." not in k}
+        path = os.path.join(self.dir, "model.safetensors")
+        safetensors.torch.save_file(sd, path)
+        parts = _split(hf.meta_causal_lm(tiny_hf_config("qwen3_moe", num_layers=4)), 2)
+        with self.assertRaises(ValueError) as ctx:
+            hf.load_stage_weights(parts, path)
+        msg = str(ctx.exception)
+        self.assertRegex(msg, r"missing from the checkpoint \(\d+\): 'model.layers.0.mlp.")
+        self.assertIn("patterns: 'model.layers.*.mlp.", msg)
+        self.assertLess(len(msg), 1000)
+
+    @parametrize("family", HF_FAMILIES)
+    def test_meta_build_allocates_nothing_and_restores_buffers(self, family):
+        from torch.overrides import TorchFunctionMode
+
+        from torch_pipelining_ext import _hf_compat
+
+        class CountAllocations(TorchFunctionMode):
+            def __init__(self):
+                super().__init__()
+                self.bytes = self.largest = 0
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor) and not out.is_meta:
+                    self.bytes += out.numel() * out.element_size()
+                    self.largest = max(self.largest, out.numel() * out.element_size())
+                return out
+
+        config = tiny_hf_config(family, num_layers=4)
+        counter = CountAllocations()
+        with counter:
+            model = hf.meta_causal_lm(config)
+        self.assertTrue(all(p.is_meta for p in model.parameters()))
+        params = [p.numel() * p.element_size() for p in model.parameters()]
+        if _hf_compat.builds_buffers_on_meta():  # 5.x: buffers at most, never a weight
+            self.assertLess(counter.bytes, sum(params) / 10)
+        else:  # 4.57: each parameter moved to meta as it is registered, one at a time
+            self.assertLessEqual(counter.largest, max(params))
+        ref = tiny_hf_model(family, num_layers=4)
+        _save_hf(ref, self.dir)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, parts = hf.pipeline_hf_causal_lm(
+                config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2, checkpoint=self.dir
+            )
+        ref_buffers = dict(ref.named_buffers())
+        for part in parts:
+            for name, b in part.named_buffers():
+                torch.testing.assert_close(b, ref_buffers[name], rtol=0, atol=0, msg=name)
 
     def test_tied_head_read_from_embedding_key(self):
         ref = tiny_hf_model("gpt2", num_layers=2)
