@@ -9,16 +9,22 @@ directory, then loads stage 1 of 4 in two fresh processes, side by side:
 * ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained`` of the whole
   model, then ``split_module`` of stage 1 (and the whole model dropped).
 
+Then the same ``stage_load`` of a ~1.2B-parameter bf16 Qwen3-MoE-shaped
+checkpoint (16 layers, 32 experts of width 768) stored per expert, as
+transformers writes MoE checkpoints: on transformers 5.x each expert's
+tensors are read straight into their slices of the fused ``gate_up_proj`` /
+``down_proj`` parameters.
+
 For each, the extra peak RSS (from after the imports to the loaded stage) is
 divided by the stage's bytes.  The stage's tensors are then compared with the
 checkpoint.  The last line is::
 
-    stage_load_rss_ratio=<..> from_pretrained_rss_ratio=<..>
+    stage_load_rss_ratio=<..> from_pretrained_rss_ratio=<..> moe_stage_load_rss_ratio=<..>
 
-Target: ``stage_load_rss_ratio <= 1.1``.
+Target: ``stage_load_rss_ratio <= 1.1`` and ``moe_stage_load_rss_ratio <= 1.1``.
 
 Usage: ``python tools/bench_load.py [--dir DIR] [--keep]`` (needs the ``hf``
-extra; about 2.3 GB of disk and 5 GB of RAM at peak).
+extra; about 4.6 GB of disk and 5 GB of RAM at peak).
 """
 
 from __future__ import annotations
@@ -40,9 +46,25 @@ STAGE = 1
 SHARD_BYTES = 512 * 1024**2
 
 
-def _config():
-    from transformers import LlamaConfig
+def _config(model: str = "llama"):
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
+    if model == "moe":
+        return Qwen3MoeConfig(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            moe_intermediate_size=768,
+            num_experts=32,
+            num_experts_per_tok=4,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+        )
     return LlamaConfig(
         vocab_size=32000,
         hidden_size=2048,
@@ -56,7 +78,26 @@ def _config():
     )
 
 
-def write_checkpoint(directory: str) -> dict:
+def _stored_shapes(model) -> dict:
+    """Checkpoint keys and shapes: fused experts (transformers 5.x) stored per expert, as transformers saves them."""
+    shapes = {}
+    for k, t in model.state_dict().items():
+        if k.endswith(".experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                half = (t.shape[1] // 2, t.shape[2])
+                shapes[f"{base}{e}.gate_proj.weight"] = half
+                shapes[f"{base}{e}.up_proj.weight"] = half
+        elif k.endswith(".experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                shapes[f"{base}{e}.down_proj.weight"] = tuple(t.shape[1:])
+        else:
+            shapes[k] = tuple(t.shape)
+    return shapes
+
+
+def write_checkpoint(directory: str, model_kind: str = "llama") -> dict:
     """Write the checkpoint one shard at a time (never the whole model in memory)."""
     import safetensors.torch
     import torch
@@ -64,10 +105,10 @@ def write_checkpoint(directory: str) -> dict:
     from torch_pipelining_ext.hf import meta_causal_lm
 
     torch.manual_seed(0)
-    config = _config()
+    config = _config(model_kind)
     config.save_pretrained(directory)
     model = meta_causal_lm(config, dtype=torch.bfloat16)
-    shapes = {k: t.shape for k, t in model.state_dict().items()}
+    shapes = {k: torch.Size(s) for k, s in _stored_shapes(model).items()}
     pool = torch.randn(max(s.numel() for s in shapes.values()) + 1_000_003, dtype=torch.bfloat16)
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
@@ -121,14 +162,14 @@ def _reset_peak() -> bool:
         return False
 
 
-def worker(method: str, directory: str) -> dict:
+def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
     import torch
     import transformers  # noqa: F401  (imports before the measurement)
 
-    from torch_pipelining_ext import hf, stage_split
+    from torch_pipelining_ext import _hf_compat, hf, stage_split
 
     torch.set_num_threads(1)
-    config = _config()
+    config = _config(model_kind)
     rss_before = _status("VmRSS")
     peak_reset = _reset_peak()
     hwm_before = _status("VmHWM")
@@ -144,6 +185,7 @@ def worker(method: str, directory: str) -> dict:
             NUM_STAGES,
             tied_groups=hf._tied_groups(model),
             full_state_keys=hf._state_keys(model),
+            checkpoint_conversions=_hf_compat.conversion_mapping(model),
         )
         del model, raw
         hf.load_stage_weights([part], directory)
@@ -162,9 +204,21 @@ def worker(method: str, directory: str) -> dict:
 
     with open(os.path.join(directory, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
-    for key, t in sd.items():
+    def stored(key):
         with safe_open(os.path.join(directory, weight_map[key]), framework="pt") as f:
-            want = f.get_tensor(key)
+            return f.get_tensor(key)
+
+    for key, t in sd.items():
+        if key.endswith(".experts.gate_up_proj"):
+            base = key[: -len("gate_up_proj")]
+            want = torch.stack(
+                [torch.cat([stored(f"{base}{e}.gate_proj.weight"), stored(f"{base}{e}.up_proj.weight")]) for e in range(t.shape[0])]
+            )
+        elif key.endswith(".experts.down_proj"):
+            base = key[: -len("down_proj")]
+            want = torch.stack([stored(f"{base}{e}.down_proj.weight") for e in range(t.shape[0])])
+        else:
+            want = stored(key)
         if t.dtype != torch.bfloat16 or not torch.equal(t, want):
             raise AssertionError(f"{method}: stage tensor {key!r} differs from the checkpoint")
     return dict(
@@ -177,8 +231,8 @@ def worker(method: str, directory: str) -> dict:
     )
 
 
-def _run_worker(method: str, directory: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--dir", directory]
+def _run_worker(method: str, directory: str, model_kind: str = "llama") -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--dir", directory, "--model", model_kind]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"worker {method} failed:\n{out.stderr[-4000:]}")
@@ -190,9 +244,13 @@ def main() -> None:
     parser.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="llama", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = write_checkpoint(args.dir) if args.worker == "write" else worker(args.worker, args.dir)
+        if args.worker == "write":
+            result = write_checkpoint(args.dir, args.model)
+        else:
+            result = worker(args.worker, args.dir, args.model)
         print(json.dumps(result))
         return
 
@@ -218,10 +276,30 @@ def main() -> None:
                 f"{r['ratio']:.3f} x stage, {r['seconds']:.1f} s; tensors equal the checkpoint",
                 flush=True,
             )
+        moe_dir = os.path.join(directory, "moe")
+        os.makedirs(moe_dir, exist_ok=True)
+        info = _run_worker("write", moe_dir, "moe")
+        print(
+            f"[ckpt] MoE: {info['n_params']:.3e} params, {info['bytes'] / gib:.2f} GiB bf16 per expert in "
+            f"{info['shards']} shards",
+            flush=True,
+        )
+        r = _run_worker("stage_load", moe_dir, "moe")
+        r["ratio"] = r["extra_peak"] / r["stage_bytes"]
+        rows.append(r)
+        print(
+            f"[load] MoE stage_load  stage {STAGE} of {NUM_STAGES} ({r['n_tensors']} tensors, "
+            f"{r['stage_bytes'] / gib:.2f} GiB): extra peak RSS {r['extra_peak'] / gib:.2f} GiB = "
+            f"{r['ratio']:.3f} x stage, {r['seconds']:.1f} s; tensors equal the checkpoint",
+            flush=True,
+        )
         if not all(r["peak_reset"] for r in rows):
             print("[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before")
         print(f"[done] {time.perf_counter() - t_start:.0f} s")
-        print(f"stage_load_rss_ratio={rows[0]['ratio']:.3f} from_pretrained_rss_ratio={rows[1]['ratio']:.3f}")
+        print(
+            f"stage_load_rss_ratio={rows[0]['ratio']:.3f} from_pretrained_rss_ratio={rows[1]['ratio']:.3f} "
+            f"moe_stage_load_rss_ratio={rows[2]['ratio']:.3f}"
+        )
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(directory, ignore_errors=True)

@@ -25,7 +25,12 @@ source tools/_env.sh
 "$VENV_PY" -m torch_pipelining_ext
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 set +e
-"$VENV_PY" -m pytest test/ -q -p no:cacheprovider --durations=15 "$@"
+# test paths among the arguments replace the default (the whole suite)
+paths=(test/)
+for arg in "$@"; do
+    [[ "$arg" == test/* ]] && paths=()
+done
+"$VENV_PY" -m pytest "${paths[@]}" -q -p no:cacheprovider --durations=15 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
