@@ -181,6 +181,16 @@ def restore_buffers(init_weights: Callable, part: nn.Module, device: torch.devic
 # ---------------------------------------------------------------------------
 
 
+def has_fused_experts() -> bool:
+    """Whether this transformers holds MoE experts as fused 3-D parameters
+    and converts per-expert checkpoints to them (5.x)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def conversion_mapping(model: nn.Module) -> tuple[list, list] | None:
     """``(renamings, converters)``: transformers' own checkpoint conversions
     for ``model`` (5.x), or ``None`` where transformers has none (4.57)."""

@@ -42,7 +42,7 @@ from typing import Any, Callable, TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from torch_pipelining_ext import _hf_compat, _hf_selfcheck, stage_split as _ss
+from torch_pipelining_ext import _hf_compat, _hf_expert_parallel, _hf_selfcheck, stage_split as _ss
 from torch_pipelining_ext._hf_layout import DecoderLayout, detect_layout, VERIFIED_MODEL_TYPES
 from torch_pipelining_ext._hf_loading import checkpoint_entries, CheckpointKeys, read_tensors, rows, summarize_keys
 
@@ -61,6 +61,7 @@ __all__ = [
     "load_stage_weights",
     "meta_causal_lm",
     "pipeline_hf_causal_lm",
+    "reduce_replicated_gradients",
     "sync_tied_gradients",
 ]
 
@@ -743,6 +744,24 @@ def self_check(config: Any) -> float:
     return _hf_selfcheck.check_stages_match(config, _chain_stages)
 
 
+def _pp_and_ep(mesh_or_group: Any, ep_group: Any) -> tuple[Any, Any]:
+    """(pipeline dimension, expert-parallel process group or None)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh_or_group, DeviceMesh) and mesh_or_group.ndim == 2:
+        names = mesh_or_group.mesh_dim_names or ()
+        if set(names) != {"pp", "ep"}:
+            raise ValueError(f"a 2-D mesh must have the dimensions ('pp', 'ep'), got {names}")
+        if ep_group is not None:
+            raise ValueError("ep_group given twice: as the 'ep' dimension of the mesh and as ep_group")
+        return mesh_or_group["pp"], mesh_or_group["ep"].get_group()
+    if isinstance(ep_group, DeviceMesh):
+        if ep_group.ndim != 1:
+            raise ValueError(f"ep_group must be a 1-D mesh, got {ep_group.ndim} dimensions")
+        ep_group = ep_group.get_group()
+    return mesh_or_group, ep_group
+
+
 def _default_num_stages(schedule: Any, pp_size: int) -> int:
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -764,6 +783,7 @@ def pipeline_hf_causal_lm(
     dtype: torch.dtype | None = None,
     activation_checkpointing: str | Callable | Sequence | None = None,
     verify: bool | None = None,
+    ep_group: Any = None,
     **stage_kwargs: Any,
 ) -> tuple[list[PipelineStage], list[HFCausalLMStage]]:
     """Build this rank's pipeline stages of a Hugging Face causal LM.
@@ -773,7 +793,8 @@ def pipeline_hf_causal_lm(
             device, e.g. from :func:`meta_causal_lm`), or its config (then it
             is built with :func:`meta_causal_lm`).  It is not modified.
         pp_mesh_or_group: the pipeline dimension (1-D ``DeviceMesh`` or
-            ``ProcessGroup``).
+            ``ProcessGroup``), or a 2-D ``DeviceMesh`` with dimensions
+            ``("pp", "ep")`` (pipeline and expert parallelism).
         schedule: schedule class or name (decides loop- or V-style placement).
         device: device of the stages.
         module_names_per_stage: FQN lists per stage; default
@@ -796,6 +817,14 @@ def pipeline_hf_causal_lm(
             forward on a tiny config first (:func:`self_check`); default:
             only for model types outside the verified list, which are
             refused if the check fails.
+        ep_group: the expert-parallel dimension (``ProcessGroup`` or 1-D
+            ``DeviceMesh``; or the ``"ep"`` dimension of a 2-D mesh): every
+            MoE layer keeps ``E / ep`` of its experts and exchanges tokens by
+            all-to-all inside ``ep_overlap`` regions (see
+            ``[Note: HF expert parallelism]``; fused experts of
+            transformers 5.x).  Ranks of the group feed different data; call
+            ``CausalLMLoss.set_labels(labels, group=ep_group)`` and
+            :func:`reduce_replicated_gradients` after the step.
         **stage_kwargs: further ``PipelineStage`` arguments.
 
     Returns:
@@ -812,6 +841,7 @@ def pipeline_hf_causal_lm(
     Run the schedule with ``scale_grads=False`` and :class:`CausalLMLoss`.
     """
     transformers = _transformers()
+    pp_mesh_or_group, ep_group = _pp_and_ep(pp_mesh_or_group, ep_group)
     if isinstance(model, transformers.PretrainedConfig):
         model = meta_causal_lm(model, dtype=dtype)
     _ss._check_model(model)
@@ -853,6 +883,8 @@ def pipeline_hf_causal_lm(
             checkpoint_conversions=conversions,
         )
         stage.set_activation_checkpointing(activation_checkpointing)
+        if ep_group is not None:
+            _hf_expert_parallel.shard_experts(stage, ep_group, model.config.hidden_size, layout.layers_prefix)
         return stage
 
     stages, parts = _ss._pipeline_split(
@@ -908,9 +940,22 @@ class CausalLMLoss:
         self.ignore_index = ignore_index
         self.num_items_in_batch: int | None = None
 
-    def set_labels(self, labels: torch.Tensor) -> None:
-        """Count the predicted tokens of the step's whole batch."""
-        n = int((labels[..., 1:] != self.ignore_index).sum())
+    def set_labels(self, labels: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        """Count the predicted tokens of the step's whole batch.
+
+        With ``group`` (the expert-parallel group, whose ranks train on
+        different data) the count is summed over its ranks, so each rank's
+        losses are its share of the loss of the global batch, and the sum of
+        every rank's gradients is the global batch's gradient (see
+        :func:`reduce_replicated_gradients`).
+        """
+        count = (labels[..., 1:] != self.ignore_index).sum()
+        if group is not None:
+            import torch.distributed as dist
+
+            count = count.to(_group_device(group))
+            dist.all_reduce(count, group=group)
+        n = int(count)
         if n == 0:
             raise ValueError(f"labels hold no token to predict (all but the first are {self.ignore_index})")
         self.num_items_in_batch = n
@@ -971,6 +1016,39 @@ def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGro
                 p.grad = total.to(p.dtype)
             else:
                 p.grad.copy_(total)
+
+
+def reduce_replicated_gradients(parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup) -> None:
+    """Sum the gradients of the parameters replicated over the
+    expert-parallel group (everything but the sharded experts) over its
+    ranks, after the step and before the optimizer.
+
+    Each rank's loss is its share of the global batch's
+    (``CausalLMLoss.set_labels(labels, group=ep_group)``), so the global
+    gradient of a replicated parameter is the sum of the ranks'; the sharded
+    experts' gradients already hold every rank's tokens (the all-to-all's
+    backward brings them back).  With FSDP2 over the same ranks instead, set
+    the replicated modules' gradient divide factor to 1 (FSDP averages by
+    default).  Every rank of ``ep_group`` must call it.
+    """
+    import torch.distributed as dist
+
+    # every rank of the group holds the same stages: the same parameters in the same order
+    params = [
+        p for part in parts for name, p in part.named_parameters() if not _hf_expert_parallel.is_expert_parameter(part, name)
+    ]
+    if not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    dist.all_reduce(flat, group=ep_group)
+    offset = 0
+    for p in params:
+        total = flat[offset : offset + p.numel()].view(p.shape).to(p.dtype)
+        offset += p.numel()
+        if p.grad is None:
+            p.grad = total
+        else:
+            p.grad.copy_(total)
 
 
 def _group_device(group: Any) -> torch.device:

