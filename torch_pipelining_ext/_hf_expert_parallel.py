@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 import types
 from typing import Any
 
@@ -46,6 +47,26 @@ logger = logging.getLogger(__name__)
 # (expert parallelism carved out of data parallelism).
 
 
+_link_latency_s = 0.0
+
+
+def set_simulated_link_latency(seconds: float) -> None:
+    """Wait ``seconds`` in every token all-to-all (forward and backward),
+    standing in for a slower link than the one the ranks have (loopback):
+    for benchmarks and the demo, which measure what the overlap hides.  The
+    wait releases the GIL, as a network transfer does."""
+    global _link_latency_s
+    if not seconds >= 0:
+        raise ValueError(f"latency must be >= 0 seconds, got {seconds!r}")
+    _link_latency_s = float(seconds)
+
+
+def _exchange(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> None:
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    if _link_latency_s:
+        time.sleep(_link_latency_s)
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with split sizes; its backward is the reverse exchange."""
 
@@ -53,14 +74,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        _exchange(out, x, out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        _exchange(grad_in, grad, in_splits, out_splits, ctx.group)
         return grad_in, None, None, None
 
 
