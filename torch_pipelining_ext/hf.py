@@ -57,6 +57,7 @@ __all__ = [
     "self_check",
     "HFCausalLMStage",
     "estimate_layer_costs",
+    "fully_shard_replicated",
     "hf_module_names_per_stage",
     "load_stage_weights",
     "meta_causal_lm",
@@ -1049,6 +1050,26 @@ def reduce_replicated_gradients(parts: Sequence[HFCausalLMStage], ep_group: dist
             p.grad = total
         else:
             p.grad.copy_(total)
+
+
+def fully_shard_replicated(parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any) -> None:
+    """FSDP2 (``fully_shard``) over the data-parallel ``mesh`` for the
+    parameters replicated over it, the sharded experts left out.
+
+    The FSDP way to do what :func:`reduce_replicated_gradients` does: with
+    ``mesh`` the expert-parallel dimension (whose ranks train on different
+    data), the replicated parameters are sharded and their gradients summed
+    by the reduce-scatter (divide factor 1, matching
+    ``CausalLMLoss.set_labels(labels, group=...)``), the experts' stay local.
+    Call it on this rank's stages before the first step, instead of
+    :func:`reduce_replicated_gradients`.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for part in parts:
+        experts = {p for name, p in part.named_parameters() if _hf_expert_parallel.is_expert_parameter(part, name)}
+        fully_shard(part, mesh=mesh, ignored_params=experts, **fsdp_kwargs)
+        part.set_gradient_divide_factor(1.0)
 
 
 def _group_device(group: Any) -> torch.device:

@@ -190,6 +190,34 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
         dist.all_gather_object(gathered, kinds, group=ep_group)
         self.assertEqual(gathered[0], gathered[1])
 
+    def test_fsdp2_over_the_ep_dimension(self):
+        torch.set_num_threads(1)
+        mesh, ep_group, ep_rank = self._mesh()
+        ref = tiny_hf_model("qwen3_moe", num_layers=4)
+        stages, parts = hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, "cpu")
+        hf.fully_shard_replicated(parts, mesh["ep"])
+        loss_fn = hf.CausalLMLoss()
+        schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=loss_fn, scale_grads=False)
+        ref_params = dict(ref.named_parameters())
+        for step in range(2):
+            batch = _global_batch(step)
+            ref.zero_grad()
+            ref(input_ids=batch[0], labels=batch[1]).loss.backward()
+            ids, labels = self._local(batch, ep_rank)
+            loss_fn.set_labels(labels, group=ep_group)
+            for part in parts:
+                part.zero_grad()
+            schedule.step(*((ids,) if stages[0].is_first else ()), target=labels, losses=[])
+            for part in parts:
+                for name, p in part.named_parameters():
+                    want = ref_params[name].grad
+                    if name in part.expert_ranges:
+                        start, stop = part.expert_ranges[name]
+                        self.assertNotIsInstance(p, torch.distributed.tensor.DTensor)
+                        torch.testing.assert_close(p.grad, want[start:stop], msg=f"step {step}: {name}")
+                    else:
+                        torch.testing.assert_close(p.grad.full_tensor(), want, msg=f"step {step}: {name}")
+
     def test_uneven_loads(self):
         # every token routed to experts 0 and 1 (EP rank 0's): rank 1's experts get no token, rank 1 receives none
         torch.set_num_threads(1)
