@@ -201,7 +201,7 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
             # expert-parallel rank 1 of 4 (a fake group: loading issues no collective)
             dist.init_process_group("fake", store=FakeStore(), rank=EP_RANK, world_size=EP_SIZE)
             _hf_expert_parallel.shard_experts(
-                part, dist.group.WORLD, config.hidden_size, hf.detect_layout(model).layers_prefix
+                part, dist.group.WORLD, config, hf.detect_layout(model).layers_prefix
             )
         del model, raw
         hf.load_stage_weights([part], directory)

@@ -130,11 +130,12 @@ def fused_experts_problem(module: nn.Module, hidden_size: int) -> str | None:
     return None
 
 
-def shard_experts(part: nn.Module, group: Any, hidden_size: int, layers_prefix: str) -> list[str]:
+def shard_experts(part: nn.Module, group: Any, config: Any, layers_prefix: str) -> list[str]:
     """Give every fused experts module of ``part`` this rank's experts and
     the expert-parallel forward; returns their FQNs.  Records each sharded
     parameter's expert range in ``part.expert_ranges`` (what the loader
     reads)."""
+    hidden_size = config.hidden_size
     done = []
     for fqn, module in list(part.named_modules()):
         if fqn.rsplit(".", 1)[-1] != "experts" or not fqn.startswith(layers_prefix + "."):
@@ -144,7 +145,7 @@ def shard_experts(part: nn.Module, group: Any, hidden_size: int, layers_prefix: 
                 f"{fqn} holds its experts as separate modules (transformers 4.x): expert parallelism needs the fused "
                 "experts of transformers 5.x"
             )
-        problem = fused_experts_problem(module, hidden_size)
+        problem = fused_experts_problem(module, hidden_size) or formula_problem(module, config)
         if problem is not None:
             raise ValueError(f"{fqn} ({type(module).__name__}) cannot be expert-parallel: {problem}")
         shard = ExpertShard(fqn, group, module.gate_up_proj.shape[0])
@@ -163,6 +164,21 @@ def shard_experts(part: nn.Module, group: Any, hidden_size: int, layers_prefix: 
     return done
 
 
+def _slots(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order of the token-expert slots sorted by expert, token of each
+    sorted slot, slots per expert)."""
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)
+    return order, order // top_k_index.shape[-1], torch.bincount(flat, minlength=num_experts)
+
+
+def _add_slots(
+    hidden_states: torch.Tensor, out: torch.Tensor, order: torch.Tensor, token_of_slot: torch.Tensor, top_k_weights
+) -> torch.Tensor:
+    weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(hidden_states).index_add(0, token_of_slot, weighted.to(hidden_states.dtype))
+
+
 def _expert_parallel_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -170,11 +186,7 @@ def _expert_parallel_forward(
     shard: ExpertShard = self._expert_shard
     if hidden_states.is_meta:  # shape inference: no routing, no collective
         return torch.zeros_like(hidden_states)
-    top_k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    order = flat.argsort(stable=True)
-    token_of_slot = order // top_k
-    counts = torch.bincount(flat, minlength=shard.num_experts)
+    order, token_of_slot, counts = _slots(top_k_index, shard.num_experts)
 
     routed = ep_overlap.dispatch_begin(hidden_states.index_select(0, token_of_slot))
     recv_counts = torch.empty_like(counts)
@@ -187,8 +199,48 @@ def _expert_parallel_forward(
     out = _local_experts(self, received, recv_counts)
 
     back = ep_overlap.combine_end(_AllToAll.apply(ep_overlap.combine_begin(out), send, recv, shard.group))
-    weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(hidden_states).index_add(0, token_of_slot, weighted.to(hidden_states.dtype))
+    return _add_slots(hidden_states, back, order, token_of_slot, top_k_weights)
+
+
+_formula_checked: dict[type, str | None] = {}
+
+
+def formula_problem(module: nn.Module, config: Any) -> str | None:
+    """Whether the expert-parallel forward computes what ``module``'s own
+    forward computes: both run on a tiny module of the same class (tiny
+    config of the same type, random weights and routing, every expert local),
+    once per class.  ``None`` when they agree, else what differs."""
+    cls = type(module)
+    if cls not in _formula_checked:
+        from torch_pipelining_ext._hf_selfcheck import tiny_config
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            tiny = cls(tiny_config(config)).float()
+            for p in tiny.parameters():
+                nn.init.normal_(p, std=0.1)
+            num_experts, hidden = tiny.gate_up_proj.shape[0], tiny.gate_up_proj.shape[2]
+            top_k = min(2, num_experts)
+            h = torch.randn(16, hidden)
+            idx = torch.rand(16, num_experts).argsort(dim=-1)[:, :top_k]
+            w = torch.rand(16, top_k)
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # a standalone experts module: transformers says it runs its eager forward
+        try:
+            with torch.no_grad():
+                want = cls.forward(tiny, h, idx, w)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        with torch.no_grad():
+            order, token_of_slot, counts = _slots(idx, num_experts)
+            out = _local_experts(tiny, h.index_select(0, token_of_slot), counts.view(1, num_experts))
+            got = _add_slots(h, out, order, token_of_slot, w)
+        diff = (got - want).abs().max().item()
+        ok = torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+        _formula_checked[cls] = None if ok else f"its forward computes something else (max |difference| {diff:.3g})"
+    return _formula_checked[cls]
 
 
 def _local_experts(module: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

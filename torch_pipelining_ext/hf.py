@@ -885,7 +885,7 @@ def pipeline_hf_causal_lm(
         )
         stage.set_activation_checkpointing(activation_checkpointing)
         if ep_group is not None:
-            _hf_expert_parallel.shard_experts(stage, ep_group, model.config.hidden_size, layout.layers_prefix)
+            _hf_expert_parallel.shard_experts(stage, ep_group, model.config, layout.layers_prefix)
         return stage
 
     stages, parts = _ss._pipeline_split(
