@@ -27,7 +27,7 @@ from hf_model_registry import tiny_hf_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 from torch.distributed.pipelining import schedules as sched
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from torch.testing._internal.common_distributed import MultiProcContinuousTest, requires_nccl
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
@@ -60,9 +60,10 @@ def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 class _Pipeline:
     """This rank's stages of ``ref`` (PP x EP), a schedule and an optimizer."""
 
-    def __init__(self, ref, mesh, schedule: str, *, overlap: bool = True, ac=None) -> None:
+    def __init__(self, ref, mesh, schedule: str, device, *, overlap: bool = True, ac=None) -> None:
         cls = _SCHEDULES[schedule]
-        self.stages, self.parts = hf.pipeline_hf_causal_lm(ref, mesh, cls, "cpu", activation_checkpointing=ac)
+        self.device = device
+        self.stages, self.parts = hf.pipeline_hf_causal_lm(ref, mesh, cls, device, activation_checkpointing=ac)
         self.loss_fn = hf.CausalLMLoss()
         self.schedule = cls(
             self.stages[0] if len(self.stages) == 1 else self.stages,
@@ -79,6 +80,7 @@ class _Pipeline:
         self.loss_fn.set_labels(labels, group=ep_group)
         losses: list[torch.Tensor] = []
         has_first = any(s.is_first for s in self.stages)
+        ids, labels = ids.to(self.device), labels.to(self.device)
         self.schedule.step(*((ids,) if has_first else ()), target=labels, losses=losses)
         hf.reduce_replicated_gradients(self.parts, ep_group)
         return losses
@@ -100,9 +102,17 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
     def device_type(cls) -> str:
         return "cpu"
 
+    @property
+    def device(self) -> torch.device:
+        if self.device_type() == "cuda":
+            return torch.device("cuda", self.rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
     def _mesh(self):
         if not self._meshes:
-            self._meshes["pp_ep"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._meshes["pp_ep"] = init_device_mesh(self.device_type(), (2, 2), mesh_dim_names=("pp", "ep"))
         mesh = self._meshes["pp_ep"]
         return mesh, mesh["ep"].get_group(), mesh["ep"].get_local_rank()
 
@@ -120,7 +130,7 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
         torch.set_num_threads(1)
         mesh, ep_group, ep_rank = self._mesh()
         ref = tiny_hf_model(family, num_layers=4)
-        pipe = _Pipeline(ref, mesh, schedule)
+        pipe = _Pipeline(ref, mesh, schedule, self.device)
         self.assertTrue(any(part.expert_ranges for part in pipe.parts))
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
         ref_params = dict(ref.named_parameters())
@@ -133,7 +143,7 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
             if any(s.is_last for s in pipe.stages):
                 total = torch.stack(losses).sum().detach()
                 dist.all_reduce(total, group=ep_group)
-                torch.testing.assert_close(total, ref_loss.detach(), msg=f"loss of step {step}")
+                torch.testing.assert_close(total.cpu(), ref_loss.detach(), msg=f"loss of step {step}")
             for part in pipe.parts:
                 for name, p in part.named_parameters():
                     want = ref_params[name].grad
@@ -142,7 +152,7 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
                         start, stop = part.expert_ranges[name]
                         want = want[start:stop]
                     got = p.grad if p.grad is not None else torch.zeros_like(p)
-                    torch.testing.assert_close(got, want, msg=f"step {step}: grad of {name}")
+                    torch.testing.assert_close(got.cpu(), want, msg=f"step {step}: grad of {name}")
             ref_opt.step()
             pipe.optimizer.step()
 
@@ -155,7 +165,7 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
         ref = tiny_hf_model(family, num_layers=4)
         runs = {}
         for name, overlap in (("overlapped", True), ("overlapped_again", True), ("sequential", False)):
-            pipe = _Pipeline(ref, mesh, "dualpipev", overlap=overlap, ac=policy)
+            pipe = _Pipeline(ref, mesh, "dualpipev", self.device, overlap=overlap, ac=policy)
             calls: list[tuple] = []
             real = dist.all_to_all_single
 
@@ -194,7 +204,7 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
         torch.set_num_threads(1)
         mesh, ep_group, ep_rank = self._mesh()
         ref = tiny_hf_model("qwen3_moe", num_layers=4)
-        stages, parts = hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, "cpu")
+        stages, parts = hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, self.device)
         hf.fully_shard_replicated(parts, mesh["ep"])
         loss_fn = hf.CausalLMLoss()
         schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=loss_fn, scale_grads=False)
@@ -203,7 +213,7 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
             batch = _global_batch(step)
             ref.zero_grad()
             ref(input_ids=batch[0], labels=batch[1]).loss.backward()
-            ids, labels = self._local(batch, ep_rank)
+            ids, labels = (t.to(self.device) for t in self._local(batch, ep_rank))
             loss_fn.set_labels(labels, group=ep_group)
             for part in parts:
                 part.zero_grad()
@@ -214,9 +224,9 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
                     if name in part.expert_ranges:
                         start, stop = part.expert_ranges[name]
                         self.assertNotIsInstance(p, torch.distributed.tensor.DTensor)
-                        torch.testing.assert_close(p.grad, want[start:stop], msg=f"step {step}: {name}")
+                        torch.testing.assert_close(p.grad.cpu(), want[start:stop], msg=f"step {step}: {name}")
                     else:
-                        torch.testing.assert_close(p.grad.full_tensor(), want, msg=f"step {step}: {name}")
+                        torch.testing.assert_close(p.grad.full_tensor().cpu(), want, msg=f"step {step}: {name}")
 
     def test_uneven_loads(self):
         # every token routed to experts 0 and 1 (EP rank 0's): rank 1's experts get no token, rank 1 receives none
@@ -226,7 +236,7 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
         for layer in ref.model.layers:
             layer.mlp.gate.forward = types.MethodType(_first_two_experts, layer.mlp.gate)
         ids = _global_batch(0)[0]
-        pipe = _Pipeline(ref, mesh, "1f1b")
+        pipe = _Pipeline(ref, mesh, "1f1b", self.device)
         ref.zero_grad()
         ref_loss = ref(input_ids=ids, labels=ids).loss
         ref_loss.backward()
@@ -234,7 +244,7 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
         if any(s.is_last for s in pipe.stages):
             total = torch.stack(losses).sum().detach()
             dist.all_reduce(total, group=ep_group)
-            torch.testing.assert_close(total, ref_loss.detach())
+            torch.testing.assert_close(total.cpu(), ref_loss.detach())
         ref_params = dict(ref.named_parameters())
         for part in pipe.parts:
             for name, p in part.named_parameters():
@@ -243,22 +253,58 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
                 if name in part.expert_ranges:
                     start, stop = part.expert_ranges[name]
                     want = want[start:stop]
-                torch.testing.assert_close(p.grad if p.grad is not None else torch.zeros_like(p), want, msg=name)
+                got = p.grad if p.grad is not None else torch.zeros_like(p)
+                torch.testing.assert_close(got.cpu(), want, msg=name)
 
     def test_experts_not_divisible_by_the_group(self):
         mesh, _, _ = self._mesh()
         ref = tiny_hf_model("qwen3_moe", num_layers=2, num_experts=3)
         with self.assertRaisesRegex(ValueError, r"experts cannot be split over an expert-parallel group of 2 ranks"):
-            hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, "cpu")
+            hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, self.device)
+
+    def test_experts_computing_otherwise_are_refused(self):
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as q
+
+        class ScaledExperts(q.Qwen3MoeExperts):  # the same parameters, another output
+            def forward(self, hidden_states, top_k_index, top_k_weights):
+                return 2 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+        mesh, _, _ = self._mesh()
+        ref = tiny_hf_model("qwen3_moe", num_layers=2)
+        for layer in ref.model.layers:
+            experts = ScaledExperts(ref.config)
+            experts.load_state_dict(layer.mlp.experts.state_dict())
+            layer.mlp.experts = experts
+        with self.assertRaisesRegex(ValueError, r"model.layers.\d.mlp.experts \(ScaledExperts\) cannot be expert-parallel: its forward computes something else"):
+            hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, self.device)
+        with self.assertRaisesRegex(ValueError, "expected exactly gate_up_proj and down_proj"):
+            hf.pipeline_hf_causal_lm(tiny_hf_model("gpt_oss", num_layers=2), mesh, Schedule1F1B, self.device)
+
+
+@requires_nccl()
+@unittest.skipIf(torch.cuda.device_count() < 4, "needs 4 GPUs")
+class HFExpertParallelNCCLTest(HFExpertParallelGlooTest):
+    """The same tests over NCCL, one GPU per rank."""
+
+    _meshes: dict = {}
+
+    @classmethod
+    def backend_str(cls) -> str:
+        return "nccl"
+
+    @classmethod
+    def device_type(cls) -> str:
+        return "cuda"
 
 
 def _first_two_experts(router, hidden_states):
     """The router's own forward, with every token sent to experts 0 and 1 (its top-2 weights kept)."""
     logits, weights, indices = type(router).forward(router, hidden_states)
-    return logits, weights, torch.arange(indices.shape[-1]).expand_as(indices)
+    return logits, weights, torch.arange(indices.shape[-1], device=indices.device).expand_as(indices)
 
 
 instantiate_parametrized_tests(HFExpertParallelGlooTest)
+instantiate_parametrized_tests(HFExpertParallelNCCLTest)
 
 if __name__ == "__main__":
     run_tests()
