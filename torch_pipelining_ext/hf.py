@@ -722,6 +722,23 @@ def _check_training_config(model: nn.Module) -> None:
         _check_not_reentrant(layer, f"{layout.layers_prefix}.{i}")
 
 
+_SPLIT_BACKWARD_SCHEDULES = ("ScheduleDualPipeV", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble")
+
+
+def _check_checkpointing_schedule(mode: Any, schedule: Any) -> None:
+    """Selective activation checkpointing allows one backward per region;
+    schedules that split the backward (input, then weight) run two."""
+    if mode is None or mode == "full":
+        return
+    cls = _ss._schedule_class(schedule)
+    if cls.__name__ in _SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"selective activation checkpointing cannot run under {cls.__name__}: it splits each backward into an "
+            "input and a weight pass, and torch allows one backward per selectively checkpointed region. Use "
+            "activation_checkpointing='full', or a schedule with full backwards"
+        )
+
+
 def _chain_stages(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Logits of ``model`` cut into stages of one layer each (at most 4
     stages), run one after the other in this process."""
@@ -848,6 +865,7 @@ def pipeline_hf_causal_lm(
     _ss._check_model(model)
     layout = detect_layout(model)
     _check_training_config(model)
+    _check_checkpointing_schedule(activation_checkpointing, schedule)
     if verify or (verify is None and getattr(model.config, "model_type", None) not in VERIFIED_MODEL_TYPES):
         self_check(model.config)
     group, _, pp_size = _ss._pp_group(pp_mesh_or_group)

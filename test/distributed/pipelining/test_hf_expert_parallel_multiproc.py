@@ -23,6 +23,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from common_pipelining import load_csv
 from hf_model_registry import tiny_hf_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
@@ -46,6 +47,13 @@ except ImportError:
 VOCAB = 64
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
 _SCHEDULES = {"1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B, "dualpipev": ScheduleDualPipeV}
+# Interleaved1F1B's order (rank 0: stages 0 and 2, rank 1: stages 1 and 3) with adjacent forward/backward
+# pairs merged into OVERLAP_F_B and full backwards only: torch allows one backward per selectively
+# checkpointed region, which DualPipeV's split (input, weight) backwards would take twice.
+CSV_SCHEDULE = """\
+0F0,0F1,2F0,2F1,,,(0F2;2B0)OVERLAP_F_B,(0F3;2B1)OVERLAP_F_B,(2F2;0B0)OVERLAP_F_B,(2F3;0B1)OVERLAP_F_B,,2B2,,2B3,,0B2,,0B3
+,1F0,1F1,,3F0,3B0,3F1,3B1,(1F2;1B0)OVERLAP_F_B,(1F3;1B1)OVERLAP_F_B,3F2,3B2,3F3,3B3,,1B2,,1B3
+"""
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,16 +69,22 @@ class _Pipeline:
     """This rank's stages of ``ref`` (PP x EP), a schedule and an optimizer."""
 
     def __init__(self, ref, mesh, schedule: str, device, *, overlap: bool = True, ac=None) -> None:
-        cls = _SCHEDULES[schedule]
+        cls = _SCHEDULES.get(schedule, ScheduleInterleaved1F1B)  # csv: loop placement
         self.device = device
         self.stages, self.parts = hf.pipeline_hf_causal_lm(ref, mesh, cls, device, activation_checkpointing=ac)
         self.loss_fn = hf.CausalLMLoss()
-        self.schedule = cls(
-            self.stages[0] if len(self.stages) == 1 else self.stages,
-            n_microbatches=4,
-            loss_fn=self.loss_fn,
-            scale_grads=False,
-        )
+        if schedule == "csv":
+            self.schedule = sched._PipelineScheduleRuntime(
+                self.stages, n_microbatches=4, loss_fn=self.loss_fn, scale_grads=False
+            )
+            load_csv(self.schedule, CSV_SCHEDULE)
+        else:
+            self.schedule = cls(
+                self.stages[0] if len(self.stages) == 1 else self.stages,
+                n_microbatches=4,
+                loss_fn=self.loss_fn,
+                scale_grads=False,
+            )
         if not overlap:
             self.schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
         self.optimizer = torch.optim.SGD([p for part in self.parts for p in part.parameters()], lr=0.05)
@@ -89,18 +103,10 @@ class _Pipeline:
         return {n: p for part in self.parts for n, p in part.named_parameters()}
 
 
-@unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
-class HFExpertParallelGlooTest(MultiProcContinuousTest):
+class _HFExpertParallelTests:
+    """The tests; a class per backend is made from them below."""
+
     world_size = 4
-    _meshes: dict = {}
-
-    @classmethod
-    def backend_str(cls) -> str:
-        return "gloo"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cpu"
 
     @property
     def device(self) -> torch.device:
@@ -164,8 +170,9 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
         policy = {"none": None, "full": "full", "selective": [torch.ops.aten.mm.default]}[ac]
         ref = tiny_hf_model(family, num_layers=4)
         runs = {}
+        schedule = "csv" if ac == "selective" else "dualpipev"
         for name, overlap in (("overlapped", True), ("overlapped_again", True), ("sequential", False)):
-            pipe = _Pipeline(ref, mesh, "dualpipev", self.device, overlap=overlap, ac=policy)
+            pipe = _Pipeline(ref, mesh, schedule, self.device, overlap=overlap, ac=policy)
             calls: list[tuple] = []
             real = dist.all_to_all_single
 
@@ -184,6 +191,9 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
                 pipe.optimizer.step()
             runs[name] = (out, calls)
         self.assertGreater(len(runs["overlapped"][1]), 0)
+        actions = pipe.schedule.pipeline_order_with_comms[pipe.stages[0].group_rank]
+        n_overlap = sum(a is not None and a.computation_type == sched.OVERLAP_F_B for a in actions)
+        self.assertGreater(n_overlap, 0)
         for name in ("overlapped_again", "sequential"):
             for (losses_a, grads_a), (losses_b, grads_b) in zip(runs["overlapped"][0], runs[name][0]):
                 self.assertEqual(len(losses_a), len(losses_b))
@@ -281,20 +291,27 @@ class HFExpertParallelGlooTest(MultiProcContinuousTest):
             hf.pipeline_hf_causal_lm(tiny_hf_model("gpt_oss", num_layers=2), mesh, Schedule1F1B, self.device)
 
 
-@requires_nccl()
-@unittest.skipIf(torch.cuda.device_count() < 4, "needs 4 GPUs")
-class HFExpertParallelNCCLTest(HFExpertParallelGlooTest):
-    """The same tests over NCCL, one GPU per rank."""
+def _test_class(name: str, backend: str, device_type: str) -> type:
+    """A MultiProcContinuousTest class of the tests for one backend (each with its own test methods)."""
+    body = {k: v for k, v in vars(_HFExpertParallelTests).items() if not k.startswith("__")}
+    body.update(
+        _meshes={},
+        backend_str=classmethod(lambda cls: backend),
+        device_type=classmethod(lambda cls: device_type),
+        __module__=__name__,
+        __qualname__=name,
+    )
+    return instantiate_parametrized_tests(type(name, (MultiProcContinuousTest,), body))
 
-    _meshes: dict = {}
 
-    @classmethod
-    def backend_str(cls) -> str:
-        return "nccl"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cuda"
+HFExpertParallelGlooTest = unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")(
+    _test_class("HFExpertParallelGlooTest", "gloo", "cpu")
+)
+HFExpertParallelNCCLTest = requires_nccl()(
+    unittest.skipIf(not HAS_FUSED or torch.cuda.device_count() < 4, "needs transformers 5.x and 4 GPUs")(
+        _test_class("HFExpertParallelNCCLTest", "nccl", "cuda")
+    )
+)
 
 
 def _first_two_experts(router, hidden_states):
@@ -303,8 +320,6 @@ def _first_two_experts(router, hidden_states):
     return logits, weights, torch.arange(indices.shape[-1], device=indices.device).expand_as(indices)
 
 
-instantiate_parametrized_tests(HFExpertParallelGlooTest)
-instantiate_parametrized_tests(HFExpertParallelNCCLTest)
 
 if __name__ == "__main__":
     run_tests()

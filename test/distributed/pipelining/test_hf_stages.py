@@ -157,6 +157,10 @@ class TestHFStages(TestCase):
         self.assertTrue(all(c.kwargs["use_reentrant"] is False for c in ckpt.call_args_list))
         with self.assertRaisesRegex(ValueError, "activation_checkpointing must be"):
             stages[0].set_activation_checkpointing("sometimes")
+        if mode == "selective":
+            with self.assertRaisesRegex(ValueError, "selective activation checkpointing cannot run under ScheduleDualPipeV"):
+                hf._check_checkpointing_schedule(policy, "ScheduleDualPipeV")
+        hf._check_checkpointing_schedule(policy, "Schedule1F1B")
 
     def test_reentrant_gradient_checkpointing_is_refused(self):
         model = tiny_hf_model("llama", num_layers=2)
