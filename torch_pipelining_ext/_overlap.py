@@ -42,14 +42,14 @@ Running one action::
 All bookkeeping is done by ``_schedule_runtime.prepare_compute_action`` on the
 calling thread in schedule order; the same function serves the sequential
 path, so nothing here duplicates the runtime.  The two compute closures run
-under a :class:`~torch_pipelining_ext.ep_overlap._CommCoordinator` owned by the
+under a :class:`~torch_pipelining_ext._ep_turns._CommCoordinator` owned by the
 action, so the expert-parallel communication marks of the model
 (:mod:`torch_pipelining_ext.ep_overlap`) make the threads take turns.  The
 worker inherits the caller's grad mode, autocast state and current
 accelerator device, intra-op thread count, in a copy of the caller's
 ``contextvars`` context, plus what ``ep_overlap.register_thread_state``
 registered; random numbers are drawn as under the sequential handler
-(see [Note: random numbers in an overlapped action] in ``ep_overlap.py``);
+(see [Note: random numbers in an overlapped action] in ``_ep_rng.py``);
 profiler ranges are added for both threads only when the
 profiler is on (the worker's appear in traces recorded with
 ``_ExperimentalConfig(profile_all_threads=True)``).  An action returns or
@@ -118,8 +118,10 @@ from typing import Any, TYPE_CHECKING
 import torch
 from torch.autograd.profiler import record_function
 
-from torch_pipelining_ext import _fsdp_stage, _schedule_runtime, _schedule_state, ep_overlap
-from torch_pipelining_ext.ep_overlap import _CommCoordinator, _RNGDevices, _Side, _wait_arg, get_wait_timeout
+from torch_pipelining_ext import _ep_marks, _fsdp_stage, _schedule_runtime, _schedule_state
+from torch_pipelining_ext._ep_rng import _RNGDevices
+from torch_pipelining_ext._ep_turns import _CommCoordinator, _Side, _wait_arg
+from torch_pipelining_ext.ep_overlap import get_wait_timeout
 
 
 if TYPE_CHECKING:
@@ -198,7 +200,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
 
     # In schedule order, on this thread: recv waits, FSDP checks, the backward
     # counter, the loss.
-    computes = [_schedule_runtime.prepare_compute_action(ctx, sub) for sub in action.sub_actions]
+    computes = [_schedule_runtime.prepare_compute_action(sub, ctx) for sub in action.sub_actions]
     f, b = pair
     fwd_action, bwd_action = action.sub_actions[f], action.sub_actions[b]
     stages = _schedule_runtime.stage_index_to_stage(schedule)
@@ -291,7 +293,7 @@ class _ThreadState:
             profiling=torch.autograd.profiler._is_profiler_enabled,
             num_threads=torch.get_num_threads(),
             context=contextvars.copy_context(),
-            registered=tuple((apply, capture()) for capture, apply in list(ep_overlap._thread_state_hooks.values())),
+            registered=tuple((apply, capture()) for capture, apply in list(_ep_marks._thread_state_hooks.values())),
         )
 
     @contextlib.contextmanager
@@ -409,7 +411,7 @@ def _run_overlapped(
                 stack.enter_context(record_function(f"OVERLAP_F_B {side.thread_name} {sub_actions[side]}"))
             if streams is not None:
                 stack.enter_context(streams.current(side))
-            stack.enter_context(coordinator.bound(side))
+            stack.enter_context(_ep_marks.bound(coordinator, side))
             compute()
 
     def run_backward() -> None:
@@ -611,7 +613,7 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.random.fork_rng`` that, on the backward side of an overlapped action, opens an RNG window.
 
     Activation checkpointing recomputes inside ``fork_rng``; see [Note:
-    random numbers in an overlapped action] in ``ep_overlap.py``.  Anywhere
+    random numbers in an overlapped action] in ``_ep_rng.py``.  Anywhere
     else it is the original.
     """
     signature = inspect.signature(original)
@@ -619,7 +621,7 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     @contextlib.contextmanager
     def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
-        binding = ep_overlap._current_binding()
+        binding = _ep_marks._current_binding()
         if binding is None or binding.side is not _Side.BACKWARD:
             with original(*args, **kwargs):
                 yield

@@ -33,7 +33,9 @@ from torch.utils.checkpoint import checkpoint
 import torch_pipelining_ext  # noqa: F401
 from torch_pipelining_ext import ep_overlap
 from torch_pipelining_ext._overlap import _run_overlapped, _StreamPlan
-from torch_pipelining_ext.ep_overlap import _CommCoordinator, _Side, CommWaitTimeoutError
+from torch_pipelining_ext import _ep_marks
+from torch_pipelining_ext._ep_turns import _CommCoordinator, _Side
+from torch_pipelining_ext.ep_overlap import CommWaitTimeoutError
 
 
 DIM = 8
@@ -381,7 +383,7 @@ class CoordinatorTest(TestCase):
     def test_nested_region_in_one_side(self) -> None:
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
         coordinator.finish(_Side.BACKWARD)  # the forward side runs alone
-        with coordinator.bound(_Side.FORWARD):
+        with _ep_marks.bound(coordinator, _Side.FORWARD):
             coordinator.open(_Side.FORWARD, "outer", "dispatch")
             coordinator.open(_Side.FORWARD, "inner", "dispatch")  # nested: no wait
             coordinator.close(_Side.FORWARD, "inner")
@@ -500,7 +502,7 @@ class RandomNumbersTest(TestCase):
         # it.  Seen as a hang on a loaded machine: the forward waited for the
         # backward's first region, the backward for the forward to pause.
         entered = threading.Event()
-        start = _CommCoordinator._start
+        start = _CommCoordinator.start
 
         def late_forward_start(coordinator: _CommCoordinator, side: _Side) -> None:
             if side is _Side.FORWARD:
@@ -515,7 +517,7 @@ class RandomNumbersTest(TestCase):
 
         drawn = {}
         torch.manual_seed(5)
-        with unittest.mock.patch.object(_CommCoordinator, "_start", late_forward_start):
+        with unittest.mock.patch.object(_CommCoordinator, "start", late_forward_start):
             begun = time.perf_counter()
             _run_overlapped(lambda: drawn.setdefault("forward", torch.rand(2)), backward, global_rank=0, action="a", timeout=10.0)
         self.assertLess(time.perf_counter() - begun, 5.0)
@@ -710,8 +712,8 @@ class MarksTest(TestCase):
             (z * 2).sum().backward()
             torch.testing.assert_close(y.grad, torch.full_like(y, 2.0))
             y.grad = None
-        self.assertEqual(ep_overlap._active_backward, [])
-        self.assertIsNone(ep_overlap._current_binding())
+        self.assertEqual(_ep_marks._active_backward, [])
+        self.assertIsNone(_ep_marks._current_binding())
 
     def test_marks_in_another_thread_are_not_coordinated(self) -> None:
         # A thread that is not one of the action's two threads is not coordinated,
@@ -719,7 +721,7 @@ class MarksTest(TestCase):
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
         coordinator.finish(_Side.BACKWARD)
         seen = []
-        with coordinator.bound(_Side.FORWARD):
+        with _ep_marks.bound(coordinator, _Side.FORWARD):
             coordinator.open(_Side.FORWARD, "held", "dispatch")
             t = threading.Thread(target=lambda: seen.append(ep_overlap.dispatch_begin(torch.ones(1))))
             t.start()
@@ -765,7 +767,7 @@ class MarksTest(TestCase):
         coordinator.open = lambda side, where, phase: (comm_order.append(("open", where)), orig_open(side, where, phase))
         coordinator.close = lambda side, where: (comm_order.append(("close", where)), orig_close(side, where))
         coordinator.finish(_Side.BACKWARD)  # the other side has no regions
-        with coordinator.bound(_Side.FORWARD):
+        with _ep_marks.bound(coordinator, _Side.FORWARD):
             model[0](x)
         self.assertEqual(
             comm_order,
@@ -781,7 +783,7 @@ class MarksTest(TestCase):
         with self.assertRaisesRegex(ValueError, "dispatch and combine must be different methods"):
             ep_overlap.wrap_dispatch_combine(model, dispatch="dispatch", combine="dispatch")
         del model[0].dispatch, model[0].combine  # undo
-        self.assertNotIsInstance(model[0].dispatch, ep_overlap._MarkedMethod)
+        self.assertNotIsInstance(model[0].dispatch, _ep_marks._MarkedMethod)
 
     def test_wrap_dispatcher_objects(self) -> None:
         class TokenDispatcher:  # a plain object, as MoE libraries keep their dispatchers
@@ -809,20 +811,20 @@ class MarksTest(TestCase):
         shared = TokenDispatcher()
         model = nn.Sequential(Experts(TokenDispatcher()), Experts(shared), Experts(shared))
         self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0.dispatcher", "1.dispatcher"])  # shared: once
-        self.assertIsInstance(shared.dispatch, ep_overlap._MarkedMethod)
-        self.assertIsInstance(model[0].dispatcher.combine, ep_overlap._MarkedMethod)
+        self.assertIsInstance(shared.dispatch, _ep_marks._MarkedMethod)
+        self.assertIsInstance(model[0].dispatcher.combine, _ep_marks._MarkedMethod)
         order = []
         coordinator = _CommCoordinator(rank=0, action="a", timeout=5.0)
         orig_open = coordinator.open
         coordinator.open = lambda side, where, phase: (order.append(where), orig_open(side, where, phase))
         coordinator.finish(_Side.BACKWARD)
-        with coordinator.bound(_Side.FORWARD):
+        with _ep_marks.bound(coordinator, _Side.FORWARD):
             model[0](torch.randn(2, DIM))
         self.assertEqual(order, ["dispatch_begin (forward)", "combine_begin (forward)"])
         # an explicit object
         other = TokenDispatcher()
         self.assertEqual(ep_overlap.wrap_dispatch_combine(other), [""])
-        self.assertIsInstance(other.combine, ep_overlap._MarkedMethod)
+        self.assertIsInstance(other.combine, _ep_marks._MarkedMethod)
 
         class Slotted:
             __slots__ = ()
