@@ -152,7 +152,8 @@ class _CommCoordinator:
         action: the action, for messages.
         timeout: seconds a side may wait for the other (``math.inf``: no limit).
         clock: measures region lengths (tests inject one).
-        hand_over_min_region_s: shorter regions are not handed over.
+        hand_over_min_region_s: shorter regions are not handed over
+            (default: ``_HAND_OVER_MIN_REGION_S``, read when the coordinator is made).
     """
 
     def __init__(
@@ -162,14 +163,16 @@ class _CommCoordinator:
         timeout: float,
         *,
         clock: Callable[[], float] = time.perf_counter,
-        hand_over_min_region_s: float = _HAND_OVER_MIN_REGION_S,
+        hand_over_min_region_s: float | None = None,
     ) -> None:
         self.rank = rank
         self.action = action
         self.timeout = timeout
         self._wait_timeout = _wait_arg(timeout)
         self._clock = clock
-        self._hand_over_min_region_s = hand_over_min_region_s
+        self._hand_over_min_region_s = (
+            _HAND_OVER_MIN_REGION_S if hand_over_min_region_s is None else hand_over_min_region_s
+        )
         self._cond = threading.Condition(threading.Lock())
         self._state = _CoordinatorState.RUNNING
         self._turn = _Side.BACKWARD
