@@ -304,7 +304,10 @@ class _CommCoordinator:
                     "without RNG state preservation (preserve_rng_state=False) drew random numbers on the "
                     f"{side.thread_name} thread of an overlapped OVERLAP_F_B; it cannot draw the numbers "
                     "the sequential handler would. Use preserve_rng_state=True, or run OVERLAP_F_B "
-                    "sequentially (TORCH_PIPELINING_EXT_OVERLAP=0)."
+                    "sequentially (TORCH_PIPELINING_EXT_OVERLAP=0)."  # [package-only]
+                    # [upstream-only]
+                    # "sequentially (do not register ep_overlap.overlap_f_b)."
+                    # [/upstream-only]
                 )
 
     def regions_opened(self, side: _Side) -> int:

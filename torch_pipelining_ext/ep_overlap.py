@@ -1,11 +1,14 @@
 """Expert-parallel communication boundaries for overlapped pipeline actions.
 
-Upstream target: a new public module ``torch/distributed/pipelining/ep_overlap.py``.
+Upstream target: a new public module ``torch/distributed/pipelining/ep_overlap.py``
+(patch 0007), with ``overlap_f_b``, the custom function that opts a schedule
+in; in this package every ``_PipelineScheduleRuntime`` gets it while the
+package is patched.
 
-While this package is patched, an ``OVERLAP_F_B`` action of a
-``_PipelineScheduleRuntime`` (``ScheduleDualPipeV``, or a CSV schedule) runs
-the forward of one microbatch on the calling thread and the backward of
-another on a worker thread (``_overlap.py``).  Both threads may issue the
+A concurrent ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``
+(``ScheduleDualPipeV``, or a CSV schedule) runs the forward of one microbatch
+on the calling thread and the backward of another on a worker thread
+(``_overlap.py``).  Both threads may issue the
 expert-parallel all-to-alls of their MoE layers.  Two threads must never issue
 collectives on one process group at once, and every rank must issue its
 collectives in the same order, so MoE code marks where its communication is:
@@ -78,6 +81,9 @@ __all__ = [
     "dispatch_begin",
     "dispatch_end",
     "get_wait_timeout",
+    # [upstream-only]
+    # "overlap_f_b",
+    # [/upstream-only]
     "register_thread_state",
     "set_wait_timeout",
     "wrap_dispatch_combine",
@@ -217,3 +223,19 @@ def register_thread_state(
         A handle whose ``remove()`` unregisters the pair.
     """
     return _ep_marks.register_thread_state(capture, apply)
+
+
+# [upstream-only]
+# def overlap_f_b(action: Any, ctx: Any) -> None:
+#     """Custom function that runs an ``OVERLAP_F_B`` action's sub-actions concurrently.
+#
+#     Register it on a schedule to opt in::
+#
+#         schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)
+#
+#     See ``torch/distributed/pipelining/_overlap.py``.
+#     """
+#     from ._overlap import overlap_f_b as _overlap_f_b
+#
+#     _overlap_f_b(action, ctx)
+# [/upstream-only]
