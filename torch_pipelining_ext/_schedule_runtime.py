@@ -845,15 +845,17 @@ def _add_missing_reduce_grad(actions: list[_Action | None], n_microbatches: int)
 
     Inserts REDUCE_GRAD after each stage's last backward where ``actions`` has
     none, counting FULL_BACKWARD and BACKWARD_WEIGHT (also inside OVERLAP_F_B)
-    per stage like upstream's ``_add_reduce_grad``; it goes after the sends
-    that follow the last backward, so they are not delayed by it.  Where torch
-    has WAIT_REDUCE_GRAD (2.15+, which requires one after each REDUCE_GRAD),
-    each REDUCE_GRAD without a wait gets one right after it, and a wait whose
+    per stage like ``_add_reduce_grad``; it goes after the sends that follow
+    the last backward, so they are not delayed by it.  Each REDUCE_GRAD
+    without a WAIT_REDUCE_GRAD gets one right after it, and a wait whose
     REDUCE_GRAD is missing is replaced by the added pair.  Anything else is
-    left as it is, for torch to validate.
+    left as it is, for the loader to validate.
     """
-    reduce_grad = _reduce_grad_type()
-    wait = _computation_type("WAIT_REDUCE_GRAD")
+    # [upstream-only]
+    # reduce_grad, wait = REDUCE_GRAD, WAIT_REDUCE_GRAD
+    # [/upstream-only]
+    # (wait is None on a torch without WAIT_REDUCE_GRAD)  # [package-only]
+    reduce_grad, wait = _reduce_grad_type(), _computation_type("WAIT_REDUCE_GRAD")  # [package-only]
     present = [a for a in actions if a is not None]
     reduced = {a.stage_index for a in present if a.computation_type == reduce_grad}
     waited = {a.stage_index for a in present if wait is not None and a.computation_type == wait}

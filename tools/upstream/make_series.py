@@ -185,12 +185,18 @@ class NewModule:
 
 @dataclasses.dataclass(frozen=True)
 class SpliceFunction:
-    """Package function ``module:function`` is added to ``target`` after its top-level ``after``."""
+    """Package function ``module:function`` is added to ``target`` after its top-level ``after``.
+
+    ``alias`` is the name under which the package module refers to the
+    target module (``_schedules`` for ``schedules.py``): ``alias.name`` becomes
+    ``name``.
+    """
 
     target: str
     module: str
     function: str
     after: str
+    alias: str = ""
 
     def source(self) -> str:
         text = (PACKAGE / self.module).read_text()
@@ -201,7 +207,8 @@ class SpliceFunction:
         node = nodes[0]
         lines = text.splitlines(keepends=True)
         start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-        return upstream_source("".join(lines[start : node.end_lineno]), f"{self.module}:{self.function}")
+        text = upstream_source("".join(lines[start : node.end_lineno]), f"{self.module}:{self.function}")
+        return re.sub(rf"\b{self.alias}\.", "", text) if self.alias else text
 
     def apply(self, files: dict[str, str]) -> None:
         text = files[self.target]
@@ -242,7 +249,13 @@ SERIES: tuple[Patch, ...] = (
     Patch("0001-fsdp-split-backward", (HandWritten("patch.diff"),)),
     Patch("0002-scale-grads-per-step", (HandWritten("patch.diff"),)),
     Patch("0003-pipeline-context-step-options", (HandWritten("patch.diff"),)),
-    Patch("0004-compute-comms-reduce-grad", (HandWritten("patch.diff"),)),
+    Patch(
+        "0004-compute-comms-reduce-grad",
+        (
+            HandWritten("validate.diff"),
+            SpliceFunction("schedules.py", "_schedule_runtime.py", "_add_missing_reduce_grad", "_add_reduce_grad", "_schedules"),
+        ),
+    ),
     Patch(
         "0005-stage-split",
         (
