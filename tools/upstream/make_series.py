@@ -249,15 +249,16 @@ SERIES: tuple[Patch, ...] = (
     Patch("0001-fsdp-split-backward", (HandWritten("patch.diff"),)),
     Patch("0002-scale-grads-per-step", (HandWritten("patch.diff"),)),
     Patch("0003-pipeline-context-step-options", (HandWritten("patch.diff"),)),
+    Patch("0004-step-error-names-rank", (HandWritten("patch.diff"),)),
     Patch(
-        "0004-compute-comms-reduce-grad",
+        "0005-compute-comms-reduce-grad",
         (
             HandWritten("validate.diff"),
             SpliceFunction("schedules.py", "_schedule_runtime.py", "_add_missing_reduce_grad", "_add_reduce_grad", "_schedules"),
         ),
     ),
     Patch(
-        "0005-stage-split",
+        "0006-stage-split",
         (
             NewModule(
                 "stage_split.py",
@@ -267,8 +268,8 @@ SERIES: tuple[Patch, ...] = (
             ),
         ),
     ),
-    Patch("0006-runtime-per-action-functions", (HandWritten("patch.diff"),)),
-    Patch("0007-overlap-f-b-ep-overlap", (*_overlap_modules(), HandWritten("schedules.diff"))),
+    Patch("0007-runtime-per-action-functions", (HandWritten("patch.diff"),)),
+    Patch("0008-overlap-f-b-ep-overlap", (*_overlap_modules(), HandWritten("schedules.diff"))),
 )
 
 
