@@ -315,6 +315,11 @@ class _CommCoordinator:
         with self._cond:
             return self._sides[side].regions
 
+    def state_of(self, side: _Side) -> tuple[_TurnState, bool]:
+        """``side``'s state, and whether it is parked in this coordinator (for tests)."""
+        with self._cond:
+            return self._sides[side].state, self._sides[side].waiting > 0
+
     # -- internals (call with the lock held) --------------------------------
 
     def _may_open(self, side: _Side) -> bool:

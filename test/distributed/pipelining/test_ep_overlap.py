@@ -404,7 +404,7 @@ class CoordinatorTest(TestCase):
         # itself is checked deterministically, one boundary at a time, by
         # test_long_regions_are_handed_over; this checks the invariant in a
         # real two-thread run.)
-        seen: list[tuple[_Side, _TurnState, int]] = []
+        seen: list[tuple[_Side, _TurnState, bool]] = []
 
         class Probe(torch.autograd.Function):
             @staticmethod
@@ -456,15 +456,12 @@ class CoordinatorTest(TestCase):
             coordinator.open(_Side.BACKWARD, "b2", "combine")  # not its turn: the forward side's
 
 
-def _record_other_side(seen: list[tuple[_Side, _TurnState, int]]) -> None:
+def _record_other_side(seen: list[tuple[_Side, _TurnState, bool]]) -> None:
     """Record, from a side's compute, the other side's state and whether it is parked."""
     binding = _ep_marks._current_binding()
     if binding is None:
         return  # outside the overlapped action (the backward stage's own forward)
-    coordinator = binding.coordinator
-    with coordinator._cond:
-        other = coordinator._sides[binding.side.other]
-        seen.append((binding.side, other.state, other.waiting))
+    seen.append((binding.side, *binding.coordinator.state_of(binding.side.other)))
 
 
 class RandomNumbersTest(TestCase):
