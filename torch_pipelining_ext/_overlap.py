@@ -1,7 +1,7 @@
 """Concurrent OVERLAP_F_B: the forward and the backward sub-actions run on two threads.
 
 Upstream file: ``torch/distributed/pipelining/_overlap.py`` (new, patch
-0008), which torch registers on request
+0009), which torch registers on request
 (``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``).
 In this package the patch table installs :func:`overlap_f_b` for OVERLAP_F_B
 on every ``_PipelineScheduleRuntime``; opt out globally with

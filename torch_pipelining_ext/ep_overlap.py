@@ -1,7 +1,7 @@
 """Expert-parallel communication boundaries for overlapped pipeline actions.
 
 Upstream target: a new public module ``torch/distributed/pipelining/ep_overlap.py``
-(patch 0008), with ``overlap_f_b``, the custom function that opts a schedule
+(patch 0009), with ``overlap_f_b``, the custom function that opts a schedule
 in; in this package every ``_PipelineScheduleRuntime`` gets it while the
 package is patched.
 

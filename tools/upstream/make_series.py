@@ -269,7 +269,8 @@ SERIES: tuple[Patch, ...] = (
         ),
     ),
     Patch("0007-runtime-per-action-functions", (HandWritten("patch.diff"),)),
-    Patch("0008-overlap-f-b-ep-overlap", (*_overlap_modules(), HandWritten("schedules.diff"))),
+    Patch("0008-runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
+    Patch("0009-overlap-f-b-ep-overlap", (*_overlap_modules(), HandWritten("schedules.diff"))),
 )
 
 

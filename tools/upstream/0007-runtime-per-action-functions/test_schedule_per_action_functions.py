@@ -1,13 +1,11 @@
 # Owner(s): ["oncall: distributed"]
 # Upstream path: test/distributed/pipelining/test_schedule_per_action_functions.py
-"""Custom functions built from ``_PipelineScheduleRuntime``'s per-action functions.
+"""Custom functions built from ``_PipelineScheduleRuntime.perform_action``.
 
-``perform_action`` runs any single action the built-in way and
-``prepare_compute_action`` splits a compute action into its in-order
-bookkeeping and its compute.  Custom OVERLAP_F_B, FORWARD and backward
-functions built from them give the same outputs, losses and gradients as the
-built-in path (bitwise: the same operations run) and as a single-process
-reference.
+``perform_action`` runs any single action the built-in way.  Custom FORWARD
+and backward functions that count their actions and call it give the same
+outputs, losses and gradients as the built-in path (bitwise: the same
+operations run) and as a single-process reference.
 """
 
 import copy
@@ -27,7 +25,6 @@ from torch.distributed.pipelining.schedules import (
     BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
-    OVERLAP_F_B,
 )
 from torch.testing._internal.common_distributed import (
     MultiProcContinuousTest,
@@ -60,15 +57,6 @@ class MLP(nn.Module):
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
-
-
-def overlap_backward_first(action: _Action, ctx: _PipelineContext) -> None:
-    """OVERLAP_F_B: bookkeeping in schedule order, then the two computes in
-    reverse order (as an implementation that overlaps them may finish them)."""
-    schedule = ctx.schedule_ref
-    computes = [schedule.prepare_compute_action(a, ctx) for a in action.sub_actions]
-    for compute in reversed(computes):
-        compute()
 
 
 class CountingAction:
@@ -139,14 +127,6 @@ class SchedulePerActionFunctionsTest(MultiProcContinuousTest):
         actual = self._run(ScheduleClass, register)
         # Same operations on the same data: identical results.
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
-
-    def test_custom_overlap_f_b_from_prepare_compute_action(self):
-        torch.set_num_threads(1)
-
-        def register(schedule):
-            schedule.register_custom_function(OVERLAP_F_B, overlap_backward_first)
-
-        self._assert_same_as_builtin(ScheduleDualPipeV, register)
 
     @parametrize("ScheduleClass", [ScheduleDualPipeV, ScheduleInterleavedZeroBubble])
     def test_custom_compute_functions_from_perform_action(self, ScheduleClass):
