@@ -152,6 +152,7 @@ def overlap_enabled() -> bool:
 # What the handler uses of the schedule                                        #
 # --------------------------------------------------------------------------- #
 
+
 # [package-only]
 def _state(schedule: Any) -> _schedule_state._ScheduleState:
     """The schedule's state: the step's backward worker, the stage streams, the unmarked pairs."""
