@@ -65,7 +65,7 @@ bitwise equal across modes.
 The timestamps come from wrappers that this script installs in its own
 processes around ``_schedule_runtime.prepare_compute_action``'s closures and
 the coordinator's transitions (``open``, ``close``, ``_start``, ``finish``
-of ``ep_overlap._CommCoordinator``, where they exist); the package itself is
+of ``_ep_turns._CommCoordinator``, where they exist); the package itself is
 not modified.
 """
 
@@ -93,7 +93,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch_pipelining_ext  # noqa: E402, F401  (applies the patches)
-from torch_pipelining_ext import _overlap, _schedule_runtime, ep_overlap  # noqa: E402
+from torch_pipelining_ext import _ep_turns, _overlap, _schedule_runtime, ep_overlap  # noqa: E402
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b  # noqa: E402
 
 
@@ -144,7 +144,7 @@ class _ActionTrace:
 class _Tracer:
     """Records :class:`_ActionTrace` s while an OVERLAP_F_B handler runs (this process only)."""
 
-    COORDINATOR_METHODS = ("open", "close", "_start", "finish")
+    COORDINATOR_METHODS = ("open", "close", "start", "finish")
 
     def __init__(self) -> None:
         self.current: _ActionTrace | None = None
@@ -156,8 +156,8 @@ class _Tracer:
 
         original_prepare = _schedule_runtime.prepare_compute_action
 
-        def prepare_compute_action(ctx: Any, action: Any) -> Callable[[], None]:
-            compute = original_prepare(ctx, action)
+        def prepare_compute_action(action: Any, ctx: Any) -> Callable[[], None]:
+            compute = original_prepare(action, ctx)
             trace = self.current
             if trace is None:
                 return compute
@@ -174,7 +174,7 @@ class _Tracer:
 
         # run_action and the overlap handler look the function up in the module
         _schedule_runtime.prepare_compute_action = prepare_compute_action
-        cls = getattr(ep_overlap, "_CommCoordinator", None)
+        cls = getattr(_ep_turns, "_CommCoordinator", None)
         for name in self.COORDINATOR_METHODS:
             if cls is not None and callable(getattr(cls, name, None)):
                 setattr(cls, name, self._timed_method(name, getattr(cls, name)))

@@ -364,7 +364,7 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
 
     def sequential_fn(action: Any, ctx: Any) -> None:
         for sub in action.sub_actions:
-            run_action(ctx, sub)
+            run_action(sub, ctx)
 
     handlers = {"overlap": overlap_fn, "sequential": sequential_fn}
     n_overlap = sum(a.computation_type == sched.OVERLAP_F_B for a in schedule.pipeline_order_with_comms[0])

@@ -16,9 +16,11 @@ to).
 The fix: when a step starts (``clear_runtime_states``, which every schedule
 calls on each stage at the start of ``step()``) the stage remembers the
 gradients it carries in, and ``scale_grads`` scales only what the step added.
-This costs one copy of the carried gradients for the duration of the step,
-and nothing when gradients are ``None`` at the start of the step (the usual
-``optimizer.zero_grad()``, which sets them to ``None``).
+Nothing is copied when gradients are ``None`` at the start of the step (the
+usual ``optimizer.zero_grad()``); in the case this is for -- accumulation
+across steps -- every step but the first clones every gradient and holds the
+copy for the step (``tools/upstream/bench_scale_grads.py`` measures it: about
+as much again as an AdamW step on the same parameters, for large ones).
 
 The copy is kept on the stage, not in the schedule's ``_ScheduleState``: every
 schedule class (single-stage ones too) calls these two methods, and neither

@@ -1,15 +1,16 @@
 """Concurrent OVERLAP_F_B: the forward and the backward sub-actions run on two threads.
 
-Upstream file: ``torch/distributed/pipelining/schedules.py`` -- a concurrent
-implementation of the ``OVERLAP_F_B`` action that ``ScheduleDualPipeV`` emits
-(and that any ``_PipelineScheduleRuntime`` runs from a CSV schedule), which
-every release through 2.15 runs as its two sub-actions one after the other.
+Upstream file: ``torch/distributed/pipelining/_overlap.py`` (new, patch
+0009), which torch registers on request
+(``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``).
+In this package the patch table installs :func:`overlap_f_b` for OVERLAP_F_B
+on every ``_PipelineScheduleRuntime``; opt out globally with
+``TORCH_PIPELINING_EXT_OVERLAP=0`` (schedules built while it is set do not get
+it) or per schedule by registering another OVERLAP_F_B function.
 
 :func:`overlap_f_b` is a custom function (``register_custom_function``
-protocol) that the patch table installs for OVERLAP_F_B on every
-``_PipelineScheduleRuntime`` while the package is patched.  Opt out globally
-with ``TORCH_PIPELINING_EXT_OVERLAP=0`` (schedules built while it is set do
-not get it) or per schedule by registering another OVERLAP_F_B function.
+protocol) for the ``OVERLAP_F_B`` action that ``ScheduleDualPipeV`` emits (and
+that any ``_PipelineScheduleRuntime`` runs from a CSV schedule).
 
 What overlaps: the two threads take turns at the expert-parallel
 communication marks (:mod:`torch_pipelining_ext.ep_overlap`), so while one
@@ -39,25 +40,25 @@ Running one action::
     wait for B <---------------------------- done
     re-raise the first failure, naming rank and action
 
-All bookkeeping is done by ``_schedule_runtime.prepare_compute_action`` on the
+All bookkeeping is done by the runtime's ``prepare_compute_action`` on the
 calling thread in schedule order; the same function serves the sequential
 path, so nothing here duplicates the runtime.  The two compute closures run
-under a :class:`~torch_pipelining_ext.ep_overlap._CommCoordinator` owned by the
+under a :class:`~torch_pipelining_ext._ep_turns._CommCoordinator` owned by the
 action, so the expert-parallel communication marks of the model
 (:mod:`torch_pipelining_ext.ep_overlap`) make the threads take turns.  The
 worker inherits the caller's grad mode, autocast state and current
 accelerator device, intra-op thread count, in a copy of the caller's
 ``contextvars`` context, plus what ``ep_overlap.register_thread_state``
 registered; random numbers are drawn as under the sequential handler
-(see [Note: random numbers in an overlapped action] in ``ep_overlap.py``);
+(see [Note: random numbers in an overlapped action] in ``_ep_rng.py``);
 profiler ranges are added for both threads only when the
 profiler is on (the worker's appear in traces recorded with
 ``_ExperimentalConfig(profile_all_threads=True)``).  An action returns or
 raises only once its backward has finished.  The worker thread serves every
 OVERLAP_F_B action of one step (a fresh thread per action would cost
 milliseconds of cold allocator and math-library state each time); it is kept
-in the schedule's ``_schedule_state._ScheduleState`` and joined when the step
-ends, however it ends (``_ScheduleState.end_step``): no thread outlives a step.
+in the schedule's state (:func:`_state`) and joined when the step ends,
+however it ends: no thread outlives a step.
 
 Ranks: "rank R" in messages and thread names is the global rank (of the
 default process group); ``schedule.rank`` is the pipeline rank.
@@ -109,17 +110,24 @@ import dataclasses
 import functools
 import inspect
 import logging
-import os
+import os  # [package-only]
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TYPE_CHECKING
 
 import torch
+# [upstream-only]
+# import torch.distributed as dist
+# [/upstream-only]
 from torch.autograd.profiler import record_function
+from torch.distributed.fsdp import FSDPModule
 
-from torch_pipelining_ext import _fsdp_stage, _schedule_runtime, _schedule_state, ep_overlap
-from torch_pipelining_ext.ep_overlap import _CommCoordinator, _RNGDevices, _Side, _wait_arg, get_wait_timeout
+from torch_pipelining_ext import _ep_marks
+from torch_pipelining_ext import _fsdp_stage, _schedule_runtime, _schedule_state  # [package-only]
+from torch_pipelining_ext._ep_rng import _RNGDevices
+from torch_pipelining_ext._ep_turns import _CommCoordinator, _Side, _wait_arg
+from torch_pipelining_ext.ep_overlap import get_wait_timeout
 
 
 if TYPE_CHECKING:
@@ -130,12 +138,104 @@ __all__ = ["overlap_f_b"]
 
 logger = logging.getLogger(__name__)
 
+# [package-only]
 OVERLAP_ENV = "TORCH_PIPELINING_EXT_OVERLAP"
 
 
 def overlap_enabled() -> bool:
     """False when ``$TORCH_PIPELINING_EXT_OVERLAP`` is ``0`` (opt out globally)."""
     return os.environ.get(OVERLAP_ENV, "1").strip() != "0"
+# [/package-only]
+
+
+# --------------------------------------------------------------------------- #
+# What the handler uses of the schedule                                        #
+# --------------------------------------------------------------------------- #
+
+
+# [package-only]
+def _state(schedule: Any) -> _schedule_state._ScheduleState:
+    """The schedule's state: the step's backward worker, the stage streams, the unmarked pairs."""
+    return _schedule_state.schedule_state(schedule)
+
+
+def _global_rank(schedule: Any) -> int:
+    return _schedule_state.global_rank(schedule)
+
+
+def _local_stages(schedule: Any) -> dict[int, Any]:
+    return _schedule_runtime.stage_index_to_stage(schedule)
+
+
+def _prepare(action: _Action, ctx: Any) -> Callable[[], None]:
+    return _schedule_runtime.prepare_compute_action(action, ctx)
+
+
+def _run_sequentially(action: _Action, ctx: Any) -> None:
+    _schedule_runtime.sequential_overlap_f_b(action, ctx)
+
+
+def _unshard(stage: Any) -> None:
+    _fsdp_stage.unshard_stage(stage)
+# [/package-only]
+# [upstream-only]
+# @dataclasses.dataclass
+# class _OverlapState:
+#     """What concurrent OVERLAP_F_B keeps on a schedule, as its ``_overlap_state``.
+#
+#     Attributes:
+#         backward_worker: the backward thread of the step in progress.
+#         stage_streams: stage index -> accelerator stream of the overlapped
+#             actions, created on first use and kept across steps.
+#         unmarked_pairs: (forward stage, backward stage) pairs whose
+#             concurrent run passed no communication mark in this step.
+#     """
+#
+#     backward_worker: _BackwardWorker | None = None
+#     stage_streams: dict[int, Any] | None = None
+#     unmarked_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+#
+#
+# def _state(schedule: Any) -> _OverlapState:
+#     """``schedule``'s :class:`_OverlapState`, created on first use."""
+#     state = getattr(schedule, "_overlap_state", None)
+#     if state is None:
+#         state = schedule._overlap_state = _OverlapState()
+#     return state
+#
+#
+# def _close_worker(schedule: Any) -> None:
+#     """The step ended, however it ended: close and join its backward thread, forget its unmarked pairs."""
+#     state = getattr(schedule, "_overlap_state", None)
+#     if state is None:
+#         return
+#     state.unmarked_pairs.clear()
+#     if state.backward_worker is not None:
+#         worker, state.backward_worker = state.backward_worker, None
+#         worker.close_after_step(type(schedule).__name__)
+#
+#
+# def _global_rank(schedule: Any) -> int:
+#     """This process's rank in the default group (``schedule.rank``, the pipeline rank, without one)."""
+#     return dist.get_rank() if dist.is_initialized() else getattr(schedule, "rank", 0)
+#
+#
+# def _local_stages(schedule: Any) -> dict[int, Any]:
+#     return schedule._local_stages()
+#
+#
+# def _prepare(action: _Action, ctx: Any) -> Callable[[], None]:
+#     return ctx.schedule_ref.prepare_compute_action(action, ctx)
+#
+#
+# def _run_sequentially(action: _Action, ctx: Any) -> None:
+#     for sub_action in action.sub_actions:
+#         ctx.schedule_ref.perform_action(sub_action, ctx)
+#
+#
+# def _unshard(stage: Any) -> None:
+#     stage._unshard_fsdp_modules()
+# [/upstream-only]
 
 
 # --------------------------------------------------------------------------- #
@@ -181,32 +281,32 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
             the action, the original exception is the cause.
     """
     schedule = ctx.schedule_ref
-    global_rank = _schedule_state.global_rank(schedule)
+    global_rank = _global_rank(schedule)
     pair = _forward_and_backward(action)
-    unmarked_pairs = _schedule_state.schedule_state(schedule).unmarked_pairs
+    unmarked_pairs = _state(schedule).unmarked_pairs
     stage_pair = None if pair is None else tuple(action.sub_actions[i].stage_index for i in pair)
     if (
         pair is None
-        or not _patch_applied()
+        or not _patch_applied()  # [package-only]
         or _same_fsdp_stage(schedule, action)
         or stage_pair in unmarked_pairs
     ):
         logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
-        _schedule_runtime.sequential_overlap_f_b(action, ctx)
+        _run_sequentially(action, ctx)
         return
     logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
 
     # In schedule order, on this thread: recv waits, FSDP checks, the backward
     # counter, the loss.
-    computes = [_schedule_runtime.prepare_compute_action(ctx, sub) for sub in action.sub_actions]
+    computes = [_prepare(sub, ctx) for sub in action.sub_actions]
     f, b = pair
     fwd_action, bwd_action = action.sub_actions[f], action.sub_actions[b]
-    stages = _schedule_runtime.stage_index_to_stage(schedule)
+    stages = _local_stages(schedule)
     # Every fully_shard module of both stages is unsharded now, so that
     # neither thread's compute issues a data-parallel collective (whose order
     # would then depend on timing) except the last backward's reduce-scatter.
     for sub in (fwd_action, bwd_action):
-        _fsdp_stage.unshard_stage(stages[sub.stage_index])
+        _unshard(stages[sub.stage_index])
     streams = _StreamPlan.for_action(schedule, stages, fwd_action, bwd_action)
     coordinator = _run_overlapped(
         computes[f],
@@ -244,14 +344,16 @@ def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:
     fwd, bwd = action.sub_actions
     if fwd.stage_index != bwd.stage_index:
         return False
-    stage = _schedule_runtime.stage_index_to_stage(schedule).get(fwd.stage_index)
-    return stage is not None and _fsdp_stage.stage_uses_fsdp(stage)
+    stage = _local_stages(schedule).get(fwd.stage_index)
+    return stage is not None and isinstance(stage.submod, FSDPModule)
 
 
+# [package-only]
 def _patch_applied() -> bool:
     """Whether the ``overlap_f_b`` patch is applied now (a schedule built before ``unpatch()`` keeps its map)."""
     runtime = _schedules()._PipelineScheduleRuntime
     return isinstance(inspect.getattr_static(runtime, _schedule_runtime._FUNCTION_MAP, None), _FunctionMapWithOverlap)
+# [/package-only]
 
 
 # --------------------------------------------------------------------------- #
@@ -291,7 +393,7 @@ class _ThreadState:
             profiling=torch.autograd.profiler._is_profiler_enabled,
             num_threads=torch.get_num_threads(),
             context=contextvars.copy_context(),
-            registered=tuple((apply, capture()) for capture, apply in list(ep_overlap._thread_state_hooks.values())),
+            registered=tuple((apply, capture()) for capture, apply in list(_ep_marks._thread_state_hooks.values())),
         )
 
     @contextlib.contextmanager
@@ -319,8 +421,8 @@ class _BackwardWorker:
     A thread that has run torch code once runs it faster the next time (its
     allocator and math-library state are warm: a fresh thread costs
     milliseconds per action), so one worker serves every OVERLAP_F_B action
-    of a step; it is held by the schedule's ``_ScheduleState``, whose
-    ``end_step`` closes and joins it when the step ends, however it ends.
+    of a step; it is held in the schedule's state, and closed and joined
+    when the step ends, however it ends.
     Each action still waits for its own backward to finish before it returns.
     """
 
@@ -369,7 +471,7 @@ def _worker_name(global_rank: int) -> str:
 
 def _worker_for(schedule: Any, global_rank: int) -> _BackwardWorker:
     """The backward thread of ``schedule``'s step in progress, started on first use."""
-    state = _schedule_state.schedule_state(schedule)
+    state = _state(schedule)
     if state.backward_worker is None or not state.backward_worker.alive:
         state.backward_worker = _BackwardWorker(_worker_name(global_rank))
     return state.backward_worker
@@ -409,7 +511,7 @@ def _run_overlapped(
                 stack.enter_context(record_function(f"OVERLAP_F_B {side.thread_name} {sub_actions[side]}"))
             if streams is not None:
                 stack.enter_context(streams.current(side))
-            stack.enter_context(coordinator.bound(side))
+            stack.enter_context(_ep_marks.bound(coordinator, side))
             compute()
 
     def run_backward() -> None:
@@ -522,7 +624,7 @@ class _StreamPlan:
             return None
         if torch.accelerator.current_accelerator().type != device.type:
             return None
-        state = _schedule_state.schedule_state(schedule)
+        state = _state(schedule)
         if state.stage_streams is None:  # one stream per stage, created once
             state.stage_streams = {idx: torch.Stream(device=device) for idx in stages}
         stage_streams = state.stage_streams
@@ -565,6 +667,7 @@ class _StreamPlan:
                     buffer.record_stream(stream)
 
 
+# [package-only]
 # --------------------------------------------------------------------------- #
 # Installation (the "overlap_f_b" entry of _patches.py)                        #
 # --------------------------------------------------------------------------- #
@@ -591,6 +694,7 @@ class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
         if computation_type == _schedules().OVERLAP_F_B:
             return function is overlap_f_b or function is _schedule_runtime.sequential_overlap_f_b
         return super().is_default(computation_type, function)
+# [/package-only]
 
 
 def _rng_devices(devices: Any, device_type: str | None) -> _RNGDevices:
@@ -611,7 +715,7 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.random.fork_rng`` that, on the backward side of an overlapped action, opens an RNG window.
 
     Activation checkpointing recomputes inside ``fork_rng``; see [Note:
-    random numbers in an overlapped action] in ``ep_overlap.py``.  Anywhere
+    random numbers in an overlapped action] in ``_ep_rng.py``.  Anywhere
     else it is the original.
     """
     signature = inspect.signature(original)
@@ -619,7 +723,7 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     @contextlib.contextmanager
     def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
-        binding = ep_overlap._current_binding()
+        binding = _ep_marks._current_binding()
         if binding is None or binding.side is not _Side.BACKWARD:
             with original(*args, **kwargs):
                 yield
@@ -635,6 +739,7 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
     return fork_rng
 
 
+# [package-only]
 def _probe_overlap() -> tuple[str, str]:
     """Feature probe of the ``overlap_f_b`` patch; raises on unrecognised internals."""
     from torch_pipelining_ext._patching import PatchNeeded
@@ -650,3 +755,4 @@ def _probe_overlap() -> tuple[str, str]:
         if name not in fork_rng_params:
             raise AttributeError(f"torch.random.fork_rng has no {name!r} parameter")
     return PatchNeeded, "torch runs OVERLAP_F_B's sub-actions one after the other"
+# [/package-only]

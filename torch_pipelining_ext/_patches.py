@@ -18,14 +18,17 @@ from typing import Any
 from torch_pipelining_ext._patching import _PatchRegistry, Patch, Target  # noqa: F401
 
 
+__all__: list[str] = []
+
 _PIPELINING = "torch.distributed.pipelining"
 _SCHEDULES = "torch.distributed.pipelining.schedules"
 _STAGE = "torch.distributed.pipelining.stage"
 
 
 def _patches() -> list[Patch]:
-    # Imports are local so that a feature module failing to import on an
-    # unrecognised torch only removes its own patches (see _safe_patches()).
+    # Imports are local (inside each probe and make) so that a feature module
+    # failing to import on an unrecognised torch only removes its own patches:
+    # _PatchRegistry._apply_one records the failure as that patch's reason.
     patches: list[Patch] = []
     patches.extend(_schedule_runtime_patches())
     patches.extend(_fsdp_stage_patches())

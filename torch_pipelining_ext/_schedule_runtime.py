@@ -182,7 +182,7 @@ def _finish_last_backward(schedule: _PipelineScheduleRuntime, stage: _PipelineSt
     stage.scale_grads(schedule._n_microbatches if schedule.scale_grads else 1)
 
 
-def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[], None]:
+def prepare_compute_action(action: _Action, ctx: _PipelineContext) -> Callable[[], None]:
     """Do ``action``'s in-order bookkeeping now; return its compute as a closure.
 
     For FORWARD, FULL_BACKWARD, BACKWARD_INPUT and BACKWARD_WEIGHT.  On the
@@ -204,8 +204,8 @@ def prepare_compute_action(ctx: _PipelineContext, action: _Action) -> Callable[[
     run on another thread while another action's closure runs.
 
     Args:
-        ctx: the step's context, as passed to custom functions.
         action: a compute action (not OVERLAP_F_B: prepare its sub-actions).
+        ctx: the step's context, as passed to custom functions.
     """
     schedule = ctx.schedule_ref
     stages = stage_index_to_stage(schedule)
@@ -271,7 +271,7 @@ def _append_send(schedule: _PipelineScheduleRuntime, send_ops: list | None, work
     send_ops.append(works)
 
 
-def run_action(ctx: _PipelineContext, action: _Action, send_ops: list[list[dist.Work]] | None = None) -> None:
+def run_action(action: _Action, ctx: _PipelineContext, send_ops: list[list[dist.Work]] | None = None) -> None:
     """Run one action of the lowered schedule, sequentially.
 
     Compute actions go through :func:`prepare_compute_action`; SEND_F/SEND_B
@@ -289,7 +289,7 @@ def run_action(ctx: _PipelineContext, action: _Action, send_ops: list[list[dist.
     schedule = ctx.schedule_ref
     ctype = action.computation_type
     if ctype in _compute_types():
-        prepare_compute_action(ctx, action)()
+        prepare_compute_action(action, ctx)()
         return
     if ctype == _schedules.OVERLAP_F_B:
         raise ValueError(f"run_action runs single actions; run the sub_actions of {action}")
@@ -349,7 +349,7 @@ def sequential_overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:
         schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
     """
     for sub_action in action.sub_actions or ():
-        run_action(ctx, sub_action)
+        run_action(sub_action, ctx)
 
 
 def perform_action(action: _Action, ctx: _PipelineContext) -> None:
@@ -369,7 +369,7 @@ def perform_action(action: _Action, ctx: _PipelineContext) -> None:
 
         schedule.register_custom_function(FORWARD, forward_with_timing)
     """
-    run_action(ctx, action)
+    run_action(action, ctx)
 
 
 def _take_marker(schedule: _PipelineScheduleRuntime, name: str, stage_idx: int) -> bool:
@@ -567,7 +567,7 @@ def _runtime_step_microbatches(
                 elif action.computation_type == _schedules.OVERLAP_F_B:
                     sequential_overlap_f_b(action, ctx)
                 else:
-                    run_action(ctx, action, send_ops)
+                    run_action(action, ctx, send_ops)
         except Exception:
             logger.error(
                 "[%s] _PipelineScheduleRuntime caught exception at time step %s when running "
@@ -845,15 +845,17 @@ def _add_missing_reduce_grad(actions: list[_Action | None], n_microbatches: int)
 
     Inserts REDUCE_GRAD after each stage's last backward where ``actions`` has
     none, counting FULL_BACKWARD and BACKWARD_WEIGHT (also inside OVERLAP_F_B)
-    per stage like upstream's ``_add_reduce_grad``; it goes after the sends
-    that follow the last backward, so they are not delayed by it.  Where torch
-    has WAIT_REDUCE_GRAD (2.15+, which requires one after each REDUCE_GRAD),
-    each REDUCE_GRAD without a wait gets one right after it, and a wait whose
+    per stage like ``_add_reduce_grad``; it goes after the sends that follow
+    the last backward, so they are not delayed by it.  Each REDUCE_GRAD
+    without a WAIT_REDUCE_GRAD gets one right after it, and a wait whose
     REDUCE_GRAD is missing is replaced by the added pair.  Anything else is
-    left as it is, for torch to validate.
+    left as it is, for the loader to validate.
     """
-    reduce_grad = _reduce_grad_type()
-    wait = _computation_type("WAIT_REDUCE_GRAD")
+    # [upstream-only]
+    # reduce_grad, wait = REDUCE_GRAD, WAIT_REDUCE_GRAD
+    # [/upstream-only]
+    # (wait is None on a torch without WAIT_REDUCE_GRAD)  # [package-only]
+    reduce_grad, wait = _reduce_grad_type(), _computation_type("WAIT_REDUCE_GRAD")  # [package-only]
     present = [a for a in actions if a is not None]
     reduced = {a.stage_index for a in present if a.computation_type == reduce_grad}
     waited = {a.stage_index for a in present if wait is not None and a.computation_type == wait}

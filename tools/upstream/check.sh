@@ -52,6 +52,10 @@ PYEOF
 )" || die "no torch ${TORCH_VERSION} in ${PY}"
 "${PY}" -c "import expecttest, numpy" 2>/dev/null || die "${PY} lacks expecttest/numpy (needed by torch.testing._internal)"
 
+# The committed patches must be what the package generates now.
+"${PY}" "${HERE}/make_series.py" --check --torch-dir "${SITE}" \
+    || die "the series is stale: run python tools/upstream/make_series.py"
+
 # --- 2. trees: stock and patched copies of the installed torch package ------------
 # Each tree is a directory put first on PYTHONPATH.  It holds a link to every
 # entry of the installed site-packages, except torch/, which is a tree of links

@@ -780,9 +780,9 @@ def _sequential_overlap_f_b(action: Any, ctx: Any) -> None:
         if profiling:
             side = "forward" if sub.computation_type == schedules.FORWARD else "backward"
             with record_function(f"OVERLAP_F_B {side} {sub}"):
-                run_action(ctx, sub)
+                run_action(sub, ctx)
         else:
-            run_action(ctx, sub)
+            run_action(sub, ctx)
 
 
 def _params_equal(parts_a: list[nn.Module], parts_b: list[nn.Module], device: torch.device) -> bool:

@@ -5,10 +5,15 @@ Two threads run as in an overlapped OVERLAP_F_B action (``_overlap._run_overlapp
 the forward of one toy MoE stack on the calling thread, the backward of another
 on a worker thread.  Each MoE layer communicates through a fake collective that
 records every call and any moment two threads were inside a collective at once.
+Its sleeps, and those of ``Jitter``, stand for the duration of communication and
+compute (random, to vary the interleaving); no test uses them to order events or
+asserts on elapsed time: the threads are ordered by events, and the hand-over
+threshold is tested with an injected clock.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import copy
@@ -33,7 +38,9 @@ from torch.utils.checkpoint import checkpoint
 import torch_pipelining_ext  # noqa: F401
 from torch_pipelining_ext import ep_overlap
 from torch_pipelining_ext._overlap import _run_overlapped, _StreamPlan
-from torch_pipelining_ext.ep_overlap import _CommCoordinator, _Side, CommWaitTimeoutError
+from torch_pipelining_ext import _ep_marks, _ep_turns
+from torch_pipelining_ext._ep_turns import _CommCoordinator, _Side, _TurnState
+from torch_pipelining_ext.ep_overlap import CommWaitTimeoutError
 
 
 DIM = 8
@@ -270,12 +277,12 @@ class CoordinatorTest(TestCase):
                 raise ValueError(f"boom in {tag}")
 
         run.comm.hook = hook
-        t0 = time.monotonic()
         with self.assertRaisesRegex(RuntimeError, rf"rank 3, action 2F1;3B0: the {failing_side} sub-action") as cm:
             run.run(rank=3, action="2F1;3B0")
         self.assertIsInstance(cm.exception.__cause__, ValueError)
         self.assertIn("boom", str(cm.exception))
-        self.assertLess(time.monotonic() - t0, TIMEOUT)  # released, not timed out
+        # released, not timed out: the other side did not fail as well
+        self.assertNotIn("then the", str(cm.exception))
         # the other side ran to the end, uncoordinated
         other = "B" if failing_side == "forward" else "F"
         other_last = "B0.dispatch.bwd" if other == "B" else "F2.combine.fwd"
@@ -381,7 +388,7 @@ class CoordinatorTest(TestCase):
     def test_nested_region_in_one_side(self) -> None:
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
         coordinator.finish(_Side.BACKWARD)  # the forward side runs alone
-        with coordinator.bound(_Side.FORWARD):
+        with _ep_marks.bound(coordinator, _Side.FORWARD):
             coordinator.open(_Side.FORWARD, "outer", "dispatch")
             coordinator.open(_Side.FORWARD, "inner", "dispatch")  # nested: no wait
             coordinator.close(_Side.FORWARD, "inner")
@@ -391,53 +398,70 @@ class CoordinatorTest(TestCase):
 
 
     def test_compute_is_handed_over(self) -> None:
-        # After their first boundary, the two threads never compute at the same
-        # time: one computes while the other communicates (or waits).
-        intervals: list[tuple[str, float, float]] = []
-        lock = threading.Lock()
+        # Whenever one side computes, the other is communicating, parked in the
+        # coordinator, not started or done: the two threads never compute at
+        # once.  Every region counts as long enough to hand over.  (The rule
+        # itself is checked deterministically, one boundary at a time, by
+        # test_long_regions_are_handed_over; this checks the invariant in a
+        # real two-thread run.)
+        seen: list[tuple[_Side, _TurnState, bool]] = []
 
-        class Timed(torch.autograd.Function):
+        class Probe(torch.autograd.Function):
             @staticmethod
             def forward(ctx, x):
-                t0 = time.perf_counter()
-                time.sleep(0.003)  # "compute" that leaves the GIL free
-                with lock:
-                    intervals.append(("F", t0, time.perf_counter()))
+                _record_other_side(seen)
                 return x.view_as(x)
 
             @staticmethod
             def backward(ctx, grad):
-                t0 = time.perf_counter()
-                time.sleep(0.003)
-                with lock:
-                    intervals.append(("B", t0, time.perf_counter()))
+                _record_other_side(seen)
                 return grad
 
         run = PairRun(3, 3)
-        run.comm.delay = 0.004  # regions long enough to be handed over
         for stage in (run.fwd_stage, run.bwd_stage):
             for layer in stage.layers:
-                layer.pre.register_forward_hook(lambda m, i, o: Timed.apply(o))
-                layer.expert.register_forward_hook(lambda m, i, o: Timed.apply(o))
+                layer.pre.register_forward_hook(lambda m, i, o: Probe.apply(o))
+                layer.expert.register_forward_hook(lambda m, i, o: Probe.apply(o))
         run.loss = run.bwd_stage(run.x_bwd).square().sum()
-        intervals.clear()
+        seen.clear()
         run.comm.log.clear()
-        run.run()
+        with unittest.mock.patch.object(_ep_turns, "_HAND_OVER_MIN_REGION_S", 0.0):
+            run.run()
         self.assertEqual(run.comm.violations, [])
-        fwd = [(a, b) for side, a, b in intervals if side == "F"]
-        bwd = [(a, b) for side, a, b in intervals if side == "B"]
-        self.assertEqual((len(fwd), len(bwd)), (6, 6))
-        overlapping = [(f, b) for f in fwd for b in bwd if min(f[1], b[1]) - max(f[0], b[0]) > 0.0005]
-        self.assertEqual(overlapping, [])
+        self.assertEqual(sorted(collections.Counter(side for side, _, _ in seen).items()), [(_Side.FORWARD, 6), (_Side.BACKWARD, 6)])
+        both_computing = [(side, state) for side, state, waiting in seen if state is _TurnState.COMPUTING and not waiting]
+        self.assertEqual(both_computing, [])
+
+    def test_long_regions_are_handed_over(self) -> None:
+        # A region at least as long as the threshold (by the injected clock)
+        # makes the closing side wait for the other side's next region; here
+        # the other side never comes, so the wait times out.
+        now = [0.0]
+        coordinator = _CommCoordinator(rank=0, action="a", timeout=0.05, clock=lambda: now[0], hand_over_min_region_s=1.0)
+        coordinator.open(_Side.BACKWARD, "b", "combine")
+        now[0] += 1.0
+        with self.assertRaisesRegex(CommWaitTimeoutError, "at b for the forward thread to start communicating before computing on"):
+            coordinator.close(_Side.BACKWARD, "b")
 
     def test_short_regions_are_not_handed_over(self) -> None:
-        # Regions shorter than the hand-over threshold do not make the closing
-        # side wait for the other one (the turns still alternate).
-        coordinator = _CommCoordinator(rank=0, action="a", timeout=0.5)
+        # Regions shorter than the hand-over threshold (by the injected clock)
+        # do not make the closing side wait for the other one (the turns still
+        # alternate).
+        now = [0.0]
+        coordinator = _CommCoordinator(rank=0, action="a", timeout=0.05, clock=lambda: now[0], hand_over_min_region_s=1.0)
         coordinator.open(_Side.BACKWARD, "b", "combine")
-        coordinator.close(_Side.BACKWARD, "b")  # would wait 0.5 s and time out if handed over
-        with self.assertRaises(CommWaitTimeoutError):
+        now[0] += 0.999
+        coordinator.close(_Side.BACKWARD, "b")  # would wait and time out if handed over
+        with self.assertRaisesRegex(CommWaitTimeoutError, "at b2 for its turn to communicate"):
             coordinator.open(_Side.BACKWARD, "b2", "combine")  # not its turn: the forward side's
+
+
+def _record_other_side(seen: list[tuple[_Side, _TurnState, bool]]) -> None:
+    """Record, from a side's compute, the other side's state and whether it is parked."""
+    binding = _ep_marks._current_binding()
+    if binding is None:
+        return  # outside the overlapped action (the backward stage's own forward)
+    seen.append((binding.side, *binding.coordinator.state_of(binding.side.other)))
 
 
 class RandomNumbersTest(TestCase):
@@ -499,26 +523,33 @@ class RandomNumbersTest(TestCase):
         # coordinator at all: the forward side's starting to wait must wake
         # it.  Seen as a hang on a loaded machine: the forward waited for the
         # backward's first region, the backward for the forward to pause.
-        entered = threading.Event()
-        start = _CommCoordinator._start
+        backward_waits = threading.Event()
+        start, wait = _CommCoordinator.start, _CommCoordinator._wait
 
         def late_forward_start(coordinator: _CommCoordinator, side: _Side) -> None:
             if side is _Side.FORWARD:
-                self.assertTrue(entered.wait(5.0))
-                time.sleep(0.05)  # the backward is waiting in its RNG window by now
+                # The backward thread calls _wait with the lock held, so once
+                # the forward thread has the lock the backward one is blocked.
+                self.assertTrue(backward_waits.wait(TIMEOUT))
             start(coordinator, side)
 
+        def noting_wait(coordinator: _CommCoordinator, side: _Side, where: str, *args):  # type: ignore[no-untyped-def]
+            if where == "the start of a recomputation":
+                backward_waits.set()
+            return wait(coordinator, side, where, *args)
+
         def backward() -> None:
-            entered.set()
             with torch.random.fork_rng():
                 torch.rand(2)
 
         drawn = {}
         torch.manual_seed(5)
-        with unittest.mock.patch.object(_CommCoordinator, "_start", late_forward_start):
-            begun = time.perf_counter()
-            _run_overlapped(lambda: drawn.setdefault("forward", torch.rand(2)), backward, global_rank=0, action="a", timeout=10.0)
-        self.assertLess(time.perf_counter() - begun, 5.0)
+        with unittest.mock.patch.object(_CommCoordinator, "start", late_forward_start), unittest.mock.patch.object(
+            _CommCoordinator, "_wait", noting_wait
+        ):
+            # a hang would end in CommWaitTimeoutError, raised here
+            _run_overlapped(lambda: drawn.setdefault("forward", torch.rand(2)), backward, global_rank=0, action="a", timeout=TIMEOUT)
+        self.assertTrue(backward_waits.is_set())
         torch.testing.assert_close(drawn["forward"], torch.manual_seed(5) and torch.rand(2), rtol=0, atol=0)
 
     def test_fork_rng_elsewhere_is_the_original(self) -> None:
@@ -536,11 +567,11 @@ class FailureTest(TestCase):
         handle = ep_overlap.register_thread_state(lambda: "mesh", apply)
         try:
             run = PairRun(2, 2)
-            t0 = time.monotonic()
             with self.assertRaisesRegex(RuntimeError, r"^rank 0, action 0F0;1B0: the backward sub-action .* failed: OSError: cannot apply mesh") as cm:
                 run.run(timeout=60.0)
-            self.assertLess(time.monotonic() - t0, 30.0)  # not the timeout
             self.assertIsInstance(cm.exception.__cause__, OSError)
+            # at once: the forward side was released, it did not time out waiting for the backward one
+            self.assertNotIn("then the", str(cm.exception))
         finally:
             handle.remove()
         self.assertEqual([t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")], [])
@@ -710,8 +741,8 @@ class MarksTest(TestCase):
             (z * 2).sum().backward()
             torch.testing.assert_close(y.grad, torch.full_like(y, 2.0))
             y.grad = None
-        self.assertEqual(ep_overlap._active_backward, [])
-        self.assertIsNone(ep_overlap._current_binding())
+        self.assertEqual(_ep_marks._active_backward, [])
+        self.assertIsNone(_ep_marks._current_binding())
 
     def test_marks_in_another_thread_are_not_coordinated(self) -> None:
         # A thread that is not one of the action's two threads is not coordinated,
@@ -719,7 +750,7 @@ class MarksTest(TestCase):
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
         coordinator.finish(_Side.BACKWARD)
         seen = []
-        with coordinator.bound(_Side.FORWARD):
+        with _ep_marks.bound(coordinator, _Side.FORWARD):
             coordinator.open(_Side.FORWARD, "held", "dispatch")
             t = threading.Thread(target=lambda: seen.append(ep_overlap.dispatch_begin(torch.ones(1))))
             t.start()
@@ -765,7 +796,7 @@ class MarksTest(TestCase):
         coordinator.open = lambda side, where, phase: (comm_order.append(("open", where)), orig_open(side, where, phase))
         coordinator.close = lambda side, where: (comm_order.append(("close", where)), orig_close(side, where))
         coordinator.finish(_Side.BACKWARD)  # the other side has no regions
-        with coordinator.bound(_Side.FORWARD):
+        with _ep_marks.bound(coordinator, _Side.FORWARD):
             model[0](x)
         self.assertEqual(
             comm_order,
@@ -781,7 +812,7 @@ class MarksTest(TestCase):
         with self.assertRaisesRegex(ValueError, "dispatch and combine must be different methods"):
             ep_overlap.wrap_dispatch_combine(model, dispatch="dispatch", combine="dispatch")
         del model[0].dispatch, model[0].combine  # undo
-        self.assertNotIsInstance(model[0].dispatch, ep_overlap._MarkedMethod)
+        self.assertNotIsInstance(model[0].dispatch, _ep_marks._MarkedMethod)
 
     def test_wrap_dispatcher_objects(self) -> None:
         class TokenDispatcher:  # a plain object, as MoE libraries keep their dispatchers
@@ -809,20 +840,20 @@ class MarksTest(TestCase):
         shared = TokenDispatcher()
         model = nn.Sequential(Experts(TokenDispatcher()), Experts(shared), Experts(shared))
         self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0.dispatcher", "1.dispatcher"])  # shared: once
-        self.assertIsInstance(shared.dispatch, ep_overlap._MarkedMethod)
-        self.assertIsInstance(model[0].dispatcher.combine, ep_overlap._MarkedMethod)
+        self.assertIsInstance(shared.dispatch, _ep_marks._MarkedMethod)
+        self.assertIsInstance(model[0].dispatcher.combine, _ep_marks._MarkedMethod)
         order = []
         coordinator = _CommCoordinator(rank=0, action="a", timeout=5.0)
         orig_open = coordinator.open
         coordinator.open = lambda side, where, phase: (order.append(where), orig_open(side, where, phase))
         coordinator.finish(_Side.BACKWARD)
-        with coordinator.bound(_Side.FORWARD):
+        with _ep_marks.bound(coordinator, _Side.FORWARD):
             model[0](torch.randn(2, DIM))
         self.assertEqual(order, ["dispatch_begin (forward)", "combine_begin (forward)"])
         # an explicit object
         other = TokenDispatcher()
         self.assertEqual(ep_overlap.wrap_dispatch_combine(other), [""])
-        self.assertIsInstance(other.combine, ep_overlap._MarkedMethod)
+        self.assertIsInstance(other.combine, _ep_marks._MarkedMethod)
 
         class Slotted:
             __slots__ = ()

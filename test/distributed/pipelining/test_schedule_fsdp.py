@@ -199,7 +199,7 @@ class _UserBackwardFunctions:
             if function is not None:
                 function(sub_action, ctx)
             else:
-                run_action(ctx, sub_action)
+                run_action(sub_action, ctx)
 
 
 # A compute-only V schedule (rank 0: stages 0 and 3, rank 1: stages 1 and 2)
@@ -277,7 +277,7 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
 
         def fsdp_action(action: _Action, ctx: sched._PipelineContext) -> None:
             ran[action.computation_type] += 1
-            run_action(ctx, action)
+            run_action(action, ctx)
 
         for ctype in fsdp_types:
             schedule.register_custom_function(ctype, fsdp_action)

@@ -271,7 +271,7 @@ class _RecordingFunctions:
 
     def forward(self, action: _Action, ctx: sched._PipelineContext) -> None:
         self.calls["F"] += 1
-        rt.prepare_compute_action(ctx, action)()
+        rt.prepare_compute_action(action, ctx)()
 
     def overlap_f_b(self, action: _Action, ctx: sched._PipelineContext) -> None:
         self.calls["OVERLAP_F_B"] += 1
@@ -279,7 +279,7 @@ class _RecordingFunctions:
         f, b = action.sub_actions
         counted_before = schedule.backward_counter[b.stage_index]
         # Bookkeeping in schedule order (forward first), then the two computes.
-        computes = [rt.prepare_compute_action(ctx, a) for a in (f, b)]
+        computes = [rt.prepare_compute_action(a, ctx) for a in (f, b)]
         self.calls["backwards_counted"] += schedule.backward_counter[b.stage_index] - counted_before
         if schedule.backward_counter.is_last_backward(b.stage_index):
             self.last_backwards.append(b.stage_index)
@@ -365,9 +365,9 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         prepared: Counter[Any] = Counter()
         original = rt.prepare_compute_action
 
-        def spy(ctx: sched._PipelineContext, action: _Action):  # type: ignore[no-untyped-def]
+        def spy(action: _Action, ctx: sched._PipelineContext):  # type: ignore[no-untyped-def]
             prepared[action.computation_type] += 1
-            return original(ctx, action)
+            return original(action, ctx)
 
         with unittest.mock.patch.object(rt, "prepare_compute_action", spy):
             run.step(self, 0)
@@ -420,9 +420,9 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         run = self._run(ScheduleDualPipeV)
         ctx = sched._PipelineContext(run.schedule)
         with self.assertRaisesRegex(ValueError, "sub_actions"):
-            rt.run_action(ctx, _overlap(_Action(0, F, 0), _Action(3, B, 0)))
+            rt.run_action(_overlap(_Action(0, F, 0), _Action(3, B, 0)), ctx)
         with self.assertRaisesRegex(ValueError, "not a FORWARD or backward action"):
-            rt.prepare_compute_action(ctx, _Action(0, sched.SEND_F, 0))
+            rt.prepare_compute_action(_Action(0, sched.SEND_F, 0), ctx)
 
 
 instantiate_parametrized_tests(ScheduleRuntimeTest)

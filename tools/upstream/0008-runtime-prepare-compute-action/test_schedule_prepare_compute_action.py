@@ -1,13 +1,12 @@
 # Owner(s): ["oncall: distributed"]
-# Upstream path: test/distributed/pipelining/test_schedule_per_action_functions.py
-"""Custom functions built from ``_PipelineScheduleRuntime``'s per-action functions.
+# Upstream path: test/distributed/pipelining/test_schedule_prepare_compute_action.py
+"""A custom OVERLAP_F_B built from ``_PipelineScheduleRuntime.prepare_compute_action``.
 
-``perform_action`` runs any single action the built-in way and
 ``prepare_compute_action`` splits a compute action into its in-order
-bookkeeping and its compute.  Custom OVERLAP_F_B, FORWARD and backward
-functions built from them give the same outputs, losses and gradients as the
-built-in path (bitwise: the same operations run) and as a single-process
-reference.
+bookkeeping (done at once) and its compute (returned).  An OVERLAP_F_B that
+prepares both sub-actions in schedule order and runs the computes the other
+way round gives the same outputs, losses and gradients as the built-in path
+(bitwise) and as a single-process reference.
 """
 
 import copy
@@ -18,15 +17,10 @@ import torch.nn as nn
 from torch.distributed.pipelining import (
     PipelineStage,
     ScheduleDualPipeV,
-    ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.pipelining.schedules import (
     _Action,
     _PipelineContext,
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    FULL_BACKWARD,
     OVERLAP_F_B,
 )
 from torch.testing._internal.common_distributed import (
@@ -35,7 +29,6 @@ from torch.testing._internal.common_distributed import (
 )
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
-    parametrize,
     run_tests,
     skip_but_pass_in_sandcastle_if,
 )
@@ -71,19 +64,7 @@ def overlap_backward_first(action: _Action, ctx: _PipelineContext) -> None:
         compute()
 
 
-class CountingAction:
-    """Any action type: run it the built-in way and count it."""
-
-    def __init__(self) -> None:
-        self.calls: dict[object, int] = {}
-
-    def __call__(self, action: _Action, ctx: _PipelineContext) -> None:
-        ctype = action.computation_type
-        self.calls[ctype] = self.calls.get(ctype, 0) + 1
-        ctx.schedule_ref.perform_action(action, ctx)
-
-
-class SchedulePerActionFunctionsTest(MultiProcContinuousTest):
+class SchedulePrepareComputeActionTest(MultiProcContinuousTest):
     world_size = 2
 
     @classmethod
@@ -148,31 +129,13 @@ class SchedulePerActionFunctionsTest(MultiProcContinuousTest):
 
         self._assert_same_as_builtin(ScheduleDualPipeV, register)
 
-    @parametrize("ScheduleClass", [ScheduleDualPipeV, ScheduleInterleavedZeroBubble])
-    def test_custom_compute_functions_from_perform_action(self, ScheduleClass):
-        torch.set_num_threads(1)
-        counting = CountingAction()
 
-        def register(schedule):
-            for ctype in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-                schedule.register_custom_function(ctype, counting)
-
-        self._assert_same_as_builtin(ScheduleClass, register)
-        # Custom functions see top-level actions; DualPipeV runs some of its
-        # forwards and backwards inside OVERLAP_F_B (built-in here).
-        n_forward = counting.calls.get(FORWARD, 0)
-        self.assertGreater(n_forward, 0)
-        if ScheduleClass is ScheduleInterleavedZeroBubble:
-            self.assertEqual(n_forward, 2 * N_MICROBATCHES)
-            self.assertEqual(counting.calls.get(BACKWARD_WEIGHT, 0), 2 * N_MICROBATCHES)
-
-
-instantiate_parametrized_tests(SchedulePerActionFunctionsTest)
+instantiate_parametrized_tests(SchedulePrepareComputeActionTest)
 
 
 @requires_nccl()
 @skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs")
-class SchedulePerActionFunctionsTestNCCL(SchedulePerActionFunctionsTest):
+class SchedulePrepareComputeActionTestNCCL(SchedulePrepareComputeActionTest):
     @classmethod
     def backend_str(cls) -> str:
         return "nccl"

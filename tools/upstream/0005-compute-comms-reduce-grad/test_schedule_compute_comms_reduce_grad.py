@@ -4,15 +4,17 @@
 
 The lowered schedule of a built-in schedule, with its REDUCE_GRAD and
 WAIT_REDUCE_GRAD actions removed (as a schedule written by hand or before
-REDUCE_GRAD existed), is loaded into ``_PipelineScheduleRuntime`` as a
-``compute_comms`` CSV.  Its gradients must still be reduced (FSDP) and
-scaled: PP=2 x DP=2, the data-parallel replicas see the same batch, so every
-gradient must equal a single-process reference.  A rank that has REDUCE_GRAD
-for some stages but not for all of them is rejected.
+REDUCE_GRAD existed), loaded into ``_PipelineScheduleRuntime`` as a
+``compute_comms`` CSV, is rejected: its gradients would be neither reduced
+(FSDP) nor scaled.  So is a rank that has REDUCE_GRAD for some of its stages
+only.  Passed through ``_add_missing_reduce_grad`` first, the schedule trains
+right: PP=2 x DP=2, the data-parallel replicas see the same batch, so every
+gradient must equal a single-process reference.
 """
 
 import copy
 import os
+import re
 import tempfile
 
 import torch
@@ -139,11 +141,15 @@ class ScheduleComputeCommsReduceGradTest(MultiProcContinuousTest):
         ]
 
     @parametrize("use_fsdp", [False, True])
-    def test_compute_comms_without_reduce_grad(self, use_fsdp):
+    def test_add_missing_reduce_grad(self, use_fsdp):
         torch.set_num_threads(1)
         ref, modules, stage_indices, stages = self._stages(use_fsdp)
         schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=loss_fn)
-        self._load_compute_comms(schedule, self._lowered_rows(stages))
+        # imported here: the other test must fail on stock torch for its own reason
+        from torch.distributed.pipelining.schedules import _add_missing_reduce_grad
+
+        rows = [_add_missing_reduce_grad(row, N_MICROBATCHES) for row in self._lowered_rows(stages)]
+        self._load_compute_comms(schedule, rows)
 
         gen = torch.Generator().manual_seed(1)
         for step in range(2):
@@ -178,13 +184,17 @@ class ScheduleComputeCommsReduceGradTest(MultiProcContinuousTest):
                 module.zero_grad()
             ref.zero_grad()
 
-    def test_compute_comms_with_partial_reduce_grad_raises(self):
+    @parametrize("kept", ["none", "first_stage"])
+    def test_compute_comms_without_reduce_grad_raises(self, kept):
         torch.set_num_threads(1)
-        _, _, stage_indices, stages = self._stages(use_fsdp=False)
+        _, _, _, stages = self._stages(use_fsdp=False)
         schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=loss_fn)
-        # Each rank keeps the REDUCE_GRAD of its first stage only.
-        rows = self._lowered_rows(stages, keep_reduce_grad_stages=range(PP))
-        with self.assertRaisesRegex(ValueError, "no REDUCE_GRAD"):
+        # No REDUCE_GRAD at all, or each rank keeps the one of its first stage only.
+        keep = range(PP) if kept == "first_stage" else ()
+        rows = self._lowered_rows(stages, keep_reduce_grad_stages=keep)
+        # every rank validates the whole schedule and stops at rank 0, which runs stages 0 and PP
+        missing = [PP] if kept == "first_stage" else [0, PP]
+        with self.assertRaisesRegex(ValueError, re.escape(f"Rank 0 runs backward for stages {missing} but has no REDUCE_GRAD")):
             self._load_compute_comms(schedule, rows)
 
 

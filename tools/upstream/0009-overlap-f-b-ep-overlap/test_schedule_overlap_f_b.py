@@ -6,23 +6,28 @@
   the outputs, losses and gradients of the sequential (built-in) OVERLAP_F_B,
   and those of a single-process reference; backward sub-actions really ran on
   the worker thread.
-* A model with dispatch/combine marks: inside overlapped actions, the marked
-  communication regions of the two threads never overlap.
+* A model with dispatch/combine marks: inside overlapped actions, whenever a
+  thread is inside a marked communication region the other thread is not;
+  and, one boundary at a time, a side cannot open a region while the other
+  side is inside one.
 * A recomputation (RNG window) that the backward side reaches before the
   forward side has started waiting does not stall the two threads until the
   wait timeout: the side that starts waiting wakes the other.
+
+No test sleeps or measures time: threads are ordered by events, and a wait
+that must not happen shows as the coordinator's timeout error.
 """
 
 import copy
 import threading
-import time
 from unittest import mock
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import ep_overlap, PipelineStage, ScheduleDualPipeV
+from torch.distributed.pipelining import _ep_marks, ep_overlap, PipelineStage, ScheduleDualPipeV
+from torch.distributed.pipelining._ep_rng import _RNGDevices
+from torch.distributed.pipelining._ep_turns import _CommCoordinator, _Side, _TurnState
 from torch.distributed.pipelining._overlap import _run_overlapped
-from torch.distributed.pipelining.ep_overlap import _CommCoordinator, _RNGDevices, _Side
 from torch.distributed.pipelining.schedules import OVERLAP_F_B
 from torch.testing._internal.common_distributed import (
     MultiProcContinuousTest,
@@ -41,12 +46,12 @@ DIM = 8
 
 
 class Recorder:
-    """What ran where: backward threads, and communication region entries/exits."""
+    """What ran where: backward threads; inside regions, the thread and the other side's state."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.backward_threads: set[int] = set()
-        self.events: list[tuple[str, int]] = []
+        self.events: list[tuple[int, _TurnState]] = []
 
     def clear(self) -> None:
         with self.lock:
@@ -77,12 +82,12 @@ class _Probe(torch.autograd.Function):
 
 
 def _region_event() -> None:
-    me = threading.get_ident()
+    binding = _ep_marks._current_binding()
+    if binding is None:
+        return  # not inside an overlapped action
+    other_state, _ = binding.coordinator.state_of(binding.side.other)
     with RECORDER.lock:
-        RECORDER.events.append(("enter", me))
-    time.sleep(0.002)  # give the other thread time to (wrongly) enter too
-    with RECORDER.lock:
-        RECORDER.events.append(("exit", me))
+        RECORDER.events.append((threading.get_ident(), other_state))
 
 
 class MarkedLayer(nn.Module):
@@ -175,12 +180,10 @@ class ScheduleOverlapFBTest(MultiProcContinuousTest):
         _, threads, events = self._run(overlap=True)
         self.assertGreater(len(threads), 1)
         self.assertGreater(len(events), 0)
-        # enter/exit pairs never interleave: one thread in a region at a time
-        for i in range(0, len(events), 2):
-            (kind_in, tid_in), (kind_out, tid_out) = events[i], events[i + 1]
-            self.assertEqual((kind_in, kind_out), ("enter", "exit"), f"event {i}")
-            self.assertEqual(tid_in, tid_out, f"event {i}: regions of two threads overlap")
-        self.assertGreater(len({tid for _, tid in events}), 1)
+        # one thread in a region at a time
+        both = [i for i, (_, other) in enumerate(events) if other is _TurnState.COMMUNICATING]
+        self.assertEqual(both, [], "regions of two threads overlap")
+        self.assertGreater(len({tid for tid, _ in events}), 1)
 
 
 @requires_nccl()
@@ -196,6 +199,13 @@ class ScheduleOverlapFBTestNCCL(ScheduleOverlapFBTest):
 
 
 class CommCoordinatorTest(TestCase):
+    def test_a_region_excludes_the_other_side(self):
+        coordinator = _CommCoordinator(rank=0, action="0F0;1B0", timeout=0.05)
+        coordinator.open(_Side.BACKWARD, "combine_end (backward)", "combine")
+        # the forward side would wait for ever: the coordinator's timeout says so
+        with self.assertRaisesRegex(ep_overlap.CommWaitTimeoutError, "for its turn to communicate"):
+            coordinator.open(_Side.FORWARD, "dispatch_begin (forward)", "dispatch")
+
     def test_recomputation_that_starts_before_the_forward_waits(self):
         # The backward side has the first turn, so it runs at once and reaches
         # its recomputation, where it waits for the forward side to pause,
@@ -205,17 +215,22 @@ class CommCoordinatorTest(TestCase):
         # wait must wake the backward side, or both sleep until the timeout.
         timeout = 30.0
         backward_waits = threading.Event()
-        start = _CommCoordinator._start
+        start, wait = _CommCoordinator.start, _CommCoordinator._wait
 
         def late_forward_start(coordinator, side):
             if side is _Side.FORWARD:
+                # the backward side calls _wait holding the coordinator's lock:
+                # once the forward side gets the lock, the backward side waits
                 self.assertTrue(backward_waits.wait(timeout))
-                time.sleep(0.05)  # the backward side waits in its RNG window by now
             start(coordinator, side)
 
+        def noting_wait(coordinator, side, where, *args):
+            if where == "the start of a recomputation":
+                backward_waits.set()
+            return wait(coordinator, side, where, *args)
+
         def backward():
-            backward_waits.set()
-            binding = ep_overlap._current_binding()
+            binding = _ep_marks._current_binding()
             # what checkpoint recomputation does: an RNG window around fork_rng
             with binding.coordinator.rng_window(
                 binding.side, _RNGDevices(None, ()), preserve=True
@@ -225,8 +240,10 @@ class CommCoordinatorTest(TestCase):
 
         drawn = {}
         torch.manual_seed(5)
-        with mock.patch.object(_CommCoordinator, "_start", late_forward_start):
-            begun = time.monotonic()
+        with mock.patch.object(_CommCoordinator, "start", late_forward_start), mock.patch.object(
+            _CommCoordinator, "_wait", noting_wait
+        ):
+            # a stall would end in CommWaitTimeoutError after `timeout`, raised here
             _run_overlapped(
                 lambda: drawn.setdefault("forward", torch.rand(2)),
                 backward,
@@ -234,8 +251,7 @@ class CommCoordinatorTest(TestCase):
                 action="0F0;1B0",
                 timeout=timeout,
             )
-            elapsed = time.monotonic() - begun
-        self.assertLess(elapsed, timeout / 3, "the two sides waited for each other")
+        self.assertTrue(backward_waits.is_set())
         # the forward side drew the numbers it draws without the recomputation
         torch.manual_seed(5)
         torch.testing.assert_close(drawn["forward"], torch.rand(2), rtol=0, atol=0)

@@ -1,0 +1,95 @@
+# Owner(s): ["oncall: distributed"]
+"""The upstream patch series (``tools/upstream/``) is current and applies to torch 2.15.0.
+
+``make_series.py`` regenerates every ``patch.diff`` from the package's
+sources; these tests regenerate the series into memory and compare it with the
+committed patches byte for byte, then apply the committed patches in order to
+a copy of torch 2.15.0's ``torch/distributed/pipelining`` without fuzz.  Edits
+of torch's own files need torch 2.15's sources, so with another torch
+installed only the new files of each patch are compared (they depend on the
+package alone) and the apply check is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+
+_TOOLS = Path(__file__).resolve().parents[3] / "tools" / "upstream"
+_IS_2_15 = torch.__version__.startswith("2.15.")
+_NOT_2_15 = f"needs torch 2.15.x, the series' base (this is {torch.__version__})"
+
+
+def _load_make_series():
+    spec = importlib.util.spec_from_file_location("make_series", _TOOLS / "make_series.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_series", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_series = _load_make_series()
+
+
+class UpstreamSeriesTest(TestCase):
+    def _committed(self, name: str) -> str:
+        return (_TOOLS / name / "patch.diff").read_text()
+
+    def test_patches_are_current(self) -> None:
+        base = make_series.torch_base(None) if _IS_2_15 else None
+        generated = make_series.generate(base)
+        self.assertEqual(sorted(generated), sorted(p.name for p in make_series.SERIES))
+        for name, text in generated.items():
+            committed = self._committed(name)
+            if base is None:
+                committed = make_series.new_file_sections(committed)
+            # assertTrue, not assertEqual: a diff of diffs helps nobody; the command does
+            self.assertTrue(
+                text == committed,
+                f"{name}/patch.diff is not what the package generates: run python tools/upstream/make_series.py",
+            )
+        if base is None:
+            self.assertTrue(any(generated.values()), "the new files of the series were not generated")
+
+    def test_series_applies_to_torch_2_15_without_fuzz(self) -> None:
+        if not _IS_2_15:
+            self.skipTest(_NOT_2_15)
+        installed = Path(torch.__file__).parent / "distributed" / "pipelining"
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            target = root / make_series.PIPELINING
+            shutil.copytree(installed, target, ignore=shutil.ignore_patterns("__pycache__"))
+            for patch in make_series.SERIES:
+                diff = str(patch.dir / "patch.diff")
+                done = subprocess.run(["git", "apply", "--check", diff], cwd=root, capture_output=True, text=True)
+                self.assertEqual(done.returncode, 0, f"{patch.name} does not apply: {done.stderr}")
+                if shutil.which("patch"):
+                    done = subprocess.run(
+                        ["patch", "-p1", "--fuzz=0", "--dry-run", "-i", diff], cwd=root, capture_output=True, text=True
+                    )
+                    self.assertEqual(done.returncode, 0, f"{patch.name}: patch --fuzz=0 refuses it: {done.stdout}")
+                subprocess.run(["git", "apply", diff], cwd=root, check=True)
+            for name in ("_overlap.py", "ep_overlap.py", "stage_split.py", "schedules.py", "stage.py"):
+                compile((target / name).read_text(), name, "exec")
+
+    def test_rule_refuses_what_names_the_package(self) -> None:
+        source = '"""Doc."""\n\nfrom torch_pipelining_ext import _x\n\n# [package-only]\nA = 1\n# [/package-only]\n'
+        self.assertEqual(make_series.upstream_source(source, "m.py"), '"""Doc."""\n\nfrom . import _x\n\n')
+        with self.assertRaisesRegex(ValueError, "still names the package"):
+            make_series.upstream_source("import torch_pipelining_ext\n", "m.py")
+        with self.assertRaisesRegex(ValueError, "unclosed package-only block"):
+            make_series.upstream_source("# [package-only]\nA = 1\n", "m.py")
+        upstream_only = "# [upstream-only]\n# B = 2\n#\n# C = 3\n# [/upstream-only]\n"
+        self.assertEqual(make_series.upstream_source(upstream_only, "m.py"), "B = 2\n\nC = 3\n")
+
+
+if __name__ == "__main__":
+    run_tests()

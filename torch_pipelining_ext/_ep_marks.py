@@ -1,0 +1,283 @@
+"""The communication marks of :mod:`torch_pipelining_ext.ep_overlap` and the threads they bind to.
+
+Private: a mark finds the coordinator (``_ep_turns._CommCoordinator``) of the
+overlapped action its thread runs a side of -- through a thread-local binding
+set by :func:`bound`, or, for the autograd engine's device threads, the one
+overlapped backward running in the process -- and passes its boundary there.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from torch_pipelining_ext._ep_turns import _CommCoordinator, _Side
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+class _Boundary(enum.Enum):
+    """A mark; ``opens`` says whether it opens its region in forward."""
+
+    DISPATCH_BEGIN = ("dispatch", True)
+    DISPATCH_END = ("dispatch", False)
+    COMBINE_BEGIN = ("combine", True)
+    COMBINE_END = ("combine", False)
+
+    def __init__(self, phase: str, opens: bool) -> None:
+        self.phase = phase
+        self.opens = opens
+
+    def describe(self, backward: bool) -> str:
+        name = f"{self.phase}_{'begin' if self.opens else 'end'}"
+        if not backward:
+            return f"{name} (forward)"
+        # autograd runs the marks in reverse: *_end opens the backward region
+        return f"{name} (backward of the {self.phase} communication)"
+
+
+class _Binding(NamedTuple):
+    coordinator: _CommCoordinator
+    side: _Side
+
+
+_tls = threading.local()
+
+# Backward sides of the overlapped actions running in this process.  Only read
+# by threads that are not bound: the autograd engine runs backward nodes of
+# accelerator tensors on its own device threads, which did not call bound().
+_active_backward: list[_Binding] = []
+_active_lock = threading.Lock()
+
+
+def _register_backward(binding: _Binding) -> None:
+    with _active_lock:
+        _active_backward.append(binding)
+
+
+def _unregister_backward(binding: _Binding) -> None:
+    with _active_lock:
+        _active_backward.remove(binding)
+
+
+def _engine_thread_binding() -> _Binding | None:
+    """The binding of an autograd-engine device thread running an overlapped backward."""
+    if not isinstance(threading.current_thread(), threading._DummyThread):
+        return None  # a Python thread that is not bound: not inside an overlapped action
+    if torch._C._current_graph_task_id() == -1:
+        return None
+    with _active_lock:
+        candidates = list(_active_backward)
+    if len(candidates) > 1:
+        raise RuntimeError(
+            "ep_overlap: an autograd device thread reached a communication boundary while "
+            f"{len(candidates)} overlapped actions run backward in this process "
+            f"({', '.join(b.coordinator.action for b in candidates)}); it cannot tell which one it "
+            "belongs to. Run one pipeline schedule step at a time per process."
+        )
+    return candidates[0] if candidates else None
+
+
+def _current_binding() -> _Binding | None:
+    binding = getattr(_tls, "binding", None)
+    if binding is None and _active_backward:
+        return _engine_thread_binding()
+    return binding
+
+
+@contextmanager
+def bound(coordinator: _CommCoordinator, side: _Side) -> Iterator[None]:
+    """Run ``side``'s sub-action of ``coordinator``'s action on this thread; marks on it are coordinated.
+
+    On exit ``side`` is finished; on an exception the coordination is
+    stopped first so the other side is released.
+    """
+    binding = _Binding(coordinator, side)
+    previous = getattr(_tls, "binding", None)
+    _tls.binding = binding
+    if side is _Side.BACKWARD:
+        _register_backward(binding)
+    try:
+        coordinator.start(side)
+        yield
+    except BaseException:
+        coordinator.stop()
+        raise
+    finally:
+        _tls.binding = previous
+        if side is _Side.BACKWARD:
+            _unregister_backward(binding)
+        coordinator.finish(side)
+
+
+class _MarkBackward(torch.autograd.Function):
+    """Identity whose backward passes the mirrored boundary."""
+
+    @staticmethod
+    def forward(ctx: Any, boundary: _Boundary, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.boundary = boundary
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        binding = _current_binding()
+        if binding is not None:
+            boundary: _Boundary = ctx.boundary
+            where = boundary.describe(backward=True)
+            if boundary.opens:  # *_begin: its backward ends the region
+                binding.coordinator.close(binding.side, where)
+            else:
+                binding.coordinator.open(binding.side, where, f"{boundary.phase} backward")
+        return (None, *grads)
+
+
+def mark(boundary: _Boundary, tensors: tuple[Any, ...]) -> Any:
+    """Pass ``boundary`` with ``tensors``: the body of the public marks."""
+    binding = _current_binding()
+    if binding is not None and boundary.opens:
+        binding.coordinator.open(binding.side, boundary.describe(backward=False), boundary.phase)
+    out: Any = tensors
+    if torch.is_grad_enabled():
+        idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if idx:
+            marked = _MarkBackward.apply(boundary, *(tensors[i] for i in idx))
+            out = list(tensors)
+            for i, t in zip(idx, marked):
+                out[i] = t
+            out = tuple(out)
+    if binding is not None and not boundary.opens:
+        binding.coordinator.close(binding.side, boundary.describe(backward=False))
+    return out[0] if len(out) == 1 else out
+
+
+def _flat_tensors_marked(boundary: _Boundary, tree: Any) -> Any:
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten(tree)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if positions:
+        marked = mark(boundary, tuple(leaves[i] for i in positions))
+        if len(positions) == 1:
+            marked = (marked,)
+        for i, t in zip(positions, marked):
+            leaves[i] = t
+    else:  # nothing to mark: still pass the boundary so that regions pair up
+        mark(boundary, ())
+    return tree_unflatten(leaves, spec)
+
+
+class _MarkedMethod:
+    """A dispatch or combine method with the marks around it.
+
+    Holds the original bound method (not a closure over it) so that
+    ``copy.deepcopy`` of the module -- which stage splitting does -- rebinds
+    it to the copy.
+    """
+
+    def __init__(self, fn: Callable[..., Any], begin: _Boundary, end: _Boundary) -> None:
+        self.fn = fn
+        self.begin = begin
+        self.end = end
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _flat_tensors_marked(self.begin, (args, kwargs))
+        return _flat_tensors_marked(self.end, self.fn(*args, **kwargs))
+
+
+# Attribute values that are never dispatcher objects.
+_NOT_DISPATCHERS = (
+    nn.Module,
+    torch.Tensor,
+    type,
+    types.FunctionType,
+    types.MethodType,
+    functools.partial,
+    str,
+    bytes,
+    int,
+    float,
+    list,
+    tuple,
+    dict,
+    set,
+    type(None),
+)
+
+
+def _dispatcher_candidates(target: object) -> Iterator[tuple[str, object]]:
+    """``target``; if it is a module, its submodules and the plain objects they hold as attributes."""
+    if not isinstance(target, nn.Module):
+        yield "", target
+        return
+    for fqn, module in target.named_modules():
+        yield fqn, module
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or isinstance(value, _NOT_DISPATCHERS):
+                continue
+            yield f"{fqn}.{attr}" if fqn else attr, value
+
+
+def wrap_dispatch_combine(target: nn.Module | object, dispatch: str, combine: str) -> list[str]:
+    """The body of ``ep_overlap.wrap_dispatch_combine``."""
+    if dispatch == combine:
+        raise ValueError(f"wrap_dispatch_combine: dispatch and combine must be different methods, both are {dispatch!r}")
+    wrapped: list[str] = []
+    seen: set[int] = set()
+    for name, obj in _dispatcher_candidates(target):
+        fns = [getattr(obj, method, None) for method in (dispatch, combine)]
+        if id(obj) in seen or not all(callable(f) for f in fns):
+            continue
+        seen.add(id(obj))
+        for method, fn, begin, end in (
+            (dispatch, fns[0], _Boundary.DISPATCH_BEGIN, _Boundary.DISPATCH_END),
+            (combine, fns[1], _Boundary.COMBINE_BEGIN, _Boundary.COMBINE_END),
+        ):
+            if isinstance(fn, _MarkedMethod):
+                continue
+            try:
+                object.__setattr__(obj, method, _MarkedMethod(fn, begin, end))
+            except AttributeError as e:
+                raise TypeError(
+                    f"wrap_dispatch_combine: cannot wrap {type(obj).__name__}.{method} of {name or 'the target'!r}: "
+                    f"{e}; mark the communication in its code with dispatch_begin/dispatch_end and "
+                    "combine_begin/combine_end instead"
+                ) from e
+        wrapped.append(name)
+    if not wrapped:
+        raise ValueError(
+            f"wrap_dispatch_combine: nothing in {type(target).__name__} (itself, a submodule, or an object a module "
+            f"holds) has both a {dispatch!r} and a {combine!r} method"
+        )
+    return wrapped
+
+
+# handle id -> (capture, apply); an OrderedDict, as RemovableHandle holds a weak reference to it
+_thread_state_hooks: OrderedDict[int, tuple[Callable[[], Any], Callable[[Any], AbstractContextManager[Any]]]] = (
+    OrderedDict()
+)
+
+
+def register_thread_state(
+    capture: Callable[[], Any], apply: Callable[[Any], AbstractContextManager[Any]]
+) -> RemovableHandle:
+    """The body of ``ep_overlap.register_thread_state``."""
+    if not callable(capture) or not callable(apply):
+        raise TypeError("register_thread_state: capture and apply must be callables")
+    handle = RemovableHandle(_thread_state_hooks)
+    _thread_state_hooks[handle.id] = (capture, apply)
+    return handle

@@ -1,0 +1,390 @@
+"""Turn-taking of the two threads of an overlapped OVERLAP_F_B action.
+
+Private to :mod:`torch_pipelining_ext.ep_overlap`: one
+:class:`_CommCoordinator` per action decides when each side may communicate
+and compute; :mod:`._ep_marks` calls it at the marks, :mod:`._ep_rng` keeps
+the generator states it moves between the sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+
+from torch_pipelining_ext._ep_rng import _RNGDevices, _RNGWindows
+
+
+__all__ = ["CommWaitTimeoutError", "DEFAULT_WAIT_TIMEOUT_S", "TIMEOUT_ENV"]
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
+DEFAULT_WAIT_TIMEOUT_S = 600.0
+# A side hands the processor over after a region only if the region took at
+# least this long: waking the other thread costs tens to hundreds of
+# microseconds, more than a shorter region can hide.
+_HAND_OVER_MIN_REGION_S = 0.5e-3
+_timeout_s: float | None = None  # set_wait_timeout(); None: environment or default
+
+
+class CommWaitTimeoutError(RuntimeError):
+    """A thread of an overlapped action waited too long for its turn to communicate."""
+
+
+def _check_timeout(value: object, source: str) -> float:
+    """``value`` as a timeout in seconds: a positive number, ``math.inf`` for no limit."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{source}: the timeout must be a number of seconds, got {type(value).__name__} {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"{source}: the timeout must be a positive number of seconds (inf: no limit), got {value!r}")
+    return seconds
+
+
+def _set_timeout(seconds: float | None) -> None:
+    global _timeout_s
+    _timeout_s = None if seconds is None else _check_timeout(seconds, "set_wait_timeout")
+
+
+def _get_timeout() -> float:
+    if _timeout_s is not None:
+        return _timeout_s
+    env = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not env:
+        return DEFAULT_WAIT_TIMEOUT_S
+    try:
+        value = float(env)
+    except ValueError:
+        raise ValueError(f"${TIMEOUT_ENV}={env!r} is not a number of seconds (inf: no limit)") from None
+    try:
+        return _check_timeout(value, f"${TIMEOUT_ENV}={env!r}")
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+
+
+def _wait_arg(seconds: float) -> float | None:
+    """A timeout for ``threading`` waits and joins: ``None`` for no limit."""
+    return None if math.isinf(seconds) else seconds
+
+
+class _Side(enum.IntEnum):
+    FORWARD = 0
+    BACKWARD = 1
+
+    @property
+    def other(self) -> _Side:
+        return _Side(1 - self)
+
+    @property
+    def thread_name(self) -> str:
+        return "forward" if self is _Side.FORWARD else "backward"
+
+
+class _TurnState(enum.Enum):
+    """Where one side of an action is, as the turn-taking sees it."""
+
+    NOT_STARTED = "not started"
+    COMPUTING = "computing"
+    COMMUNICATING = "communicating"  # inside a (possibly nested) region
+    DONE = "done"  # finished or failed: gives up its turns
+
+
+class _CoordinatorState(enum.Enum):
+    RUNNING = "running"
+    STOPPED = "stopped"  # a side failed: nobody waits any more
+
+
+@dataclasses.dataclass
+class _SideTurns:
+    """One side's part of a coordinator's state."""
+
+    state: _TurnState = _TurnState.NOT_STARTED
+    depth: int = 0  # nesting of the current region (> 0 exactly when COMMUNICATING)
+    regions: int = 0  # regions opened so far
+    waiting: int = 0  # blocked in the coordinator (parked)
+    where: str | None = None  # last boundary passed
+    opened_at: float = 0.0  # clock() when the current region was entered
+    profiler_range: Any = None
+
+
+class _CommCoordinator:
+    """Turn-taking of the two threads of one overlapped action at communication boundaries.
+
+    The policy (it depends only on the order of boundaries on each thread,
+    never on timing):
+
+    * **Communication turns alternate**, the backward side first: its first
+      region, then the forward side's first, and so on; a side that is DONE
+      gives up its turns.  Regions are exclusive.
+    * **Compute is handed over at each boundary**: a side that closes its
+      region waits, before computing on, until the other side has opened its
+      next region (or finished); at the start the forward side waits likewise
+      for the backward side's first region.  So while one thread
+      communicates the other computes -- the phase pattern of DualPipe, which
+      is why the backward side communicates first.  After a region shorter
+      than ``hand_over_min_region_s`` the closing side does not wait: waking
+      the other thread would cost more than such a region can hide.
+      Hand-overs change when each thread computes, never the order of the
+      regions.
+    * **Random numbers** are drawn as the sequential handler draws them; see
+      [Note: random numbers in an overlapped action] in ``_ep_rng.py``.
+
+    State, guarded by one ``threading.Condition``: the coordinator's
+    :class:`_CoordinatorState`, ``turn`` (whose region is next), a
+    :class:`_SideTurns` per side and the backward side's :class:`_RNGWindows`.
+    Waiting on a ``Condition`` rather than a ``Barrier`` means a side woken
+    because the other failed merely finds the coordinator STOPPED.
+
+    Args:
+        rank: the global rank, for messages.
+        action: the action, for messages.
+        timeout: seconds a side may wait for the other (``math.inf``: no limit).
+        clock: measures region lengths (tests inject one).
+        hand_over_min_region_s: shorter regions are not handed over
+            (default: ``_HAND_OVER_MIN_REGION_S``, read when the coordinator is made).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        action: str,
+        timeout: float,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        hand_over_min_region_s: float | None = None,
+    ) -> None:
+        self.rank = rank
+        self.action = action
+        self.timeout = timeout
+        self._wait_timeout = _wait_arg(timeout)
+        self._clock = clock
+        self._hand_over_min_region_s = (
+            _HAND_OVER_MIN_REGION_S if hand_over_min_region_s is None else hand_over_min_region_s
+        )
+        self._cond = threading.Condition(threading.Lock())
+        self._state = _CoordinatorState.RUNNING
+        self._turn = _Side.BACKWARD
+        self._sides = (_SideTurns(), _SideTurns())
+        self._rng = _RNGWindows(_Side.BACKWARD, _Side.FORWARD)
+
+    @property
+    def _stopped(self) -> bool:
+        return self._state is _CoordinatorState.STOPPED
+
+    # -- transitions --------------------------------------------------------
+
+    def start(self, side: _Side) -> None:
+        """Before ``side`` computes at all: the side without the first turn waits for the other's first region."""
+        with self._cond:
+            other = self._sides[side.other]
+            where = "the start of its sub-action"
+            self._wait(
+                side,
+                where,
+                lambda: self._turn == side or self._stopped or other.state is _TurnState.DONE or other.regions > 0,
+                f"for the {side.other.thread_name} thread to start communicating before computing",
+            )
+            self._sides[side].state = _TurnState.COMPUTING
+            self._resume(side, where)
+
+    def open(self, side: _Side, where: str, phase: str) -> None:
+        """Enter a communication region of ``side`` (``where`` names the boundary)."""
+        me = self._sides[side]
+        with self._cond:
+            if me.depth:
+                me.depth += 1  # nested, e.g. recomputation inside a region
+                if self._sides[side.other].waiting:
+                    self._cond.notify_all()  # may have parked this side (inside an RNG window)
+                return
+            self._wait(side, where, lambda: self._may_open(side), "for its turn to communicate")
+            if self._stopped:
+                return
+            me.state, me.depth, me.where, me.opened_at = _TurnState.COMMUNICATING, 1, where, self._clock()
+            me.regions += 1
+            self._cond.notify_all()  # the other side may compute now
+        if torch.autograd.profiler._is_profiler_enabled:
+            rf = record_function(f"ep_overlap::{phase} communication ({side.thread_name} thread)")
+            rf.__enter__()
+            me.profiler_range = rf
+
+    def close(self, side: _Side, where: str) -> None:
+        """Leave a communication region of ``side``; a close without an open is ignored.
+
+        Leaving the outermost region hands the turn over and then waits until
+        the other side has opened its next region (or finished).
+        """
+        me, other = self._sides[side], self._sides[side.other]
+        with self._cond:
+            me.where = where
+            if me.depth == 0:
+                return
+            me.depth -= 1
+            if me.depth == 0:
+                self._release(side, _TurnState.COMPUTING)
+                if self._clock() - me.opened_at >= self._hand_over_min_region_s:
+                    target = other.regions + 1
+                    self._wait(
+                        side,
+                        where,
+                        lambda: self._stopped or other.state is _TurnState.DONE or other.regions >= target,
+                        f"for the {side.other.thread_name} thread to start communicating before computing on",
+                    )
+            if not self._in_comm(side):
+                self._resume(side, where)
+
+    def finish(self, side: _Side) -> None:
+        """``side`` has finished its sub-action (or failed): let the other side run freely."""
+        with self._cond:
+            if self._sides[side].depth:
+                self._sides[side].depth = 0
+                self._release(side, _TurnState.DONE)
+            self._sides[side].state = _TurnState.DONE
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """A side failed: stop coordinating and wake every waiter."""
+        with self._cond:
+            self._state = _CoordinatorState.STOPPED
+            self._cond.notify_all()
+
+    @contextmanager
+    def rng_window(self, side: _Side, devices: _RNGDevices, preserve: bool) -> Iterator[None]:
+        """A recomputation of ``side`` (inside ``torch.random.fork_rng``); see the RNG note.
+
+        Args:
+            side: the side that recomputes (the backward side).
+            devices: the generators the recomputation may draw from.
+            preserve: whether the recomputation installs saved states
+                (``fork_rng`` enabled); if not, drawing raises.
+
+        Raises:
+            RuntimeError: a window without preserved states drew numbers.
+        """
+        other = side.other
+        with self._cond:
+            outermost = not self._rng.is_open
+            if outermost:
+                self._wait(
+                    side,
+                    "the start of a recomputation",
+                    lambda: self._stopped or self._parked(other),
+                    f"for the {other.thread_name} thread to pause before the recomputation draws random numbers",
+                )
+            self._rng.begin(devices, self._sides[side].depth)
+            start = None if preserve or not outermost else self._rng.saved_state_of_other()
+        failed = False
+        try:
+            yield
+        except BaseException as e:
+            # non-reentrant checkpoint ends a recomputation early with an exception
+            early_stop = getattr(sys.modules.get("torch.utils.checkpoint"), "_StopRecomputationError", ())
+            failed = not isinstance(e, early_stop)
+            raise
+        finally:
+            with self._cond:
+                drew = outermost and start is not None and not failed and not self._stopped and self._rng.drew_since(start)
+                self._rng.end()
+                # whether this side counts as parked depends on its innermost window
+                self._cond.notify_all()
+            if drew:
+                raise RuntimeError(
+                    f"rank {self.rank}, action {self.action}: an activation-checkpointing recomputation "
+                    "without RNG state preservation (preserve_rng_state=False) drew random numbers on the "
+                    f"{side.thread_name} thread of an overlapped OVERLAP_F_B; it cannot draw the numbers "
+                    "the sequential handler would. Use preserve_rng_state=True, or run OVERLAP_F_B "
+                    "sequentially (TORCH_PIPELINING_EXT_OVERLAP=0)."  # [package-only]
+                    # [upstream-only]
+                    # "sequentially (do not register ep_overlap.overlap_f_b)."
+                    # [/upstream-only]
+                )
+
+    def regions_opened(self, side: _Side) -> int:
+        """Regions ``side`` has opened so far (for tests and the unmarked-pair rule)."""
+        with self._cond:
+            return self._sides[side].regions
+
+    def state_of(self, side: _Side) -> tuple[_TurnState, bool]:
+        """``side``'s state, and whether it is parked in this coordinator (for tests)."""
+        with self._cond:
+            return self._sides[side].state, self._sides[side].waiting > 0
+
+    # -- internals (call with the lock held) --------------------------------
+
+    def _may_open(self, side: _Side) -> bool:
+        other = self._sides[side.other]
+        return self._stopped or (other.depth == 0 and (self._turn == side or other.state is _TurnState.DONE))
+
+    def _release(self, side: _Side, state: _TurnState) -> None:
+        """``side`` leaves its outermost region for ``state``; the turn passes to the other side."""
+        me = self._sides[side]
+        me.state, self._turn = state, side.other
+        rf, me.profiler_range = me.profiler_range, None
+        if rf is not None:
+            rf.__exit__(None, None, None)
+        self._cond.notify_all()
+
+    def _in_comm(self, side: _Side) -> bool:
+        """Inside a communication region opened after this side's innermost RNG window began."""
+        base = self._rng.depths[-1] if side == self._rng.side and self._rng.is_open else 0
+        return self._sides[side].depth > base
+
+    def _parked(self, side: _Side) -> bool:
+        """``side`` draws no random numbers now: finished, blocked here, or communicating."""
+        me = self._sides[side]
+        return me.state is _TurnState.DONE or me.waiting > 0 or self._in_comm(side)
+
+    def _resume(self, side: _Side, where: str) -> None:
+        """``side`` computes next: inside an RNG window, take the generators over first."""
+        if not self._rng.is_open or self._rng.owner() == side:
+            return
+        other = side.other
+        self._wait(
+            side,
+            where,
+            lambda: self._stopped or not self._rng.is_open or self._rng.owner() == side or self._parked(other),
+            f"for the {other.thread_name} thread to pause drawing random numbers",
+        )
+        if not self._stopped:
+            self._rng.hand_to(side)
+
+    def _wait(self, side: _Side, where: str, predicate: Callable[[], bool], what: str) -> bool:
+        """Wait (lock held) until ``predicate``; True if this had to block."""
+        if predicate():
+            return False
+        me, other = self._sides[side], self._sides[side.other]
+        me.waiting += 1
+        try:
+            if other.waiting:
+                # This side is parked now, which the other side may be waiting
+                # for (the start of a recomputation, before its RNG window is
+                # recorded, or taking the generators over).
+                self._cond.notify_all()
+            if self._cond.wait_for(predicate, timeout=self._wait_timeout):
+                return True
+        finally:
+            me.waiting -= 1
+        if other.depth:
+            state = f"is inside its communication region (entered at {other.where})"
+        elif other.where is None:
+            state = "has not reached its first boundary"
+        else:
+            state = f"last passed {other.where} and has not reached its next boundary"
+        raise CommWaitTimeoutError(
+            f"rank {self.rank}, action {self.action}: the {side.thread_name} thread waited more than "
+            f"{self.timeout:g} s at {where} {what} (after {me.regions} regions of its own); the "
+            f"{side.other.thread_name} thread {state}. Every collective inside a stage must be between ep_overlap "
+            f"marks, identically on every rank; raise the limit with ep_overlap.set_wait_timeout() or "
+            f"${TIMEOUT_ENV} if the other side's compute is this long."
+        )
