@@ -62,7 +62,7 @@ __all__ = [
     "load_stage_weights",
     "meta_causal_lm",
     "pipeline_hf_causal_lm",
-    "reduce_replicated_gradients",
+    "reduce_expert_parallel_gradients",
     "sync_tied_gradients",
 ]
 
@@ -841,8 +841,9 @@ def pipeline_hf_causal_lm(
             all-to-all inside ``ep_overlap`` regions (see
             ``[Note: HF expert parallelism]``; fused experts of
             transformers 5.x).  Ranks of the group feed different data; call
-            ``CausalLMLoss.set_labels(labels, group=ep_group)`` and
-            :func:`reduce_replicated_gradients` after the step.
+            ``CausalLMLoss.set_labels(labels, group=ep_group)``, and
+            :func:`reduce_expert_parallel_gradients` after each step (or
+            :func:`fully_shard_replicated` once).
         **stage_kwargs: further ``PipelineStage`` arguments.
 
     Returns:
@@ -963,10 +964,12 @@ class CausalLMLoss:
         """Count the predicted tokens of the step's whole batch.
 
         With ``group`` (the expert-parallel group, whose ranks train on
-        different data) the count is summed over its ranks, so each rank's
-        losses are its share of the loss of the global batch, and the sum of
-        every rank's gradients is the global batch's gradient (see
-        :func:`reduce_replicated_gradients`).
+        different data) the count is that of the global batch over the
+        group's size: each rank's losses then average, over the group, to
+        the global batch's loss (the data-parallel convention), so the
+        gradients of replicated parameters are averaged over the group and
+        those of the sharded experts divided by its size
+        (:func:`reduce_expert_parallel_gradients`, :func:`fully_shard_replicated`).
         """
         count = (labels[..., 1:] != self.ignore_index).sum()
         if group is not None:
@@ -974,6 +977,10 @@ class CausalLMLoss:
 
             count = count.to(_group_device(group))
             dist.all_reduce(count, group=group)
+            if int(count) == 0:
+                raise ValueError(f"labels hold no token to predict on any rank (all but the first are {self.ignore_index})")
+            self.num_items_in_batch = int(count) / dist.get_world_size(group)
+            return
         n = int(count)
         if n == 0:
             raise ValueError(f"labels hold no token to predict (all but the first are {self.ignore_index})")
@@ -1037,18 +1044,18 @@ def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGro
                 p.grad.copy_(total)
 
 
-def reduce_replicated_gradients(parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup) -> None:
-    """Sum the gradients of the parameters replicated over the
+def reduce_expert_parallel_gradients(parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup) -> None:
+    """Average the gradients of the parameters replicated over the
     expert-parallel group (everything but the sharded experts) over its
-    ranks, after the step and before the optimizer.
+    ranks, and divide the experts' by its size; after the step, before the
+    optimizer.  Every rank of ``ep_group`` must call it.
 
-    Each rank's loss is its share of the global batch's
-    (``CausalLMLoss.set_labels(labels, group=ep_group)``), so the global
-    gradient of a replicated parameter is the sum of the ranks'; the sharded
-    experts' gradients already hold every rank's tokens (the all-to-all's
-    backward brings them back).  With FSDP2 over the same ranks instead, set
-    the replicated modules' gradient divide factor to 1 (FSDP averages by
-    default).  Every rank of ``ep_group`` must call it.
+    With ``CausalLMLoss.set_labels(labels, group=ep_group)`` each rank's
+    loss is the loss of its tokens as a share of the global batch, times the
+    group size (the losses average to the global loss), so the global
+    gradient of a replicated parameter is the ranks' average; a sharded
+    expert's gradient already sums every rank's tokens (the all-to-all's
+    backward brings them back), hence the division.
     """
     import torch.distributed as dist
 
@@ -1058,8 +1065,14 @@ def reduce_replicated_gradients(parts: Sequence[HFCausalLMStage], ep_group: dist
     ]
     if not params:
         return
+    size = dist.get_world_size(ep_group)
+    for part in parts:
+        for name, p in part.named_parameters():
+            if p.grad is not None and _hf_expert_parallel.is_expert_parameter(part, name):
+                p.grad.div_(size)
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
     dist.all_reduce(flat, group=ep_group)
+    flat.div_(size)
     offset = 0
     for p in params:
         total = flat[offset : offset + p.numel()].view(p.shape).to(p.dtype)
@@ -1074,20 +1087,22 @@ def fully_shard_replicated(parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_k
     """FSDP2 (``fully_shard``) over the data-parallel ``mesh`` for the
     parameters replicated over it, the sharded experts left out.
 
-    The FSDP way to do what :func:`reduce_replicated_gradients` does: with
-    ``mesh`` the expert-parallel dimension (whose ranks train on different
-    data), the replicated parameters are sharded and their gradients summed
-    by the reduce-scatter (divide factor 1, matching
-    ``CausalLMLoss.set_labels(labels, group=...)``), the experts' stay local.
-    Call it on this rank's stages before the first step, instead of
-    :func:`reduce_replicated_gradients`.
+    The FSDP way to do what :func:`reduce_expert_parallel_gradients` does:
+    with ``mesh`` the expert-parallel dimension (whose ranks train on
+    different data), the replicated parameters are sharded and their
+    gradients averaged by FSDP's reduce-scatter; the experts stay local and
+    every gradient they receive is divided by the mesh size (a tensor hook),
+    matching ``CausalLMLoss.set_labels(labels, group=...)``.  Call it on
+    this rank's stages once, before the first step.
     """
     from torch.distributed.fsdp import fully_shard
 
+    size = mesh.size()
     for part in parts:
-        experts = {p for name, p in part.named_parameters() if _hf_expert_parallel.is_expert_parameter(part, name)}
-        fully_shard(part, mesh=mesh, ignored_params=experts, **fsdp_kwargs)
-        part.set_gradient_divide_factor(1.0)
+        experts = [p for name, p in part.named_parameters() if _hf_expert_parallel.is_expert_parameter(part, name)]
+        fully_shard(part, mesh=mesh, ignored_params=set(experts), **fsdp_kwargs)
+        for p in experts:
+            p.register_hook(lambda grad: grad / size)
 
 
 def _group_device(group: Any) -> torch.device:
