@@ -343,9 +343,10 @@ class ModelShape:
         hidden = int(get("hidden_size") or get("n_embd"))
         heads = int(get("num_attention_heads") or get("n_head"))
         n_experts = int(get("n_routed_experts") or get("num_local_experts") or get("num_experts") or 0)
-        head_dim = get("head_dim") or (
-            (int(get("qk_nope_head_dim") or 0) + int(get("qk_rope_head_dim") or 0)) or hidden // heads
-        )
+        if get("kv_lora_rank"):  # multi-head latent attention: the query/key head is nope + rope
+            head_dim = int(get("qk_nope_head_dim") or 0) + int(get("qk_rope_head_dim") or 0)
+        else:
+            head_dim = get("head_dim") or hidden // heads
         return ModelShape(
             num_layers=int(get("num_hidden_layers") or get("n_layer")),
             hidden_size=hidden,
