@@ -5,7 +5,8 @@ does: a compute action starts when the rank is free and its inputs are there;
 ``SEND_*``/``RECV_*`` post a transfer and take no time on the rank; a
 transfer starts when both its send and its receive are posted and takes
 ``LinkCost.time(bytes)``; stages on one rank hand activations over directly.
-``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` take no time.  Nothing here is
+``WAIT_SEND_*`` (newer torch) blocks the rank until that transfer has
+arrived.  ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` take no time.  Nothing here is
 measured: it is a prediction from the costs given.
 """
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 _COMPUTE = ("F", "I", "W", "B")
 _SENDS = {"SEND_F": "F", "SEND_B": "B"}
 _RECVS = {"RECV_F": "F", "RECV_B": "B"}
+_WAIT_SENDS = {"WAIT_SEND_F": "F", "WAIT_SEND_B": "B"}
 
 
 class Side(enum.IntEnum):
@@ -348,6 +350,11 @@ class _Simulation:
             self.posted_send[(direction, dst, a.microbatch_index)] = max(st.time, comp_done)
         elif ctype in _RECVS:
             self.posted_recv[(_RECVS[ctype], a.stage_index, a.microbatch_index)] = st.time
+        elif ctype in _WAIT_SENDS:
+            # the send is complete once its transfer has arrived
+            direction = _WAIT_SENDS[ctype]
+            dst = a.stage_index + 1 if direction == "F" else a.stage_index - 1
+            st.time = max(st.time, self._arrival(direction, dst, a.microbatch_index))
         # UNSHARD / RESHARD / REDUCE_GRAD: no time in this model
         st.pos += 1
 

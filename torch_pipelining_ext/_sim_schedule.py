@@ -41,6 +41,9 @@ _KIND = {
         ("UNSHARD", "UNSHARD"),
         ("RESHARD", "RESHARD"),
         ("REDUCE_GRAD", "REDUCE_GRAD"),
+        ("WAIT_SEND_F", "WAIT_SEND_F"),  # newer torch: block until an earlier send has completed
+        ("WAIT_SEND_B", "WAIT_SEND_B"),
+        ("WAIT_REDUCE_GRAD", "WAIT_REDUCE_GRAD"),
     )
     if hasattr(_schedules, name)
 }
@@ -48,7 +51,12 @@ _KIND = {
 
 def kind(action: Any) -> str:
     """``"F"``, ``"I"``, ``"W"``, ``"B"``, ``"SEND_F"``, ... for a torch ``_Action``."""
-    return _KIND[action.computation_type]
+    try:
+        return _KIND[action.computation_type]
+    except KeyError:
+        raise ValueError(
+            f"action {action}: the simulator has no model for computation type {action.computation_type!r}"
+        ) from None
 
 
 class _PlaceholderStage:
