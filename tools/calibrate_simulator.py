@@ -1,0 +1,257 @@
+"""Calibrate the schedule simulator on measured runs: simulated vs measured step time, side by side.
+
+For each case (schedule, OVERLAP_F_B handler) this script runs real steps on
+PP=2 gloo ranks (CPU, one thread each) with a small MLP per stage whose
+middle holds an expert-parallel stand-in: a sleep of ``--latency-ms`` in
+forward and in backward between ``ep_overlap.dispatch_begin``/``dispatch_end``
+marks (the simulated link latency).  Per-action costs are taken from the same
+run (every F/I/W/B action timed through ``register_custom_function``; the 25th
+percentile per stage and computation, so that actions that waited for a peer
+do not count), the pipeline send/recv latency from a ping-pong, and the
+simulator predicts the step from torch's own schedule with those costs.
+
+One row per case; the last line is machine-readable::
+
+    cases=N within_10pct=M
+
+A case whose measured steps spread more than ``--max-spread`` (max-min over
+median) is reported as ``unmeasurable`` (a loaded 2-core machine) and not
+counted as within 10 %.  Schedules without OVERLAP_F_B actions run the same
+with the overlap on or off, so only DualPipeV is run both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from torch_pipelining_ext import ep_overlap  # noqa: E402
+from torch_pipelining_ext._schedule_runtime import perform_action, sequential_overlap_f_b  # noqa: E402
+from torch_pipelining_ext.simulate import LinkCost, OverlapModel, StageCost, simulate  # noqa: E402
+
+
+# (label, torch schedule name, stages per rank, overlap handler)
+CASES = [
+    ("1F1B", "Interleaved1F1B", 1, None),
+    ("Interleaved1F1B", "Interleaved1F1B", 2, None),
+    ("ZBVZeroBubble", "ZBVZeroBubble", 2, None),
+    ("DualPipeV overlap off", "DualPipeV", 2, False),
+    ("DualPipeV overlap on", "DualPipeV", 2, True),
+]
+
+_LATENCY_S = 0.0
+
+
+class _LinkSleep(torch.autograd.Function):
+    """The expert-parallel stand-in: sleeps in forward and in backward (the GIL is released)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(_LATENCY_S)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(_LATENCY_S)
+        return grad
+
+
+class _Stage(nn.Module):
+    def __init__(self, dim: int, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = ep_overlap.dispatch_end(_LinkSleep.apply(ep_overlap.dispatch_begin(h)))
+        return torch.tanh(self.b(h))
+
+
+class _Timer:
+    """A custom function that times each action it runs (perform_action: the package's bookkeeping)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[tuple[int, str], list[float]] = {}
+        self.on = False
+
+    def __call__(self, action: Any, ctx: Any) -> None:
+        t0 = time.perf_counter()
+        perform_action(action, ctx)
+        if self.on:
+            key = (action.stage_index, str(action)[len(str(action.stage_index))])
+            self.samples.setdefault(key, []).append(time.perf_counter() - t0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping_pong(rank: int, dim: int, tokens: int, repeats: int = 20) -> float:
+    """One-way latency of an activation-sized send/recv between the two ranks (median)."""
+    t = torch.zeros(tokens, dim)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    global _LATENCY_S
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    torch.set_num_threads(1)
+    _LATENCY_S = args.latency_ms / 1e3
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    link = _ping_pong(rank, args.dim, args.tokens)
+    rows = []
+    for label, name, v, overlap in CASES:
+        cls = schedules.get_schedule_class(name)
+        n_stages = world * v
+        if name in ("ZBVZeroBubble", "DualPipeV"):
+            ids = [rank, n_stages - 1 - rank]
+        else:
+            ids = [rank + i * world for i in range(v)]
+        stages = [PipelineStage(_Stage(args.dim, i), i, n_stages, torch.device("cpu")) for i in ids]
+        sched = cls(stages, args.microbatches, loss_fn=lambda y, t: F.mse_loss(y, t))
+        timer = _Timer()
+        for comp in (schedules.FORWARD, schedules.BACKWARD_INPUT, schedules.BACKWARD_WEIGHT, schedules.FULL_BACKWARD):
+            sched._comp_type_to_function_map[comp] = timer
+        if overlap is False:
+            sched._comp_type_to_function_map[schedules.OVERLAP_F_B] = sequential_overlap_f_b
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(args.microbatches * args.tokens, args.dim, generator=gen)
+        target = torch.randn(args.microbatches * args.tokens, args.dim, generator=gen)
+        steps = []
+        for i in range(args.warmup + args.steps):
+            for s in stages:
+                s.submod.zero_grad(set_to_none=True)
+            timer.on = i >= args.warmup
+            dist.barrier()
+            t0 = time.perf_counter()
+            sched.step(x, target=target) if rank == 0 else sched.step(target=target)
+            elapsed = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                steps.append(float(elapsed))
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, timer.samples)
+        if rank == 0:
+            samples: dict[tuple[int, str], list[float]] = {}
+            for g in gathered:
+                samples.update(g)
+            rows.append((label, name, v, overlap, steps, samples, n_stages))
+        dist.barrier()
+    if rank == 0:
+        queue.put((link, rows))
+    dist.destroy_process_group()
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _stage_costs(samples: dict[tuple[int, str], list[float]], n_stages: int, latency: float) -> list[StageCost]:
+    out = []
+    for s in range(n_stages):
+        got = {c: _quantile(samples[(s, c)], 0.25) for c in "FIWB" if (s, c) in samples}
+        if "F" not in got or not ("B" in got or "I" in got):
+            raise RuntimeError(f"stage {s}: no timed forward/backward actions (got {sorted(got)})")
+        f = max(got["F"] - latency, 0.0)
+        if "I" in got:
+            i = max(got["I"] - latency, 0.0)
+            w = got.get("W", 0.0)
+        else:
+            # only full backwards were timed: split like the stand-in model (input half, weight half)
+            b = max(got["B"] - latency, 0.0)
+            i, w = b / 2, b / 2
+        full = None
+        if "B" in got:
+            b = max(got["B"] - latency, 0.0)
+            full = (b / 2, latency, b / 2)
+        out.append(
+            StageCost(
+                forward=(f / 2, latency, f / 2),
+                backward_input=(i / 2, latency, i / 2),
+                backward_weight=w,
+                full_backward=full,
+            )
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--tokens", type=int, default=384, help="rows per microbatch")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--latency-ms", type=float, default=4.0, help="the simulated link latency of each EP region")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--handover-us", type=float, default=100.0, help="thread hand-over cost in the CPU overlap model")
+    p.add_argument("--max-spread", type=float, default=0.25)
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    link, rows = queue.get(timeout=1800)
+    for pr in procs:
+        pr.join(timeout=60)
+    from torch_pipelining_ext._sim_schedule import build_schedule
+
+    print(f"PP=2 gloo ranks, 1 thread each, dim {args.dim}, {args.tokens} rows/microbatch, "
+          f"{args.microbatches} microbatches, EP stand-in {args.latency_ms:g} ms per region, "
+          f"measured p2p {link * 1e3:.3f} ms; step times are medians of {args.steps} steps")
+    print(f"{'case':<24}{'measured s':>11}{'spread':>8}{'simulated s':>12}{'error':>8}  verdict")
+    within = 0
+    for label, name, v, overlap, steps, samples, n_stages in rows:
+        measured = statistics.median(steps)
+        spread = (max(steps) - min(steps)) / measured
+        costs = _stage_costs(samples, n_stages, args.latency_ms / 1e3)
+        model = OverlapModel(enabled=overlap is not False, streams=False, handover=args.handover_us * 1e-6)
+        sched = build_schedule(name, world, args.microbatches, v)
+        predicted = simulate(sched, costs, link=LinkCost(latency=link), overlap=model).step_time
+        err = (predicted - measured) / measured
+        if spread > args.max_spread:
+            verdict = f"unmeasurable (steps spread {spread:.0%} > {args.max_spread:.0%}: machine too noisy)"
+        elif abs(err) <= 0.10:
+            verdict = "within 10%"
+            within += 1
+        else:
+            verdict = "outside 10%"
+        print(f"{label:<24}{measured:>11.4f}{spread:>8.1%}{predicted:>12.4f}{err:>+8.1%}  {verdict}")
+    print(f"cases={len(rows)} within_10pct={within}")
+
+
+if __name__ == "__main__":
+    main()
