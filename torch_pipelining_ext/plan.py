@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+import logging
 from typing import Any
 
 from torch_pipelining_ext.simulate import (
@@ -35,6 +36,8 @@ from torch_pipelining_ext.simulate import (
 
 
 __all__ = ["MODEL_PRESETS", "Candidate", "main", "plan"]
+
+logger = logging.getLogger(__name__)
 
 # Fields of the public config.json files (Hugging Face Hub).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -139,8 +142,6 @@ def plan(
                 for m in microbatches or (n_stages, 2 * n_stages):
                     if global_batch % (dp * m) or (name == "DualPipeV" and m < n_stages):
                         continue
-                    if name == "Interleaved1F1B" and v > 1 and m % pp:
-                        continue
                     tokens = global_batch // (dp * m) * seq_len
                     layers, embed, head = layer_costs(
                         shape, hardware, tokens=tokens, seq_len=seq_len, ep=ep, dtype_bytes=a2a_bytes,
@@ -151,10 +152,14 @@ def plan(
                     link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
                     params = _stage_params(shape, split, ep)
                     for overlap in (True, False) if name == "DualPipeV" else (None,):
-                        result = simulate_schedule(
-                            name, pp, m, costs, stages_per_rank=v, link=link,
-                            overlap=OverlapModel(enabled=bool(overlap)),
-                        )
+                        try:
+                            result = simulate_schedule(
+                                name, pp, m, costs, stages_per_rank=v, link=link,
+                                overlap=OverlapModel(enabled=bool(overlap)),
+                            )
+                        except ValueError as e:  # torch's constructor refuses this (PP, microbatches)
+                            logger.debug("skipping %s pp=%d m=%d: %s", label, pp, m, e)
+                            break
                         # bf16 weights + fp32 gradients, fp32 master weights and Adam moments sharded over DP (ZeRO-1)
                         mem = 0.0
                         for rank in range(pp):
