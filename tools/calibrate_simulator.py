@@ -5,10 +5,13 @@ PP=2 gloo ranks (CPU, one thread each) with a small MLP per stage whose
 middle holds an expert-parallel stand-in: a sleep of ``--latency-ms`` in
 forward and in backward between ``ep_overlap.dispatch_begin``/``dispatch_end``
 marks (the simulated link latency).  Per-action costs are taken from the same
-run (every F/I/W/B action timed through ``register_custom_function``; the 25th
-percentile per stage and computation, so that actions that waited for a peer
-do not count), the pipeline send/recv latency from a ping-pong, and the
-simulator predicts the step from torch's own schedule with those costs.
+run (every F/I/W/B action timed through ``register_custom_function``, minus the
+time it waited for its input -- see :func:`_durations` -- median per stage and
+computation), the pipeline send/recv latency from a ping-pong, and the
+simulator predicts the step from torch's own schedule with those costs;
+the measured time before the first and after the last action of a step
+(``fixed``: input split, outstanding sends, loss; not a schedule matter) is
+added to the prediction and printed on its own.
 
 One row per case; the last line is machine-readable::
 
@@ -40,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from torch_pipelining_ext import ep_overlap  # noqa: E402
 from torch_pipelining_ext._schedule_runtime import perform_action, sequential_overlap_f_b  # noqa: E402
+from torch_pipelining_ext._sim_schedule import kind  # noqa: E402
 from torch_pipelining_ext.simulate import LinkCost, OverlapModel, StageCost, simulate  # noqa: E402
 
 
@@ -83,18 +87,17 @@ class _Stage(nn.Module):
 
 
 class _Timer:
-    """A custom function that times each action it runs (perform_action: the package's bookkeeping)."""
+    """A custom function that records when each action it runs starts and ends (perform_action does the work)."""
 
     def __init__(self) -> None:
-        self.samples: dict[tuple[int, str], list[float]] = {}
-        self.on = False
+        self.log: list[tuple[int, int, str, int, float, float]] = []  # (step, stage, kind, mb, start, end)
+        self.step = -1  # < 0: not recording
 
     def __call__(self, action: Any, ctx: Any) -> None:
         t0 = time.perf_counter()
         perform_action(action, ctx)
-        if self.on:
-            key = (action.stage_index, str(action)[len(str(action.stage_index))])
-            self.samples.setdefault(key, []).append(time.perf_counter() - t0)
+        if self.step >= 0:
+            self.log.append((self.step, action.stage_index, kind(action), action.microbatch_index, t0, time.perf_counter()))
 
 
 def _free_port() -> int:
@@ -147,39 +150,94 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         x = torch.randn(args.microbatches * args.tokens, args.dim, generator=gen)
         target = torch.randn(args.microbatches * args.tokens, args.dim, generator=gen)
         steps = []
+        bounds: list[tuple[int, float, float]] = []  # (step, start, end) of this rank's step calls
         for i in range(args.warmup + args.steps):
             for s in stages:
                 s.submod.zero_grad(set_to_none=True)
-            timer.on = i >= args.warmup
+            timer.step = i - args.warmup
             dist.barrier()
             t0 = time.perf_counter()
             sched.step(x, target=target) if rank == 0 else sched.step(target=target)
-            elapsed = torch.tensor([time.perf_counter() - t0])
+            t1 = time.perf_counter()
+            bounds.append((i - args.warmup, t0, t1))
+            elapsed = torch.tensor([t1 - t0])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= args.warmup:
                 steps.append(float(elapsed))
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, timer.samples)
+        dist.all_gather_object(gathered, (rank, timer.log, bounds))
         if rank == 0:
-            samples: dict[tuple[int, str], list[float]] = {}
-            for g in gathered:
-                samples.update(g)
-            rows.append((label, name, v, overlap, steps, samples, n_stages))
+            log = [entry for _, g, _ in gathered for entry in g]
+            fixed = _fixed_time(gathered, args.steps)
+            durations = _durations(log, dict(sched.stage_index_to_group_rank), link)
+            rows.append((label, name, v, overlap, steps, durations, n_stages, fixed))
         dist.barrier()
     if rank == 0:
         queue.put((link, rows))
     dist.destroy_process_group()
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+def _durations(
+    log: list[tuple[int, int, str, int, float, float]], stage_to_rank: dict[int, int], link: float
+) -> dict[tuple[int, str], list[float]]:
+    """Each action's execution time without the time it waited for its input.
+
+    An action's time includes waiting for its activation or gradient.  With
+    every rank's start and end times on one clock (``perf_counter`` is the
+    system-wide monotonic clock on Linux), an action runs from the later of
+    its start and its input's arrival (the producer's end, plus the measured
+    send/recv latency when the producer is on another rank) until its end.
+    """
+    n_stages = len(stage_to_rank)
+    end = {(step, s, k, mb): e for step, s, k, mb, _, e in log}
+    out: dict[tuple[int, str], list[float]] = {}
+    for step, s, k, mb, t0, t1 in log:
+        producers = []
+        if k == "F" and s > 0:
+            producers.append((s - 1, ("F",)))
+        if k in ("I", "B") and s < n_stages - 1:
+            producers.append((s + 1, ("I", "B")))
+        ready = t0
+        for src, kinds in producers:
+            for pk in kinds:
+                if (step, src, pk, mb) in end:
+                    hop = link if stage_to_rank[src] != stage_to_rank[s] else 0.0
+                    ready = max(ready, end[(step, src, pk, mb)] + hop)
+        out.setdefault((s, k), []).append(max(t1 - ready, 0.0))
+    return out
+
+
+def _fixed_time(gathered: list[Any], n_steps: int) -> float:
+    """Time of a step outside its actions: before the first (input split, first receives) and after the last.
+
+    Per step: the largest head of any rank, plus the tail of the rank that
+    ends the step last (its outstanding sends, the loss and gradient
+    scaling); the median over steps.  The schedule simulator models neither.
+    """
+    per_step = []
+    for step in range(n_steps):
+        heads, ends = [], []
+        for rank, log, bounds in gathered:
+            mine = [e for e in log if e[0] == step]
+            b = [x for x in bounds if x[0] == step]
+            if not mine or not b:
+                continue
+            _, t0, t1 = b[0]
+            heads.append(min(e[4] for e in mine) - t0)
+            ends.append((t1, t1 - max(e[5] for e in mine)))
+        if heads:
+            per_step.append(max(heads) + max(ends)[1])
+    return statistics.median(per_step) if per_step else 0.0
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
 
 
 def _stage_costs(samples: dict[tuple[int, str], list[float]], n_stages: int, latency: float) -> list[StageCost]:
     out = []
     for s in range(n_stages):
-        got = {c: _quantile(samples[(s, c)], 0.25) for c in "FIWB" if (s, c) in samples}
+        got = {c: _median(samples[(s, c)]) for c in "FIWB" if (s, c) in samples}
         if "F" not in got or not ("B" in got or "I" in got):
             raise RuntimeError(f"stage {s}: no timed forward/backward actions (got {sorted(got)})")
         f = max(got["F"] - latency, 0.0)
@@ -232,15 +290,15 @@ def main() -> None:
     print(f"PP=2 gloo ranks, 1 thread each, dim {args.dim}, {args.tokens} rows/microbatch, "
           f"{args.microbatches} microbatches, EP stand-in {args.latency_ms:g} ms per region, "
           f"measured p2p {link * 1e3:.3f} ms; step times are medians of {args.steps} steps")
-    print(f"{'case':<24}{'measured s':>11}{'spread':>8}{'simulated s':>12}{'error':>8}  verdict")
+    print(f"{'case':<24}{'measured s':>11}{'spread':>8}{'fixed s':>9}{'predicted s':>12}{'error':>8}  verdict")
     within = 0
-    for label, name, v, overlap, steps, samples, n_stages in rows:
+    for label, name, v, overlap, steps, samples, n_stages, fixed in rows:
         measured = statistics.median(steps)
         spread = (max(steps) - min(steps)) / measured
         costs = _stage_costs(samples, n_stages, args.latency_ms / 1e3)
         model = OverlapModel(enabled=overlap is not False, streams=False, handover=args.handover_us * 1e-6)
         sched = build_schedule(name, world, args.microbatches, v)
-        predicted = simulate(sched, costs, link=LinkCost(latency=link), overlap=model).step_time
+        predicted = simulate(sched, costs, link=LinkCost(latency=link), overlap=model).step_time + fixed
         err = (predicted - measured) / measured
         if spread > args.max_spread:
             verdict = f"unmeasurable (steps spread {spread:.0%} > {args.max_spread:.0%}: machine too noisy)"
@@ -249,7 +307,7 @@ def main() -> None:
             within += 1
         else:
             verdict = "outside 10%"
-        print(f"{label:<24}{measured:>11.4f}{spread:>8.1%}{predicted:>12.4f}{err:>+8.1%}  {verdict}")
+        print(f"{label:<24}{measured:>11.4f}{spread:>8.1%}{fixed:>9.4f}{predicted:>12.4f}{err:>+8.1%}  {verdict}")
     print(f"cases={len(rows)} within_10pct={within}")
 
 

@@ -405,6 +405,7 @@ def layer_costs(
     ep: int = 1,
     tp: int = 1,
     dtype_bytes: int = 2,
+    a2a_dtype_bytes: int | None = None,
     recompute: bool = False,
 ) -> tuple[list[LayerCost], StageCost, StageCost]:
     """Per-layer costs of one microbatch of ``tokens`` tokens on ``hardware``; also the embedding and the head.
@@ -412,7 +413,7 @@ def layer_costs(
     FLOPs: ``2 * active params * tokens`` for the forward, twice that for the
     backward (split evenly between I and W), plus causal attention scores
     ``2 * 2 * tokens * seq_len * heads * head_dim / 2``, all in I.  Dispatch
-    and combine each move ``tokens * top_k * hidden * dtype_bytes * (ep - 1) / ep``
+    and combine each move ``tokens * top_k * hidden * a2a_dtype_bytes * (ep - 1) / ep``
     bytes per GPU over the all-to-all bandwidth (intra-node when ``ep`` fits in
     a node, else inter-node).  Activation bytes per layer: ``34 * tokens * hidden``
     (the usual estimate for bf16 with flash attention; ``recompute``: only the
@@ -424,7 +425,7 @@ def layer_costs(
     attn_core = 2 * tokens * seq_len * shape.num_heads * shape.head_dim  # QK^T and PV, causal half of 2*2*...
     if ep > 1:
         bw = hardware.intra_node_a2a_gbps if ep <= hardware.gpus_per_node else hardware.inter_node_a2a_gbps
-        a2a_bytes = tokens * shape.top_k * h * dtype_bytes * (ep - 1) / ep
+        a2a_bytes = tokens * shape.top_k * h * (a2a_dtype_bytes or dtype_bytes) * (ep - 1) / ep
         a2a = hardware.a2a_latency + a2a_bytes / (bw * 1e9)
     else:
         a2a = 0.0

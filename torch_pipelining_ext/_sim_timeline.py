@@ -64,7 +64,7 @@ def plot_timeline(result: SimulationResult, path: str | os.PathLike, *, title: s
 
     colors = {"F": "#4C72B0", "B": "#DD8452", "comm": "#C44E52", "overlap": "#E8E8E8"}
     ranks = sorted({r.rank for r in result.ranks})
-    scale = 1e3  # ms
+    scale, unit = (1e3, "ms") if result.step_time < 10 else (1.0, "s")
     fig = Figure(figsize=(14, 1.4 + 0.55 * 2 * len(ranks)), dpi=110)
     ax = fig.subplots()
     pairs: dict[int, list[tuple[float, float]]] = {}
@@ -89,9 +89,9 @@ def plot_timeline(result: SimulationResult, path: str | os.PathLike, *, title: s
     ax.set_ylim(2 * len(ranks) - 0.5, -0.5)
     ax.set_xlim(0, result.step_time * scale * 1.01)
     ax.grid(axis="x", alpha=0.3)
-    ax.set_xlabel("time since the start of the step (ms)")
+    ax.set_xlabel(f"time since the start of the step ({unit})")
     ax.set_title(
-        title or f"predicted step {result.step_time * scale:.3g} ms (simulation, not a measurement)",
+        title or f"predicted step {result.step_time * scale:.4g} {unit} (simulation, not a measurement)",
         loc="left", fontsize=11,
     )
     handles = [

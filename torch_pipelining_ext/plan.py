@@ -144,7 +144,7 @@ def plan(
                         continue
                     tokens = global_batch // (dp * m) * seq_len
                     layers, embed, head = layer_costs(
-                        shape, hardware, tokens=tokens, seq_len=seq_len, ep=ep, dtype_bytes=a2a_bytes,
+                        shape, hardware, tokens=tokens, seq_len=seq_len, ep=ep, a2a_dtype_bytes=a2a_bytes,
                         recompute=recompute,
                     )
                     split = _split(shape.num_layers, n_stages)

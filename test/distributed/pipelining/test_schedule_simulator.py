@@ -261,6 +261,55 @@ class ScheduleInputTest(TestCase):
         self.assertEqual(len(result.ranks), 8)
 
 
+class TimelineAndDeviceTimesTest(TestCase):
+    def test_png(self):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            self.skipTest("matplotlib (the plot extra) is not installed")
+        from torch_pipelining_ext.simulate import plot_timeline
+
+        cost = StageCost(forward=(1.0, 0.5, 1.0), backward_input=(0.0, 0.5, 2.0), backward_weight=1.0)
+        result = simulate_schedule("DualPipeV", 2, 4, cost)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "t.png")
+            plot_timeline(result, path)
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+    def test_gpu_check_action_kernel_times(self):
+        # tools/gpu_check.py: kernels belong to the PP: range holding their launch (by correlation id)
+        import importlib.util
+
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(repo, "tools", "gpu_check.py"))
+        gpu_check = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gpu_check)
+
+        def cpu(name, ts, dur, tid=1, **args):
+            return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "cat": "cpu_op", "args": args}
+
+        def kernel(name, ts, dur, corr):
+            return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 7, "cat": "kernel", "args": {"correlation": corr}}
+
+        events = [
+            cpu("PP:0F0", 0, 100), cpu("cudaLaunchKernel", 10, 1, correlation=1),
+            cpu("cudaLaunchKernel", 20, 1, correlation=2),
+            cpu("PP:0F1", 200, 100), cpu("cudaLaunchKernel", 210, 1, correlation=3),
+            cpu("PP:(0F2;1B0)OVERLAP_F_B", 400, 100), cpu("cudaLaunchKernel", 410, 1, correlation=4),
+            kernel("gemm", 50, 30, 1), kernel(gpu_check.STANDIN_KERNEL, 80, 40, 2), kernel("gemm", 250, 50, 3),
+            kernel("gemm", 450, 99, 4),
+        ]
+        times = gpu_check.action_kernel_times(events)
+        self.assertEqual(set(times), {"0F"})
+        self.assertEqual(times["0F"]["n"], 2.0)
+        self.assertEqual(times["0F"]["compute_us"], 40.0)  # median of 30 and 50
+        self.assertEqual(times["0F"]["standin_us"], 20.0)  # median of 40 and 0
+        # without kernels (CPU), a range's duration is its compute
+        cpu_times = gpu_check.action_kernel_times([e for e in events if e["cat"] != "kernel"])
+        self.assertEqual(cpu_times["0F"]["compute_us"], 100.0)
+
+
 def _dump_has_format(sched) -> bool:
     import inspect
 
