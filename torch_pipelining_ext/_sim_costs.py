@@ -53,11 +53,6 @@ def _as_segments(value: float | Sequence[float], name: str) -> Segments:
     return seg
 
 
-def _reverse_comm(seg: Segments) -> Segments:
-    """The backward's segments for a forward's: the same regions in reverse order, compute scaled later."""
-    return tuple(reversed(seg))
-
-
 @dataclasses.dataclass(frozen=True)
 class StageCost:
     """Costs of one pipeline stage, per microbatch, in seconds and bytes.

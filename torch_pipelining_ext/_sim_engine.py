@@ -200,12 +200,12 @@ def overlap_pair(
         if not busy:  # cannot happen under the rules above; guard against a silent hang
             raise RuntimeError(f"OVERLAP_F_B model stalled at t={t}: positions {pos}, regions {regions}")
         t, side = min(busy, key=lambda x: (x[0], x[1] != Side.BACKWARD))
-        kind, _ = running[side]  # type: ignore[misc]
+        what, _ = running[side]  # type: ignore[misc]
         dur = segs[side][pos[side]]
         running[side] = None
         pos[side] += 1
         free_since[side] = t
-        if kind == "comm":
+        if what == "comm":
             turn = side.other
             if dur >= model.min_region:
                 handover_target[side] = regions[side.other] + 1
