@@ -13,7 +13,6 @@ measured: it is a prediction from the costs given.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 from torch_pipelining_ext._sim_costs import LinkCost, OverlapModel, Segments, StageCost
 from torch_pipelining_ext._sim_schedule import kind
+from torch_pipelining_ext.ep_overlap import _Side as Side  # the coordinator's two sides
 
 
 __all__ = ["ActionRecord", "RankSummary", "SimulationResult", "run_simulation"]
@@ -31,15 +31,6 @@ _COMPUTE = ("F", "I", "W", "B")
 _SENDS = {"SEND_F": "F", "SEND_B": "B"}
 _RECVS = {"RECV_F": "F", "RECV_B": "B"}
 _WAIT_SENDS = {"WAIT_SEND_F": "F", "WAIT_SEND_B": "B"}
-
-
-class Side(enum.IntEnum):
-    FORWARD = 0
-    BACKWARD = 1
-
-    @property
-    def other(self) -> Side:
-        return Side(1 - self)
 
 
 @dataclasses.dataclass(frozen=True)
