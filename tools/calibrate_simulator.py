@@ -7,8 +7,9 @@ forward and in backward between ``ep_overlap.dispatch_begin``/``dispatch_end``
 marks (the simulated link latency).  Per-action costs are taken from the same
 run (every F/I/W/B action timed through ``register_custom_function``, minus the
 time it waited for its input -- see :func:`_durations` -- median per stage and
-computation), the pipeline send/recv latency from a ping-pong, and the
-simulator predicts the step from torch's own schedule with those costs;
+computation), the pipeline send/recv latency from a ping-pong and the rank time
+per posted send or receive (``post ms``: the gaps between actions, see
+:func:`_post_overhead`); the simulator predicts the step from torch's own schedule with those costs;
 the measured time before the first and after the last action of a step
 (``fixed``: input split, outstanding sends, loss; not a schedule matter) is
 added to the prediction and printed on its own.
@@ -170,7 +171,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
             log = [entry for _, g, _ in gathered for entry in g]
             fixed = _fixed_time(gathered, args.steps)
             durations = _durations(log, dict(sched.stage_index_to_group_rank), link)
-            rows.append((label, name, v, overlap, steps, durations, n_stages, fixed))
+            post = _post_overhead(log, sched.pipeline_order_with_comms, dict(sched.stage_index_to_group_rank))
+            rows.append((label, name, v, overlap, steps, durations, n_stages, fixed, post))
         dist.barrier()
     if rank == 0:
         queue.put((link, rows))
@@ -228,6 +230,39 @@ def _fixed_time(gathered: list[Any], n_steps: int) -> float:
         if heads:
             per_step.append(max(heads) + max(ends)[1])
     return statistics.median(per_step) if per_step else 0.0
+
+
+def _post_overhead(
+    log: list[tuple[int, int, str, int, float, float]], order: dict[int, list[Any]], stage_to_rank: dict[int, int]
+) -> float:
+    """Rank time per non-compute action (posting a send or receive, the runtime's loop), measured in the steps.
+
+    Between two timed compute actions that follow each other in a rank's
+    action list with only communication actions between them, the rank does
+    nothing but post those: the gap divided by their number, median over
+    every such gap.
+    """
+    where: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for rank, actions in order.items():
+        for i, a in enumerate(actions):
+            if a.sub_actions is None and kind(a) in ("F", "I", "W", "B"):
+                where[(kind(a), a.stage_index, a.microbatch_index)] = (rank, i)
+    compute_at = {
+        rank: {i for i, a in enumerate(actions) if a.sub_actions is not None or kind(a) in ("F", "I", "W", "B")}
+        for rank, actions in order.items()
+    }
+    by_step_rank: dict[tuple[int, int], list[tuple[int, float, float]]] = {}
+    for step, s, k, mb, t0, t1 in log:
+        rank, i = where[(k, s, mb)]
+        by_step_rank.setdefault((step, rank), []).append((i, t0, t1))
+    samples = []
+    for (_, rank), entries in by_step_rank.items():
+        entries.sort()
+        for (i, _, end), (j, start, _) in zip(entries, entries[1:]):
+            between = [x for x in range(i + 1, j)]
+            if between and not any(x in compute_at[rank] for x in between):
+                samples.append(max(start - end, 0.0) / len(between))
+    return statistics.median(samples) if samples else 0.0
 
 
 def _median(xs: list[float]) -> float:
@@ -290,15 +325,15 @@ def main() -> None:
     print(f"PP=2 gloo ranks, 1 thread each, dim {args.dim}, {args.tokens} rows/microbatch, "
           f"{args.microbatches} microbatches, EP stand-in {args.latency_ms:g} ms per region, "
           f"measured p2p {link * 1e3:.3f} ms; step times are medians of {args.steps} steps")
-    print(f"{'case':<24}{'measured s':>11}{'spread':>8}{'fixed s':>9}{'predicted s':>12}{'error':>8}  verdict")
+    print(f"{'case':<24}{'measured s':>11}{'spread':>8}{'post ms':>8}{'fixed s':>9}{'predicted s':>12}{'error':>8}  verdict")
     within = 0
-    for label, name, v, overlap, steps, samples, n_stages, fixed in rows:
+    for label, name, v, overlap, steps, samples, n_stages, fixed, post in rows:
         measured = statistics.median(steps)
         spread = (max(steps) - min(steps)) / measured
         costs = _stage_costs(samples, n_stages, args.latency_ms / 1e3)
         model = OverlapModel(enabled=overlap is not False, streams=False, handover=args.handover_us * 1e-6)
         sched = build_schedule(name, world, args.microbatches, v)
-        predicted = simulate(sched, costs, link=LinkCost(latency=link), overlap=model).step_time + fixed
+        predicted = simulate(sched, costs, link=LinkCost(latency=link, post_overhead=post), overlap=model).step_time + fixed
         err = (predicted - measured) / measured
         if spread > args.max_spread:
             verdict = f"unmeasurable (steps spread {spread:.0%} > {args.max_spread:.0%}: machine too noisy)"
@@ -307,7 +342,10 @@ def main() -> None:
             within += 1
         else:
             verdict = "outside 10%"
-        print(f"{label:<24}{measured:>11.4f}{spread:>8.1%}{fixed:>9.4f}{predicted:>12.4f}{err:>+8.1%}  {verdict}")
+        print(
+            f"{label:<24}{measured:>11.4f}{spread:>8.1%}{post * 1e3:>8.3f}{fixed:>9.4f}{predicted:>12.4f}{err:>+8.1%}"
+            f"  {verdict}"
+        )
     print(f"cases={len(rows)} within_10pct={within}")
 
 

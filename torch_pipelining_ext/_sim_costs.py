@@ -125,11 +125,14 @@ class LinkCost:
 
     A transfer starts once both its send and its receive are posted (the
     rendezvous of NCCL point-to-point); links are not shared between
-    messages (no contention is modelled).
+    messages (no contention is modelled).  ``post_overhead`` is the time
+    posting one send or receive keeps its rank busy (a kernel launch with
+    NCCL; milliseconds for gloo's ``batch_isend_irecv`` on a loaded CPU).
     """
 
     latency: float = 0.0
     bandwidth: float = math.inf  # bytes per second
+    post_overhead: float = 0.0
 
     def time(self, nbytes: float) -> float:
         return self.latency + (nbytes / self.bandwidth if nbytes else 0.0)

@@ -63,7 +63,8 @@ class RankSummary:
     busy: float  # time some compute runs on the rank
     exposed_comm: float  # time an all-to-all runs and no compute does
     hidden_comm: float  # all-to-all time during which the other sub-action computes
-    bubble: float  # step time with neither: waiting for a peer, or done early
+    posting: float  # time posting sends and receives (LinkCost.post_overhead each)
+    bubble: float  # step time with none of these: waiting for a peer, or done early
     bubble_fraction: float
     action_sum: float  # the rank's actions' durations, each run alone (sequential sum)
     peak_activation_bytes: float
@@ -217,6 +218,7 @@ class _RankState:
     actions: list[Any]
     pos: int = 0
     time: float = 0.0
+    posting: float = 0.0
 
     @property
     def done(self) -> bool:
@@ -338,8 +340,12 @@ class _Simulation:
                 self._backward_done(a.stage_index, a.microbatch_index)
             )
             dst = a.stage_index + 1 if direction == "F" else a.stage_index - 1
-            self.posted_send[(direction, dst, a.microbatch_index)] = max(st.time, comp_done)
+            st.time = max(st.time, comp_done) + self.link.post_overhead
+            st.posting += self.link.post_overhead
+            self.posted_send[(direction, dst, a.microbatch_index)] = st.time
         elif ctype in _RECVS:
+            st.time += self.link.post_overhead
+            st.posting += self.link.post_overhead
             self.posted_recv[(_RECVS[ctype], a.stage_index, a.microbatch_index)] = st.time
         elif ctype in _WAIT_SENDS:
             # the send is complete once its transfer has arrived
@@ -504,9 +510,12 @@ def _summarise(sim: _Simulation) -> SimulationResult:
         for _, d in sorted(rank_events[rank], key=lambda x: (x[0], x[1])):
             mem += d
             peak_mem = max(peak_mem, mem)
-        bubble = max(0.0, step - busy - exposed)
+        posting = sim.ranks[rank].posting
+        bubble = max(0.0, step - busy - exposed - posting)
         ranks.append(
-            RankSummary(rank, busy, exposed, hidden, bubble, bubble / step if step else 0.0, action_sum, peak_mem)
+            RankSummary(
+                rank, busy, exposed, hidden, posting, bubble, bubble / step if step else 0.0, action_sum, peak_mem
+            )
         )
     return SimulationResult(
         step_time=step,

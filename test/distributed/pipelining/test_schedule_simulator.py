@@ -378,7 +378,11 @@ def _case(draw):
         fwd = (f / 2, comm, f / 2) if comm else f
         bwd = (0.0, comm, i) if comm else i
         costs.append(StageCost(forward=fwd, backward_input=bwd, backward_weight=w, send_bytes=draw(_segment)))
-    link = LinkCost(latency=draw(st.sampled_from([0.0, 0.1])), bandwidth=draw(st.sampled_from([math.inf, 10.0])))
+    link = LinkCost(
+        latency=draw(st.sampled_from([0.0, 0.1])),
+        bandwidth=draw(st.sampled_from([math.inf, 10.0])),
+        post_overhead=draw(st.sampled_from([0.0, 0.05])),
+    )
     overlap = OverlapModel(enabled=draw(st.booleans()))
     return name, pp, v, m, costs, link, overlap
 
@@ -403,7 +407,8 @@ class SimulatorPropertyTest(TestCase):
         # one microbatch's chain: every F, then every input backward (I <= B), and its transfers
         chain = sum(c.total("F") + c.total("I") for c in costs) + hops
         lower = max(max(by_rank.values()), chain)
-        upper = sum(costs[r.stage].total(r.computation) for r in result.records) + m * hops
+        posts = sum(r.posting for r in result.ranks)  # every send and receive posted, one after the other
+        upper = sum(costs[r.stage].total(r.computation) for r in result.records) + m * hops + posts
         self.assertGreaterEqual(result.step_time, lower - 1e-9)
         self.assertLessEqual(result.step_time, upper + 1e-9)
 
@@ -448,7 +453,7 @@ class SimulatorPropertyTest(TestCase):
         result = _run((name, pp, v, m, costs, link, OverlapModel(enabled=False)))
         for r in result.ranks:
             self.assertAlmostEqual(r.busy + r.exposed_comm, r.action_sum, places=6)
-            self.assertAlmostEqual(r.busy + r.exposed_comm + r.bubble, result.step_time, places=6)
+            self.assertAlmostEqual(r.busy + r.exposed_comm + r.posting + r.bubble, result.step_time, places=6)
 
     @settings(max_examples=15, deadline=None)
     @given(st.integers(1, 4), st.lists(_segment, min_size=3, max_size=3))
