@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from torch_pipelining_ext import ep_overlap  # noqa: E402
 from torch_pipelining_ext._schedule_runtime import perform_action, sequential_overlap_f_b  # noqa: E402
-from torch_pipelining_ext._sim_schedule import kind  # noqa: E402
+from torch_pipelining_ext._sim_schedule import kind, schedule_order  # noqa: E402
 from torch_pipelining_ext.simulate import LinkCost, OverlapModel, StageCost, simulate  # noqa: E402
 
 
@@ -170,8 +170,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         if rank == 0:
             log = [entry for _, g, _ in gathered for entry in g]
             fixed = _fixed_time(gathered, args.steps)
-            durations = _durations(log, dict(sched.stage_index_to_group_rank), link)
-            post = _post_overhead(log, sched.pipeline_order_with_comms, dict(sched.stage_index_to_group_rank))
+            order, stage_to_rank = schedule_order(sched)  # with send/recv actions, as the simulator runs it
+            durations = _durations(log, stage_to_rank, link)
+            post = _post_overhead(log, order)
             rows.append((label, name, v, overlap, steps, durations, n_stages, fixed, post))
         dist.barrier()
     if rank == 0:
@@ -233,7 +234,7 @@ def _fixed_time(gathered: list[Any], n_steps: int) -> float:
 
 
 def _post_overhead(
-    log: list[tuple[int, int, str, int, float, float]], order: dict[int, list[Any]], stage_to_rank: dict[int, int]
+    log: list[tuple[int, int, str, int, float, float]], order: dict[int, list[Any]]
 ) -> float:
     """Rank time per non-compute action (posting a send or receive, the runtime's loop), measured in the steps.
 

@@ -310,6 +310,38 @@ class TimelineAndDeviceTimesTest(TestCase):
         self.assertEqual(cpu_times["0F"]["compute_us"], 100.0)
 
 
+class CalibrationHelpersTest(TestCase):
+    """tools/calibrate_simulator.py: the waits are taken out of measured action times."""
+
+    def _load(self):
+        import importlib.util
+
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        path = os.path.join(repo, "tools", "calibrate_simulator.py")
+        spec = importlib.util.spec_from_file_location("calibrate_simulator", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def test_durations_and_post_overhead(self):
+        cal = self._load()
+        sched = build_schedule("Interleaved1F1B", 2, 2, stages_per_rank=1)
+        order, s2r = schedule_order(sched)
+        # (step, stage, kind, mb, start, end): 1F0 starts at 0 but its input arrives at 1.0 + 0.5
+        log = [(0, 0, "F", 0, 0.0, 1.0), (0, 1, "F", 0, 0.0, 2.5), (0, 0, "F", 1, 1.25, 2.25)]
+        d = cal._durations(log, s2r, link=0.5)
+        self.assertEqual(d[(1, "F")], [1.0])
+        self.assertEqual(sorted(d[(0, "F")]), [1.0, 1.0])
+        # rank 0 runs 0F0, 0SEND_F0, 0F1: the gap between 0F0 and 0F1 is one send's posting
+        between = [str(a) for a in order[0][order[0].index(_action("0F0")) + 1 : order[0].index(_action("0F1"))]]
+        self.assertEqual(between, ["0SEND_F0"])
+        self.assertAlmostEqual(cal._post_overhead(log, order), 0.25)
+
+
+def _action(text):
+    return torch_schedules._Action.from_str(text)
+
+
 def _dump_has_format(sched) -> bool:
     import inspect
 
