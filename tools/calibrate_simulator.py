@@ -142,6 +142,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
             ids = [rank + i * world for i in range(v)]
         stages = [PipelineStage(_Stage(args.dim, i), i, n_stages, torch.device("cpu")) for i in ids]
         sched = cls(stages, args.microbatches, loss_fn=lambda y, t: F.mse_loss(y, t))
+        if not hasattr(sched, "_comp_type_to_function_map"):
+            # not a runtime schedule on this torch (e.g. 2.9's Interleaved1F1B): its actions cannot be timed
+            if rank == 0:
+                rows.append((label, name, v, overlap, None, f"{cls.__name__} has no custom-function map here"))
+            continue
         timer = _Timer()
         for comp in (schedules.FORWARD, schedules.BACKWARD_INPUT, schedules.BACKWARD_WEIGHT, schedules.FULL_BACKWARD):
             sched._comp_type_to_function_map[comp] = timer
@@ -309,6 +314,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--handover-us", type=float, default=100.0, help="thread hand-over cost in the CPU overlap model")
     p.add_argument("--max-spread", type=float, default=0.25)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the ranks' results")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 2
@@ -318,7 +324,18 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
     for pr in procs:
         pr.start()
-    link, rows = queue.get(timeout=1800)
+    deadline = time.monotonic() + args.timeout
+    while True:
+        try:
+            link, rows = queue.get(timeout=1.0)
+            break
+        except Exception:  # queue.Empty: check the ranks are alive
+            dead = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for pr in procs:
+                    pr.kill()
+                what = f"rank {dead[0][0]} exited with {dead[0][1]}" if dead else f"no result within {args.timeout:g} s"
+                raise SystemExit(f"calibrate_simulator: {what} (see the traceback above)")
     for pr in procs:
         pr.join(timeout=60)
     from torch_pipelining_ext._sim_schedule import build_schedule
@@ -328,7 +345,11 @@ def main() -> None:
           f"measured p2p {link * 1e3:.3f} ms; step times are medians of {args.steps} steps")
     print(f"{'case':<24}{'measured s':>11}{'spread':>8}{'post ms':>8}{'fixed s':>9}{'predicted s':>12}{'error':>8}  verdict")
     within = 0
-    for label, name, v, overlap, steps, samples, n_stages, fixed, post in rows:
+    for label, name, v, overlap, steps, *rest in rows:
+        if steps is None:
+            print(f"{label:<24}{'-':>11}{'-':>8}{'-':>8}{'-':>9}{'-':>12}{'-':>8}  unmeasurable ({rest[0]})")
+            continue
+        samples, n_stages, fixed, post = rest
         measured = statistics.median(steps)
         spread = (max(steps) - min(steps)) / measured
         costs = _stage_costs(samples, n_stages, args.latency_ms / 1e3)

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from collections.abc import Sequence
 import logging
 from typing import Any
@@ -209,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> list[Candidate]:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.config:
         with open(args.config) as f:
             config = json.load(f)
@@ -217,9 +217,12 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         config = MODEL_PRESETS[args.model]
     shape = ModelShape.from_hf_config(config)
     overrides = {}
+    preset = HARDWARE_PRESETS[args.preset]
     for item in args.override:
         key, _, value = item.partition("=")
-        overrides[key] = type(getattr(HARDWARE_PRESETS[args.preset], key))(value)
+        if key not in {f.name for f in dataclasses.fields(preset)} or key == "name":
+            parser.error(f"--override {item}: not a hardware field ({', '.join(f.name for f in dataclasses.fields(preset))})")
+        overrides[key] = type(getattr(preset, key))(value)
     hardware = HARDWARE_PRESETS[args.preset].with_overrides(**overrides)
     pps = _ints(args.pp)
     eps = _ints(args.ep) if args.ep else ([1] if not shape.num_experts else [8, 16, 32, 64])
@@ -257,4 +260,3 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)

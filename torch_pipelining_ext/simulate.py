@@ -13,7 +13,7 @@ The schedule is always torch's own: a schedule object (any torch schedule
 class, built by :func:`build_schedule` with placeholder stages or your real
 one), a ``pipeline_order`` dict or a CSV in torch's format.  Example::
 
-    from torch_pipelining_ext.simulate import StageCost, simulate_schedule
+    from torch_pipelining_ext.simulate import StageCost, simulate_schedule, write_chrome_trace
 
     cost = StageCost(forward=(1.0, 0.3, 1.0), backward_input=(1.0, 0.3, 1.0), backward_weight=1.5)
     result = simulate_schedule("DualPipeV", pp=4, n_microbatches=16, costs=cost)

@@ -375,13 +375,32 @@ class CostModelTest(TestCase):
     def test_planner_ranks_and_writes_trace(self):
         with tempfile.TemporaryDirectory() as d:
             rows = plan.main(
-                ["--model", "qwen3-235b-a22b", "--gpus", "256", "--preset", "H100", "--pp", "8",
-                 "--schedules", "DualPipeV,Interleaved1F1B", "--microbatches", "16", "--trace", d, "--quiet"]
+                ["--model", "qwen3-235b-a22b", "--gpus", "256", "--preset", "H100", "--pp", "4", "--ep", "16,32",
+                 "--schedules", "DualPipeV,Interleaved1F1B", "--microbatches", "8", "--trace", d, "--quiet"]
             )
             self.assertTrue(os.path.exists(os.path.join(d, "best.json")))
         self.assertTrue(rows)
         times = [r.step_time for r in rows if r.fits]
         self.assertEqual(times, sorted(times))
+        # overlap on never predicts a slower DualPipeV than overlap off with the same shape
+        by_key = {(r.pp, r.microbatches, r.ep, r.overlap): r.step_time for r in rows if r.schedule == "DualPipeV"}
+        for (pp, m, ep, ov), t in by_key.items():
+            if ov:
+                self.assertLessEqual(t, by_key[(pp, m, ep, False)] + 1e-9)
+
+    def test_planner_dense_config_file(self):
+        config = dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
+                      intermediate_size=8192, vocab_size=32000)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "config.json")
+            with open(path, "w") as f:
+                json.dump(config, f)
+            rows = plan.main(["--config", path, "--gpus", "8", "--pp", "4", "--global-batch", "16",
+                              "--microbatches", "8", "--schedules", "1F1B,ZB1P", "--quiet"])
+        self.assertEqual({r.ep for r in rows}, {1})
+        self.assertEqual({r.exposed_comm for r in rows}, {0.0})  # dense: no all-to-all
+        zb, f1b = (next(r for r in rows if r.schedule == s) for s in ("ZB1P", "1F1B"))
+        self.assertLess(zb.bubble, f1b.bubble)
 
 
 # --------------------------------------------------------------------------- #
