@@ -250,7 +250,8 @@ def action_kernel_times(events: Sequence[dict[str, Any]], standin: str = STANDIN
     ranges = []
     for e in events:
         m = _PP_ACTION.match(str(e.get("name", "")))
-        if m and e.get("ph") == "X" and "dur" in e:
+        # (not the device-side copies of the ranges, "gpu_user_annotation")
+        if m and e.get("ph") == "X" and "dur" in e and not str(e.get("cat", "")).startswith("gpu_"):
             ranges.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("tid"), m.group(1) + m.group(2)))
     kernels = {}
     for e in events:
