@@ -144,6 +144,12 @@ class BubbleFormulaTest(TestCase):
     def test_schedule_1f1b_ir(self):
         sched = build_schedule("1F1B", 4, 8)
         validate = getattr(torch_schedules, "_validate_schedule", None)
+        if validate is None:  # no validator on this torch: a malformed order deadlocks in the simulation
+            try:
+                simulate(sched, self._costs(1.0, 1.0, 1.0))
+            except RuntimeError as e:
+                self.assertIn("deadlocks", str(e))
+            return
         try:
             validate(dict(sched.pipeline_order), 4, 4, 8)
         except AssertionError:
