@@ -197,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", default="4,8,16", help="comma-separated PP degrees")
     p.add_argument("--ep", default=None, help="comma-separated EP degrees (default: 1 for dense, 8,16,32,64 for MoE)")
     p.add_argument("--microbatches", default=None, help="comma-separated counts (default: stages and 2x stages)")
-    p.add_argument("--schedules", default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV")
+    p.add_argument("--schedules", default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV",
+                   help=f"comma-separated, of {', '.join(_SCHEDULES)}")
     p.add_argument("--memory-limit-gib", type=float, default=None, help="default: 90%% of the preset's HBM")
     p.add_argument("--a2a-bytes", type=int, default=2, help="bytes per element of the all-to-alls (1: FP8 dispatch)")
     p.add_argument("--recompute", action="store_true", help="full activation checkpointing")
@@ -216,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
     else:
         config = MODEL_PRESETS[args.model]
     shape = ModelShape.from_hf_config(config)
+    unknown = [x for x in args.schedules.split(",") if x not in _SCHEDULES]
+    if unknown:
+        parser.error(f"--schedules: unknown {', '.join(unknown)} (known: {', '.join(_SCHEDULES)})")
     overrides = {}
     preset = HARDWARE_PRESETS[args.preset]
     for item in args.override:
