@@ -187,6 +187,19 @@ class BubbleFormulaTest(TestCase):
                 for x in idle:
                     self.assertAlmostEqual(x, expected)
 
+    def test_activation_column(self):
+        # the README's "Activation Per Device", in microbatches of one stage's activations:
+        # ZB1P PP; DualPipeV PP + 1 (PP stages on PP/2 ranks), on the most loaded rank.  torch's 1F1B through the
+        # runtime (Interleaved1F1B, 1 stage per rank) keeps 2 * PP - 1 on rank 0 (see the class docstring).
+        cost = StageCost(1.0, 1.0, 1.0, activation_bytes=1.0)
+        for pp in (2, 4):
+            zb = simulate_schedule("InterleavedZeroBubble", pp, 4 * pp, cost, stages_per_rank=1)
+            self.assertEqual(zb.peak_activation_bytes, pp)
+            dpv = simulate_schedule("DualPipeV", pp, 4 * pp, cost)
+            self.assertEqual(dpv.peak_activation_bytes, 2 * pp + 1)  # the most loaded rank (2 * pp stages)
+            f1b = simulate_schedule("Interleaved1F1B", pp, 4 * pp, cost, stages_per_rank=1)
+            self.assertEqual(f1b.peak_activation_bytes, 2 * pp - 1)
+
     def test_overlap_off_is_torch_sequential(self):
         cost = StageCost(forward=(0.5, 0.5, 0.5), backward_input=(0.0, 0.5, 1.0), backward_weight=0.5)
         on = simulate_schedule("DualPipeV", 4, 16, cost)
