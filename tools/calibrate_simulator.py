@@ -311,10 +311,10 @@ def _stage_costs(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--dim", type=int, default=768)
     p.add_argument("--tokens", type=int, default=384, help="rows per microbatch")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--latency-ms", type=float, default=4.0, help="the simulated link latency of each EP region")
+    p.add_argument("--latency-ms", type=float, default=10.0, help="the simulated link latency of each EP region")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--handover-us", type=float, default=100.0, help="thread hand-over cost in the CPU overlap model")
