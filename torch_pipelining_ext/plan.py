@@ -93,20 +93,21 @@ def _split(n_layers: int, n_stages: int) -> list[int]:
     return out
 
 
-def _stage_params(shape: ModelShape, split: Sequence[int], ep: int) -> list[float]:
-    """Parameters each stage holds on one GPU (experts sharded over ``ep``)."""
+def _stage_params(shape: ModelShape, split: Sequence[int], ep: int) -> list[tuple[float, float]]:
+    """(dense, expert) parameters each stage holds on one GPU; experts are sharded over ``ep``."""
     out, start = [], 0
     for s, count in enumerate(split):
-        p = 0.0
+        dense = experts = 0.0
         for i in range(start, start + count):
-            p += shape.attention_params()
+            dense += shape.attention_params()
             if shape.is_moe_layer(i):
-                p += 3 * shape.hidden_size * shape.moe_intermediate_size * (shape.num_experts / ep + shape.shared_experts)
+                dense += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.shared_experts
+                experts += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.num_experts / ep
             else:
-                p += 3 * shape.hidden_size * shape.intermediate_size
+                dense += 3 * shape.hidden_size * shape.intermediate_size
         if s == 0 or s == len(split) - 1:
-            p += shape.vocab_size * shape.hidden_size
-        out.append(p)
+            dense += shape.vocab_size * shape.hidden_size
+        out.append((dense, experts))
         start += count
     return out
 
@@ -159,12 +160,15 @@ def plan(
                         except ValueError as e:  # torch's constructor refuses this (PP, microbatches)
                             logger.debug("skipping %s pp=%d m=%d: %s", label, pp, m, e)
                             break
-                        # bf16 weights + fp32 gradients, fp32 master weights and Adam moments sharded over DP (ZeRO-1)
+                        # bf16 weights + fp32 gradients; fp32 master weights and Adam moments sharded
+                        # (ZeRO-1) over the data-parallel ranks holding the same copy: DP for dense
+                        # parameters, DP / EP for experts
                         mem = 0.0
                         for rank in range(pp):
                             mine = [s for s, r in result.stage_to_rank.items() if r == rank]
-                            p = sum(params[s] for s in mine)
-                            static = p * (2 + 4) + p * 12 / dp
+                            dense = sum(params[s][0] for s in mine)
+                            experts = sum(params[s][1] for s in mine)
+                            static = (dense + experts) * (2 + 4) + dense * 12 / dp + experts * 12 / (dp // ep)
                             mem = max(mem, static + result.ranks[rank].peak_activation_bytes)
                         rows.append(
                             Candidate(
