@@ -2,12 +2,13 @@
 
 Each rank runs its action list in order, as ``_PipelineScheduleRuntime``
 does: a compute action starts when the rank is free and its inputs are there;
-``SEND_*``/``RECV_*`` post a transfer and take no time on the rank; a
-transfer starts when both its send and its receive are posted and takes
-``LinkCost.time(bytes)``; stages on one rank hand activations over directly.
-``WAIT_SEND_*`` (newer torch) blocks the rank until that transfer has
-arrived.  ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` take no time.  Nothing here is
-measured: it is a prediction from the costs given.
+``SEND_*``/``RECV_*`` post a transfer and keep the rank busy for
+``LinkCost.post_overhead``; a transfer starts when both its send and its
+receive are posted and takes ``LinkCost.time(bytes)``; stages on one rank hand
+activations over directly.  ``WAIT_SEND_*`` (newer torch) blocks the rank
+until that transfer has arrived.  ``UNSHARD``, ``RESHARD`` and
+``REDUCE_GRAD`` take no time.  Nothing here is measured: it is a prediction
+from the costs given.
 """
 
 from __future__ import annotations
