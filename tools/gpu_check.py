@@ -40,8 +40,14 @@ The last line is machine-readable::
 
     gpu_check=pass|fail|no_cuda|dry_run tests_passed=... tests_failed=... tests_skipped_cuda=... hidden_fraction_device=...
     hidden_fraction_device_sequential=... step_ratio=... bitwise_equal=... allocator_warnings=... seconds=...
+    actions_timed=... simulated_step_ratio=...
 
-(one line; ``step_ratio`` is overlapped / sequential step time).
+(one line; ``step_ratio`` is overlapped / sequential step time).  Part (b) also
+records the device time of each plain action's kernels in the sequential step
+(``action_kernel_times.json`` in ``--out``: compute and stand-in time per
+stage and computation), and ``simulated_step_ratio`` is what the schedule
+simulator (``torch_pipelining_ext.simulate``) predicts for ``step_ratio`` from
+those times: a prediction to compare with the measured ratio.
 """
 
 from __future__ import annotations
@@ -227,6 +233,99 @@ def device_overlap(
         "n_kernels": len(kernels),
         "streams": sorted({str(_kernel_stream(e)) for e in kernels}),
     }
+
+
+_PP_ACTION = re.compile(r"^PP:(\d+)(F|I|W|B)(\d+)$")
+
+
+def action_kernel_times(events: Sequence[dict[str, Any]], standin: str = STANDIN_KERNEL) -> dict[str, dict[str, float]]:
+    """Per plain action (``PP:<stage><F|I|W|B><mb>`` ranges), its kernels' device time, from Chrome-trace events.
+
+    A kernel belongs to the action whose range holds the CPU launch with the
+    same ``correlation`` id; stand-in kernels count as communication.  Returns
+    ``"<stage><kind>"`` -> ``compute_us``, ``standin_us`` (medians over the
+    microbatches) and ``n``.  Without kernel events (a CPU run) the range's own
+    duration is the compute time.
+    """
+    ranges = []
+    for e in events:
+        m = _PP_ACTION.match(str(e.get("name", "")))
+        # (not the device-side copies of the ranges, "gpu_user_annotation")
+        if m and e.get("ph") == "X" and "dur" in e and not str(e.get("cat", "")).startswith("gpu_"):
+            ranges.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("tid"), m.group(1) + m.group(2)))
+    kernels = {}
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel" and "correlation" in e.get("args", {}):
+            kernels[e["args"]["correlation"]] = e
+    per: dict[tuple[float, str], list[float]] = {}
+    if kernels:
+        for e in events:
+            corr = e.get("args", {}).get("correlation")
+            if corr not in kernels or str(e.get("cat", "")).lower() == "kernel":
+                continue
+            ts = float(e.get("ts", 0.0))
+            for a, b, tid, key in ranges:
+                if a <= ts <= b and tid == e.get("tid"):
+                    k = kernels[corr]
+                    slot = per.setdefault((a, key), [0.0, 0.0])
+                    slot[1 if standin in str(k.get("name", "")) else 0] += float(k["dur"])
+                    break
+    else:
+        for a, b, _, key in ranges:
+            per[(a, key)] = [b - a, 0.0]
+    out: dict[str, dict[str, float]] = {}
+    by_key: dict[str, list[list[float]]] = {}
+    for (_, key), v in per.items():
+        by_key.setdefault(key, []).append(v)
+    for key, vs in sorted(by_key.items()):
+        out[key] = {
+            "compute_us": statistics.median(v[0] for v in vs),
+            "standin_us": statistics.median(v[1] for v in vs),
+            "n": float(len(vs)),
+        }
+    return out
+
+
+def simulated_step_ratio(
+    schedule: Any, times: dict[str, dict[str, float]], regions: int, region_s: float, cpu: bool
+) -> float:
+    """The simulator's overlapped / sequential step time of ``schedule`` with the measured per-action times.
+
+    Each F and I/B gets ``regions`` communication regions of ``region_s``
+    seconds (the stand-in) between equal compute pieces; a kind not timed on
+    its own (B of a stage that only ran it inside OVERLAP_F_B) is I + W.
+    """
+    from torch_pipelining_ext.simulate import OverlapModel, StageCost, simulate
+
+    def segs(compute_s: float) -> tuple[float, ...]:
+        piece = max(compute_s, 0.0) / (regions + 1)
+        out = [piece]
+        for _ in range(regions):
+            out += [region_s, piece]
+        return tuple(out)
+
+    def compute(stage: int, kind: str) -> float | None:
+        t = times.get(f"{stage}{kind}")
+        if t is None:
+            return None
+        c = t["compute_us"] * 1e-6
+        if cpu:  # the range's duration includes the stand-in sleeps
+            c -= regions * region_s if kind in "FIB" else 0.0
+        return max(c, 0.0)
+
+    costs = []
+    for stage in range(len(schedule.stage_index_to_group_rank)):
+        f, i, w, b = (compute(stage, k) for k in "FIWB")
+        if f is None or (i is None and b is None):
+            return math.nan
+        i = i if i is not None else b / 2
+        w = w if w is not None else (b - i if b is not None else 0.0)
+        costs.append(StageCost(forward=segs(f), backward_input=segs(i), backward_weight=w,
+                               full_backward=segs(b) if b is not None else None))
+    model = OverlapModel(streams=not cpu)
+    on = simulate(schedule, costs, overlap=model).step_time
+    off = simulate(schedule, costs, overlap=OverlapModel(enabled=False)).step_time
+    return on / off
 
 
 @contextlib.contextmanager
@@ -422,6 +521,15 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
             traces[mode] = json.load(f).get("traceEvents", [])
     overlap = device_overlap(traces["overlap"])
     control = device_overlap(traces["sequential"], inside_actions=False)["fraction"]
+    # per-action kernel times of the sequential step, for calibrating the simulator on the device
+    kernel_times = action_kernel_times(traces["sequential"])
+    with open(os.path.join(out_dir, "action_kernel_times.json"), "w") as f:
+        json.dump(kernel_times, f, indent=1)
+    try:
+        sim_ratio = simulated_step_ratio(schedule, kernel_times, 2 * args.layers, latency_ms / 1e3, cpu=not cuda)
+    except Exception as e:  # the check's other results stand; say why there is no prediction
+        print(f"    simulator: no prediction ({type(e).__name__}: {e})", flush=True)
+        sim_ratio = math.nan
     if owns_pg:
         dist.destroy_process_group()
     t_o, t_s = statistics.median(times["overlap"]), statistics.median(times["sequential"])
@@ -440,6 +548,8 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
         "bitwise_equal": bitwise,
         "mismatch": mismatch,
         "traces": [os.path.join(out_dir, f"trace_{m}.json") for m in traces],
+        "action_kernel_times": kernel_times,
+        "simulated_step_ratio": sim_ratio,
     }
 
 
@@ -506,6 +616,10 @@ def _print_summary(
         )
         same = "bitwise equal" if r["bitwise_equal"] else f"DIFFERENT ({r['mismatch']})"
         print(f"      losses and gradients, overlap vs sequential: {same}")
+        print(
+            f"      simulator: {len(r['action_kernel_times'])} actions timed, predicted step ratio "
+            f"{_fmt(r['simulated_step_ratio'])} vs measured {r['step_ratio']:.3f} (a prediction from those times)"
+        )
         print(f"      traces: {', '.join(r['traces'])}")
     print(f"      warnings: {len(found)}, of the allocator or record_stream: {len(allocator)}")
     for w in found[:10]:
@@ -578,7 +692,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"tests_skipped_cuda={len(tests['skipped_cuda'])} hidden_fraction_device={_fmt(hidden)} "
         f"hidden_fraction_device_sequential={_fmt(control)} step_ratio={_fmt(ratio)} "
         f"bitwise_equal={'na' if bitwise is None else ('yes' if bitwise else 'no')} "
-        f"allocator_warnings={len(allocator)} seconds={seconds:.0f}"
+        f"allocator_warnings={len(allocator)} seconds={seconds:.0f} "
+        f"actions_timed={len(result.get('action_kernel_times', {}))} "
+        f"simulated_step_ratio={_fmt(result.get('simulated_step_ratio', math.nan))}"
     )
     return 0 if ok else 1
 

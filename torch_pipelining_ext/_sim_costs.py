@@ -1,0 +1,462 @@
+"""Per-action costs for the schedule simulator, and how to derive them from a model and a machine.
+
+Every number here is an input to a *prediction*: :mod:`torch_pipelining_ext.simulate`
+turns it into a step time, it measures nothing.
+
+* :class:`StageCost` -- what one action of one stage costs: forward (F),
+  backward for inputs (I), backward for weights (W), the expert-parallel
+  all-to-alls inside F and I, the activation bytes a microbatch keeps alive
+  and the bytes a stage sends to its neighbour.
+* :class:`LinkCost` -- pipeline send/recv latency and bandwidth.
+* :class:`OverlapModel` -- how an OVERLAP_F_B action runs (see
+  [Note: the OVERLAP_F_B model] in ``_sim_engine.py``).
+* :class:`LayerCost` and :func:`stage_costs_from_layers` -- per-layer costs
+  summed by a stage split.
+* :class:`Hardware`, :data:`HARDWARE_PRESETS`, :class:`ModelShape` and
+  :func:`layer_costs` -- per-layer costs from a Hugging Face config and a
+  hardware description (a roofline-style estimate: FLOPs over achieved
+  throughput, all-to-all bytes over bandwidth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+__all__ = [
+    "HARDWARE_PRESETS",
+    "Hardware",
+    "LayerCost",
+    "LinkCost",
+    "ModelShape",
+    "OverlapModel",
+    "StageCost",
+    "layer_costs",
+    "stage_costs_from_layers",
+]
+
+Segments = tuple[float, ...]
+
+
+def _as_segments(value: float | Sequence[float], name: str) -> Segments:
+    """``value`` as alternating compute/communication times: ``(c0, r1, c1, ..., rn, cn)``."""
+    seg = (float(value),) if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+    if len(seg) % 2 != 1:
+        raise ValueError(
+            f"{name} must be one compute time or an odd-length sequence (compute, comm, compute, ...), got {seg}"
+        )
+    if any(not math.isfinite(v) or v < 0 for v in seg):
+        raise ValueError(f"{name} times must be finite and >= 0, got {seg}")
+    return seg
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """Costs of one pipeline stage, per microbatch, in seconds and bytes.
+
+    ``forward`` and ``backward_input`` are either a compute time or a sequence
+    ``(compute, comm, compute, comm, ..., compute)``: the expert-parallel
+    communication regions (the ``ep_overlap`` marks) between compute
+    segments.  ``backward_weight`` (W) has no communication.  A full backward
+    (B) is I's segments with W's compute spread over I's compute segments in
+    proportion (``full_backward`` overrides it).
+
+    Args:
+        forward: F.
+        backward_input: I (the input-gradient half of the backward).
+        backward_weight: W (the weight-gradient half).
+        full_backward: B, if it is not I + W.
+        activation_bytes: bytes one microbatch keeps alive on this stage from
+            the start of its F until its backward has finished (its W, when
+            the backward is split).
+        send_bytes: bytes of the stage's output (and of the gradient sent
+            back), per microbatch.
+    """
+
+    forward: Segments | float = 0.0
+    backward_input: Segments | float = 0.0
+    backward_weight: float = 0.0
+    full_backward: Segments | float | None = None
+    activation_bytes: float = 0.0
+    send_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "forward", _as_segments(self.forward, "forward"))
+        set_(self, "backward_input", _as_segments(self.backward_input, "backward_input"))
+        if self.backward_weight < 0 or not math.isfinite(self.backward_weight):
+            raise ValueError(f"backward_weight must be finite and >= 0, got {self.backward_weight}")
+        if self.full_backward is None:
+            set_(self, "full_backward", _merge_weight(self.backward_input, self.backward_weight))
+        else:
+            set_(self, "full_backward", _as_segments(self.full_backward, "full_backward"))
+
+    def segments(self, computation: str) -> Segments:
+        """The segments of one action: ``computation`` is ``"F"``, ``"I"``, ``"W"`` or ``"B"``."""
+        if computation == "F":
+            return self.forward  # type: ignore[return-value]
+        if computation == "I":
+            return self.backward_input  # type: ignore[return-value]
+        if computation == "W":
+            return (self.backward_weight,)
+        if computation == "B":
+            return self.full_backward  # type: ignore[return-value]
+        raise ValueError(f"no cost for computation {computation!r}")
+
+    def total(self, computation: str) -> float:
+        """Compute plus communication time of one action run alone."""
+        return sum(self.segments(computation))
+
+
+def _merge_weight(input_seg: Segments, weight: float) -> Segments:
+    compute = sum(input_seg[0::2])
+    if compute <= 0:
+        return input_seg[:-1] + (input_seg[-1] + weight,)
+    scale = (compute + weight) / compute
+    return tuple(v * scale if i % 2 == 0 else v for i, v in enumerate(input_seg))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    """Pipeline-parallel send/recv: a message of ``n`` bytes takes ``latency + n / bandwidth`` seconds.
+
+    A transfer starts once both its send and its receive are posted (the
+    rendezvous of NCCL point-to-point); links are not shared between
+    messages (no contention is modelled).  ``post_overhead`` is the time
+    posting one send or receive keeps its rank busy (a kernel launch with
+    NCCL; milliseconds for gloo's ``batch_isend_irecv`` on a loaded CPU).
+    """
+
+    latency: float = 0.0
+    bandwidth: float = math.inf  # bytes per second
+    post_overhead: float = 0.0
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + (nbytes / self.bandwidth if nbytes else 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapModel:
+    """How OVERLAP_F_B actions run in the simulation.
+
+    Args:
+        enabled: run the two sub-actions under the package's coordinator
+            (False: one after the other, as torch's own handler does).
+        streams: True on accelerators (each stage has its own stream, a pair
+            without marks stays concurrent); False on CPU, where a stage pair
+            whose concurrent run passed no mark runs sequentially for the rest
+            of the step (the unmarked-pair rule of ``_overlap.py``).
+        handover: seconds a thread needs to resume computing after waiting
+            for the other (0 on a device; tens of microseconds on CPU).
+        min_region: a region shorter than this does not make its side wait for
+            the other's next region before computing on (``_HAND_OVER_MIN_REGION_S``).
+    """
+
+    enabled: bool = True
+    streams: bool = True
+    handover: float = 0.0
+    min_region: float = 0.5e-3
+
+
+# --------------------------------------------------------------------------- #
+# Per-layer costs and the stage split                                          #
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """One transformer layer, per microbatch (seconds, bytes).
+
+    An MoE layer's forward is ``attention (1 - expert_fraction) * forward``,
+    the dispatch all-to-all, ``experts expert_fraction * forward``, the
+    combine all-to-all; its input backward runs the mirror image (combine's
+    backward first).  ``dispatch = combine = 0`` is a dense layer.
+    """
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    dispatch: float = 0.0
+    combine: float = 0.0
+    expert_fraction: float = 0.5
+    activation_bytes: float = 0.0
+    output_bytes: float = 0.0
+
+    @property
+    def has_comm(self) -> bool:
+        return self.dispatch > 0 or self.combine > 0
+
+
+def _layer_segments(layer: LayerCost, compute: float, backward: bool) -> list[float]:
+    if not layer.has_comm:
+        return [compute]
+    attn, experts = compute * (1 - layer.expert_fraction), compute * layer.expert_fraction
+    if backward:
+        return [0.0, layer.combine, experts, layer.dispatch, attn]
+    return [attn, layer.dispatch, experts, layer.combine, 0.0]
+
+
+def _join(parts: Sequence[list[float]]) -> Segments:
+    out: list[float] = [0.0]
+    for part in parts:
+        out[-1] += part[0]
+        out.extend(part[1:])
+    return tuple(out)
+
+
+def stage_costs_from_layers(
+    layers: Sequence[LayerCost],
+    layers_per_stage: Sequence[int],
+    *,
+    first_extra: StageCost | None = None,
+    last_extra: StageCost | None = None,
+) -> list[StageCost]:
+    """Sum per-layer costs by a contiguous stage split.
+
+    Args:
+        layers: every layer of the model in order.
+        layers_per_stage: how many consecutive layers each stage holds (a
+            stage may hold none, e.g. only the embedding or the head).
+        first_extra: compute added to stage 0 (embedding).
+        last_extra: compute added to the last stage (norm, head and loss).
+    """
+    if sum(layers_per_stage) != len(layers):
+        raise ValueError(f"layers_per_stage {list(layers_per_stage)} does not sum to {len(layers)} layers")
+    out: list[StageCost] = []
+    start = 0
+    n = len(layers_per_stage)
+    for s, count in enumerate(layers_per_stage):
+        mine = layers[start : start + count]
+        start += count
+        extras = [e for e, on in ((first_extra, s == 0), (last_extra, s == n - 1)) if on and e is not None]
+        fwd = [_layer_segments(layer, layer.forward, False) for layer in mine]
+        # backward runs the layers in reverse order
+        bwd = [_layer_segments(layer, layer.backward_input, True) for layer in reversed(mine)]
+        weight = sum(layer.backward_weight for layer in mine)
+        act = sum(layer.activation_bytes for layer in mine)
+        send = mine[-1].output_bytes if mine else (layers[start - 1].output_bytes if start else 0.0)
+        for e in extras:
+            fwd.append([e.total("F")])
+            bwd.insert(0, [e.total("I")])
+            weight += e.backward_weight
+            act += e.activation_bytes
+        out.append(
+            StageCost(
+                forward=_join(fwd),
+                backward_input=_join(bwd),
+                backward_weight=weight,
+                activation_bytes=act,
+                send_bytes=send,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Cost model from a model shape and a machine                                  #
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """A GPU and its network, as the cost model sees them.  Every field may be overridden.
+
+    Args:
+        name: for messages.
+        bf16_tflops: dense bf16 tensor-core peak (TFLOP/s, datasheet, no sparsity).
+        achieved_fraction: fraction of the peak a training step's matmuls reach.
+        hbm_bytes: device memory.
+        intra_node_a2a_gbps: all-to-all bandwidth per GPU inside a node (GB/s, one direction).
+        inter_node_a2a_gbps: all-to-all bandwidth per GPU across nodes (GB/s, one direction).
+        gpus_per_node: GPUs sharing the intra-node fabric.
+        p2p_latency: pipeline send/recv latency (s).
+        a2a_latency: fixed cost of one all-to-all (s).
+    """
+
+    name: str
+    bf16_tflops: float
+    achieved_fraction: float
+    hbm_bytes: float
+    intra_node_a2a_gbps: float
+    inter_node_a2a_gbps: float
+    gpus_per_node: int = 8
+    p2p_latency: float = 20e-6
+    a2a_latency: float = 30e-6
+
+    def with_overrides(self, **overrides: Any) -> Hardware:
+        return dataclasses.replace(self, **overrides)
+
+
+# [Note: hardware presets]
+# Datasheet numbers (dense bf16 without sparsity, HBM capacity, NVLink per-GPU
+# one-direction bandwidth = half of the bidirectional figure, one 400 Gb/s NIC
+# per GPU = 50 GB/s for H100/H200, 800 Gb/s = 100 GB/s for B200).  H800 is the
+# export H100 with NVLink cut to 400 GB/s bidirectional (200 GB/s one way);
+# the DeepSeek-V3 report uses 400 Gb/s InfiniBand per GPU on it.  The achieved
+# fraction (0.4) is a typical MFU of large MoE training, not a measured value
+# of this package; override it with your own.
+HARDWARE_PRESETS: Mapping[str, Hardware] = {
+    "H100": Hardware("H100", 989.0, 0.4, 80e9, 450.0, 50.0),
+    "H800": Hardware("H800", 989.0, 0.4, 80e9, 200.0, 50.0),
+    "H200": Hardware("H200", 989.0, 0.4, 141e9, 450.0, 50.0),
+    "B200": Hardware("B200", 2250.0, 0.4, 180e9, 900.0, 100.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The parts of a decoder-only (dense or MoE) config the cost model needs.
+
+    Build it with :meth:`from_hf_config` from a ``transformers`` config (or a
+    plain dict of its fields).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width
+    vocab_size: int
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    shared_experts: int = 0
+    first_dense_layers: int = 0  # leading dense layers of an MoE model
+    moe_layer_freq: int = 1
+    # multi-head latent attention (DeepSeek-V2/V3); 0 = plain GQA
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @staticmethod
+    def from_hf_config(config: Any) -> ModelShape:
+        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
+            lambda k, d=None: getattr(config, k, d)
+        )
+        hidden = int(get("hidden_size") or get("n_embd"))
+        heads = int(get("num_attention_heads") or get("n_head"))
+        n_experts = int(get("n_routed_experts") or get("num_local_experts") or get("num_experts") or 0)
+        if get("kv_lora_rank"):  # multi-head latent attention: the query/key head is nope + rope
+            head_dim = int(get("qk_nope_head_dim") or 0) + int(get("qk_rope_head_dim") or 0)
+        else:
+            head_dim = get("head_dim") or hidden // heads
+        return ModelShape(
+            num_layers=int(get("num_hidden_layers") or get("n_layer")),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(get("intermediate_size") or get("n_inner") or 4 * hidden),
+            vocab_size=int(get("vocab_size")),
+            num_experts=n_experts,
+            top_k=int(get("num_experts_per_tok") or 0) if n_experts else 0,
+            moe_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size") or 0)
+            if n_experts
+            else 0,
+            shared_experts=int(get("n_shared_experts") or 0),
+            first_dense_layers=int(get("first_k_dense_replace") or 0)
+            + (len(get("mlp_only_layers") or ()) if n_experts else 0),
+            moe_layer_freq=int(get("moe_layer_freq") or get("decoder_sparse_step") or 1),
+            q_lora_rank=int(get("q_lora_rank") or 0),
+            kv_lora_rank=int(get("kv_lora_rank") or 0),
+            qk_rope_head_dim=int(get("qk_rope_head_dim") or 0),
+            v_head_dim=int(get("v_head_dim") or 0),
+        )
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index >= self.first_dense_layers and (index % self.moe_layer_freq) == 0
+
+    def attention_params(self) -> float:
+        h = self.hidden_size
+        if self.kv_lora_rank:
+            q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * self.head_dim if self.q_lora_rank else (
+                h * self.num_heads * self.head_dim
+            )
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.num_heads * (
+                self.head_dim - self.qk_rope_head_dim + self.v_head_dim
+            )
+            return q + kv + self.num_heads * self.v_head_dim * h
+        return h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+
+    def mlp_active_params(self, index: int) -> float:
+        if self.is_moe_layer(index):
+            return 3 * self.hidden_size * self.moe_intermediate_size * (self.top_k + self.shared_experts)
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def active_params(self) -> float:
+        """Active parameters per token (embedding and head counted once each)."""
+        layers = sum(self.attention_params() + self.mlp_active_params(i) for i in range(self.num_layers))
+        return layers + 2 * self.vocab_size * self.hidden_size
+
+
+def layer_costs(
+    shape: ModelShape,
+    hardware: Hardware,
+    *,
+    tokens: int,
+    seq_len: int,
+    ep: int = 1,
+    tp: int = 1,
+    dtype_bytes: int = 2,
+    a2a_dtype_bytes: int | None = None,
+    recompute: bool = False,
+) -> tuple[list[LayerCost], StageCost, StageCost]:
+    """Per-layer costs of one microbatch of ``tokens`` tokens on ``hardware``; also the embedding and the head.
+
+    FLOPs: ``2 * active params * tokens`` for the forward, twice that for the
+    backward (split evenly between I and W), plus causal attention scores
+    ``2 * 2 * tokens * seq_len * heads * head_dim / 2``, all in I.  Dispatch
+    and combine each move ``tokens * top_k * hidden * a2a_dtype_bytes * (ep - 1) / ep``
+    bytes per GPU over the all-to-all bandwidth (intra-node when ``ep`` fits in
+    a node, else inter-node).  Activation bytes per layer: ``34 * tokens * hidden``
+    (the usual estimate for bf16 with flash attention; ``recompute``: only the
+    layer input, ``2 * tokens * hidden``).  Tensor parallelism divides compute
+    and activations by ``tp`` and is not charged any communication.
+    """
+    flops_per_s = hardware.bf16_tflops * 1e12 * hardware.achieved_fraction
+    h = shape.hidden_size
+    attn_core = 2 * tokens * seq_len * shape.num_heads * shape.head_dim  # QK^T and PV, causal half of 2*2*...
+    if ep > 1:
+        bw = hardware.intra_node_a2a_gbps if ep <= hardware.gpus_per_node else hardware.inter_node_a2a_gbps
+        a2a_bytes = tokens * shape.top_k * h * (a2a_dtype_bytes or dtype_bytes) * (ep - 1) / ep
+        a2a = hardware.a2a_latency + a2a_bytes / (bw * 1e9)
+    else:
+        a2a = 0.0
+    out: list[LayerCost] = []
+    for i in range(shape.num_layers):
+        moe = shape.is_moe_layer(i)
+        attn = 2 * shape.attention_params() * tokens + attn_core
+        mlp = 2 * shape.mlp_active_params(i) * tokens
+        fwd = (attn + mlp) / flops_per_s / tp
+        dgrad = (attn + mlp) / flops_per_s / tp + attn_core / flops_per_s / tp
+        wgrad = (attn + mlp - attn_core) / flops_per_s / tp
+        if recompute:
+            dgrad += fwd
+        act = (2 if recompute else 34) * tokens * h / tp
+        out.append(
+            LayerCost(
+                forward=fwd,
+                backward_input=dgrad,
+                backward_weight=wgrad,
+                dispatch=a2a if moe else 0.0,
+                combine=a2a if moe else 0.0,
+                expert_fraction=mlp / (attn + mlp) if moe else 0.5,
+                activation_bytes=act,
+                output_bytes=tokens * h * dtype_bytes,
+            )
+        )
+    embed = StageCost(forward=0.0, activation_bytes=tokens * h * dtype_bytes)
+    head_flops = 2 * shape.vocab_size * h * tokens / flops_per_s / tp
+    # logits in fp32 for the loss: 4 bytes per vocabulary entry
+    head = StageCost(
+        forward=head_flops,
+        backward_input=head_flops,
+        backward_weight=head_flops,
+        activation_bytes=tokens * shape.vocab_size * 4 / tp,
+    )
+    return out, embed, head
