@@ -240,7 +240,15 @@ class Report:
     """Times both runs step by step, checks them against each other and the
     reference, prints the header, one line per step and the final table."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, runs: dict[str, Any], tokens_per_microbatch: int, top_k: int):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        rank: int,
+        runs: dict[str, Any],
+        names: list[list[str]],
+        tokens_per_microbatch: int,
+        top_k: int,
+    ) -> None:
         from torch_pipelining_ext import _hf_expert_parallel
 
         self.args, self.rank, self.runs = args, rank, runs
@@ -271,6 +279,8 @@ class Report:
                 f"EP={args.ep}; {args.microbatches} microbatches per step and EP rank",
                 flush=True,
             )
+            for i, stage in enumerate(names):
+                print(f"  stage {i}: {', '.join(n for n in stage if not n.endswith('rotary_emb'))}")
             print(f"simulated link: {self.latency_s * 1e3:.2f} ms per token all-to-all, forward and backward ({how})")
             if world > cores:
                 print(
@@ -336,10 +346,10 @@ class Report:
         diff = max(abs(a - b) for a, b in zip(self.global_loss["overlap"], ref)) if ref else math.nan
         return dict(
             overlap_s=t_o, sequential_s=t_s, ratio=t_o / t_s, comm_s=comm, simulated_s=simulated,
-            hidden_fraction=(t_s - t_o) / comm if simulated > 0 else math.nan,
+            hidden_fraction=(t_s - t_o) / comm if comm > 0 else math.nan,
             losses_identical=all(self.identical_steps), params_identical=self.params_equal,
             reference_max_diff=diff, reference_ok=bool(ref) and diff <= _REFERENCE_RTOL * max(1.0, abs(ref[-1])),
-            latency_ms=self.latency_s * 1e3, medians_of=f"steps {skip + 1}-{self.args.steps}" if skip else "step 1",
+            latency_ms=self.latency_s * 1e3, medians_of=f"step {skip + 1}" if skip + 1 == self.args.steps else f"steps {skip + 1}-{self.args.steps}",
         )
 
     def finish(self) -> int:
@@ -369,15 +379,15 @@ class Report:
             print("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)).rstrip())
         print()
         print(f"time overlapped / sequential: {r['ratio']:.2f} (slowest rank per step)")
-        if r["simulated_s"] > 0:
+        if r["comm_s"] > 0:
             print(
                 f"communication hidden: {r['hidden_fraction']:.2f} = (sequential - overlapped) / time the sequential "
                 f"run spends in all-to-alls ({r['comm_s'] * 1e3:.0f} ms per step and rank: "
                 f"{self.n_all_to_all} x {r['latency_ms']:.2f} ms = {r['simulated_s'] * 1e3:.0f} ms of simulated "
                 "link, the rest loopback and waiting for the other EP rank)"
             )
-        else:
-            print("communication hidden: - (no simulated link: loopback all-to-alls take next to no time)")
+        if r["simulated_s"] == 0:
+            print("note: no simulated link (--comm-latency-ms 0): loopback all-to-alls leave little to hide")
         yes = {True: "yes", False: "NO"}
         print(
             f"losses identical: {yes[r['losses_identical']]} (torch.equal, every microbatch loss of every rank, "
@@ -390,8 +400,26 @@ class Report:
         )
 
     def _finish_trace(self) -> None:
-        if self.rank == 0:
-            print(f"trace: {self.args.trace}/trace_{{overlap,sequential}}_rank{{0..{self.args.pp * self.args.ep - 1}}}.json")
+        """Every rank extracts the phases of its traces, rank 0 draws them all (works across nodes)."""
+        from torch_pipelining_ext.demo import _timeline
+
+        files = [os.path.join(self.args.trace, f"trace_{mode}_rank{self.rank}.json") for mode in self.runs]
+        phases = {os.path.basename(f): _timeline.phases_from_chrome_trace(f) for f in files}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, phases)
+        if self.rank != 0:
+            return
+        world = self.args.pp * self.args.ep
+        print(f"trace: {self.args.trace}/trace_{{overlap,sequential}}_rank{{0..{world - 1}}}.json (last step)")
+        merged = {name: ph for g in gathered for name, ph in g.items()}
+        png = os.path.join(self.args.trace, "timeline.png")
+        title = f"tiny {self.args.model}, PP={self.args.pp} x EP={self.args.ep}, ScheduleDualPipeV, last step"
+        try:
+            _timeline.plot_timeline(merged, png, title=title)
+        except ImportError:
+            print("note: no timeline.png: matplotlib is not installed (pip install 'torch_pipelining_ext[plot]')")
+        else:
+            print(f"timeline: {png}", flush=True)
 
 
 def _all_ranks(ok: bool) -> bool:

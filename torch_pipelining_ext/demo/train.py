@@ -111,10 +111,10 @@ def global_batch(args: argparse.Namespace, step: int) -> torch.Tensor:
 class Pipeline:
     """This rank's stages of ``model`` (PP x EP), their schedule and optimizer."""
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, args: argparse.Namespace, *, overlap: bool):
+    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, names: list[list[str]], args, *, overlap: bool):
         self.ep_group = mesh["ep"].get_group()
         # every MoE layer keeps E / ep experts; all-to-alls inside ep_overlap regions
-        self.stages, self.parts = hf.pipeline_hf_causal_lm(model, mesh, ScheduleDualPipeV, "cpu")
+        self.stages, self.parts = hf.pipeline_hf_causal_lm(model, mesh, ScheduleDualPipeV, "cpu", names)
         self.loss_fn = hf.CausalLMLoss()  # microbatch losses add up to HF's loss of the global batch
         self.schedule = ScheduleDualPipeV(
             self.stages, n_microbatches=args.microbatches, loss_fn=self.loss_fn, scale_grads=False
@@ -145,9 +145,11 @@ def train(args: argparse.Namespace, rank: int) -> int:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     config = tiny_moe_config(args)
     model = transformers.AutoModelForCausalLM.from_config(config)  # no download
-    runs = {"overlap": Pipeline(model, mesh, args, overlap=True), "sequential": Pipeline(model, mesh, args, overlap=False)}
+    # 2 stages per pipeline rank (the V); embedding and head cost little here
+    names = hf.hf_module_names_per_stage(model, 2 * args.pp, input_weight=0.25, output_weight=0.5)
+    runs = {mode: Pipeline(model, mesh, names, args, overlap=mode == "overlap") for mode in ("overlap", "sequential")}
     # calibrates the simulated link, prints the header
-    report = _harness.Report(args, rank, runs, MICROBATCH_SIZE * SEQ_LEN, config.num_experts_per_tok)
+    report = _harness.Report(args, rank, runs, names, MICROBATCH_SIZE * SEQ_LEN, config.num_experts_per_tok)
 
     for step in range(args.steps):
         ids = global_batch(args, step).chunk(args.ep)[ep_rank]
