@@ -117,9 +117,10 @@ def fused_experts_problem() -> str | None:
     return None
 
 
-def launch(args: argparse.Namespace, fn: Callable[[argparse.Namespace, int], int]) -> int:
+def launch(args: argparse.Namespace, fn: Callable[[argparse.Namespace, int], Any]) -> Any:
     """Run ``fn(args, rank)`` on every rank (torchrun's, or ``pp * ep`` local
-    processes); returns rank 0's exit status."""
+    processes, gloo); returns what it returned on rank 0 (under torchrun: on
+    this rank)."""
     if _under_torchrun(os.environ):
         return _rank_entry(int(os.environ["RANK"]), args, fn, "env://", int(os.environ["WORLD_SIZE"]))
     import torch.multiprocessing as mp
@@ -134,16 +135,18 @@ def launch(args: argparse.Namespace, fn: Callable[[argparse.Namespace, int], int
     mp.start_processes(
         _spawned, args=(args, fn, f"tcp://127.0.0.1:{port}", world, queue), nprocs=world, start_method=method
     )
-    return queue.get() if not queue.empty() else 1
+    if queue.empty():
+        raise RuntimeError("rank 0 finished without a result")
+    return queue.get()
 
 
 def _spawned(rank: int, args, fn, init_method: str, world: int, queue) -> None:
-    status = _rank_entry(rank, args, fn, init_method, world)
+    result = _rank_entry(rank, args, fn, init_method, world)
     if rank == 0:
-        queue.put(status)
+        queue.put(result)
 
 
-def _rank_entry(rank: int, args, fn, init_method: str, world: int) -> int:
+def _rank_entry(rank: int, args, fn, init_method: str, world: int) -> Any:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=_PG_TIMEOUT)
     try:
