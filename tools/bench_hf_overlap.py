@@ -57,7 +57,12 @@ from torch_pipelining_ext.demo import _harness, train  # noqa: E402
 
 _LAYOUTS = {"pp1xep2": (1, 2), "pp2xep2": (2, 2)}
 # (overlapped?, with the link latency?)
-_MODES = {"overlap": (True, True), "sequential": (False, True), "overlap L=0": (True, False), "sequential L=0": (False, False)}
+_MODES = {
+    "overlap": (True, True),
+    "sequential": (False, True),
+    "overlap L=0": (True, False),
+    "sequential L=0": (False, False),
+}
 
 
 def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -75,7 +80,8 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     runs = {m: train.Pipeline(model, mesh, names, args, overlap=o) for m, (o, _) in _MODES.items()}
     parts = runs["overlap"].parts
     if args.latency_ms is None:
-        latency = _harness.calibrate_link_latency(parts, train.MICROBATCH_SIZE * train.SEQ_LEN, config.num_experts_per_tok)
+        tokens = train.MICROBATCH_SIZE * train.SEQ_LEN
+        latency = _harness.calibrate_link_latency(parts, tokens, config.num_experts_per_tok)
     else:
         latency = args.latency_ms / 1e3
     n_all_to_all = _harness.all_to_alls_per_step(parts, args.microbatches)
@@ -127,7 +133,9 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--layouts", default="pp1xep2,pp2xep2", help="comma-separated: " + ", ".join(_LAYOUTS))
     p.add_argument("--rounds", type=int, default=10, help="rounds (the first is warm-up)")
     p.add_argument("--latency-ms", type=float, default=None, help="link latency per all-to-all (default: calibrated)")
@@ -146,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(problem)
     if args.latency_ms is not None and not 0 <= args.latency_ms <= 1000:
         p.error("--latency-ms must be >= 0 and <= 1000")
-    print(f"torch {torch.__version__}; tiny {args.model}, {args.layers} layers, {args.experts} experts, ScheduleDualPipeV, "
-          f"{args.microbatches} microbatches per EP rank; {_harness.cpu_cores()} CPU cores", flush=True)
+    print(
+        f"torch {torch.__version__}; tiny {args.model}, {args.layers} layers, {args.experts} experts, "
+        f"ScheduleDualPipeV, {args.microbatches} microbatches per EP rank; {_harness.cpu_cores()} CPU cores",
+        flush=True,
+    )
     results = {}
     for name in layouts:
         args.pp, args.ep = _LAYOUTS[name]
@@ -155,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name] = _harness.launch(args, _worker)
         m = r["median_ms"]
         print(
-            f"  link latency L = {r['latency_ms']:.2f} ms per token all-to-all ({r['n_all_to_all']} per step and rank)\n"
+            f"  link latency L = {r['latency_ms']:.2f} ms per token all-to-all "
+            f"({r['n_all_to_all']} per step and rank)\n"
             f"  step time (median): overlap {m['overlap']:.1f} ms, sequential {m['sequential']:.1f} ms -> ratio "
             f"{r['ratio']:.3f}; at L=0: {m['overlap L=0']:.1f} / {m['sequential L=0']:.1f} ms -> {r['ratio_l0']:.3f}\n"
             f"  sequential run inside all-to-alls: {r['comm_ms']:.0f} ms per step and rank "

@@ -323,10 +323,11 @@ class Report:
         a, b = self.local_losses["overlap"][step], self.local_losses["sequential"][step]
         self.identical_steps.append(_all_ranks(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))))
         if self.rank == 0:
+            differ = "" if self.identical_steps[-1] else "  LOSSES DIFFER"
             print(
                 f"step {step + 1:>2}/{self.args.steps}  loss {self.global_loss['overlap'][step]:.6f}  step time: "
                 f"overlapped {self.step_s['overlap'][step] * 1e3:7.1f} ms, sequential "
-                f"{self.step_s['sequential'][step] * 1e3:7.1f} ms" + ("" if self.identical_steps[-1] else "  LOSSES DIFFER"),
+                f"{self.step_s['sequential'][step] * 1e3:7.1f} ms{differ}",
                 flush=True,
             )
 
@@ -352,7 +353,8 @@ class Report:
             hidden_fraction=(t_s - t_o) / comm if comm > 0 else math.nan,
             losses_identical=all(self.identical_steps), params_identical=self.params_equal,
             reference_max_diff=diff, reference_ok=bool(ref) and diff <= _REFERENCE_RTOL * max(1.0, abs(ref[-1])),
-            latency_ms=self.latency_s * 1e3, medians_of=f"step {skip + 1}" if skip + 1 == self.args.steps else f"steps {skip + 1}-{self.args.steps}",
+            latency_ms=self.latency_s * 1e3,
+            medians_of=f"step {skip + 1}" if skip + 1 == self.args.steps else f"steps {skip + 1}-{self.args.steps}",
         )
 
     def finish(self) -> int:

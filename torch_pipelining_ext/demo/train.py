@@ -28,7 +28,6 @@ import argparse
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import ScheduleDualPipeV
 from torch.distributed.pipelining.schedules import OVERLAP_F_B
