@@ -175,6 +175,14 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
 
     torch.set_num_threads(1)
     config = _config(model_kind)
+    if method == "stage_load_ep":
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from torch_pipelining_ext import _hf_expert_parallel
+
+        # expert-parallel rank 1 of 4 (a fake group: loading issues no collective)
+        dist.init_process_group("fake", store=FakeStore(), rank=EP_RANK, world_size=EP_SIZE)
     rss_before = _status("VmRSS")
     peak_reset = _reset_peak()
     hwm_before = _status("VmHWM")
@@ -193,13 +201,6 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
             checkpoint_conversions=_hf_compat.conversion_mapping(model),
         )
         if method == "stage_load_ep":
-            import torch.distributed as dist
-            from torch.testing._internal.distributed.fake_pg import FakeStore
-
-            from torch_pipelining_ext import _hf_expert_parallel
-
-            # expert-parallel rank 1 of 4 (a fake group: loading issues no collective)
-            dist.init_process_group("fake", store=FakeStore(), rank=EP_RANK, world_size=EP_SIZE)
             _hf_expert_parallel.shard_experts(
                 part, dist.group.WORLD, config, hf.detect_layout(model).layers_prefix
             )
@@ -262,6 +263,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="llama", help=argparse.SUPPRESS)
+    parser.add_argument("--moe-only", action="store_true", help="only the MoE cases")
     args = parser.parse_args()
     if args.worker:
         if args.worker == "write":
@@ -276,14 +278,15 @@ def main() -> None:
     gib = 1024**3
     t_start = time.perf_counter()
     try:
-        info = _run_worker("write", directory)
-        print(
-            f"[ckpt] {info['n_params']:.3e} params, {info['bytes'] / gib:.2f} GiB bf16 in {info['shards']} "
-            f"safetensors shards at {directory}",
-            flush=True,
-        )
+        if not args.moe_only:
+            info = _run_worker("write", directory)
+            print(
+                f"[ckpt] {info['n_params']:.3e} params, {info['bytes'] / gib:.2f} GiB bf16 in {info['shards']} "
+                f"safetensors shards at {directory}",
+                flush=True,
+            )
         rows = []
-        for method in ("stage_load", "from_pretrained"):
+        for method in () if args.moe_only else ("stage_load", "from_pretrained"):
             r = _run_worker(method, directory)
             r["ratio"] = r["extra_peak"] / r["stage_bytes"]
             rows.append(r)
@@ -314,10 +317,10 @@ def main() -> None:
         if not all(r["peak_reset"] for r in rows):
             print("[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before")
         print(f"[done] {time.perf_counter() - t_start:.0f} s")
-        print(
+        dense = "" if args.moe_only else (
             f"stage_load_rss_ratio={rows[0]['ratio']:.3f} from_pretrained_rss_ratio={rows[1]['ratio']:.3f} "
-            f"moe_stage_load_rss_ratio={rows[2]['ratio']:.3f} moe_ep_stage_load_rss_ratio={rows[3]['ratio']:.3f}"
         )
+        print(f"{dense}moe_stage_load_rss_ratio={rows[-2]['ratio']:.3f} moe_ep_stage_load_rss_ratio={rows[-1]['ratio']:.3f}")
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(directory, ignore_errors=True)

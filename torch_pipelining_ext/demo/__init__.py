@@ -1,1 +1,1 @@
-"""Demo: train a small MoE transformer with pipeline x expert parallelism and real OVERLAP_F_B overlap."""
+"""Demo: train a tiny Hugging Face MoE with pipeline x expert parallelism and the concurrent OVERLAP_F_B."""

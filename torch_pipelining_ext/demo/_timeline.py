@@ -12,12 +12,12 @@ What a trace contains (and what the lanes are built from):
 * ``OVERLAP_F_B forward <sub-action>`` / ``OVERLAP_F_B backward <sub-action>``
   ranges around the two sub-actions of an OVERLAP_F_B action, on the thread
   that ran each (``torch_pipelining_ext._overlap`` adds them when profiling;
-  the demo's sequential OVERLAP_F_B function adds the same names);
+  the demo adds the same names to its sequential run's sub-actions when it traces);
 * ``ep_overlap::... communication (... thread)`` ranges around the
   expert-parallel communication inside overlapped actions
-  (``torch_pipelining_ext.ep_overlap``), plus the all-to-all ops themselves
-  and the demo's simulated link latency, which also mark communication
-  outside them;
+  (``torch_pipelining_ext.ep_overlap``), plus the all-to-all ops themselves,
+  which also mark communication outside them (the simulated link latency
+  waits inside the ep_overlap ranges, in no operator);
 * the ATen operators each thread ran: the compute time of a sub-action (so
   time a thread spends blocked -- in a collective, or waiting for its turn at
   a communication boundary -- is not drawn as compute).

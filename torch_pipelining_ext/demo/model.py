@@ -1,7 +1,7 @@
 """A small DeepSeek-style MoE transformer with expert-parallel all-to-all.
 
-Used by the demo (``python -m torch_pipelining_ext.demo``), the overlap tests
-and ``tools/bench_overlap.py``.  The layout follows DeepSeek-V3 in miniature:
+Used by the overlap tests and ``tools/bench_overlap.py`` (the demo itself,
+``python -m torch_pipelining_ext.demo``, trains a Hugging Face MoE).  The layout follows DeepSeek-V3 in miniature:
 token embeddings, ``n_dense_layers`` transformer blocks with a dense
 feed-forward, then ``n_moe_layers`` blocks whose feed-forward is a
 mixture of experts (a softmax top-k router, one shared expert and
