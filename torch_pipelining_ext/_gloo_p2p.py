@@ -144,30 +144,39 @@ class _ProbeStage:
         return None
 
 
-def _probe_init_p2p_handshake() -> tuple[str, str]:
-    """Run torch's handshake builder, with a recording ``P2POp``, for a middle
-    stage whose next stage is on the same rank (V-schedule)."""
+def _recorded_handshake() -> list[tuple[torch.dtype, Any]] | None:
+    """The (dtype, peer) of each op torch's handshake builder makes for a middle
+    stage whose next stage is on the same rank (V-schedule); None without a handshake."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
-
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
 
     fn = getattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", None)
     if fn is None:
-        return AlreadyUpstream, "not applicable: torch has no stage-init P2P handshake"
+        return None
     recorder = type("_Recorder", (_RecordedP2POp,), {"recorded": []})
     fake_dist = types.SimpleNamespace(P2POp=recorder, isend="isend", irecv="irecv")
     isolated = types.FunctionType(
         fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__
     )
-    stage = _ProbeStage()
-    isolated(stage)
+    isolated(_ProbeStage())
     if not recorder.recorded:
         raise RuntimeError("_get_init_p2p_neighbors_ops built no P2P ops for a middle stage")
+    return recorder.recorded
+
+
+def _probe_init_p2p_handshake() -> tuple[str, str]:
+    """Run torch's handshake builder, with a recording ``P2POp``, for a middle
+    stage whose next stage is on the same rank (V-schedule)."""
+    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
+
+    recorded = _recorded_handshake()
+    if recorded is None:
+        return AlreadyUpstream, "not applicable: torch has no stage-init P2P handshake"
+    stage = _ProbeStage()
     problems = []
-    dtypes = {dtype for dtype, _ in recorder.recorded}
+    dtypes = {dtype for dtype, _ in recorded}
     if len(dtypes) > 1:
         problems.append(f"mixes {sorted(str(d) for d in dtypes)}")
-    if any(peer == stage.group_rank for _, peer in recorder.recorded):
+    if any(peer == stage.group_rank for _, peer in recorded):
         problems.append("sends to its own rank")
     if not problems:
         return AlreadyUpstream, "handshake uses one dtype and skips same-rank neighbours"
