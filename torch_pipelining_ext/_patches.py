@@ -126,7 +126,7 @@ def _schedule_runtime_patches() -> list[Patch]:
             targets=(Target(_SCHEDULES, "_batch_p2p", make=self_p2p),),
             probe=self_p2p_probe,
             description="a P2P batch's sends to the own rank are copied into its receives (gloo)",
-            upstream="schedules.py: V-schedules on _PipelineScheduleRuntime hand tensors over locally (2.10)",
+            upstream="schedules.py _batch_p2p (PipelineScheduleMulti loop with adjacent stages on one rank)",
         ),
         Patch(
             name="schedule_backward_counter",
