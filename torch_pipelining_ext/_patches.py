@@ -246,8 +246,12 @@ def _split_backward_patches() -> list[Patch]:
     def weight(original: object) -> object:
         return sb("stage_backward_weight")
 
-    def input_(original: object) -> object:
-        return sb("_make_stage_backward_input")(original)
+    wrappers: dict[Any, object] = {}
+
+    def input_(original: object) -> object:  # one wrapper for both names of the function
+        if original not in wrappers:
+            wrappers[original] = sb("_make_stage_backward_input")(original)
+        return wrappers[original]
 
     return [
         Patch(
