@@ -287,6 +287,28 @@ class _RecordingFunctions:
             compute()
 
 
+# stage -> rank of the custom schedules of test_adjacent_stages_on_one_rank
+_ADJACENT_LAYOUTS = {
+    "v_shaped": {0: 0, 1: 1, 2: 1, 3: 0},  # stages 1 and 2 on rank 1
+    "unbalanced": {0: 0, 1: 0, 2: 0, 3: 1},  # stages 0, 1 and 2 on rank 0
+}
+
+
+class _OneMicrobatchInStageOrder(sched.PipelineScheduleMulti):
+    """One microbatch through the stages in order and back, one action per time step,
+    on the generic ``PipelineScheduleMulti`` loop with any stage-to-rank layout."""
+
+    def __init__(self, stages: list[PipelineStage], stage_to_rank: dict[int, int], loss_fn: Any) -> None:
+        super().__init__(stages, 1, loss_fn=loss_fn)
+        self.stage_index_to_group_rank = dict(stage_to_rank)
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = dict(stage_to_rank)
+        order = [_Action(i, F, 0) for i in range(N_STAGES)] + [_Action(i, B, 0) for i in reversed(range(N_STAGES))]
+        self.pipeline_order = {
+            rank: [a if stage_to_rank[a.stage_index] == rank else None for a in order] for rank in range(PP)
+        }
+
+
 # --------------------------------------------------------------------------- #
 # Multi-process tests                                                          #
 # --------------------------------------------------------------------------- #
@@ -415,6 +437,35 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         self.assertIn("custom UNSHARD failed", str(cm.exception))
         self.assertIn(f"[rank {self.rank}]", notes)
         self.assertIn(f"time step 0 running action {first}", notes)
+
+    @parametrize("layout", ["v_shaped", "unbalanced"])
+    def test_adjacent_stages_on_one_rank(self, layout: str) -> None:
+        # Upstream's CustomSchedulesTest.test_non_symmetric_stage_ids on gloo: a
+        # PipelineScheduleMulti schedule with two adjacent stages on one rank, so
+        # the generic loop sends from a rank to itself (p2p_to_own_rank).
+        stage_to_rank = _ADJACENT_LAYOUTS[layout]
+        ref = _reference_model().to(self.device)
+        indices = [i for i in range(N_STAGES) if stage_to_rank[i] == self.rank]
+        modules = [copy.deepcopy(ref[i]) for i in indices]
+        stages = [PipelineStage(m, i, N_STAGES, self.device) for m, i in zip(modules, indices)]
+        schedule = _OneMicrobatchInStageOrder(stages, stage_to_rank, _loss_fn)
+        for step in range(2):
+            x, y = (t[:MB_SIZE].to(self.device) for t in _batch(step))
+            ref.zero_grad()
+            for module in modules:
+                module.zero_grad()
+            losses: list[torch.Tensor] = []
+            schedule.step(x, target=y, losses=losses)
+            _, ref_losses = reference_step(ref, _loss_fn, x, y, 1)
+
+            def check() -> None:
+                if N_STAGES - 1 in indices:
+                    self.assertEqual(losses, ref_losses)
+                for module, i in zip(modules, indices):
+                    for (name, p), ref_p in zip(module.named_parameters(), ref[i].parameters()):
+                        torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}")
+
+            check_on_all_ranks(check, self.device)
 
     def test_run_action_rejects_overlap_and_unknown_types(self) -> None:
         run = self._run(ScheduleDualPipeV)
