@@ -23,7 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_pipelining import check_on_all_ranks, nccl_variant, PipelineMultiProcTest, reference_step
+from common_pipelining import (
+    check_on_all_ranks,
+    mse_loss,
+    nccl_variant,
+    PipelineMultiProcTest,
+    random_batch,
+    reference_step,
+)
 from model_registry import MLPStage
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
@@ -183,14 +190,7 @@ def _reference_model() -> nn.Sequential:
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(N_MICROBATCHES * MB_SIZE, D_HID, generator=gen)
-    y = torch.randn(N_MICROBATCHES * MB_SIZE, D_HID, generator=gen)
-    return x, y
-
-
-def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(output, target)
+    return random_batch(100 + step, N_MICROBATCHES * MB_SIZE, D_HID)
 
 
 class ScheduleStateTest(TestCase):
@@ -237,7 +237,7 @@ class _PipelineRun:
             PipelineStage(module, i, N_STAGES, device, group=group)
             for module, i in zip(self.modules, self.stage_indices)
         ]
-        self.schedule = schedule_class(self.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        self.schedule = schedule_class(self.stages, N_MICROBATCHES, loss_fn=mse_loss)
         self.device = device
 
     def step(self, test: TestCase, step: int) -> None:
@@ -245,7 +245,7 @@ class _PipelineRun:
         x, y = (t.to(self.device) for t in _batch(step))
         losses: list[torch.Tensor] = []
         out = self.schedule.step(x, target=y, losses=losses)
-        ref_out, ref_losses = reference_step(self.ref, _loss_fn, x, y, N_MICROBATCHES)
+        ref_out, ref_losses = reference_step(self.ref, mse_loss, x, y, N_MICROBATCHES)
 
         def check() -> None:
             if N_STAGES - 1 in self.stage_indices:
@@ -415,7 +415,7 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
             self.assertEqual(dict(last_backward_calls), {i: step + 1 for i in run.stage_indices})
         once = _reference_model().to(self.device)
         x, y = (t.to(self.device) for t in _batch(0))
-        reference_step(once, _loss_fn, x, y, N_MICROBATCHES)
+        reference_step(once, mse_loss, x, y, N_MICROBATCHES)
         for module, i in zip(run.modules, run.stage_indices):
             for p, p_once in zip(module.parameters(), once[i].parameters()):
                 torch.testing.assert_close(p.grad, 2 * p_once.grad)
@@ -448,7 +448,7 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         indices = [i for i in range(N_STAGES) if stage_to_rank[i] == self.rank]
         modules = [copy.deepcopy(ref[i]) for i in indices]
         stages = [PipelineStage(m, i, N_STAGES, self.device) for m, i in zip(modules, indices)]
-        schedule = _OneMicrobatchInStageOrder(stages, stage_to_rank, _loss_fn)
+        schedule = _OneMicrobatchInStageOrder(stages, stage_to_rank, mse_loss)
         for step in range(2):
             x, y = (t[:MB_SIZE].to(self.device) for t in _batch(step))
             ref.zero_grad()
@@ -456,7 +456,7 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
                 module.zero_grad()
             losses: list[torch.Tensor] = []
             schedule.step(x, target=y, losses=losses)
-            _, ref_losses = reference_step(ref, _loss_fn, x, y, 1)
+            _, ref_losses = reference_step(ref, mse_loss, x, y, 1)
 
             def check() -> None:
                 if N_STAGES - 1 in indices:

@@ -39,7 +39,7 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common_pipelining import reference_step  # noqa: E402
+from common_pipelining import mse_loss, random_batch, reference_step  # noqa: E402
 from model_registry import MLPStage  # noqa: E402
 
 
@@ -92,14 +92,7 @@ def _model(n_stages: int) -> nn.Sequential:
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(N_MICROBATCHES * MB_SIZE, D_HID, generator=gen)
-    y = torch.randn(N_MICROBATCHES * MB_SIZE, D_HID, generator=gen)
-    return x, y
-
-
-def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(output, target)
+    return random_batch(100 + step, N_MICROBATCHES * MB_SIZE, D_HID)
 
 
 def _reference(n_stages: int) -> dict[str, Any]:
@@ -109,7 +102,7 @@ def _reference(n_stages: int) -> dict[str, Any]:
     losses = []
     for step in range(N_STEPS):
         optimizer.zero_grad()
-        _, step_losses = reference_step(model, _loss_fn, *_batch(step), N_MICROBATCHES)
+        _, step_losses = reference_step(model, mse_loss, *_batch(step), N_MICROBATCHES)
         losses.append(step_losses)
         optimizer.step()
     return {"losses": losses, "params": dict(model.state_dict())}
@@ -145,7 +138,7 @@ def _train(name: str, rank: int) -> dict[str, Any]:
     modules = {i: copy.deepcopy(full[i]) for i in indices}
     stages = [PipelineStage(modules[i], i, n_stages, torch.device("cpu")) for i in indices]
     schedule_class = getattr(schedules, class_name)
-    schedule = schedule_class(stages[0] if stages_per_rank == 1 else stages, N_MICROBATCHES, loss_fn=_loss_fn)
+    schedule = schedule_class(stages[0] if stages_per_rank == 1 else stages, N_MICROBATCHES, loss_fn=mse_loss)
     if csv is not None:
         from common_pipelining import load_csv
 
