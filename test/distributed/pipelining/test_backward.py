@@ -3,18 +3,21 @@
 (``torch_pipelining_ext/_split_backward.py``): the weight gradients of
 ``stage_backward_input`` + ``stage_backward_weight`` equal autograd's for a
 parameter used twice on one path and for a node with two outputs, and a
-non-tensor stage input (a FlexAttention ``BlockMask``) is accepted.  Where
+non-tensor stage input (a FlexAttention ``BlockMask``) is accepted, also
+through a zero-bubble schedule.  Where
 the patch is applied, stock torch's functions are checked to be wrong on the
 same case, so that each test shows what the patch fixes."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import _backward, stage as stage_module
+from torch.distributed.pipelining import _backward, PipelineStage, ScheduleZBVZeroBubble, stage as stage_module
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -159,6 +162,59 @@ class SplitBackwardTest(TestCase):
         if stock is not None:
             with self.assertRaisesRegex(AttributeError, "requires_grad"):
                 _split_grads(module, x, stock, _backward.stage_backward_weight, extra_inputs=(mask,))
+
+
+class _Mask:
+    """A non-tensor stage argument, as a FlexAttention ``BlockMask`` is."""
+
+    scale = 0.5
+
+
+class _TiedStage(nn.Module):
+    """A stage that applies its weight twice on one path and takes a non-tensor keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: _Mask | None = None) -> torch.Tensor:
+        if not isinstance(mask, _Mask):
+            raise AssertionError(f"the stage got mask={mask!r}")
+        return self.lin(torch.tanh(self.lin(x))) * mask.scale
+
+
+class SplitBackwardScheduleTest(TestCase):
+    """ScheduleZBVZeroBubble (input and weight backwards apart) with both stages on one rank."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        if dist.is_initialized():
+            self.skipTest("a process group exists in this process")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self.addCleanup(dist.destroy_process_group)
+
+    def test_zero_bubble_with_shared_weight_and_non_tensor_kwarg(self) -> None:
+        torch.manual_seed(0)
+        reference = nn.Sequential(_TiedStage(), _TiedStage())
+        parts = [copy.deepcopy(m) for m in reference]
+        stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate(parts)]
+        schedule = ScheduleZBVZeroBubble(stages, 2, loss_fn=nn.functional.mse_loss)
+        mask = _Mask()
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(2):  # the second step accumulates
+            x, y = torch.randn(4, 4, generator=gen), torch.randn(4, 4, generator=gen)
+            losses: list[torch.Tensor] = []
+            schedule.step(x, target=y, losses=losses, mask=mask)
+            ref_losses = []
+            for xb, yb in zip(x.chunk(2), y.chunk(2)):
+                out = reference[1](reference[0](xb, mask=mask), mask=mask)
+                loss = nn.functional.mse_loss(out, yb)
+                (loss / 2).backward()
+                ref_losses.append(loss.detach())
+            torch.testing.assert_close(losses, ref_losses)
+            for i, (part, ref) in enumerate(zip(parts, reference)):
+                for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}")
 
 
 instantiate_parametrized_tests(SplitBackwardTest)
