@@ -109,7 +109,7 @@ def _reference(n_stages: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- #
-# The ranks (run in a subprocess of the test: python this_file OUT_DIR)         #
+# The ranks (subprocesses of the test: python this_file RANK OUT_DIR)          #
 # --------------------------------------------------------------------------- #
 
 
@@ -185,30 +185,28 @@ def _rank_main(rank: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _main(out_dir: str) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank_main, args=(out_dir,), nprocs=PP, join=True)
-
-
 # --------------------------------------------------------------------------- #
 # The test                                                                     #
 # --------------------------------------------------------------------------- #
 
 
-def _start(out_dir: str, stock: bool) -> subprocess.Popen:
+def _start(out_dir: str, stock: bool) -> list[subprocess.Popen]:
+    """Start the ranks of one run (``python this_file RANK OUT_DIR``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for var in ("TORCH_PIPELINING_EXT_DISABLE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
     if stock:
         env["TORCH_PIPELINING_EXT_DISABLE"] = "1"
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), out_dir],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(rank), out_dir],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(PP)
+    ]
 
 
 def _merge(out_dir: str) -> dict[str, Any]:
@@ -229,15 +227,17 @@ def _merge(out_dir: str) -> dict[str, Any]:
 class StockVsPatchedTest(TestCase):
     def test_every_schedule_matches_stock_torch_bitwise(self) -> None:
         with tempfile.TemporaryDirectory() as stock_dir, tempfile.TemporaryDirectory() as patched_dir:
-            procs = {"stock": _start(stock_dir, stock=True), "patched": _start(patched_dir, stock=False)}
-            for mode, proc in procs.items():
-                try:
-                    output, _ = proc.communicate(timeout=_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    for p in procs.values():
-                        p.kill()
-                    self.fail(f"the {mode} run did not finish in {_TIMEOUT_S} s")
-                self.assertEqual(proc.returncode, 0, f"the {mode} run failed:\n{output[-6000:]}")
+            runs = {"stock": _start(stock_dir, stock=True), "patched": _start(patched_dir, stock=False)}
+            for mode, ranks in runs.items():
+                for rank, proc in enumerate(ranks):
+                    try:
+                        output, _ = proc.communicate(timeout=_TIMEOUT_S)
+                    except subprocess.TimeoutExpired:
+                        for p in (p for r in runs.values() for p in r):
+                            p.kill()
+                            p.communicate()
+                        self.fail(f"rank {rank} of the {mode} run did not finish in {_TIMEOUT_S} s")
+                    self.assertEqual(proc.returncode, 0, f"rank {rank} of the {mode} run failed:\n{output[-6000:]}")
             stock, patched = _merge(stock_dir), _merge(patched_dir)
 
         self.assertEqual(stock["applied"], [], "the stock run patched torch")
@@ -274,7 +274,7 @@ class StockVsPatchedTest(TestCase):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2 and not sys.argv[1].startswith("-"):
-        _main(sys.argv[1])
+    if len(sys.argv) == 3 and sys.argv[1].isdigit():
+        _rank_main(int(sys.argv[1]), sys.argv[2])
     else:
         run_tests()
