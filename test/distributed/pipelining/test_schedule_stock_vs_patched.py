@@ -12,14 +12,16 @@ Every microbatch loss and every parameter after the two steps must be equal
 bitwise.  Both are also compared with a single-process reference (up to
 rounding: the reference sums a stage's microbatch gradients in another order).
 
-Where stock torch cannot run a schedule on gloo, the patched run is compared
-with the reference only; the test reports those schedules and why.  The
-reasons come from the package's own probes, run in the stock process, never
-from version strings.  On torch 2.9 that is every schedule: its stage-init
-handshake sends int64 tensors into float32 buffers, and gloo aborts the
-process (torch 2.9 ran pipelining on NCCL only); there the test checks the
-patched runtime against the reference.  On 2.13 and 2.15 stock torch runs
-every schedule here and the patched runtime matches it bitwise.
+Where stock torch cannot run on gloo at all -- torch 2.9, whose stage-init
+handshake sends int64 tensors into float32 buffers, on which gloo aborts the
+process (torch 2.9 ran pipelining on NCCL only) -- the stock run applies the
+two patches that only carry tensors over gloo (``stage_init_handshake``,
+``p2p_to_own_rank``) and nothing else; the package's probe decides, never a
+version string.  On 2.13 and 2.15 the stock run patches nothing.
+
+Where stock torch trains a schedule wrongly (``_KNOWN_STOCK_BUGS``: torch 2.9's
+``ScheduleDualPipeV`` leaves three stages' gradients unscaled), the patched
+run is compared with the reference only.  Stock torch being wrong for any other schedule fails the test.
 """
 
 from __future__ import annotations
@@ -113,19 +115,30 @@ def _reference(n_stages: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- #
 
 
-def _stock_cannot_run() -> str | None:
-    """Why stock torch cannot run the schedules on gloo, by the package's probes; None if it can.
+# Patches that only carry tensors over gloo (the stage-init handshake, sends
+# to the own rank); they change no computation.
+_TRANSPORT_PATCHES = ("stage_init_handshake", "p2p_to_own_rank")
 
-    Only what aborts the process is listed: gloo aborts (it does not raise)
-    on a receive whose size does not match, so the stock run must not start
-    such a schedule.  Called on a rank, with the process group initialised.
+
+def _apply_transport_patches_if_gloo_fails() -> list[str]:
+    """In the stock run: apply the transport patches where stock torch cannot run on gloo.
+
+    gloo aborts the process (it does not raise) on a receive whose size does
+    not match, which torch 2.9's stage-init handshake of every schedule
+    causes (int64 tensors into float32 buffers), so the stock run could not
+    run any schedule there.  Decided by the package's probe, on a rank with
+    the process group initialised.  Returns the patches applied.
     """
     from torch_pipelining_ext import _gloo_p2p
+    from torch_pipelining_ext._patches import _REGISTRY
 
     handshake = _gloo_p2p._recorded_handshake()
-    if handshake is not None and len({dtype for dtype, _ in handshake}) > 1:
-        return "every schedule's stage-init handshake sends int64 tensors into float32 buffers"
-    return None
+    if handshake is None or len({dtype for dtype, _ in handshake}) == 1:
+        return []
+    for p in _REGISTRY.patches():
+        if p.name in _TRANSPORT_PATCHES:
+            _REGISTRY._apply_one(p, {})
+    return [name for name in _TRANSPORT_PATCHES if _REGISTRY.is_applied(name)]
 
 
 def _train(name: str, rank: int) -> dict[str, Any]:
@@ -167,18 +180,15 @@ def _rank_main(rank: int, out_dir: str) -> None:
 
     store = dist.FileStore(os.path.join(out_dir, "store"), PP)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=PP, timeout=_PG_TIMEOUT)
+    stock = os.environ.get("TORCH_PIPELINING_EXT_DISABLE") == "1"
+    transport = _apply_transport_patches_if_gloo_fails() if stock else []
     results: dict[str, Any] = {
         "applied": [r.name for r in torch_pipelining_ext.patch_report() if r.status.value == "applied"],
-        "torch": torch.__version__,
+        "transport_patches": transport,
         "schedules": {},
     }
-    stock = os.environ.get("TORCH_PIPELINING_EXT_DISABLE") == "1"
     for name in SCHEDULES:
-        reason = _stock_cannot_run() if stock else None
-        print(f"[rank {rank}] {name}: {'not run: ' + reason if reason else 'training'}", flush=True)
-        if reason is not None:
-            results["schedules"][name] = {"not_run": reason}
-            continue
+        print(f"[rank {rank}] {name}", flush=True)
         results["schedules"][name] = _train(name, rank)
         dist.barrier()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -188,6 +198,23 @@ def _rank_main(rank: int, out_dir: str) -> None:
 # --------------------------------------------------------------------------- #
 # The test                                                                     #
 # --------------------------------------------------------------------------- #
+
+# Schedules stock torch trains wrongly on some supported release.
+_KNOWN_STOCK_BUGS = {
+    # torch 2.9 (measured): after one step the gradients of stages 0-2 are
+    # n_microbatches (4) times the reference's, stage 3's equal to it: the
+    # scale_grads division is skipped for three of the four stages.
+    "DualPipeV": "torch 2.9 leaves the gradients of stages 0-2 unscaled (4x the reference's)",
+}
+
+
+def _close(run: dict[str, Any], ref: dict[str, Any]) -> bool:
+    """Whether a run's losses and parameters match the reference up to rounding."""
+    losses = all(
+        torch.allclose(a, b) for step, ref_step in zip(run["losses"], ref["losses"]) for a, b in zip(step, ref_step)
+    )
+    return losses and all(torch.allclose(v, ref["params"][k]) for k, v in run["params"].items())
+
 
 
 def _start(out_dir: str, stock: bool) -> list[subprocess.Popen]:
@@ -212,12 +239,10 @@ def _start(out_dir: str, stock: bool) -> list[subprocess.Popen]:
 def _merge(out_dir: str) -> dict[str, Any]:
     """The results of both ranks: per schedule, the last stage's losses and every stage's parameters."""
     ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(PP)]
-    merged: dict[str, Any] = {"applied": ranks[0]["applied"], "schedules": {}}
+    merged: dict[str, Any] = {k: ranks[0][k] for k in ("applied", "transport_patches")}
+    merged["schedules"] = {}
     for name in SCHEDULES:
         per_rank = [r["schedules"][name] for r in ranks]
-        if "not_run" in per_rank[0]:
-            merged["schedules"][name] = per_rank[0]
-            continue
         losses = next(r["losses"] for r in per_rank if r["losses"] is not None)
         params = {k: v for r in per_rank for k, v in r["params"].items()}
         merged["schedules"][name] = {"losses": losses, "params": params}
@@ -240,10 +265,11 @@ class StockVsPatchedTest(TestCase):
                     self.assertEqual(proc.returncode, 0, f"rank {rank} of the {mode} run failed:\n{output[-6000:]}")
             stock, patched = _merge(stock_dir), _merge(patched_dir)
 
-        self.assertEqual(stock["applied"], [], "the stock run patched torch")
+        # Stock torch, plus where it cannot run on gloo the patches that only carry tensors.
+        self.assertEqual(stock["applied"], stock["transport_patches"], "the stock run patched torch")
         self.assertIn("runtime_step_context", patched["applied"])  # the patched run replaces the runtime
+        stock_wrong: list[str] = []
         references = {n: _reference(n) for n in {_n_stages(s) for _, s, _ in SCHEDULES.values()}}
-        not_run = {}
         for name, (_, stages_per_rank, _) in SCHEDULES.items():
             with self.subTest(schedule=name):
                 ours = patched["schedules"][name]
@@ -255,8 +281,8 @@ class StockVsPatchedTest(TestCase):
                 for key, value in ours["params"].items():
                     torch.testing.assert_close(value, ref["params"][key], msg=lambda m: f"{key}: {m}")
                 theirs = stock["schedules"][name]
-                if "not_run" in theirs:
-                    not_run[name] = theirs["not_run"]
+                if not _close(theirs, ref):
+                    stock_wrong.append(name)
                     continue
                 # Against stock torch, bitwise.
                 for step in range(N_STEPS):
@@ -265,13 +291,21 @@ class StockVsPatchedTest(TestCase):
                 self.assertEqual(ours["params"].keys(), theirs["params"].keys())
                 for key, value in ours["params"].items():
                     self.assertTrue(torch.equal(value, theirs["params"][key]), f"{key} differs from stock torch")
-        if not_run:
+        # Where stock torch is wrong the patched run is compared with the reference
+        # only; a schedule not known to be wrong on stock torch fails here.
+        self.assertLessEqual(set(stock_wrong), _KNOWN_STOCK_BUGS.keys(), f"stock torch is wrong for {stock_wrong}")
+        if stock_wrong:
             print(
-                "\ncompared with the reference only (stock torch cannot run them on gloo): "
-                + "; ".join(f"{name}: {reason}" for name, reason in not_run.items()),
+                "\nstock torch is wrong, compared with the reference only: "
+                + "; ".join(f"{name}: {_KNOWN_STOCK_BUGS[name]}" for name in stock_wrong),
                 file=sys.stderr,
             )
-
+        if stock["transport_patches"]:
+            print(
+                "\nstock torch ran with the gloo transport patches "
+                f"{stock['transport_patches']} (without them gloo aborts on this torch)",
+                file=sys.stderr,
+            )
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1].isdigit():
