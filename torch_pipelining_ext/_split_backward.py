@@ -47,13 +47,11 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
-def _grad_acc(param: torch.Tensor) -> Node:
+def _grad_acc(param: torch.Tensor) -> Node | None:
+    """The gradient accumulator of ``param``; None for a parameter that does not require grad."""
     from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
-    node = _get_grad_fn_or_grad_acc(param)
-    if node is None:
-        raise RuntimeError(f"parameter of shape {list(param.shape)} has no gradient accumulator")
-    return node
+    return _get_grad_fn_or_grad_acc(param)
 
 
 # [Note: saved gradients are final]
@@ -114,7 +112,9 @@ def stage_backward_weight(
     by_acc: dict[Node, Parameter] = {}
     previous: list[torch.Tensor | None] = []
     for weight in weights:
-        by_acc[_grad_acc(weight)] = weight
+        acc = _grad_acc(weight)
+        if acc is not None:  # frozen parameters are in no group
+            by_acc[acc] = weight
         previous.append(weight.grad)
     for param_group in param_groups:
         for acc, dweight in _weight_grads_of_group(param_group, retain_graph).items():

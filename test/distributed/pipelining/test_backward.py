@@ -141,6 +141,17 @@ class SplitBackwardTest(TestCase):
         for p, r in zip(module.parameters(), ref, strict=True):
             torch.testing.assert_close(p.grad, r)
 
+    def test_frozen_parameter(self) -> None:
+        torch.manual_seed(0)
+        module, x = _TwiceOnOnePath(), torch.randn(3, 4)
+        module.lin.bias.requires_grad_(False)
+        x = x.requires_grad_()
+        _, groups = _backward.stage_backward_input([module(x).square().sum()], None, [x], module.parameters())
+        _backward.stage_backward_weight(module.parameters(), groups)
+        self.assertIsNone(module.lin.bias.grad)
+        (ref,) = torch.autograd.grad(module(x.detach()).square().sum(), [module.lin.weight])
+        torch.testing.assert_close(module.lin.weight.grad, ref)
+
     def test_non_tensor_stage_input(self) -> None:
         try:
             from torch.nn.attention.flex_attention import create_block_mask
