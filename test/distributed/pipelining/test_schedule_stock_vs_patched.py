@@ -36,20 +36,15 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from common_pipelining import mse_loss, random_batch, reference_step
+from model_registry import MLPStage
 from torch.testing._internal.common_utils import run_tests, TestCase
-
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common_pipelining import mse_loss, random_batch, reference_step  # noqa: E402
-from model_registry import MLPStage  # noqa: E402
 
 
 D_HID = 8
 N_MICROBATCHES = 4
 MB_SIZE = 2
 PP = 2
-N_STAGES = 4
 N_STEPS = 2
 LR = 0.1
 _TIMEOUT_S = 300
