@@ -7,8 +7,14 @@ functions can decide, like the built-in path, which backward is a stage's
 last one in the step -- the one that must synchronise data-parallel gradients.
 Upstream keeps a plain ``collections.Counter`` there and updates it with
 ``schedule.backward_counter[stage_idx] += 1``.  That read-modify-write is not
-atomic, so two actions running on two threads (an overlapped OVERLAP_F_B, say)
-can lose a count and never see their last backward.
+atomic, so two actions running on two threads can lose a count and never see
+their last backward.
+
+The package's own runtime counts on the step's thread only: the concurrent
+OVERLAP_F_B handler does the bookkeeping of both sub-actions, counting
+included, in schedule order before it hands the backward compute to its
+second thread (``_schedule_runtime.prepare_compute_action``).  The lock is for
+custom action functions, which may count from threads of their own.
 
 :class:`BackwardCounter` is a ``Counter`` (so upstream-style code keeps
 working) with one atomic operation, :meth:`BackwardCounter.record_backward`.

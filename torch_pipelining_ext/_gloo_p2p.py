@@ -1,18 +1,18 @@
-"""Pipeline P2P on gloo (torch 2.9).
+"""Pipeline P2P on gloo.
 
 Upstream files: ``torch/distributed/pipelining/stage.py``
 (``_PipelineStageBase._get_init_p2p_neighbors_ops``) and
 ``torch/distributed/pipelining/schedules.py`` (``_batch_p2p``).
 
-torch 2.9's multi-stage schedules were run on NCCL only; on gloo they fail in
-two places, which keeps a CPU test suite from running any of them.
+Pipelining was run on NCCL; on gloo it fails in two places: torch 2.9's
+stage handshake, and a rank's send to itself on every release.
 
 The stage initialisation handshake
 ----------------------------------
 
-Before the first step, multi-stage schedules exchange one dummy tensor with
-each neighbouring stage so that the P2P communicators exist.  On gloo this
-handshake fails twice over on torch 2.9:
+Before the first step, schedules (on torch 2.9 single-stage ones too)
+exchange one dummy tensor with each neighbouring stage so that the P2P
+communicators exist.  On gloo this handshake fails twice over on torch 2.9:
 
 * it sends ``torch.tensor(stage_index)`` -- int64 -- into a float32 receive
   buffer.  NCCL moves bytes and does not notice; gloo checks sizes and aborts
@@ -32,13 +32,16 @@ float32 and drops the ops whose peer is the calling rank.
 
 Send/receive between two stages of one rank
 -------------------------------------------
-torch 2.9 runs ``ScheduleZBVZeroBubble`` (a V-schedule) with the generic
-``PipelineScheduleMulti`` loop, which exchanges activations and gradients
-between the rank's two adjacent stages with a send and a receive to itself in
-one batch.  NCCL copies; gloo fails as above.  :func:`_make_batch_p2p` does
+The generic ``PipelineScheduleMulti`` loop (torch 2.9's
+``ScheduleZBVZeroBubble``, and on every release the custom schedules built on
+it, such as upstream's ``test_non_symmetric_stage_ids`` with stages 1 and 2
+on one rank) exchanges activations and gradients between a rank's two
+adjacent stages with a send and a receive to itself in one batch.  NCCL
+copies; gloo fails ("Pair is not connected").  :func:`_make_batch_p2p` does
 what NCCL does: within a batch, each send to the calling rank is copied into
-the matching receive from it.  torch 2.10+ runs every multi-stage schedule on
-``_PipelineScheduleRuntime``, which hands such tensors over locally.
+the matching receive from it.  ``_PipelineScheduleRuntime`` hands such tensors
+over locally and never builds these ops.  The probe runs torch's
+``_batch_p2p`` on such a batch with a recording ``dist``.
 """
 
 from __future__ import annotations
@@ -100,17 +103,39 @@ def _make_batch_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
     return _batch_p2p
 
 
+class _ProbeOp:
+    """Stands in for a ``dist.P2POp`` in :func:`_probe_self_p2p`."""
+
+    def __init__(self, op: str, peer: int) -> None:
+        self.op, self.peer, self.group_peer = op, peer, peer
+        self.tensor = torch.zeros(1)
+        self.group = types.SimpleNamespace(group_name="probe")
+        self.tag = 0
+
+
 def _probe_self_p2p() -> tuple[str, str]:
-    """Does a V-schedule still run on the generic loop that sends to its own rank?"""
+    """Run torch's ``_batch_p2p``, with a recording ``dist``, on a batch that
+    sends to and receives from the calling rank (rank 0 here): does it hand
+    those ops to the backend?"""
     from torch.distributed.pipelining import schedules
 
     from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
 
-    if issubclass(schedules.ScheduleZBVZeroBubble, schedules._PipelineScheduleRuntime):
-        return AlreadyUpstream, "V-schedules run on _PipelineScheduleRuntime, which hands tensors over locally"
-    if not issubclass(schedules.ScheduleZBVZeroBubble, schedules.PipelineScheduleMulti):
-        raise RuntimeError("unrecognised ScheduleZBVZeroBubble base classes")
-    return PatchNeeded, "ScheduleZBVZeroBubble's loop sends to its own rank between its two stages"
+    fn = schedules._batch_p2p
+    issued: list[Any] = []
+    fake_dist = types.SimpleNamespace(
+        isend="isend",
+        irecv="irecv",
+        batch_isend_irecv=lambda ops: issued.extend(ops) or [],
+        get_rank=lambda *args, **kwargs: 0,
+    )
+    isolated = types.FunctionType(
+        fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    isolated([_ProbeOp("isend", 0), _ProbeOp("irecv", 0)])
+    if not issued:
+        return AlreadyUpstream, "_batch_p2p keeps sends to the own rank away from the backend"
+    return PatchNeeded, "_batch_p2p hands sends to the own rank to the backend (gloo: 'Pair is not connected')"
 
 
 class _RecordedP2POp:
@@ -144,30 +169,39 @@ class _ProbeStage:
         return None
 
 
-def _probe_init_p2p_handshake() -> tuple[str, str]:
-    """Run torch's handshake builder, with a recording ``P2POp``, for a middle
-    stage whose next stage is on the same rank (V-schedule)."""
+def _recorded_handshake() -> list[tuple[torch.dtype, Any]] | None:
+    """The (dtype, peer) of each op torch's handshake builder makes for a middle
+    stage whose next stage is on the same rank (V-schedule); None without a handshake."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
-
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
 
     fn = getattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", None)
     if fn is None:
-        return AlreadyUpstream, "not applicable: torch has no stage-init P2P handshake"
+        return None
     recorder = type("_Recorder", (_RecordedP2POp,), {"recorded": []})
     fake_dist = types.SimpleNamespace(P2POp=recorder, isend="isend", irecv="irecv")
     isolated = types.FunctionType(
         fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__
     )
-    stage = _ProbeStage()
-    isolated(stage)
+    isolated(_ProbeStage())
     if not recorder.recorded:
         raise RuntimeError("_get_init_p2p_neighbors_ops built no P2P ops for a middle stage")
+    return recorder.recorded
+
+
+def _probe_init_p2p_handshake() -> tuple[str, str]:
+    """Run torch's handshake builder, with a recording ``P2POp``, for a middle
+    stage whose next stage is on the same rank (V-schedule)."""
+    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
+
+    recorded = _recorded_handshake()
+    if recorded is None:
+        return AlreadyUpstream, "not applicable: torch has no stage-init P2P handshake"
+    stage = _ProbeStage()
     problems = []
-    dtypes = {dtype for dtype, _ in recorder.recorded}
+    dtypes = {dtype for dtype, _ in recorded}
     if len(dtypes) > 1:
         problems.append(f"mixes {sorted(str(d) for d in dtypes)}")
-    if any(peer == stage.group_rank for _, peer in recorder.recorded):
+    if any(peer == stage.group_rank for _, peer in recorded):
         problems.append("sends to its own rank")
     if not problems:
         return AlreadyUpstream, "handshake uses one dtype and skips same-rank neighbours"

@@ -32,6 +32,7 @@ def _patches() -> list[Patch]:
     patches: list[Patch] = []
     patches.extend(_schedule_runtime_patches())
     patches.extend(_fsdp_stage_patches())
+    patches.extend(_split_backward_patches())
     patches.append(_overlap_patch())
     patches.append(_stage_split_patch())
     return patches
@@ -128,7 +129,7 @@ def _schedule_runtime_patches() -> list[Patch]:
             targets=(Target(_SCHEDULES, "_batch_p2p", make=self_p2p),),
             probe=self_p2p_probe,
             description="a P2P batch's sends to the own rank are copied into its receives (gloo)",
-            upstream="schedules.py: V-schedules on _PipelineScheduleRuntime hand tensors over locally (2.10)",
+            upstream="schedules.py _batch_p2p (PipelineScheduleMulti loop with adjacent stages on one rank)",
         ),
         Patch(
             name="schedule_backward_counter",
@@ -231,6 +232,52 @@ def _fsdp_stage_patches() -> list[Patch]:
             description="split (I/W) backward of nested fully_shard stages uses the unsharded parameters",
             upstream="stage.py _PipelineStageBase.backward_maybe_with_nosync",
             env_disable="TORCH_PIPELINING_EXT_DISABLE_FSDP_FIX",
+        ),
+    ]
+
+
+# --- split (I/W) backward: torch_pipelining_ext/_split_backward.py ---
+_BACKWARD = "torch.distributed.pipelining._backward"
+
+
+def _split_backward_patches() -> list[Patch]:
+    def sb(name: str) -> Any:
+        from torch_pipelining_ext import _split_backward
+
+        return getattr(_split_backward, name)
+
+    def weight(original: object) -> object:
+        return sb("stage_backward_weight")
+
+    wrappers: dict[Any, object] = {}
+
+    def input_(original: object) -> object:  # one wrapper for both names of the function
+        if original not in wrappers:
+            wrappers[original] = sb("_make_stage_backward_input")(original)
+        return wrappers[original]
+
+    return [
+        Patch(
+            name="split_backward_weight",
+            # stage.py calls the name it imported from _backward.py
+            targets=(
+                Target(_BACKWARD, "stage_backward_weight", make=weight),
+                Target(_STAGE, "stage_backward_weight", make=weight),
+            ),
+            probe=lambda: sb("_probe_stage_backward_weight")(),
+            description="BACKWARD_WEIGHT counts a parameter used twice on one path once, "
+            "and routes each output's gradient of a multi-output node",
+            upstream="_backward.py stage_backward_weight (pytorch issues 180952, 170277)",
+        ),
+        Patch(
+            name="split_backward_non_tensor_inputs",
+            targets=(
+                Target(_BACKWARD, "stage_backward_input", make=input_),
+                Target(_STAGE, "stage_backward_input", make=input_),
+            ),
+            probe=lambda: sb("_probe_stage_backward_input")(),
+            description="BACKWARD_INPUT accepts non-tensor stage inputs (a FlexAttention BlockMask kwarg)",
+            upstream="_backward.py stage_backward_input (torchtitan issue 3584)",
         ),
     ]
 

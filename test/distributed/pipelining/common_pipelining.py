@@ -10,7 +10,9 @@
   :func:`nccl_decorators` -- the same guards for a single-process test that
   starts NCCL ranks itself.
 * :func:`check_on_all_ranks` -- assertions that fail on every rank together.
-* :func:`reference_step` -- one step of the unsplit model, for comparison.
+* :func:`reference_step` -- one step of the unsplit model, for comparison;
+  :func:`mse_loss` and :func:`token_cross_entropy`, the tests' losses;
+  :func:`random_batch` and :func:`random_tokens`, their seeded data.
 * :func:`load_csv` -- load a schedule written as a string.
 """
 
@@ -24,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.testing._internal.common_distributed import (
     MultiProcContinuousTest,
     requires_nccl,
@@ -35,10 +38,14 @@ from torch.testing._internal.common_utils import skip_but_pass_in_sandcastle_if
 __all__ = [
     "check_on_all_ranks",
     "load_csv",
+    "mse_loss",
     "nccl_decorators",
     "nccl_variant",
     "PipelineMultiProcTest",
+    "random_batch",
+    "random_tokens",
     "reference_step",
+    "token_cross_entropy",
 ]
 
 
@@ -225,3 +232,27 @@ def reference_step(
         outputs.append(out.detach())
         losses.append(loss.detach())
     return torch.cat(outputs), losses
+
+
+def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss of the dense-model tests."""
+    return F.mse_loss(output, target)
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of ``logits [b, s, vocab]`` against ``labels [b, s]``."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def random_batch(seed: int, rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets ``[rows, dim]`` of a dense model, drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=gen)
+    return x, torch.randn(rows, dim, generator=gen)
+
+
+def random_tokens(seed: int, rows: int, seq_len: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels ``[rows, seq_len]`` of a language model, drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (rows, seq_len), generator=gen)
+    return tokens, torch.randint(0, vocab_size, (rows, seq_len), generator=gen)

@@ -1,7 +1,7 @@
 # Owner(s): ["oncall: distributed"]
 """Unit tests of ``BackwardCounter`` and its schedule attribute
 (``torch_pipelining_ext/_backward_counter.py``): Counter compatibility,
-``record_backward`` under concurrent threads, reset, and the data descriptor
+``record_backward`` with two threads inside it at once, reset, and the data descriptor
 that puts a counter on every ``_PipelineScheduleRuntime``."""
 
 from __future__ import annotations
@@ -10,17 +10,69 @@ import copy
 import pickle
 import threading
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.testing._internal.common_utils import (
-    instantiate_parametrized_tests,
-    parametrize,
     run_tests,
     TestCase,
 )
 
 import torch_pipelining_ext
 from torch_pipelining_ext._backward_counter import _BackwardCounterAttribute, BackwardCounter
+
+
+_TIMEOUT_S = 30.0
+
+
+class _TwoThreadCounter(BackwardCounter):
+    """A ``BackwardCounter`` that forces two threads into ``record_backward`` together.
+
+    A thread that has read a count (``self[stage_idx]`` in ``record_backward``)
+    waits, before using it, until the other thread has arrived: it has read a
+    count too, or it has started to take the counter's lock.  So the second
+    read happens before the first thread stores its count, unless the lock
+    keeps the second thread out until then.  Waits time out with an error
+    naming the thread, so a broken counter fails and never hangs.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arrived: set[str] = set()
+        self._arrival = threading.Condition()
+        self._lock = _AnnouncingLock(self._lock, self._arrive)
+
+    def _arrive(self) -> None:
+        with self._arrival:
+            self._arrived.add(threading.current_thread().name)
+            self._arrival.notify_all()
+
+    def __getitem__(self, stage_idx: int) -> int:
+        count = super().__getitem__(stage_idx)
+        self._arrive()
+        with self._arrival:
+            if not self._arrival.wait_for(lambda: len(self._arrived) >= 2, timeout=_TIMEOUT_S):
+                raise RuntimeError(
+                    f"{threading.current_thread().name} read the count of stage {stage_idx} and waited "
+                    f"{_TIMEOUT_S} s for the other thread to arrive (arrived: {sorted(self._arrived)})"
+                )
+        return count
+
+
+class _AnnouncingLock:
+    """Wraps a lock: ``announce()`` runs before each acquire, which may block."""
+
+    def __init__(self, lock: Any, announce: Callable[[], None]) -> None:
+        self._inner = lock
+        self._announce = announce
+
+    def __enter__(self) -> bool:
+        self._announce()
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.__exit__(*exc)
 
 
 class BackwardCounterTest(TestCase):
@@ -60,35 +112,32 @@ class BackwardCounterTest(TestCase):
             c.reset() if step % 2 else c.clear()
             self.assertEqual([c.record_backward(7), c.record_backward(7)], [False, True])
 
-    @parametrize("n_threads", [2, 8])
-    def test_record_backward_is_thread_safe(self, n_threads: int) -> None:
-        n_stages, per_thread = 4, 500
-        n_microbatches = n_threads * per_thread
-        c = BackwardCounter(n_microbatches=n_microbatches)
-        last: list[tuple[int, int]] = []  # (thread, stage) of every True
-        barrier = threading.Barrier(n_threads)
+    def test_record_backward_is_thread_safe(self) -> None:
+        # Two threads count the last two backwards of one stage.  Each thread,
+        # having read the stage's count, waits until the other thread has read
+        # it too or is waiting for the counter's lock (see _TwoThreadCounter).
+        # Without the lock both read 0 and both store 1: a count is lost and
+        # neither thread sees the last backward.  With it, the second thread
+        # reads the first one's count.
+        c = _TwoThreadCounter(n_microbatches=2)
+        results: dict[str, bool] = {}
         errors: list[BaseException] = []
 
-        def work(thread: int) -> None:
+        def work() -> None:
             try:
-                barrier.wait(timeout=30)
-                for _ in range(per_thread):
-                    for stage in range(n_stages):
-                        if c.record_backward(stage):
-                            last.append((thread, stage))
+                results[threading.current_thread().name] = c.record_backward(0)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 errors.append(e)
 
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+        threads = [threading.Thread(target=work, name=f"counting-{i}") for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=60)
-            self.assertFalse(t.is_alive(), "a counting thread did not finish")
+            t.join(timeout=_TIMEOUT_S)
+            self.assertFalse(t.is_alive(), f"{t.name} did not finish")
         self.assertEqual(errors, [])
-        self.assertEqual(dict(c), {stage: n_microbatches for stage in range(n_stages)})
-        # Exactly one caller saw each stage's last backward.
-        self.assertEqual(sorted(stage for _, stage in last), list(range(n_stages)))
+        self.assertEqual(dict(c), {0: 2})
+        self.assertEqual(sorted(results.values()), [False, True])  # exactly one saw the last backward
 
     def test_copy_and_pickle_keep_n_microbatches(self) -> None:
         c = BackwardCounter({1: 2}, n_microbatches=4)
@@ -150,8 +199,6 @@ class BackwardCounterAttributeTest(TestCase):
         self.assertIsInstance(schedule.backward_counter, BackwardCounter)
         self.assertEqual(schedule.backward_counter.n_microbatches, 2)
 
-
-instantiate_parametrized_tests(BackwardCounterTest)
 
 
 if __name__ == "__main__":

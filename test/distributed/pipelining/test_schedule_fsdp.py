@@ -22,7 +22,15 @@ from collections import Counter
 
 import torch
 import torch.nn as nn
-from common_pipelining import check_on_all_ranks, load_csv, nccl_variant, PipelineMultiProcTest, reference_step
+from common_pipelining import (
+    check_on_all_ranks,
+    load_csv,
+    mse_loss,
+    nccl_variant,
+    PipelineMultiProcTest,
+    random_batch,
+    reference_step,
+)
 from model_registry import FSDPMLPStage, fully_shard_stage
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard, FSDPModule
@@ -67,19 +75,13 @@ SCHEDULES = (
 )
 
 
-def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(output, target)
-
-
 def _reference_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*(FSDPMLPStage(DIM) for _ in range(N_STAGES)))
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(200 + step)
-    shape = (N_MICROBATCHES * MB_SIZE, DIM)
-    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return random_batch(200 + step, N_MICROBATCHES * MB_SIZE, DIM)
 
 
 def _stage_indices(v_placement: bool, pp_rank: int) -> list[int]:
@@ -117,7 +119,7 @@ class _FSDPPipeline:
         x, y = (t.to(self.device) for t in _batch(step))
         losses: list[torch.Tensor] = []
         out = self.schedule.step(x, target=y, losses=losses)
-        ref_out, ref_losses = reference_step(self.ref, _loss_fn, x, y, N_MICROBATCHES)
+        ref_out, ref_losses = reference_step(self.ref, mse_loss, x, y, N_MICROBATCHES)
         # Collectives first (same on every rank), then the checks; all ranks
         # fail together, so no rank waits for one that stopped at an assert.
         full_grads = [
@@ -231,7 +233,7 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
     @parametrize("schedule_class", SCHEDULES)
     def test_fsdp_schedule(self, schedule_class: type) -> None:
         pipeline = self._pipeline(schedule_class)
-        pipeline.schedule = schedule_class(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        pipeline.schedule = schedule_class(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
         self._run_two_steps(pipeline)
 
     @unittest.skipIf(
@@ -242,11 +244,11 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
         # Steps that defer FSDP's reduction (finalize_gradients=False) between finalized
         # ones, no zero_grad: the finalizing step must scale only what the deferred steps added.
         pipeline = self._pipeline(ScheduleInterleaved1F1B)
-        pipeline.schedule = ScheduleInterleaved1F1B(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        pipeline.schedule = ScheduleInterleaved1F1B(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
         for step, finalize in enumerate([True, False, True]):
             x, y = (t.to(self.device) for t in _batch(step))
             pipeline.schedule.step(x, target=y, finalize_gradients=finalize)
-            reference_step(pipeline.ref, _loss_fn, x, y, N_MICROBATCHES)
+            reference_step(pipeline.ref, mse_loss, x, y, N_MICROBATCHES)
             if not finalize:
                 continue
             full_grads = [
@@ -257,7 +259,7 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
 
     def test_fsdp_dual_pipe_v_sequential_overlap_f_b(self) -> None:
         pipeline = self._pipeline(ScheduleDualPipeV)
-        schedule = ScheduleDualPipeV(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        schedule = ScheduleDualPipeV(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
         # Without a registered OVERLAP_F_B function torch runs the sub-actions in turn.
         schedule._comp_type_to_function_map.pop(sched.OVERLAP_F_B, None)
         pipeline.schedule = schedule
@@ -265,7 +267,7 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
 
     def test_fsdp_dual_pipe_v_user_backward_functions(self) -> None:
         pipeline = self._pipeline(ScheduleDualPipeV)
-        schedule = ScheduleDualPipeV(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        schedule = ScheduleDualPipeV(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
         functions = _UserBackwardFunctions()
         schedule.register_custom_function(sched.FULL_BACKWARD, functions.backward)
         schedule.register_custom_function(sched.BACKWARD_WEIGHT, functions.backward)
@@ -291,7 +293,7 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
 
     def test_fsdp_compute_only_csv_with_forward_between_input_and_weight(self) -> None:
         pipeline = self._pipeline(_PipelineScheduleRuntime)
-        schedule = _PipelineScheduleRuntime(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        schedule = _PipelineScheduleRuntime(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
         load_csv(schedule, _COMPUTE_ONLY_CSV, "compute_only")
         lowered = schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank]
         self.assertTrue(any(a.computation_type == sched.OVERLAP_F_B for a in lowered))
@@ -305,7 +307,7 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
         # or for an older torch: without REDUCE_GRAD (and so without its
         # WAIT_REDUCE_GRAD; before torch 2.10), or with REDUCE_GRAD but without
         # WAIT_REDUCE_GRAD (torch 2.10 - 2.14).
-        lowered = ScheduleDualPipeV(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn).pipeline_order_with_comms
+        lowered = ScheduleDualPipeV(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss).pipeline_order_with_comms
         dropped = {WAIT_REDUCE_GRAD} if written_without == "WAIT_REDUCE_GRAD" else {REDUCE_GRAD, WAIT_REDUCE_GRAD}
         rows = [[a for a in lowered[rank] if a.computation_type not in dropped] for rank in sorted(lowered)]
         self.assertTrue(any(a.computation_type == sched.OVERLAP_F_B for row in rows for a in row))
@@ -313,7 +315,7 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
             self.assertEqual(
                 any(a.computation_type == REDUCE_GRAD for row in rows for a in row), written_without != "REDUCE_GRAD"
             )
-        schedule = _PipelineScheduleRuntime(pipeline.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        schedule = _PipelineScheduleRuntime(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
         load_csv(schedule, "".join(",".join(map(str, row)) + "\n" for row in rows), "compute_comms")
         self.assertEqual(
             _reduce_grad_actions(schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank]),

@@ -3,8 +3,8 @@
 
 Four ranks.  With expert parallelism they form PP=2 x EP=2 (pipeline groups
 {0, 2} and {1, 3}, expert groups {0, 1} and {2, 3}); without it, two independent
-PP=2 pipelines.  The model is the demo's DeepSeek-style MoE transformer
-(``torch_pipelining_ext.demo.model``) split into four stages by module name:
+PP=2 pipelines.  The model is a small DeepSeek-style MoE transformer
+(``model_registry.MoETransformer``) split into four stages by module name:
 stage 0 holds the embeddings and the dense layer (no MoE layer), stages 1-3 one
 MoE layer each -- so the overlapped pairs of pipeline rank 0 have 0 and 1 MoE
 layers on their two sides.
@@ -52,11 +52,19 @@ from torch.utils.checkpoint import checkpoint
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import _overlap
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
-from torch_pipelining_ext.demo.model import is_expert_param, MoEModelArgs, MoETransformer
 from torch_pipelining_ext.stage_split import split_module
 
-from common_pipelining import check_on_all_ranks, load_csv, nccl_variant, PipelineMultiProcTest
-from model_registry import FSDPMLPStage, fully_shard_stage
+from common_pipelining import (
+    check_on_all_ranks,
+    load_csv,
+    mse_loss,
+    nccl_variant,
+    PipelineMultiProcTest,
+    random_batch,
+    random_tokens,
+    token_cross_entropy,
+)
+from model_registry import FSDPMLPStage, fully_shard_stage, is_expert_param, MoEModelArgs, MoETransformer
 
 
 PP, EP = 2, 2
@@ -78,14 +86,8 @@ CSV_SCHEDULE = """\
 """
 
 
-def _loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 def _batch(step: int, data_rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + data_rank)
-    tokens = torch.randint(0, MODEL_ARGS.vocab_size, (N_MICROBATCHES * MB_SIZE, SEQ_LEN), generator=gen)
-    labels = torch.randint(0, MODEL_ARGS.vocab_size, (N_MICROBATCHES * MB_SIZE, SEQ_LEN), generator=gen)
+    tokens, labels = random_tokens(1000 * step + data_rank, N_MICROBATCHES * MB_SIZE, SEQ_LEN, MODEL_ARGS.vocab_size)
     return tokens.to(device), labels.to(device)
 
 
@@ -207,9 +209,9 @@ class _Pipeline:
                 _apply_ac(part, ac)
         stages = [PipelineStage(part, i, N_STAGES, device, group=pp_group) for part, i in zip(self.parts, self.stage_ids)]
         if schedule == "dualpipev":
-            self.schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=_loss_fn)
+            self.schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=token_cross_entropy)
         else:
-            self.schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=_loss_fn)
+            self.schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=token_cross_entropy)
             load_csv(self.schedule, CSV_SCHEDULE)
         if not overlap:
             self.schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
@@ -258,7 +260,7 @@ class _Reference:
             outs, losses = [], []
             for x, y in zip(tokens.chunk(N_MICROBATCHES), labels.chunk(N_MICROBATCHES)):
                 out = self.model(x)
-                loss = _loss_fn(out, y)
+                loss = token_cross_entropy(out, y)
                 (loss / N_MICROBATCHES).backward()  # the schedules scale gradients by the microbatch count
                 outs.append(out.detach())
                 losses.append(loss.detach())
@@ -383,9 +385,7 @@ _MESH = None
 
 
 def _fsdp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    x = torch.randn(N_MICROBATCHES * FSDP_MB_SIZE, FSDP_DIM, generator=gen)
-    return x, torch.randn(N_MICROBATCHES * FSDP_MB_SIZE, FSDP_DIM, generator=gen)
+    return random_batch(step, N_MICROBATCHES * FSDP_MB_SIZE, FSDP_DIM)
 
 
 def _fsdp_reference() -> torch.nn.Sequential:
@@ -444,7 +444,7 @@ class _FSDPPipeline:
         stages = [
             PipelineStage(m, i, N_STAGES, device, group=mesh["pp"].get_group()) for m, i in zip(self.modules, self.stage_ids)
         ]
-        loss_fn = torch.nn.functional.mse_loss
+        loss_fn = mse_loss
         if schedule == "dualpipev":
             self.schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=loss_fn)
         else:
@@ -535,7 +535,7 @@ class ScheduleOverlapFSDPTest(PipelineMultiProcTest):
                 break
             losses = []
             for xb, yb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
-                loss = torch.nn.functional.mse_loss(reference(xb), yb)
+                loss = mse_loss(reference(xb), yb)
                 (loss / N_MICROBATCHES).backward()
                 losses.append(loss.detach())
             ref_losses.append(losses)

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_pipelining import check_on_all_ranks, nccl_variant, PipelineMultiProcTest, reference_step
+from common_pipelining import (
+    check_on_all_ranks,
+    mse_loss,
+    nccl_variant,
+    PipelineMultiProcTest,
+    random_batch,
+    reference_step,
+)
 from model_registry import MLPStage
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
@@ -183,14 +190,7 @@ def _reference_model() -> nn.Sequential:
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(N_MICROBATCHES * MB_SIZE, D_HID, generator=gen)
-    y = torch.randn(N_MICROBATCHES * MB_SIZE, D_HID, generator=gen)
-    return x, y
-
-
-def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(output, target)
+    return random_batch(100 + step, N_MICROBATCHES * MB_SIZE, D_HID)
 
 
 class ScheduleStateTest(TestCase):
@@ -237,7 +237,7 @@ class _PipelineRun:
             PipelineStage(module, i, N_STAGES, device, group=group)
             for module, i in zip(self.modules, self.stage_indices)
         ]
-        self.schedule = schedule_class(self.stages, N_MICROBATCHES, loss_fn=_loss_fn)
+        self.schedule = schedule_class(self.stages, N_MICROBATCHES, loss_fn=mse_loss)
         self.device = device
 
     def step(self, test: TestCase, step: int) -> None:
@@ -245,7 +245,7 @@ class _PipelineRun:
         x, y = (t.to(self.device) for t in _batch(step))
         losses: list[torch.Tensor] = []
         out = self.schedule.step(x, target=y, losses=losses)
-        ref_out, ref_losses = reference_step(self.ref, _loss_fn, x, y, N_MICROBATCHES)
+        ref_out, ref_losses = reference_step(self.ref, mse_loss, x, y, N_MICROBATCHES)
 
         def check() -> None:
             if N_STAGES - 1 in self.stage_indices:
@@ -285,6 +285,28 @@ class _RecordingFunctions:
             self.last_backwards.append(b.stage_index)
         for compute in computes:
             compute()
+
+
+# stage -> rank of the custom schedules of test_adjacent_stages_on_one_rank
+_ADJACENT_LAYOUTS = {
+    "v_shaped": {0: 0, 1: 1, 2: 1, 3: 0},  # stages 1 and 2 on rank 1
+    "unbalanced": {0: 0, 1: 0, 2: 0, 3: 1},  # stages 0, 1 and 2 on rank 0
+}
+
+
+class _OneMicrobatchInStageOrder(sched.PipelineScheduleMulti):
+    """One microbatch through the stages in order and back, one action per time step,
+    on the generic ``PipelineScheduleMulti`` loop with any stage-to-rank layout."""
+
+    def __init__(self, stages: list[PipelineStage], stage_to_rank: dict[int, int], loss_fn: Any) -> None:
+        super().__init__(stages, 1, loss_fn=loss_fn)
+        self.stage_index_to_group_rank = dict(stage_to_rank)
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = dict(stage_to_rank)
+        order = [_Action(i, F, 0) for i in range(N_STAGES)] + [_Action(i, B, 0) for i in reversed(range(N_STAGES))]
+        self.pipeline_order = {
+            rank: [a if stage_to_rank[a.stage_index] == rank else None for a in order] for rank in range(PP)
+        }
 
 
 # --------------------------------------------------------------------------- #
@@ -393,7 +415,7 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
             self.assertEqual(dict(last_backward_calls), {i: step + 1 for i in run.stage_indices})
         once = _reference_model().to(self.device)
         x, y = (t.to(self.device) for t in _batch(0))
-        reference_step(once, _loss_fn, x, y, N_MICROBATCHES)
+        reference_step(once, mse_loss, x, y, N_MICROBATCHES)
         for module, i in zip(run.modules, run.stage_indices):
             for p, p_once in zip(module.parameters(), once[i].parameters()):
                 torch.testing.assert_close(p.grad, 2 * p_once.grad)
@@ -415,6 +437,35 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         self.assertIn("custom UNSHARD failed", str(cm.exception))
         self.assertIn(f"[rank {self.rank}]", notes)
         self.assertIn(f"time step 0 running action {first}", notes)
+
+    @parametrize("layout", ["v_shaped", "unbalanced"])
+    def test_adjacent_stages_on_one_rank(self, layout: str) -> None:
+        # Upstream's CustomSchedulesTest.test_non_symmetric_stage_ids on gloo: a
+        # PipelineScheduleMulti schedule with two adjacent stages on one rank, so
+        # the generic loop sends from a rank to itself (p2p_to_own_rank).
+        stage_to_rank = _ADJACENT_LAYOUTS[layout]
+        ref = _reference_model().to(self.device)
+        indices = [i for i in range(N_STAGES) if stage_to_rank[i] == self.rank]
+        modules = [copy.deepcopy(ref[i]) for i in indices]
+        stages = [PipelineStage(m, i, N_STAGES, self.device) for m, i in zip(modules, indices)]
+        schedule = _OneMicrobatchInStageOrder(stages, stage_to_rank, mse_loss)
+        for step in range(2):
+            x, y = (t[:MB_SIZE].to(self.device) for t in _batch(step))
+            ref.zero_grad()
+            for module in modules:
+                module.zero_grad()
+            losses: list[torch.Tensor] = []
+            schedule.step(x, target=y, losses=losses)
+            _, ref_losses = reference_step(ref, mse_loss, x, y, 1)
+
+            def check() -> None:
+                if N_STAGES - 1 in indices:
+                    self.assertEqual(losses, ref_losses)
+                for module, i in zip(modules, indices):
+                    for (name, p), ref_p in zip(module.named_parameters(), ref[i].parameters()):
+                        torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}")
+
+            check_on_all_ranks(check, self.device)
 
     def test_run_action_rejects_overlap_and_unknown_types(self) -> None:
         run = self._run(ScheduleDualPipeV)

@@ -13,7 +13,7 @@ exists, so CUDA tensors go through NCCL with world size 1).
   accumulate gradients.
 * ``ScheduleDualPipeV`` with the package's OVERLAP_F_B: on an MLP, bitwise
   equal to a sequential OVERLAP_F_B (on CUDA when cuBLAS is deterministic,
-  ``CUBLAS_WORKSPACE_CONFIG=:4096:8``); with the demo's MoE model and an
+  ``CUBLAS_WORKSPACE_CONFIG=:4096:8``); with the MoE model of ``model_registry`` and an
   expert-parallel group of size 1 (``all_to_all_single`` and the
   ``ep_overlap`` marks in both threads), equal to the sequential run and the
   reference.  Every OVERLAP_F_B of the MoE model runs concurrently; a stage
@@ -35,9 +35,15 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from common_pipelining import nccl_decorators, reference_step
-from model_registry import FSDPMLPStage, fully_shard_stage, MLPStage
+from common_pipelining import (
+    mse_loss,
+    nccl_decorators,
+    random_batch,
+    random_tokens,
+    reference_step,
+    token_cross_entropy,
+)
+from model_registry import FSDPMLPStage, fully_shard_stage, MLPStage, MoEModelArgs, MoETransformer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
 from torch.testing._internal.common_utils import (
@@ -51,7 +57,6 @@ from torch.testing._internal.common_utils import (
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import _overlap
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
-from torch_pipelining_ext.demo.model import MoEModelArgs, MoETransformer
 from torch_pipelining_ext.stage_split import split_module
 
 
@@ -78,31 +83,14 @@ SEQ_LEN = 8
 
 
 
-def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output, target)
-
-
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 def _batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    shape = (N_MICROBATCHES * MB_SIZE, DIM)
-    return torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device)
+    x, y = random_batch(100 + step, N_MICROBATCHES * MB_SIZE, DIM)
+    return x.to(device), y.to(device)
 
 
 def _tokens(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(300 + step)
-    shape = (N_MICROBATCHES * MB_SIZE, SEQ_LEN)
-    tokens = torch.randint(0, MOE_ARGS.vocab_size, shape, generator=gen)
-    return tokens.to(device), torch.randint(0, MOE_ARGS.vocab_size, shape, generator=gen).to(device)
-
-
-def _reference_step(
-    model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return reference_step(model, loss_fn, x, y, N_MICROBATCHES)
+    tokens, labels = random_tokens(300 + step, N_MICROBATCHES * MB_SIZE, SEQ_LEN, MOE_ARGS.vocab_size)
+    return tokens.to(device), labels.to(device)
 
 
 def _build(schedule_class: type, parts: list[nn.Module], device: torch.device, loss_fn) -> sched._PipelineSchedule:
@@ -182,12 +170,12 @@ class ScheduleSingleRankTest(_OneRankTestCase):
         torch.manual_seed(0)
         reference = nn.Sequential(*(MLPStage(DIM) for _ in range(n_stages))).to(dev)
         parts = [copy.deepcopy(m) for m in reference]
-        schedule = _build(schedule_class, parts, dev, _mse)
+        schedule = _build(schedule_class, parts, dev, mse_loss)
         for step in range(2):  # no zero_grad: the second step accumulates
             x, y = _batch(step, dev)
             losses: list[torch.Tensor] = []
             out = schedule.step(x, target=y, losses=losses)
-            ref_out, ref_losses = _reference_step(reference, _mse, x, y)
+            ref_out, ref_losses = reference_step(reference, mse_loss, x, y, N_MICROBATCHES)
             torch.testing.assert_close(out, ref_out)
             torch.testing.assert_close(losses, ref_losses)
             for i, (part, ref) in enumerate(zip(parts, reference)):
@@ -203,7 +191,7 @@ class ScheduleSingleRankTest(_OneRankTestCase):
         runs = {}
         for mode in ("overlap", "sequential"):
             mode_parts = [copy.deepcopy(p) for p in parts]
-            schedule = _build(sched.ScheduleDualPipeV, mode_parts, dev, _mse)
+            schedule = _build(sched.ScheduleDualPipeV, mode_parts, dev, mse_loss)
             if mode == "sequential":
                 schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
             else:
@@ -239,7 +227,7 @@ class ScheduleSingleRankTest(_OneRankTestCase):
         runs = {}
         for mode in ("overlap", "sequential"):
             parts = [split_module(model, names).to(dev) for names in MOE_STAGES]
-            schedule = _build(sched.ScheduleDualPipeV, parts, dev, _cross_entropy)
+            schedule = _build(sched.ScheduleDualPipeV, parts, dev, token_cross_entropy)
             if mode == "sequential":
                 schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
             runs[mode] = (schedule, parts)
@@ -257,7 +245,7 @@ class ScheduleSingleRankTest(_OneRankTestCase):
                 self.assertEqual(concurrent[0], expected, f"{mode}, step {step}")
                 results[mode] = (out, losses)
             reference.zero_grad(set_to_none=True)
-            ref_out, ref_losses = _reference_step(reference, _cross_entropy, tokens, labels)
+            ref_out, ref_losses = reference_step(reference, token_cross_entropy, tokens, labels, N_MICROBATCHES)
             # CUDA's index_add accumulates duplicate indices in no fixed order
             exact = {"rtol": 0.0, "atol": 0.0} if dev.type == "cpu" else {}
             torch.testing.assert_close(results["overlap"], results["sequential"], **exact)
@@ -284,12 +272,12 @@ class ScheduleFSDPSingleRankTest(_OneRankTestCase):
         torch.manual_seed(0)
         reference = nn.Sequential(*(FSDPMLPStage(DIM) for _ in range(2))).to(dev)
         parts = [fully_shard_stage(copy.deepcopy(m), mesh) for m in reference]
-        schedule = _build(schedule_class, parts, dev, _mse)
+        schedule = _build(schedule_class, parts, dev, mse_loss)
         for step in range(2):  # no zero_grad: the second step accumulates
             x, y = _batch(step, dev)
             losses: list[torch.Tensor] = []
             out = schedule.step(x, target=y, losses=losses)
-            ref_out, ref_losses = _reference_step(reference, _mse, x, y)
+            ref_out, ref_losses = reference_step(reference, mse_loss, x, y, N_MICROBATCHES)
             torch.testing.assert_close(out, ref_out)
             torch.testing.assert_close(losses, ref_losses)
             for i, (part, ref) in enumerate(zip(parts, reference)):

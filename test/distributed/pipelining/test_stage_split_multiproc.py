@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_pipelining import check_on_all_ranks, nccl_variant, PipelineMultiProcTest
+from common_pipelining import check_on_all_ranks, nccl_variant, PipelineMultiProcTest, token_cross_entropy
 from model_registry import NestedToyLLM, ToyLLM, toy_moe_llm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
@@ -40,10 +40,6 @@ _NESTED_NAMES = dict(
     output_modules=["model.norm", "lm_head"],
     replicated_modules=["model.rotary_emb"],
 )
-
-
-def _loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 class StageSplitGlooTest(PipelineMultiProcTest):
@@ -86,7 +82,7 @@ class StageSplitGlooTest(PipelineMultiProcTest):
         tokens = torch.randint(0, VOCAB, (n_microbatches, SEQ), device=self.device)
         target = torch.randint(0, VOCAB, (n_microbatches, SEQ), device=self.device)
         ref_out = ref(tokens)
-        ref_losses = [_loss_fn(o, t) for o, t in zip(ref_out.split(1), target.split(1))]
+        ref_losses = [token_cross_entropy(o, t) for o, t in zip(ref_out.split(1), target.split(1))]
         (torch.stack(ref_losses).sum() / n_microbatches).backward()
 
         gen_kwargs: dict = dict(_NESTED_NAMES) if kind == "nested" else {}
@@ -125,7 +121,7 @@ class StageSplitGlooTest(PipelineMultiProcTest):
 
         # single-stage schedules take the stage, multi-stage ones the list
         sched = schedule_cls(
-            stages[0] if stages_per_rank == 1 else stages, n_microbatches=n_microbatches, loss_fn=_loss_fn
+            stages[0] if stages_per_rank == 1 else stages, n_microbatches=n_microbatches, loss_fn=token_cross_entropy
         )
         losses: list[torch.Tensor] = []
         has_first = any(s.is_first for s in stages)
