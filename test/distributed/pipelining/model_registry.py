@@ -6,8 +6,15 @@ enough for four gloo ranks on two CPU cores.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_pipelining_ext import ep_overlap
 
 
 class MLPStage(nn.Module):
@@ -278,14 +285,6 @@ def fully_shard_stage(stage: FSDPMLPStage, mesh: object) -> FSDPMLPStage:
 # every expert is local: the same seed gives the single-process reference.
 # Blocks live in ``layers`` (an nn.ModuleDict keyed by the global layer
 # index), so stage_split.split_module keeps the full model's names.
-
-import dataclasses  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from torch_pipelining_ext import ep_overlap  # noqa: E402
 
 
 @dataclasses.dataclass
