@@ -679,7 +679,7 @@ def _breakdown(ranks: list[dict[str, Any]], inside: dict[str, list[float]]) -> d
 
 
 # --------------------------------------------------------------------------- #
-# Part 2: PP=2 x EP=2 with the demo MoE model                                  #
+# Part 2: PP=2 x EP=2 with the tests' toy MoE model                             #
 # --------------------------------------------------------------------------- #
 
 
@@ -689,7 +689,8 @@ _EP_STAGES = 4
 def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
-    from torch_pipelining_ext.demo.model import MoEModelArgs, MoETransformer
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test", "distributed", "pipelining"))
+    from model_registry import MoEModelArgs, MoETransformer  # the tests' toy MoE with marked all-to-alls
     from torch_pipelining_ext.stage_split import split_module
 
     torch.set_num_threads(1)
@@ -934,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
         r2 = _spawn(_part2_worker, 4, args)[0]
         ep_ratio = r2["steps"]["overlap"] / r2["steps"]["sequential"]
         print(
-            f"\nPart 2: PP=2 x EP=2 on 4 gloo ranks, demo MoE transformer (dim {args.ep_dim}, 1 dense + 7 MoE "
+            f"\nPart 2: PP=2 x EP=2 on 4 gloo ranks, the tests' toy MoE transformer (dim {args.ep_dim}, 1 dense + 7 MoE "
             "layers, 8 experts, real all_to_all_single)"
         )
         print(f"  medians of {args.ep_rounds} interleaved rounds, slowest rank")
