@@ -21,7 +21,7 @@ from typing import Any
 
 from torch_pipelining_ext._sim_costs import LinkCost, OverlapModel, Segments, StageCost
 from torch_pipelining_ext._sim_schedule import kind
-from torch_pipelining_ext.ep_overlap import _Side as Side  # the coordinator's two sides
+from torch_pipelining_ext._ep_turns import _Side as Side  # the coordinator's two sides
 
 
 __all__ = ["ActionRecord", "RankSummary", "SimulationResult", "run_simulation"]
@@ -111,7 +111,7 @@ class SimulationResult:
 # --------------------------------------------------------------------------- #
 
 # [Note: the OVERLAP_F_B model]
-# The pair runs as ep_overlap._CommCoordinator makes it run, on one compute
+# The pair runs as _ep_turns._CommCoordinator makes it run, on one compute
 # resource and one communication resource:
 # * communication regions alternate, the backward side first; a region opens
 #   only when the other side is outside one and it is this side's turn (or the
