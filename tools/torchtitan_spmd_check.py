@@ -5,28 +5,39 @@ DeepSeek-V3 ``debugmodel`` correctly under torchtitan's default SPMD backend
 (``spmd_types``), whose meshes live in thread-local state that the backward
 thread of an overlapped action gets from ``_torchtitan_compat.py``.
 
-What runs: 4 gloo ranks on the CPU, torchtitan's own pieces end to end --
-its ``ParallelDims`` meshes (pp=2, dp_shard=2, ep=2 carved out of dp_shard),
-its ``pipeline_llm`` (stage split, ``parallelize_deepseekv3``: expert
-parallelism with its ``AllToAllTokenDispatcher``, activation checkpointing,
-FSDP2 with summed gradients) and ``DualPipeV`` schedule, the steps run inside
+What runs: 4 gloo ranks on the CPU and torchtitan's own pieces -- its
+``ParallelDims`` meshes (pp=2, dp_shard=2, ep=2 carved out of dp_shard), its
+``pipeline_llm`` (stage split; ``parallelize_deepseekv3``: expert parallelism
+with its ``AllToAllTokenDispatcher``, activation checkpointing, FSDP2 with
+summed gradients) and its ``DualPipeV`` schedule; the steps run inside
 torchtitan's own SPMD context (``get_spmd_context``, the trainer's
-``train_context``) -- with the dispatchers marked by
+``train_context``), the dispatchers marked by
 ``ep_overlap.wrap_dispatch_combine``.  Each of ``--steps`` steps (an SGD step
 in between) is compared with the unsplit model on the whole global batch in
-one process: the loss, and every parameter gradient (each rank's shard of
-it); then the overlapped run is compared with the sequential OVERLAP_F_B
-handler.  ``--no-thread-state`` removes the package's pair first (a negative
-control: the overlapped run must fail on the backward thread).
+one process -- the loss, and every parameter gradient (this rank's shard of
+it; tolerances in [Note: tolerances]) -- and the overlapped run with the
+sequential OVERLAP_F_B handler, bitwise.  ``--no-thread-state`` removes the
+package's pair first: a negative control, in which the overlapped run must
+fail on the backward thread (the recomputation of a checkpointed MoE layer
+finds no current SPMD mesh there).
 
-Deviations from torchtitan's debug config, each needed on a CPU, none in
-what is checked: float32 parameters (no bf16 mixed precision); torch's SDPA
-(causal) instead of the compiled FlexAttention, which has no backward on the
-CPU (the same attention for one document per sequence, which is what the
-batches here are); the plain cross-entropy loss instead of
-``ChunkedLossWrapper`` (which runs its own backward inside the loss, outside
-the pipeline schedule); torchtitan's device type set to ``cpu`` (it assumes
-``cuda`` where no accelerator exists); a short sequence and batch.
+Deviations from torchtitan's debug config, each forced by the CPU or gloo:
+
+* float32 parameters (no bf16 mixed precision; the routed experts still
+  compute in bf16, as torchtitan's ``GroupedExperts`` always does);
+* torch's SDPA (causal) instead of the compiled FlexAttention, which has no
+  backward on the CPU (the same attention for one document per sequence, as
+  the batches here are);
+* the plain cross-entropy loss instead of ``ChunkedLossWrapper`` (which runs
+  its own backward inside the loss, outside the pipeline schedule);
+* full activation checkpointing instead of selective (``--ac selective``:
+  torch's selective checkpointing refuses the second backward of DualPipeV's
+  split input/weight backward, with either OVERLAP_F_B handler);
+* balanced routing, see [Note: balanced routing on gloo] (``--uneven-routing``
+  shows the gloo failure);
+* the stages get their shapes (static metadata, see ``_with_static_metadata``),
+  FSDP2 reduces with SUM instead of PREMUL_SUM (gloo has none), and
+  torchtitan's device type is set to ``cpu`` (it assumes ``cuda``).
 
 Environment (not CI; torchtitan 0.3.0 needs torch 2.14)::
 
@@ -34,10 +45,11 @@ Environment (not CI; torchtitan 0.3.0 needs torch 2.14)::
     /work/venv-titan/bin/pip install torch==2.14.1 torchtitan==0.3.0 expecttest pytest
     /work/venv-titan/bin/pip install -e .
     OMP_NUM_THREADS=1 /work/venv-titan/bin/python tools/torchtitan_spmd_check.py
+    OMP_NUM_THREADS=1 /work/venv-titan/bin/python tools/torchtitan_spmd_check.py --no-thread-state
 
-The last line is machine-readable::
+About a minute on 2 cores.  The last line is machine-readable::
 
-    torchtitan_spmd_check=pass|fail|blocked backend=spmd_types schedule=DualPipeV ... seconds=..
+    torchtitan_spmd_check=pass|fail|blocked backend=spmd_types schedule=DualPipeV ac=full thread_state=on ...
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ import faulthandler
 import signal
 import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
@@ -61,14 +74,31 @@ WORLD_SIZE = 4
 PP, EP = 2, 2
 DP = WORLD_SIZE // PP  # data parallel ranks; EP is carved out of them
 
+# [Note: tolerances]
+# Against the unsplit model on the whole global batch.  torchtitan's
+# GroupedExperts computes in bfloat16 whatever the parameter dtype, so an
+# expert's weight gradient, a sum over the tokens routed to it, depends on how
+# the tokens are grouped (the whole batch at once, or a microbatch of each
+# data-parallel rank after the all-to-all): the unsplit model alone, run on the
+# same batch in microbatches of one sequence, differs from itself by up to
+# ~5e-3 of the largest entry (bf16's epsilon is 3.9e-3).  Everything else is
+# float32 and agrees to float32 accuracy in the first step; after an SGD
+# step the expert weights differ by the learning rate times that bf16 noise,
+# which reaches every gradient of the next step (seen: up to 7e-4).
+# Overlapped vs sequential OVERLAP_F_B: bitwise, every step.
+LOSS_ATOL = 1e-4
+DENSE_RTOL = (1e-5, 3e-3)  # of the largest entry of each gradient: first step, later steps
+EXPERT_RTOL = 2e-2
+
 
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2, help="training steps (an SGD step between them)")
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--local-batch", type=int, default=4, help="sequences per data-parallel rank (= microbatches)")
-    p.add_argument("--ac", choices=("selective", "full", "none"), default="selective",
-                   help="activation checkpointing (torchtitan's debug config: selective)")
+    p.add_argument("--ac", choices=("selective", "full", "none"), default="full",
+                   help="activation checkpointing (torchtitan's debug config has selective, which fails with "
+                        "DualPipeV's split backward whichever OVERLAP_F_B handler runs)")
     p.add_argument("--schedule", default="DualPipeV")
     p.add_argument("--uneven-routing", action="store_true",
                    help="the learned top-k routing (uneven all-to-alls, which gloo cannot run under spmd_types)")
@@ -133,6 +163,11 @@ def _batch(step: int, n_sequences: int, seq_len: int, vocab: int):
     gen = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, vocab, (n_sequences, seq_len + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _is_expert(name: str) -> bool:
+    """A routed expert's weight: computed in bfloat16 by torchtitan (see [Note: tolerances])."""
+    return ".routed_experts." in name
 
 
 def _strip(name: str) -> str:
@@ -344,7 +379,8 @@ def _rank_check(rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
     runs = {}
     _log(rank, "building the pipelined model")
-    for mode in ("overlap", "sequential"):
+    # the negative control runs only the overlapped handler: it must fail (and the other ranks time out)
+    for mode in ("overlap",) if args.no_thread_state else ("overlap", "sequential"):
         runs[mode] = _Run(args, config, parallel_dims, reference, loss_fn, overlapped=mode == "overlap")
     dp_rank = parallel_dims.get_mesh("batch").get_local_rank()
     n_global = args.local_batch * DP
@@ -381,22 +417,24 @@ def _rank_check(rank: int, args: argparse.Namespace) -> dict[str, Any]:
             # this rank's part of the loss (the driver sums the last stages' over the data-parallel ranks)
             record[f"{mode}_loss"] = loss
             results[mode] = run.grads()
-        if results.get("overlap") is None or results.get("sequential") is None:
+        if any(r is None for r in results.values()) or args.no_thread_state:
             out["steps"].append(record)
             break
         params = runs["overlap"].params()
-        grad_diff_ref, worst = 0.0, ""
+        diffs: dict[str, float] = {}
         missing = []
         for name, g in results["overlap"].items():
             if g is None:
                 missing.append(name)
                 continue
             expected = _local_view(ref_grads[name], params[name], runs["overlap"].ep_rank)
-            d = _max_abs(g, expected) / max(float(expected.abs().max()), 1e-12)
-            if d > grad_diff_ref:
-                grad_diff_ref, worst = d, name
-        record["grad_rel_diff_vs_reference"] = grad_diff_ref
-        record["worst_parameter"] = worst
+            diffs[name] = _max_abs(g, expected) / max(float(expected.abs().max()), 1e-12)
+        worst = sorted(diffs, key=diffs.get, reverse=True)[:3]
+        experts = {n: d for n, d in diffs.items() if _is_expert(n)}
+        dense = {n: d for n, d in diffs.items() if not _is_expert(n)}
+        record["grad_rel_diff_dense"] = max(dense.values(), default=0.0)
+        record["grad_rel_diff_experts"] = max(experts.values(), default=0.0)
+        record["worst_parameters"] = {n: f"{diffs[n]:.1e}" for n in worst}
         record["missing_grads"] = missing
         record["n_params_checked"] = len(results["overlap"])
         record["bitwise_overlap_vs_sequential"] = all(
@@ -487,7 +525,9 @@ def _report(args, results: dict[int, dict[str, Any]], timed_out: list[int], torc
         reference = [results[0]["steps"][i]["reference_loss"] for i in range(args.steps)]
         loss_diff = max(abs(a - b) for a, b in zip(totals["overlap"], reference))
         print(f"loss per step: reference {reference}, overlapped {totals['overlap']}, sequential {totals['sequential']}")
-    grad_diff = max((s.get("grad_rel_diff_vs_reference", float("nan")) for s in steps), default=float("nan"))
+    grad_dense = max((st.get("grad_rel_diff_dense", float("nan")) for st in steps), default=float("nan"))
+    dense_ok = all(st.get("grad_rel_diff_dense", math.inf) <= DENSE_RTOL[min(st["step"], 1)] for st in steps)
+    grad_experts = max((st.get("grad_rel_diff_experts", float("nan")) for st in steps), default=float("nan"))
     bitwise = complete and all(s.get("bitwise_overlap_vs_sequential") for s in steps) and totals["overlap"] == totals["sequential"]
     marked = min((len(res.get("marked", [])) for res in results.values()), default=0)
     if args.no_thread_state:
@@ -498,14 +538,14 @@ def _report(args, results: dict[int, dict[str, Any]], timed_out: list[int], torc
         for s in overlap_failed[:1]:
             print(f"  {s['overlap_error'][:400]}")
     else:
-        ok = (complete and loss_diff <= 1e-4 and grad_diff <= 1e-3 and bitwise and marked > 0
-              and all(not s.get("missing_grads") for s in steps))
+        ok = (complete and loss_diff <= LOSS_ATOL and dense_ok and grad_experts <= EXPERT_RTOL
+              and bitwise and marked > 0 and all(not st.get("missing_grads") for st in steps))
         verdict = "pass" if ok else "fail"
     if timed_out:
         print(f"ranks {timed_out} did not finish within {args.timeout:g} s")
     print(f"torchtitan_spmd_check={verdict} backend=spmd_types schedule={args.schedule} ac={args.ac} "
           f"thread_state={'off' if args.no_thread_state else 'on'} steps={args.steps} "
-          f"loss_abs_diff={loss_diff:.2e} grad_rel_diff={grad_diff:.2e} bitwise_overlap_vs_sequential={'yes' if bitwise else 'no'} "
+          f"loss_abs_diff={loss_diff:.2e} grad_rel_diff_dense={grad_dense:.2e} grad_rel_diff_experts={grad_experts:.2e} bitwise_overlap_vs_sequential={'yes' if bitwise else 'no'} "
           f"marked_dispatchers={marked} rank_errors={len(errors)} timed_out={len(timed_out)} "
           f"seconds={time.perf_counter() - begun:.1f}")
     return 0 if verdict == "pass" else 1
