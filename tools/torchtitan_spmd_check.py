@@ -532,7 +532,11 @@ def _report(args, results: dict[int, dict[str, Any]], timed_out: list[int], torc
     marked = min((len(res.get("marked", [])) for res in results.values()), default=0)
     if args.no_thread_state:
         # negative control: the overlapped run must fail, the sequential one pass
-        ok = bool(overlap_failed) and all("sequential_error" not in s for s in steps) and not errors
+        # ... on the backward thread, for want of torchtitan's current mesh, not for another reason
+        cause = "'NoneType' object has no attribute 'get_group'"
+        ok = bool(overlap_failed) and not errors and all(
+            "backward sub-action" in st["overlap_error"] and cause in st["overlap_error"] for st in overlap_failed
+        )
         verdict = "pass" if ok else "fail"
         print("negative control: the overlapped run " + ("failed, as it must without the pair" if overlap_failed else "did NOT fail"))
         for s in overlap_failed[:1]:
