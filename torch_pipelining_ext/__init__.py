@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 
+from torch_pipelining_ext import _torchtitan_compat
 from torch_pipelining_ext._patching import PatchRecord, PatchStatus
 from torch_pipelining_ext._patches import _REGISTRY
 
@@ -64,6 +65,8 @@ def patch_report() -> list[PatchRecord]:
     """
     return _REGISTRY.report()
 
+
+_torchtitan_compat.register()  # inert unless torchtitan is imported, see [Note: torchtitan thread state]
 
 if os.environ.get(DISABLE_ENV, "") in ("", "0"):
     patch()

@@ -1,0 +1,184 @@
+"""torchtitan's thread-local SPMD state on the backward thread of overlapped actions.
+
+Private helper of :mod:`torch_pipelining_ext.ep_overlap`: a pair for
+:func:`~torch_pipelining_ext.ep_overlap.register_thread_state` that carries
+what torchtitan's default SPMD backend (``spmd_types``) keeps per thread over
+to the worker thread of an overlapped ``OVERLAP_F_B``:
+
+* the meshes of ``torchtitan.distributed.spmd_types`` (its ``threading.local``:
+  the dense and sparse meshes and the stack of current meshes that
+  ``current_spmd_mesh()`` reads, e.g. in the token dispatcher's all-to-alls);
+* the current-mesh stack of the ``spmd_types`` library
+  (``spmd_types.set_current_mesh``);
+* autograd's multithreading switch, which torchtitan turns off on the thread
+  that initialises it (``torch.autograd.set_multithreading_enabled``), so that
+  backward (and the recomputation of checkpointed layers) runs on the thread
+  that holds the meshes.
+
+Nothing here imports torchtitan; see [Note: torchtitan thread state].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from torch_pipelining_ext import ep_overlap
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+# [Note: torchtitan thread state]
+# torchtitan's default SPMD backend keeps its meshes in ``threading.local``
+# objects, which the worker thread of an overlapped OVERLAP_F_B does not see:
+# a backward that needs a mesh there (the recomputation of a checkpointed MoE
+# layer calls the token dispatcher, which asks ``current_spmd_mesh()`` for the
+# EP process group) finds none.  The pair below copies the caller's state to
+# the worker for the backward sub-action and restores the worker's own after.
+#
+# Registration: the pair is registered once, when this package is imported,
+# and does nothing unless torchtitan (or the ``spmd_types`` library) is
+# already imported when an overlapped action starts: ``capture`` looks the
+# modules up in ``sys.modules`` and never imports them.  A model that uses
+# their meshes has imported them by then, so this is correct whatever the
+# import order, and it needs no import hook and no change to the overlap
+# engine; the cost without torchtitan is two dictionary look-ups per action.
+#
+# Copies, not shared objects: each thread pushes and pops its mesh stacks
+# (``maybe_set_sparse_mesh()`` around every dispatch), and the two threads of
+# an action run at once, so the worker gets its own list with the caller's
+# entries (the meshes themselves are shared; they are not changed in place).
+#
+# Refused: spmd_types' type checking (``spmd_types.checker.typecheck``) is a
+# TorchFunctionMode, which is per thread in C++ and holds state of the thread
+# that entered it; it cannot be entered on a second thread while the first is
+# inside it.  Rather than run the backward unchecked, an overlapped action
+# under it raises; the sequential handler runs it.
+#
+# Layout: the attribute names are torchtitan 0.3.0's and spmd_types 0.2.x's
+# (``_MESH_TLS``, ``_state._tls.mesh_stack``).  Where the modules are loaded
+# and the backend is ``spmd_types`` but the layout is not found, the action
+# raises instead of running a backward without meshes.
+
+_TORCHTITAN_SPMD = "torchtitan.distributed.spmd_types"
+_TORCHTITAN_UTILS = "torchtitan.distributed.utils"
+_SPMD_TYPES_STATE = "spmd_types._state"
+
+_handle: RemovableHandle | None = None
+
+
+class _SpmdThreadState(NamedTuple):
+    """What one thread holds of torchtitan's SPMD state (``None``: that library is not loaded)."""
+
+    torchtitan: dict[str, Any] | None  # the attributes of torchtitan's ``_MESH_TLS``
+    spmd_mesh_stack: list[Any] | None  # the ``spmd_types`` library's current-mesh stack
+    autograd_multithreading: bool
+
+
+def _copied(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {name: list(value) if isinstance(value, list) else value for name, value in attributes.items()}
+
+
+def _torchtitan_backend() -> str | None:
+    utils = sys.modules.get(_TORCHTITAN_UTILS)
+    get_backend = getattr(utils, "get_spmd_backend", None)
+    return get_backend() if callable(get_backend) else None
+
+
+def _unknown_layout(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"OVERLAP_F_B: {what} was not found, so torchtitan's SPMD meshes cannot be carried to the backward "
+        "thread of an overlapped action; use torchtitan's 'partial_dtensor' SPMD backend, or run OVERLAP_F_B "
+        "sequentially (schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b))"
+    )
+
+
+def _thread_local(module: Any, name: str) -> threading.local | None:
+    value = getattr(module, name, None)
+    return value if isinstance(value, threading.local) else None
+
+
+def _capture() -> _SpmdThreadState | None:
+    """The calling thread's state; ``None`` when neither library is loaded."""
+    titan = sys.modules.get(_TORCHTITAN_SPMD)
+    spmd_state = sys.modules.get(_SPMD_TYPES_STATE)
+    if titan is None and spmd_state is None:
+        return None
+    titan_attrs = None
+    if titan is not None:
+        tls = _thread_local(titan, "_MESH_TLS")
+        if tls is not None:
+            titan_attrs = _copied(vars(tls))
+        elif _torchtitan_backend() == "spmd_types":
+            raise _unknown_layout(f"the threading.local '_MESH_TLS' of {_TORCHTITAN_SPMD}")
+    spmd_stack = None
+    if spmd_state is not None:
+        tls = _thread_local(spmd_state, "_tls")
+        if tls is not None:
+            if getattr(tls, "current_mode", None) is not None:
+                raise RuntimeError(
+                    "OVERLAP_F_B: spmd_types type checking is active (spmd_types.checker.typecheck); it is per "
+                    "thread and cannot be carried to the backward thread of an overlapped action.  Run the "
+                    "step without type checking, or run OVERLAP_F_B sequentially "
+                    "(schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b))"
+                )
+            spmd_stack = list(getattr(tls, "mesh_stack", []))
+        elif _torchtitan_backend() == "spmd_types":
+            raise _unknown_layout(f"the threading.local '_tls' of {_SPMD_TYPES_STATE}")
+    return _SpmdThreadState(titan_attrs, spmd_stack, torch._C._is_multithreading_enabled())
+
+
+@contextlib.contextmanager
+def _replaced_attributes(tls: threading.local, attributes: dict[str, Any]) -> Iterator[None]:
+    """This thread's view of ``tls`` holds ``attributes`` (copies) until exit, then what it held before."""
+    own = vars(tls)
+    before = dict(own)
+    own.clear()
+    own.update(_copied(attributes))
+    try:
+        yield
+    finally:
+        own.clear()
+        own.update(before)
+
+
+@contextlib.contextmanager
+def _apply(state: _SpmdThreadState | None) -> Iterator[None]:
+    """Enter ``state`` (from :func:`_capture` on the calling thread) on this thread."""
+    if state is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        if state.torchtitan is not None:
+            tls = _thread_local(sys.modules[_TORCHTITAN_SPMD], "_MESH_TLS")
+            assert tls is not None  # captured from it
+            stack.enter_context(_replaced_attributes(tls, state.torchtitan))
+        if state.spmd_mesh_stack is not None:
+            tls = _thread_local(sys.modules[_SPMD_TYPES_STATE], "_tls")
+            assert tls is not None
+            stack.enter_context(_replaced_attributes(tls, {**vars(tls), "mesh_stack": state.spmd_mesh_stack}))
+        stack.enter_context(torch.autograd.set_multithreading_enabled(state.autograd_multithreading))
+        logger.debug(
+            "%s: torchtitan SPMD state applied (torchtitan meshes: %s, spmd_types mesh stack depth: %s)",
+            threading.current_thread().name,
+            sorted(state.torchtitan) if state.torchtitan is not None else None,
+            len(state.spmd_mesh_stack) if state.spmd_mesh_stack is not None else None,
+        )
+        yield
+
+
+def register() -> RemovableHandle:
+    """Register the pair with :func:`ep_overlap.register_thread_state` (once; later calls return the same handle)."""
+    global _handle
+    if _handle is None:
+        _handle = ep_overlap.register_thread_state(_capture, _apply)
+    return _handle
