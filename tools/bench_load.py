@@ -9,8 +9,8 @@ directory, then loads stage 1 of 4 in two fresh processes, side by side:
 * ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained`` of the whole
   model, then ``split_module`` of stage 1 (and the whole model dropped).
 
-Then the same ``stage_load`` of a ~1.2B-parameter bf16 Qwen3-MoE-shaped
-checkpoint (16 layers, 32 experts of width 768) stored per expert, as
+Then the same ``stage_load`` of a ~3.5B-parameter bf16 Qwen3-MoE-shaped
+checkpoint (16 layers, 32 experts of width 1024) stored per expert, as
 transformers writes MoE checkpoints: on transformers 5.x each expert's
 tensors are read straight into their slices of the fused ``gate_up_proj`` /
 ``down_proj`` parameters.
@@ -27,7 +27,7 @@ checkpoint.  The last line is::
 Target: every ``stage_load`` ratio ``<= 1.1``.
 
 Usage: ``python tools/bench_load.py [--dir DIR] [--keep]`` (needs the ``hf``
-extra; about 4.6 GB of disk and 5 GB of RAM at peak).
+extra; about 9 GB of disk and 5 GB of RAM at peak).
 """
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ def _config(model: str = "llama"):
     if model == "moe":
         return Qwen3MoeConfig(
             vocab_size=32000,
-            hidden_size=1024,
-            intermediate_size=2816,
-            moe_intermediate_size=768,
+            hidden_size=2048,
+            intermediate_size=5632,
+            moe_intermediate_size=1024,
             num_experts=32,
             num_experts_per_tok=4,
             num_hidden_layers=16,
             num_attention_heads=16,
             num_key_value_heads=4,
-            head_dim=64,
+            head_dim=128,
             max_position_embeddings=2048,
             tie_word_embeddings=False,
             torch_dtype="bfloat16",
