@@ -40,7 +40,7 @@ from torch_pipelining_ext.demo import _harness
 
 __all__ = ["Pipeline", "build_parser", "main", "parse_args", "tiny_moe_config"]
 
-VOCAB, SEQ_LEN, MICROBATCH_SIZE, LR = 256, 32, 2, 0.3
+VOCAB, SEQ_LEN, MICROBATCH_SIZE, LR = 256, 256, 2, 0.2
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
