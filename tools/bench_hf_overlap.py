@@ -69,7 +69,9 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torch_pipelining_ext import _hf_expert_parallel, hf
+    from torch_pipelining_ext import hf
+
+    from torch_pipelining_ext.hf import _expert_parallel as _hf_expert_parallel
 
     mesh = init_device_mesh("cpu", (args.pp, args.ep), mesh_dim_names=("pp", "ep"))
     ep_rank = mesh["ep"].get_local_rank()

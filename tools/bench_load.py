@@ -171,7 +171,9 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
     import torch
     import transformers  # noqa: F401  (imports before the measurement)
 
-    from torch_pipelining_ext import _hf_compat, hf, stage_split
+    from torch_pipelining_ext import hf, stage_split
+
+    from torch_pipelining_ext.hf import _compat as _hf_compat
 
     torch.set_num_threads(1)
     config = _config(model_kind)
@@ -179,7 +181,7 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        from torch_pipelining_ext import _hf_expert_parallel
+        from torch_pipelining_ext.hf import _expert_parallel as _hf_expert_parallel
 
         # expert-parallel rank 1 of 4 (a fake group: loading issues no collective)
         dist.init_process_group("fake", store=FakeStore(), rank=EP_RANK, world_size=EP_SIZE)

@@ -93,7 +93,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch_pipelining_ext  # noqa: E402, F401  (applies the patches)
-from torch_pipelining_ext import _ep_turns, _overlap, _schedule_runtime, ep_overlap  # noqa: E402
+from torch_pipelining_ext import _schedule_runtime
+from torch_pipelining_ext.overlap import _turns as _ep_turns
+from torch_pipelining_ext.overlap import _handler as _overlap
+from torch_pipelining_ext import overlap as ep_overlap  # noqa: E402
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b  # noqa: E402
 
 

@@ -45,10 +45,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from torch_pipelining_ext import ep_overlap  # noqa: E402
+from torch_pipelining_ext import overlap as ep_overlap  # noqa: E402
 from torch_pipelining_ext._schedule_runtime import perform_action, sequential_overlap_f_b  # noqa: E402
-from torch_pipelining_ext._sim_schedule import kind, schedule_order  # noqa: E402
-from torch_pipelining_ext.simulate import LinkCost, OverlapModel, StageCost, simulate  # noqa: E402
+from torch_pipelining_ext.sim._schedule import kind, schedule_order  # noqa: E402
+from torch_pipelining_ext.sim import LinkCost, OverlapModel, StageCost, simulate  # noqa: E402
 
 
 # (label, torch schedule name, stages per rank, overlap handler)
@@ -344,7 +344,7 @@ def main() -> None:
                 raise SystemExit(f"calibrate_simulator: {what} (see the traceback above)")
     for pr in procs:
         pr.join(timeout=60)
-    from torch_pipelining_ext._sim_schedule import build_schedule
+    from torch_pipelining_ext.sim._schedule import build_schedule
 
     print(f"PP=2 gloo ranks, 1 thread each, dim {args.dim}, {args.tokens} rows/microbatch, "
           f"{args.microbatches} microbatches, EP stand-in {args.latency_ms:g} ms per region, "

@@ -46,7 +46,7 @@ The last line is machine-readable::
 records the device time of each plain action's kernels in the sequential step
 (``action_kernel_times.json`` in ``--out``: compute and stand-in time per
 stage and computation), and ``simulated_step_ratio`` is what the schedule
-simulator (``torch_pipelining_ext.simulate``) predicts for ``step_ratio`` from
+simulator (``torch_pipelining_ext.sim``) predicts for ``step_ratio`` from
 those times: a prediction to compare with the measured ratio.
 """
 
@@ -295,7 +295,7 @@ def simulated_step_ratio(
     seconds (the stand-in) between equal compute pieces; a kind not timed on
     its own (B of a stage that only ran it inside OVERLAP_F_B) is I + W.
     """
-    from torch_pipelining_ext.simulate import OverlapModel, StageCost, simulate
+    from torch_pipelining_ext.sim import OverlapModel, StageCost, simulate
 
     def segs(compute_s: float) -> tuple[float, ...]:
         piece = max(compute_s, 0.0) / (regions + 1)
@@ -356,7 +356,8 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     from torch.distributed.pipelining import schedules as sched
 
     import torch_pipelining_ext  # noqa: F401  (applies the patches)
-    from torch_pipelining_ext import _overlap, ep_overlap
+    from torch_pipelining_ext.overlap import _handler as _overlap
+    from torch_pipelining_ext import overlap as ep_overlap
     from torch_pipelining_ext._schedule_runtime import run_action
 
     cuda = args.device == "cuda"

@@ -239,7 +239,7 @@ class _Run:
         from torch.distributed.pipelining import schedules as sched
         from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
-        from torch_pipelining_ext import ep_overlap
+        from torch_pipelining_ext import overlap as ep_overlap
         from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 
         spec = config.model_spec

@@ -17,7 +17,7 @@ import threading
 
 from torch_pipelining_ext import _torchtitan_compat
 from torch_pipelining_ext._patching import PatchRecord, PatchStatus
-from torch_pipelining_ext._patches import _REGISTRY
+from torch_pipelining_ext._patching._table import _REGISTRY
 
 
 __all__ = [

@@ -156,16 +156,3 @@ class _BackwardCounterAttribute:
                 value.n_microbatches = n_microbatches
             return value
         return BackwardCounter(value or None, n_microbatches=n_microbatches)
-
-
-def _probe_backward_counter() -> tuple[str, str]:
-    """Is the schedule's backward counter already thread safe with ``record_backward``?"""
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
-
-    if hasattr(getattr(_PipelineScheduleRuntime, "backward_counter", None), "record_backward"):
-        return AlreadyUpstream, "backward_counter has record_backward"
-    if hasattr(_PipelineScheduleRuntime, "register_custom_function"):
-        return PatchNeeded, "schedule.backward_counter is a plain Counter: += from two threads loses counts"
-    return PatchNeeded, "no backward_counter on the schedule for custom functions to share"

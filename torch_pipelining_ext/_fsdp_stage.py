@@ -108,31 +108,3 @@ def _make_backward_maybe_with_nosync(original: Callable[..., Any]) -> Callable[.
         return original(self, backward_type, *args, **kwargs)
 
     return backward_maybe_with_nosync
-
-
-def _code_names(code: Any) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names |= _code_names(const)
-    return names
-
-
-def _probe_backward_params() -> tuple[str, str]:
-    """Does torch's split backward take FSDP-managed parameters after unsharding them?"""
-    import inspect
-
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
-
-    fn = _PipelineStageBase.backward_maybe_with_nosync
-    params = list(inspect.signature(fn).parameters)
-    if params[:3] != ["self", "backward_type", "bwd_kwargs"]:
-        raise RuntimeError(f"unrecognised backward_maybe_with_nosync{tuple(params)}")
-    names = _code_names(fn.__code__)
-    if "parameters" not in names:
-        raise RuntimeError("backward_maybe_with_nosync no longer reads submod.parameters()")
-    if "unshard" in names:
-        return AlreadyUpstream, "backward_maybe_with_nosync unshards FSDP modules before the split backward"
-    return PatchNeeded, "split backward takes submod.parameters() before FSDP's pre-backward unshard"

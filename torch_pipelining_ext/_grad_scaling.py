@@ -30,7 +30,6 @@ is given the schedule.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -92,15 +91,3 @@ def _make_scale_grads(original: Callable[..., Any]) -> Callable[..., Any]:
                 p.grad.add_(start)
 
     return scale_grads
-
-
-def _probe_scale_grads() -> tuple[str, str]:
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
-    from torch_pipelining_ext._patching import PatchNeeded
-
-    for name, expected in (("scale_grads", ["self", "grad_scale_factor"]), ("clear_runtime_states", ["self"])):
-        params = list(inspect.signature(getattr(_PipelineStageBase, name)).parameters)
-        if params != expected:
-            raise RuntimeError(f"unrecognised _PipelineStageBase.{name}{tuple(params)}")
-    return PatchNeeded, "scale_grads also divides the gradients carried over from earlier steps"

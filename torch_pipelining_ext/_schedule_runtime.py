@@ -54,13 +54,11 @@ action, :func:`_make_prepare_comms` adds the REDUCE_GRAD a
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
-import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TYPE_CHECKING
@@ -822,19 +820,6 @@ def _make_register_custom_function(original: Callable[..., None]) -> Callable[..
     return register_custom_function
 
 
-def _probe_action_functions() -> tuple[str, str]:
-    """Probe of ``runtime_action_functions``: the step loop (torch's, or ours on 2.9) must dispatch the map."""
-    from torch_pipelining_ext._patching import PatchNeeded
-
-    runtime = _schedules._PipelineScheduleRuntime
-    if not callable(getattr(runtime, "register_custom_function", None)):
-        raise AttributeError("_PipelineScheduleRuntime.register_custom_function is missing")
-    loop = inspect.unwrap(runtime._step_microbatches)
-    if _FUNCTION_MAP not in inspect.getsource(loop):
-        raise RuntimeError("_PipelineScheduleRuntime._step_microbatches does not look up custom functions")
-    return PatchNeeded, "plain actions bypass the custom-function map: they and OVERLAP_F_B's sub-actions would run different code"
-
-
 # --------------------------------------------------------------------------- #
 # torch with REDUCE_GRAD: compute_comms schedules without REDUCE_GRAD          #
 # --------------------------------------------------------------------------- #
@@ -920,90 +905,3 @@ def _make_prepare_comms(original: Callable[..., Any]) -> Callable[..., Any]:
 # --------------------------------------------------------------------------- #
 # Feature probes (used by _patches.py)                                         #
 # --------------------------------------------------------------------------- #
-
-
-def _probe_custom_functions() -> tuple[str, str]:
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
-
-    runtime = _schedules._PipelineScheduleRuntime
-    if hasattr(runtime, "register_custom_function") and hasattr(_schedules, "_PipelineContext"):
-        return AlreadyUpstream, "_PipelineScheduleRuntime.register_custom_function and _PipelineContext exist"
-    for name in ("_step_microbatches", "_prepare_schedule_with_comms"):
-        if not hasattr(runtime, name):
-            raise RuntimeError(f"_PipelineScheduleRuntime has no {name}")
-    return PatchNeeded, "no register_custom_function / _PipelineContext on _PipelineScheduleRuntime"
-
-
-def _probe_step_loop() -> tuple[str, str]:
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
-
-    runtime = _schedules._PipelineScheduleRuntime
-    upstream_register = getattr(runtime, "register_custom_function", register_custom_function)
-    if upstream_register is not register_custom_function:  # not the one installed from this module
-        return AlreadyUpstream, "torch's step loop dispatches custom functions"
-    init_params = list(inspect.signature(_schedules.PipelineScheduleMulti._initialize_stages).parameters)
-    if init_params != ["self", "args", "kwargs"]:
-        raise RuntimeError(f"unrecognised PipelineScheduleMulti._initialize_stages{tuple(init_params)}")
-    loop_params = list(inspect.signature(runtime._step_microbatches).parameters)
-    if loop_params != ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses"]:
-        raise RuntimeError(f"unrecognised _PipelineScheduleRuntime._step_microbatches{tuple(loop_params)}")
-    return PatchNeeded, "torch's step loop has no custom functions and scales grads only after FULL_BACKWARD"
-
-
-def _probe_overlap_lowering() -> tuple[str, str]:
-    """Lower a one-rank, two-stage schedule with an OVERLAP_F_B; does it survive?"""
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
-
-    A, F, B = _schedules._Action, _schedules.FORWARD, _schedules.FULL_BACKWARD
-    overlap = A(-1, _schedules.OVERLAP_F_B, None, (A(0, F, 1), A(1, B, 0)))
-    compute = {0: [A(0, F, 0), A(1, F, 0), overlap, A(1, F, 1), A(1, B, 1), A(0, B, 0), A(0, B, 1)]}
-    lowered = _schedules._add_send_recv(compute, stage_to_rank=lambda s: 0, num_stages=2)
-    if any(a.computation_type == _schedules.OVERLAP_F_B for a in lowered[0]):
-        return AlreadyUpstream, "_add_send_recv keeps OVERLAP_F_B"
-    return PatchNeeded, "_add_send_recv flattens OVERLAP_F_B into its sub-actions"
-
-
-def _probe_step_context() -> tuple[str, str]:
-    from torch_pipelining_ext._patching import PatchNeeded
-
-    loop = _schedules._PipelineScheduleRuntime._step_microbatches
-    inspect.signature(loop).bind(None)  # raises if the loop needs other arguments
-    return PatchNeeded, "_PipelineContext carries no return_outputs / loss_kwargs, errors do not name the rank"
-
-
-def _probe_compute_comms_reduce_grad() -> tuple[str, str]:
-    """Does ``_prepare_schedule_with_comms`` add REDUCE_GRAD to compute_comms schedules?
-
-    Reads the method's ``format == "compute_comms"`` branch: torch's lowering
-    (``_add_reduce_grad``) runs only for compute-only schedules.
-    """
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
-
-    if _reduce_grad_type() is None:
-        return AlreadyUpstream, "not applicable: torch has no REDUCE_GRAD action, the last backward reduces"
-    method = _schedules._PipelineScheduleRuntime._prepare_schedule_with_comms
-    params = list(inspect.signature(method).parameters)
-    if params != ["self", "actions", "format"]:
-        raise RuntimeError(f"unrecognised _PipelineScheduleRuntime._prepare_schedule_with_comms{tuple(params)}")
-    branch = _compute_comms_branch(method)
-    calls = {
-        node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-        for node in ast.walk(ast.Module(body=branch, type_ignores=[]))
-        if isinstance(node, ast.Call)
-    }
-    if any("reduce_grad" in name for name in calls):
-        return AlreadyUpstream, "compute_comms schedules get REDUCE_GRAD"
-    return PatchNeeded, "a compute_comms schedule without REDUCE_GRAD never reduces or scales gradients"
-
-
-def _compute_comms_branch(method: Callable[..., Any]) -> list[ast.stmt]:
-    """The body of ``if format == "compute_comms":`` in ``method``'s source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
-            operands = [node.test.left, *node.test.comparators]
-            names = {n.id for n in operands if isinstance(n, ast.Name)}
-            consts = {n.value for n in operands if isinstance(n, ast.Constant)}
-            if names == {"format"} and consts == {"compute_comms"}:
-                return node.body
-    raise RuntimeError("_prepare_schedule_with_comms has no `if format == \"compute_comms\"` branch")

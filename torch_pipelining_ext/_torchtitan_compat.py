@@ -1,7 +1,7 @@
 """torchtitan's thread-local SPMD state on the backward thread of overlapped actions.
 
-Private helper of :mod:`torch_pipelining_ext.ep_overlap`: a pair for
-:func:`~torch_pipelining_ext.ep_overlap.register_thread_state` that carries
+Private helper of :mod:`torch_pipelining_ext.overlap`: a pair for
+:func:`~torch_pipelining_ext.overlap.register_thread_state` that carries
 what torchtitan's default SPMD backend (``spmd_types``) keeps per thread over
 to the worker thread of an overlapped ``OVERLAP_F_B``:
 
@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from torch_pipelining_ext import ep_overlap
+from torch_pipelining_ext import overlap as ep_overlap
 
 
 __all__: list[str] = []

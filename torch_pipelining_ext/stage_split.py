@@ -906,21 +906,3 @@ def _pipeline_split(
 # ---------------------------------------------------------------------------
 # Patch probe (see torch_pipelining_ext/_patches.py)
 # ---------------------------------------------------------------------------
-
-
-def _upstream_probe() -> tuple[str, str]:
-    """Feature probe for the ``stage_split`` patch."""
-    import importlib.util
-
-    import torch.distributed.pipelining as pipelining
-
-    from torch_pipelining_ext._patching import AlreadyUpstream, PatchNeeded
-
-    if not hasattr(pipelining, "PipelineStage"):
-        raise RuntimeError("torch.distributed.pipelining has no PipelineStage")
-    for attr in ("stage_split", "split_module"):
-        if hasattr(pipelining, attr):
-            return AlreadyUpstream, f"torch.distributed.pipelining.{attr} exists"
-    if importlib.util.find_spec("torch.distributed.pipelining.stage_split") is not None:
-        return AlreadyUpstream, "torch.distributed.pipelining.stage_split is importable"
-    return PatchNeeded, "torch.distributed.pipelining has no stage_split module"

@@ -61,6 +61,13 @@ TORCH_VERSION = "2.15"
 # Then imports and names are rewritten (_REWRITES), and nothing may be left
 # that names the package.
 _REWRITES = (
+    # the overlap subpackage's modules are flat files upstream
+    (re.compile(r"^(\s*)from torch_pipelining_ext\.overlap import _(marks|turns|rng) as _ep_\2$", re.M), r"\1from . import _ep_\2"),
+    (re.compile(r"^(\s*)from torch_pipelining_ext\.overlap\._(marks|turns|rng) import ", re.M), r"\1from ._ep_\2 import "),
+    (re.compile(r"^(\s*)from torch_pipelining_ext\.overlap import ", re.M), r"\1from .ep_overlap import "),
+    (re.compile(r"torch_pipelining_ext\.overlap\._handler\b"), "torch_pipelining_ext._overlap"),
+    (re.compile(r"torch_pipelining_ext\.overlap\._(turns|rng|marks)\b"), r"torch_pipelining_ext._ep_\1"),
+    (re.compile(r"torch_pipelining_ext\.overlap\b"), "torch_pipelining_ext.ep_overlap"),
     (re.compile(r"^(\s*)from torch_pipelining_ext import ", re.M), r"\1from . import "),
     (re.compile(r"^(\s*)from torch_pipelining_ext\.(\w+) import ", re.M), r"\1from .\2 import "),
     (re.compile(r"torch_pipelining_ext\."), "torch.distributed.pipelining."),
@@ -241,7 +248,14 @@ class Patch:
 
 def _overlap_modules() -> tuple[NewModule, ...]:
     return tuple(
-        NewModule(name, name) for name in ("_overlap.py", "ep_overlap.py", "_ep_marks.py", "_ep_rng.py", "_ep_turns.py")
+        NewModule(target, module)
+        for target, module in (
+            ("_overlap.py", "overlap/_handler.py"),
+            ("ep_overlap.py", "overlap/__init__.py"),
+            ("_ep_marks.py", "overlap/_marks.py"),
+            ("_ep_rng.py", "overlap/_rng.py"),
+            ("_ep_turns.py", "overlap/_turns.py"),
+        )
     )
 
 
@@ -263,7 +277,6 @@ SERIES: tuple[Patch, ...] = (
             NewModule(
                 "stage_split.py",
                 "stage_split.py",
-                drop=("_upstream_probe",),
                 substitute=(("(e.g. the Hugging Face stage\n    wrapper of :mod:`torch_pipelining_ext.hf`)", "(e.g. a model family's stage\n    wrapper)"),),
             ),
         ),

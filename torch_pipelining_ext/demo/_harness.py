@@ -107,7 +107,7 @@ def fused_experts_problem() -> str | None:
         import transformers
     except ImportError:
         return "the demo needs transformers 5.x: pip install 'torch_pipelining_ext[hf]'"
-    from torch_pipelining_ext import _hf_compat
+    from torch_pipelining_ext.hf import _compat as _hf_compat
 
     if not _hf_compat.has_fused_experts():
         return (
@@ -168,7 +168,7 @@ def calibrate_link_latency(parts: list[torch.nn.Module], tokens_per_microbatch: 
     """Seconds one MoE layer's local experts compute on one microbatch
     (forward; each rank receives ``tokens * top_k`` slots, spread evenly
     over the experts): the fastest of a few repeats, the mean over all ranks."""
-    from torch_pipelining_ext._hf_expert_parallel import _local_experts
+    from torch_pipelining_ext.hf._expert_parallel import _local_experts
 
     module = _local_experts_modules(parts)[0]
     shard = module._expert_shard
@@ -224,7 +224,7 @@ class CommClock:
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
-        from torch_pipelining_ext import _hf_expert_parallel as ep
+        from torch_pipelining_ext.hf import _expert_parallel as ep
 
         saved = dist.all_to_all_single, ep._exchange
         dist.all_to_all_single, ep._exchange = self._timed(saved[0]), self._timed(saved[1])
@@ -252,7 +252,7 @@ class Report:
         tokens_per_microbatch: int,
         top_k: int,
     ) -> None:
-        from torch_pipelining_ext import _hf_expert_parallel
+        from torch_pipelining_ext.hf import _expert_parallel as _hf_expert_parallel
 
         self.args, self.rank, self.runs = args, rank, runs
         parts = runs["overlap"].parts

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_pipelining_ext import ep_overlap
+from torch_pipelining_ext import overlap as ep_overlap
 
 
 class MLPStage(nn.Module):

@@ -26,7 +26,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_pipelining_ext
-from torch_pipelining_ext._patches import _REGISTRY
+from torch_pipelining_ext._patching._table import _REGISTRY
 
 
 def _stock(patch: str, attr: str) -> Callable[..., Any] | None:

@@ -130,7 +130,7 @@ class DemoArgumentsTest(TestCase):
 
     def test_without_fused_experts(self) -> None:
         # transformers 4.x holds experts as separate modules: the demo says what to install
-        with mock.patch("torch_pipelining_ext._hf_compat.has_fused_experts", return_value=False):
+        with mock.patch("torch_pipelining_ext.hf._compat.has_fused_experts", return_value=False):
             msg = self._error([])
         self.assertIn("the demo needs transformers 5.x (fused experts", msg)
         self.assertIn("pip install 'transformers>=5,<6'", msg)

@@ -36,11 +36,12 @@ from torch.testing._internal.common_utils import (
 from torch.utils.checkpoint import checkpoint
 
 import torch_pipelining_ext  # noqa: F401
-from torch_pipelining_ext import ep_overlap
-from torch_pipelining_ext._overlap import _run_overlapped, _StreamPlan
-from torch_pipelining_ext import _ep_marks, _ep_turns
-from torch_pipelining_ext._ep_turns import _CommCoordinator, _Side, _TurnState
-from torch_pipelining_ext.ep_overlap import CommWaitTimeoutError
+from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext.overlap._handler import _run_overlapped, _StreamPlan
+from torch_pipelining_ext.overlap import _marks as _ep_marks
+from torch_pipelining_ext.overlap import _turns as _ep_turns
+from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side, _TurnState
+from torch_pipelining_ext.overlap import CommWaitTimeoutError
 
 
 DIM = 8
@@ -872,7 +873,7 @@ class PatchTest(TestCase):
     def test_installed_and_removed(self) -> None:
         from torch.distributed.pipelining import schedules
 
-        from torch_pipelining_ext import _overlap
+        from torch_pipelining_ext.overlap import _handler as _overlap
 
         runtime = schedules._PipelineScheduleRuntime
         self.assertIsInstance(runtime.__dict__["_comp_type_to_function_map"], _overlap._FunctionMapWithOverlap)
@@ -889,7 +890,9 @@ class PatchTest(TestCase):
     def test_env_opt_out_and_default(self) -> None:
         from torch.distributed.pipelining import schedules
 
-        from torch_pipelining_ext import _overlap, _schedule_runtime
+        from torch_pipelining_ext import _schedule_runtime
+
+        from torch_pipelining_ext.overlap import _handler as _overlap
 
         class Owner:
             _comp_type_to_function_map = _overlap._FunctionMapWithOverlap()
@@ -909,7 +912,9 @@ class PatchTest(TestCase):
     def test_registering_another_function_replaces_it_quietly(self) -> None:
         from torch.distributed.pipelining import schedules
 
-        from torch_pipelining_ext import _overlap, _schedule_runtime
+        from torch_pipelining_ext import _schedule_runtime
+
+        from torch_pipelining_ext.overlap import _handler as _overlap
 
         calls = []
 

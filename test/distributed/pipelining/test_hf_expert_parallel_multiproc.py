@@ -38,7 +38,9 @@ from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 try:
     import transformers
 
-    from torch_pipelining_ext import _hf_compat, hf
+    from torch_pipelining_ext import hf
+
+    from torch_pipelining_ext.hf import _compat as _hf_compat
 
     HAS_FUSED = _hf_compat.has_fused_experts()
 except ImportError:

@@ -32,7 +32,9 @@ try:
     import safetensors.torch
     import transformers  # noqa: F401
 
-    from torch_pipelining_ext import _hf_loading, hf
+    from torch_pipelining_ext import hf
+
+    from torch_pipelining_ext.hf import _loading as _hf_loading
 
     HAS_TRANSFORMERS = True
 except ImportError:
@@ -43,7 +45,7 @@ VOCAB = 64
 
 def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpointing=None) -> list:
     """All (or ``stage_ids``) stages of ``model`` as HFCausalLMStage modules, in one process."""
-    from torch_pipelining_ext import _hf_compat
+    from torch_pipelining_ext.hf import _compat as _hf_compat
 
     names = hf.hf_module_names_per_stage(model, num_stages)
     ids = list(range(num_stages)) if stage_ids is None else stage_ids
@@ -131,7 +133,7 @@ class TestHFStages(TestCase):
     @parametrize("family", ["gemma2", "qwen2_sliding", "gpt_oss"])
     def test_mixed_attention_layers_get_their_own_masks(self, family):
         # a wrong mask changes the logits: the same stages with every layer given the full causal mask differ
-        from torch_pipelining_ext import _hf_compat
+        from torch_pipelining_ext.hf import _compat as _hf_compat
 
         model = tiny_hf_model(family, num_layers=4)
         kinds = [_hf_compat.layer_kind(model.config, layer, i) for i, layer in enumerate(model.model.layers)]
@@ -359,7 +361,7 @@ class TestHFLoading(TestCase):
 
     @parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
     def test_fused_experts_read_straight_into_their_slices(self, family):
-        from torch_pipelining_ext import _hf_compat
+        from torch_pipelining_ext.hf import _compat as _hf_compat
 
         ref = tiny_hf_model(family, num_layers=4)
         _save_hf(ref, self.dir, max_shard_size="20KB")
@@ -421,7 +423,7 @@ class TestHFLoading(TestCase):
     def test_meta_build_allocates_nothing_and_restores_buffers(self, family):
         from torch.overrides import TorchFunctionMode
 
-        from torch_pipelining_ext import _hf_compat
+        from torch_pipelining_ext.hf import _compat as _hf_compat
 
         class CountAllocations(TorchFunctionMode):
             def __init__(self):

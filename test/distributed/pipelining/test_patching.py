@@ -13,7 +13,7 @@ import warnings
 
 import torch
 import torch_pipelining_ext
-from torch_pipelining_ext._patches import _REGISTRY
+from torch_pipelining_ext._patching._table import _REGISTRY
 from torch_pipelining_ext._patching import (
     _PatchRegistry,
     AlreadyUpstream,
@@ -290,7 +290,7 @@ class PackagePatchTest(TestCase):
             import json
             import torch.distributed.pipelining  # noqa: F401
             import torch_pipelining_ext
-            from torch_pipelining_ext._patches import _REGISTRY
+            from torch_pipelining_ext._patching._table import _REGISTRY
             targets = [t for p in _REGISTRY.patches() for t in p.targets]
             pristine = {t.qualname: t._get() for t in targets}
             report = torch_pipelining_ext.patch()
@@ -341,7 +341,7 @@ class PackagePatchTest(TestCase):
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
                 import torch_pipelining_ext
-            from torch_pipelining_ext._patches import _REGISTRY
+            from torch_pipelining_ext._patching._table import _REGISTRY
             report = torch_pipelining_ext.patch_report()
             not_applied = {r.name for r in report if r.status.value in ("skipped", "failed")}
             half = [t.qualname for p in _REGISTRY.patches() if p.name in not_applied

@@ -50,7 +50,7 @@ from torch.testing._internal.common_utils import instantiate_parametrized_tests,
 from torch.utils.checkpoint import checkpoint
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
-from torch_pipelining_ext import _overlap
+from torch_pipelining_ext.overlap import _handler as _overlap
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 from torch_pipelining_ext.stage_split import split_module
 
@@ -128,7 +128,7 @@ class _Delay(torch.autograd.Function):
 
 def _marked_delay(x: torch.Tensor) -> torch.Tensor:
     """A stand-in for expert-parallel communication: a random delay between dispatch marks."""
-    from torch_pipelining_ext import ep_overlap
+    from torch_pipelining_ext import overlap as ep_overlap
 
     return ep_overlap.dispatch_end(_Delay.apply(ep_overlap.dispatch_begin(x)))
 

@@ -24,9 +24,9 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_pipelining_ext  # noqa: F401  (patches torch: OVERLAP_F_B kept through lowering on 2.9)
-from torch_pipelining_ext import plan
-from torch_pipelining_ext._sim_schedule import kind, schedule_order
-from torch_pipelining_ext.simulate import (
+from torch_pipelining_ext.sim import plan
+from torch_pipelining_ext.sim._schedule import kind, schedule_order
+from torch_pipelining_ext.sim import (
     HARDWARE_PRESETS,
     LayerCost,
     LinkCost,
@@ -286,7 +286,7 @@ class TimelineAndDeviceTimesTest(TestCase):
             import matplotlib  # noqa: F401
         except ImportError:
             self.skipTest("matplotlib (the plot extra) is not installed")
-        from torch_pipelining_ext.simulate import plot_timeline
+        from torch_pipelining_ext.sim import plot_timeline
 
         cost = StageCost(forward=(1.0, 0.5, 1.0), backward_input=(0.0, 0.5, 2.0), backward_weight=1.0)
         result = simulate_schedule("DualPipeV", 2, 4, cost)

@@ -55,7 +55,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
-from torch_pipelining_ext import _overlap
+from torch_pipelining_ext.overlap import _handler as _overlap
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 from torch_pipelining_ext.stage_split import split_module
 

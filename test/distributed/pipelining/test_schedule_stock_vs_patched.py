@@ -124,10 +124,10 @@ def _apply_transport_patches_if_gloo_fails() -> list[str]:
     run any schedule there.  Decided by the package's probe, on a rank with
     the process group initialised.  Returns the patches applied.
     """
-    from torch_pipelining_ext import _gloo_p2p
-    from torch_pipelining_ext._patches import _REGISTRY
+    from torch_pipelining_ext._patching import _probes
+    from torch_pipelining_ext._patching._table import _REGISTRY
 
-    handshake = _gloo_p2p._recorded_handshake()
+    handshake = _probes._recorded_handshake()
     if handshake is None or len({dtype for dtype, _ in handshake}) == 1:
         return []
     for p in _REGISTRY.patches():

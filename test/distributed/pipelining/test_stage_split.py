@@ -731,15 +731,17 @@ class TestPatch(TestCase):
     def test_probe(self):
         import torch.distributed.pipelining as pipelining
 
+        from torch_pipelining_ext._patching import _probes
+
         try:
             torch_pipelining_ext.unpatch()
-            self.assertEqual(ss._upstream_probe()[0], "needed")
+            self.assertEqual(_probes._upstream_probe()[0], "needed")
             with mock.patch.object(pipelining, "split_module", split_module, create=True):
-                self.assertEqual(ss._upstream_probe()[0], "upstream")
+                self.assertEqual(_probes._upstream_probe()[0], "upstream")
             with mock.patch.dict(pipelining.__dict__):
                 del pipelining.PipelineStage
                 with self.assertRaisesRegex(RuntimeError, "no PipelineStage"):
-                    ss._upstream_probe()
+                    _probes._upstream_probe()
             self.assertTrue(hasattr(pipelining, "PipelineStage"))
         finally:
             torch_pipelining_ext.patch()
@@ -763,7 +765,7 @@ class TestPatch(TestCase):
 
 
 def ss_missing():
-    from torch_pipelining_ext._patching import _MISSING
+    from torch_pipelining_ext._patching._registry import _MISSING
 
     return _MISSING
 

@@ -1,6 +1,6 @@
 """Per-action costs for the schedule simulator, and how to derive them from a model and a machine.
 
-Every number here is an input to a *prediction*: :mod:`torch_pipelining_ext.simulate`
+Every number here is an input to a *prediction*: :mod:`torch_pipelining_ext.sim`
 turns it into a step time, it measures nothing.
 
 * :class:`StageCost` -- what one action of one stage costs: forward (F),

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from torch_pipelining_ext._sim_engine import SimulationResult
+from torch_pipelining_ext.sim._engine import SimulationResult
 
 
 __all__ = ["chrome_trace", "write_chrome_trace", "plot_timeline"]

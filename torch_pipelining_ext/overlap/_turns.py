@@ -1,6 +1,6 @@
 """Turn-taking of the two threads of an overlapped OVERLAP_F_B action.
 
-Private to :mod:`torch_pipelining_ext.ep_overlap`: one
+Private to :mod:`torch_pipelining_ext.overlap`: one
 :class:`_CommCoordinator` per action decides when each side may communicate
 and compute; :mod:`._ep_marks` calls it at the marks, :mod:`._ep_rng` keeps
 the generator states it moves between the sides.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
-from torch_pipelining_ext._ep_rng import _RNGDevices, _RNGWindows
+from torch_pipelining_ext.overlap._rng import _RNGDevices, _RNGWindows
 
 
 __all__ = ["CommWaitTimeoutError", "DEFAULT_WAIT_TIMEOUT_S", "TIMEOUT_ENV"]

@@ -25,6 +25,17 @@ _SCHEDULES = "torch.distributed.pipelining.schedules"
 _STAGE = "torch.distributed.pipelining.stage"
 
 
+def _probe(name: str) -> Callable[[], tuple[str, str]]:
+    """The probe ``name`` of ``_probes.py``, imported when it runs."""
+
+    def run() -> tuple[str, str]:
+        from torch_pipelining_ext._patching import _probes
+
+        return getattr(_probes, name)()
+
+    return run
+
+
 def _patches() -> list[Patch]:
     # Imports are local (inside each probe and make) so that a feature module
     # failing to import on an unrecognised torch only removes its own patches:
@@ -55,8 +66,6 @@ def _schedule_runtime_patches() -> list[Patch]:
 
         return getattr(_schedule_runtime, name)
 
-    def probe(name: str) -> Callable[[], tuple[str, str]]:
-        return lambda: _rt(name)()
 
     def install(name: str) -> Callable[[Any], Any]:  # replacement: the module's object
         return lambda original: _rt(name)
@@ -67,40 +76,24 @@ def _schedule_runtime_patches() -> list[Patch]:
     def install_new(cls: str) -> Callable[[Any], Any]:  # replacement: a new instance of the module's class
         return lambda original: _rt(cls)()
 
-    def init_p2p_probe() -> tuple[str, str]:
-        from torch_pipelining_ext._gloo_p2p import _probe_init_p2p_handshake
-
-        return _probe_init_p2p_handshake()
 
     def init_p2p(original: object) -> object:
         from torch_pipelining_ext._gloo_p2p import _make_get_init_p2p_neighbors_ops
 
         return _make_get_init_p2p_neighbors_ops(original)  # type: ignore[arg-type]
 
-    def self_p2p_probe() -> tuple[str, str]:
-        from torch_pipelining_ext._gloo_p2p import _probe_self_p2p
-
-        return _probe_self_p2p()
 
     def self_p2p(original: object) -> object:
         from torch_pipelining_ext._gloo_p2p import _make_batch_p2p
 
         return _make_batch_p2p(original)  # type: ignore[arg-type]
 
-    def counter_probe() -> tuple[str, str]:
-        from torch_pipelining_ext._backward_counter import _probe_backward_counter
-
-        return _probe_backward_counter()
 
     def counter(original: object) -> object:
         from torch_pipelining_ext._backward_counter import _BackwardCounterAttribute
 
         return _BackwardCounterAttribute()
 
-    def grad_scaling_probe() -> tuple[str, str]:
-        from torch_pipelining_ext._grad_scaling import _probe_scale_grads
-
-        return _probe_scale_grads()
 
     def grad_scaling(factory: str) -> Callable[[Any], Any]:
         def make(original: Any) -> Any:
@@ -120,21 +113,21 @@ def _schedule_runtime_patches() -> list[Patch]:
         Patch(
             name="stage_init_handshake",
             targets=(Target(_STAGE, "_PipelineStageBase._get_init_p2p_neighbors_ops", make=init_p2p),),
-            probe=init_p2p_probe,
+            probe=_probe("_probe_init_p2p_handshake"),
             description="stage init handshake: float32 tensors, no send to the own rank (gloo)",
             upstream="stage.py _get_init_p2p_neighbors_ops (float32 since 2.10; no handshake in 2.15)",
         ),
         Patch(
             name="p2p_to_own_rank",
             targets=(Target(_SCHEDULES, "_batch_p2p", make=self_p2p),),
-            probe=self_p2p_probe,
+            probe=_probe("_probe_self_p2p"),
             description="a P2P batch's sends to the own rank are copied into its receives (gloo)",
             upstream="schedules.py _batch_p2p (PipelineScheduleMulti loop with adjacent stages on one rank)",
         ),
         Patch(
             name="schedule_backward_counter",
             targets=(Target(_SCHEDULES, f"{_RUNTIME}.backward_counter", make=counter),),
-            probe=counter_probe,
+            probe=_probe("_probe_backward_counter"),
             description="schedule.backward_counter: Counter-compatible, thread-safe record_backward()",
             upstream="schedules.py _PipelineScheduleRuntime.backward_counter (2.10 cycle)",
         ),
@@ -147,14 +140,14 @@ def _schedule_runtime_patches() -> list[Patch]:
                 # fwd_recv_ops, bwd_recv_ops, unshard_ops, unsharded_stages, _comp_type_to_function_map
                 *(lazy_state(name) for name in _RUNTIME_STATE_NAMES),
             ),
-            probe=probe("_probe_custom_functions"),
+            probe=_probe("_probe_custom_functions"),
             description="register_custom_function, _PipelineContext and the recv/unshard state on the schedule",
             upstream="schedules.py register_custom_function / _PipelineContext (2.10 cycle)",
         ),
         Patch(
             name="runtime_step_loop",
             targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=install("_runtime_step_microbatches")),),
-            probe=probe("_probe_step_loop"),
+            probe=_probe("_probe_step_loop"),
             description="step loop that dispatches custom functions and runs every action through run_action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches (2.10 cycle)",
             requires=("schedule_backward_counter", "runtime_custom_functions"),
@@ -162,7 +155,7 @@ def _schedule_runtime_patches() -> list[Patch]:
         Patch(
             name="runtime_keep_overlap_f_b",
             targets=(Target(_SCHEDULES, "_add_send_recv", make=install("_add_send_recv")),),
-            probe=probe("_probe_overlap_lowering"),
+            probe=_probe("_probe_overlap_lowering"),
             description="lowering keeps OVERLAP_F_B actions (sends of both sub-actions follow it)",
             upstream="schedules.py _add_send_recv (2.10 cycle)",
             requires=("runtime_step_loop",),
@@ -170,7 +163,7 @@ def _schedule_runtime_patches() -> list[Patch]:
         Patch(
             name="runtime_step_context",
             targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=wrap("_make_step_context")),),
-            probe=probe("_probe_step_context"),
+            probe=_probe("_probe_step_context"),
             description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches / _PipelineContext",
             # the one wrapper of the step: on torch 2.9 it wraps our loop, so it is applied after it
@@ -184,7 +177,7 @@ def _schedule_runtime_patches() -> list[Patch]:
                 # registering a function over a default one replaces it without a warning
                 Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=wrap("_make_register_custom_function")),
             ),
-            probe=probe("_probe_action_functions"),
+            probe=_probe("_probe_action_functions"),
             description="every compute, UNSHARD, RESHARD and gradient-reduction action runs perform_action "
             "(plain or inside OVERLAP_F_B: one implementation)",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches: _perform_action as per-action functions",
@@ -197,7 +190,7 @@ def _schedule_runtime_patches() -> list[Patch]:
                 Target(_STAGE, f"{_STAGE_BASE}.clear_runtime_states", make=grad_scaling("_make_clear_runtime_states")),
                 Target(_STAGE, f"{_STAGE_BASE}.scale_grads", make=grad_scaling("_make_scale_grads")),
             ),
-            probe=grad_scaling_probe,
+            probe=_probe("_probe_scale_grads"),
             description="scale_grads scales only the step's gradients (accumulation over steps)",
             upstream="stage.py _PipelineStageBase.scale_grads",
             env_disable="TORCH_PIPELINING_EXT_DISABLE_SCALE_GRADS_FIX",
@@ -205,7 +198,7 @@ def _schedule_runtime_patches() -> list[Patch]:
         Patch(
             name="compute_comms_reduce_grad",
             targets=(Target(_SCHEDULES, f"{_RUNTIME}._prepare_schedule_with_comms", make=wrap("_make_prepare_comms")),),
-            probe=probe("_probe_compute_comms_reduce_grad"),
+            probe=_probe("_probe_compute_comms_reduce_grad"),
             description="compute_comms schedules get REDUCE_GRAD after each stage's last backward",
             upstream="schedules.py _PipelineScheduleRuntime._prepare_schedule_with_comms (_add_reduce_grad)",
         ),
@@ -214,10 +207,6 @@ def _schedule_runtime_patches() -> list[Patch]:
 
 # --- FSDP2 in pipeline stages: split-backward parameters (torch_pipelining_ext/_fsdp_stage.py) ---
 def _fsdp_stage_patches() -> list[Patch]:
-    def probe() -> tuple[str, str]:
-        from torch_pipelining_ext._fsdp_stage import _probe_backward_params
-
-        return _probe_backward_params()
 
     def backward(original: object) -> object:
         from torch_pipelining_ext._fsdp_stage import _make_backward_maybe_with_nosync
@@ -228,7 +217,7 @@ def _fsdp_stage_patches() -> list[Patch]:
         Patch(
             name="fsdp_split_backward_params",
             targets=(Target(_STAGE, "_PipelineStageBase.backward_maybe_with_nosync", make=backward),),
-            probe=probe,
+            probe=_probe("_probe_backward_params"),
             description="split (I/W) backward of nested fully_shard stages uses the unsharded parameters",
             upstream="stage.py _PipelineStageBase.backward_maybe_with_nosync",
             env_disable="TORCH_PIPELINING_EXT_DISABLE_FSDP_FIX",
@@ -264,7 +253,7 @@ def _split_backward_patches() -> list[Patch]:
                 Target(_BACKWARD, "stage_backward_weight", make=weight),
                 Target(_STAGE, "stage_backward_weight", make=weight),
             ),
-            probe=lambda: sb("_probe_stage_backward_weight")(),
+            probe=_probe("_probe_stage_backward_weight"),
             description="BACKWARD_WEIGHT counts a parameter used twice on one path once, "
             "and routes each output's gradient of a multi-output node",
             upstream="_backward.py stage_backward_weight (pytorch issues 180952, 170277)",
@@ -275,7 +264,7 @@ def _split_backward_patches() -> list[Patch]:
                 Target(_BACKWARD, "stage_backward_input", make=input_),
                 Target(_STAGE, "stage_backward_input", make=input_),
             ),
-            probe=lambda: sb("_probe_stage_backward_input")(),
+            probe=_probe("_probe_stage_backward_input"),
             description="BACKWARD_INPUT accepts non-tensor stage inputs (a FlexAttention BlockMask kwarg)",
             upstream="_backward.py stage_backward_input (torchtitan issue 3584)",
         ),
@@ -284,18 +273,14 @@ def _split_backward_patches() -> list[Patch]:
 
 # --- OVERLAP_F_B overlap: torch_pipelining_ext/_overlap.py (+ the public ep_overlap.py) ---
 def _overlap_patch() -> Patch:
-    def probe() -> tuple[str, str]:
-        from torch_pipelining_ext._overlap import _probe_overlap
-
-        return _probe_overlap()
 
     def function_map(original: object) -> object:
-        from torch_pipelining_ext._overlap import _FunctionMapWithOverlap
+        from torch_pipelining_ext.overlap._handler import _FunctionMapWithOverlap
 
         return _FunctionMapWithOverlap()
 
     def fork_rng(original: object) -> object:
-        from torch_pipelining_ext._overlap import _make_fork_rng
+        from torch_pipelining_ext.overlap._handler import _make_fork_rng
 
         return _make_fork_rng(original)  # type: ignore[arg-type]
 
@@ -308,7 +293,7 @@ def _overlap_patch() -> Patch:
             # checkpoint recomputation on the backward thread draws the sequential handler's random numbers
             Target("torch.random", "fork_rng", make=fork_rng),
         ),
-        probe=probe,
+        probe=_probe("_probe_overlap"),
         description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "
         "(TORCH_PIPELINING_EXT_OVERLAP=0: sequential)",
         upstream="schedules.py OVERLAP_F_B of _PipelineScheduleRuntime; new ep_overlap.py",
@@ -326,10 +311,6 @@ def _overlap_patch() -> Patch:
 
 # --- stage_split: torch.distributed.pipelining.stage_split (new public module) ---
 def _stage_split_patch() -> Patch:
-    def probe() -> tuple[str, str]:
-        from torch_pipelining_ext.stage_split import _upstream_probe
-
-        return _upstream_probe()
 
     def module(original: object) -> object:
         import torch_pipelining_ext.stage_split as stage_split
@@ -344,7 +325,7 @@ def _stage_split_patch() -> Patch:
             # `torch.distributed.pipelining.stage_split.split_module`
             Target(_PIPELINING, "stage_split", make=module),
         ),
-        probe=probe,
+        probe=_probe("_upstream_probe"),
         description="split_module / pipeline_module_split: build pipeline stages by module FQN",
         upstream="torch/distributed/pipelining/stage_split.py (new)",
     )

@@ -1,6 +1,6 @@
 """Random-number generator windows of an overlapped OVERLAP_F_B action.
 
-Private to :mod:`torch_pipelining_ext.ep_overlap`; the turn-taking
+Private to :mod:`torch_pipelining_ext.overlap`; the turn-taking
 (``_ep_turns._CommCoordinator``) decides *when* the generators move between
 the two sides, this module keeps *what* moves.  See [Note: random numbers in
 an overlapped action].

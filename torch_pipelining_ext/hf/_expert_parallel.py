@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch_pipelining_ext import ep_overlap
+from torch_pipelining_ext import overlap as ep_overlap
 
 
 __all__: list[str] = []
@@ -212,7 +212,7 @@ def formula_problem(module: nn.Module, config: Any) -> str | None:
     once per class.  ``None`` when they agree, else what differs."""
     cls = type(module)
     if cls not in _formula_checked:
-        from torch_pipelining_ext._hf_selfcheck import tiny_config
+        from torch_pipelining_ext.hf._selfcheck import tiny_config
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The communication marks of :mod:`torch_pipelining_ext.ep_overlap` and the threads they bind to.
+"""The communication marks of :mod:`torch_pipelining_ext.overlap` and the threads they bind to.
 
 Private: a mark finds the coordinator (``_ep_turns._CommCoordinator``) of the
 overlapped action its thread runs a side of -- through a thread-local binding
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from torch_pipelining_ext._ep_turns import _CommCoordinator, _Side
+from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side
 
 
 __all__: list[str] = []

@@ -199,7 +199,7 @@ class CheckpointKeys:
     SUPPORTED_OPS = (("MergeModulelist(dim=0)",), ("MergeModulelist(dim=0)", "Concatenate(dim=1)"))
 
     def __init__(self, entries: dict[str, TensorEntry], model_keys: frozenset[str], prefix: str, conversions) -> None:
-        from torch_pipelining_ext._hf_compat import describe_ops
+        from torch_pipelining_ext.hf._compat import describe_ops
 
         self.entries = entries
         self.direct: dict[str, str] = {}  # model key -> checkpoint key

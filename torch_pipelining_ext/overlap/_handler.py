@@ -13,7 +13,7 @@ protocol) for the ``OVERLAP_F_B`` action that ``ScheduleDualPipeV`` emits (and
 that any ``_PipelineScheduleRuntime`` runs from a CSV schedule).
 
 What overlaps: the two threads take turns at the expert-parallel
-communication marks (:mod:`torch_pipelining_ext.ep_overlap`), so while one
+communication marks (:mod:`torch_pipelining_ext.overlap`), so while one
 side communicates the other computes; outside communication regions they hand
 the processor over rather than compute at once.  A pair without marks (a dense
 model) therefore runs one sub-action after the other on CPU -- nothing is
@@ -43,9 +43,9 @@ Running one action::
 All bookkeeping is done by the runtime's ``prepare_compute_action`` on the
 calling thread in schedule order; the same function serves the sequential
 path, so nothing here duplicates the runtime.  The two compute closures run
-under a :class:`~torch_pipelining_ext._ep_turns._CommCoordinator` owned by the
+under a :class:`~torch_pipelining_ext.overlap._turns._CommCoordinator` owned by the
 action, so the expert-parallel communication marks of the model
-(:mod:`torch_pipelining_ext.ep_overlap`) make the threads take turns.  The
+(:mod:`torch_pipelining_ext.overlap`) make the threads take turns.  The
 worker inherits the caller's grad mode, autocast state and current
 accelerator device, intra-op thread count, in a copy of the caller's
 ``contextvars`` context, plus what ``ep_overlap.register_thread_state``
@@ -123,11 +123,11 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
-from torch_pipelining_ext import _ep_marks
+from torch_pipelining_ext.overlap import _marks as _ep_marks
 from torch_pipelining_ext import _fsdp_stage, _schedule_runtime, _schedule_state  # [package-only]
-from torch_pipelining_ext._ep_rng import _RNGDevices
-from torch_pipelining_ext._ep_turns import _CommCoordinator, _Side, _wait_arg
-from torch_pipelining_ext.ep_overlap import get_wait_timeout
+from torch_pipelining_ext.overlap._rng import _RNGDevices
+from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side, _wait_arg
+from torch_pipelining_ext.overlap import get_wait_timeout
 
 
 if TYPE_CHECKING:
@@ -673,7 +673,6 @@ class _StreamPlan:
 # --------------------------------------------------------------------------- #
 
 
-
 class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
     """The runtime's default custom-function map, with :func:`overlap_f_b` for OVERLAP_F_B.
 
@@ -740,19 +739,4 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # [package-only]
-def _probe_overlap() -> tuple[str, str]:
-    """Feature probe of the ``overlap_f_b`` patch; raises on unrecognised internals."""
-    from torch_pipelining_ext._patching import PatchNeeded
-
-    s = _schedules()
-    runtime = s._PipelineScheduleRuntime
-    for name in ("OVERLAP_F_B", "FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
-        getattr(s, name)
-    if not callable(getattr(runtime, "register_custom_function", None)):
-        raise AttributeError("_PipelineScheduleRuntime.register_custom_function is missing")
-    fork_rng_params = inspect.signature(torch.random.fork_rng).parameters
-    for name in ("devices", "enabled", "device_type"):
-        if name not in fork_rng_params:
-            raise AttributeError(f"torch.random.fork_rng has no {name!r} parameter")
-    return PatchNeeded, "torch runs OVERLAP_F_B's sub-actions one after the other"
 # [/package-only]

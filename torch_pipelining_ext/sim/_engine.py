@@ -19,9 +19,9 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch_pipelining_ext._sim_costs import LinkCost, OverlapModel, Segments, StageCost
-from torch_pipelining_ext._sim_schedule import kind
-from torch_pipelining_ext._ep_turns import _Side as Side  # the coordinator's two sides
+from torch_pipelining_ext.sim._costs import LinkCost, OverlapModel, Segments, StageCost
+from torch_pipelining_ext.sim._schedule import kind
+from torch_pipelining_ext.overlap._turns import _Side as Side  # the coordinator's two sides
 
 
 __all__ = ["ActionRecord", "RankSummary", "SimulationResult", "run_simulation"]

@@ -42,9 +42,15 @@ from typing import Any, Callable, TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from torch_pipelining_ext import _hf_compat, _hf_expert_parallel, _hf_selfcheck, stage_split as _ss
-from torch_pipelining_ext._hf_layout import DecoderLayout, detect_layout, VERIFIED_MODEL_TYPES
-from torch_pipelining_ext._hf_loading import checkpoint_entries, CheckpointKeys, read_tensors, rows, summarize_keys
+from torch_pipelining_ext import stage_split as _ss
+
+from torch_pipelining_ext.hf import _compat as _hf_compat
+
+from torch_pipelining_ext.hf import _expert_parallel as _hf_expert_parallel
+
+from torch_pipelining_ext.hf import _selfcheck as _hf_selfcheck
+from torch_pipelining_ext.hf._layout import DecoderLayout, detect_layout, VERIFIED_MODEL_TYPES
+from torch_pipelining_ext.hf._loading import checkpoint_entries, CheckpointKeys, read_tensors, rows, summarize_keys
 
 
 if TYPE_CHECKING:

@@ -1,0 +1,127 @@
+"""Predict the step time, bubble, memory and exposed EP communication of a pipeline schedule.
+
+Upstream target: none yet -- a candidate ``torch/distributed/pipelining/_simulate.py``
+that would replace ``schedules._simulate_comms_compute`` (which checks that a
+schedule can run, with unit costs and no overlap) by a timed simulation.
+
+Everything this module returns is a **prediction** from the costs you give
+it; :mod:`torch_pipelining_ext.sim.plan` derives costs from a model config and a
+hardware preset, ``tools/calibrate_simulator.py`` compares predictions with
+measured runs.
+
+The schedule is always torch's own: a schedule object (any torch schedule
+class, built by :func:`build_schedule` with placeholder stages or your real
+one), a ``pipeline_order`` dict or a CSV in torch's format.  Example::
+
+    from torch_pipelining_ext.sim import StageCost, simulate_schedule, write_chrome_trace
+
+    cost = StageCost(forward=(1.0, 0.3, 1.0), backward_input=(1.0, 0.3, 1.0), backward_weight=1.5)
+    result = simulate_schedule("DualPipeV", pp=4, n_microbatches=16, costs=cost)
+    print(result.summary())
+    write_chrome_trace(result, "predicted.json")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from torch_pipelining_ext.sim._costs import (
+    HARDWARE_PRESETS,
+    Hardware,
+    LayerCost,
+    LinkCost,
+    ModelShape,
+    OverlapModel,
+    StageCost,
+    layer_costs,
+    stage_costs_from_layers,
+)
+from torch_pipelining_ext.sim._engine import ActionRecord, RankSummary, SimulationResult, overlap_pair, run_simulation
+from torch_pipelining_ext.sim._schedule import build_schedule, order_from_csv, schedule_order
+from torch_pipelining_ext.sim._timeline import chrome_trace, plot_timeline, write_chrome_trace
+
+
+__all__ = [
+    "ActionRecord",
+    "HARDWARE_PRESETS",
+    "Hardware",
+    "LayerCost",
+    "LinkCost",
+    "ModelShape",
+    "OverlapModel",
+    "RankSummary",
+    "SimulationResult",
+    "StageCost",
+    "build_schedule",
+    "chrome_trace",
+    "layer_costs",
+    "overlap_pair",
+    "plot_timeline",
+    "schedule_order",
+    "simulate",
+    "simulate_schedule",
+    "stage_count",
+    "stage_costs_from_layers",
+    "write_chrome_trace",
+]
+
+
+def simulate(
+    schedule: Any,
+    costs: StageCost | Sequence[StageCost],
+    *,
+    link: LinkCost = LinkCost(),
+    overlap: OverlapModel = OverlapModel(),
+    csv_format: str = "compute_only",
+) -> SimulationResult:
+    """Simulate one step of ``schedule`` with per-stage ``costs``.
+
+    Args:
+        schedule: a torch schedule object, a dict rank -> actions
+            (``pipeline_order`` or ``pipeline_order_with_comms`` style), or
+            the path of a CSV in torch's format.
+        costs: one :class:`StageCost` for every stage, or one for all.
+        link: pipeline send/recv cost.
+        overlap: how OVERLAP_F_B actions run.
+        csv_format: ``"compute_only"`` or ``"compute_comms"`` for a CSV.
+
+    Raises:
+        ValueError: the costs do not match the schedule's stages, or an action repeats.
+        RuntimeError: the schedule deadlocks (the message names each stuck
+            rank, its action and what it waits for).
+    """
+    if isinstance(schedule, (str, os.PathLike)):
+        order, stage_to_rank = order_from_csv(schedule, csv_format)
+    else:
+        order, stage_to_rank = schedule_order(schedule)
+    if isinstance(costs, StageCost):
+        costs = [costs] * len(stage_to_rank)
+    return run_simulation(order, stage_to_rank, list(costs), link, overlap)
+
+
+def simulate_schedule(
+    schedule: str | type,
+    pp: int,
+    n_microbatches: int,
+    costs: StageCost | Sequence[StageCost],
+    *,
+    stages_per_rank: int | None = None,
+    link: LinkCost = LinkCost(),
+    overlap: OverlapModel = OverlapModel(),
+    **schedule_kwargs: Any,
+) -> SimulationResult:
+    """Build torch's ``schedule`` for ``pp`` ranks (see :func:`build_schedule`) and simulate it."""
+    sched = build_schedule(schedule, pp, n_microbatches, stages_per_rank, **schedule_kwargs)
+    return simulate(sched, costs, link=link, overlap=overlap)
+
+
+def stage_count(schedule: str | type, pp: int, stages_per_rank: int | None = None) -> int:
+    """How many stages :func:`build_schedule` gives ``schedule`` on ``pp`` ranks."""
+    from torch_pipelining_ext.sim._schedule import _is_single, _schedule_class
+
+    if _is_single(_schedule_class(schedule)):
+        return pp
+    return pp * (2 if stages_per_rank is None else stages_per_rank)
+

@@ -1,0 +1,270 @@
+"""Planner: rank pipeline configurations of a model on a cluster by *predicted* step time.
+
+``python -m torch_pipelining_ext.plan --model deepseek-v3 --gpus 2048 --preset H800 --pp 16 --ep 64``
+
+For every candidate (schedule, PP, stages per rank, microbatches, EP,
+OVERLAP_F_B overlap on/off) the per-action costs come from the model shape
+and the hardware description (:func:`torch_pipelining_ext.sim.layer_costs`),
+torch's schedule is simulated (:mod:`torch_pipelining_ext.sim`), and the
+candidates that fit the memory limit are printed fastest first.  Every number
+printed is a prediction from a roofline-style cost model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+import logging
+from typing import Any
+
+from torch_pipelining_ext.sim import (
+    HARDWARE_PRESETS,
+    LinkCost,
+    ModelShape,
+    OverlapModel,
+    SimulationResult,
+    layer_costs,
+    plot_timeline,
+    simulate_schedule,
+    stage_costs_from_layers,
+    write_chrome_trace,
+)
+
+
+__all__ = ["MODEL_PRESETS", "Candidate", "main", "plan"]
+
+logger = logging.getLogger(__name__)
+
+# Fields of the public config.json files (Hugging Face Hub).
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v3": dict(
+        num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, first_k_dense_replace=3, moe_layer_freq=1, vocab_size=129280,
+    ),
+    "qwen3-235b-a22b": dict(
+        num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+        intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+        decoder_sparse_step=1, vocab_size=151936,
+    ),
+}
+
+# (schedule name, stages per rank, label); 1F1B runs as torch's Interleaved1F1B
+# with one stage per rank (Schedule1F1B's own pipeline_order is not a valid IR, see docs/simulator.md).
+_SCHEDULES = {
+    "1F1B": ("Interleaved1F1B", 1),
+    "Interleaved1F1B": ("Interleaved1F1B", 2),
+    "ZB1P": ("InterleavedZeroBubble", 1),
+    "InterleavedZeroBubble": ("InterleavedZeroBubble", 2),
+    "ZBVZeroBubble": ("ZBVZeroBubble", 2),
+    "DualPipeV": ("DualPipeV", 2),
+}
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One predicted configuration."""
+
+    schedule: str
+    pp: int
+    stages_per_rank: int
+    microbatches: int
+    ep: int
+    overlap: bool | None  # None: the schedule has no OVERLAP_F_B actions
+    step_time: float
+    bubble: float
+    exposed_comm: float
+    memory_bytes: float
+    fits: bool
+    result: SimulationResult | None = dataclasses.field(default=None, repr=False)
+
+
+def _split(n_layers: int, n_stages: int) -> list[int]:
+    base, extra = divmod(n_layers, n_stages)
+    # the remainder goes to the middle stages: the first holds the embedding, the last the head
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - (n_stages - 1) / 2)))
+    out = [base] * n_stages
+    for s in order[:extra]:
+        out[s] += 1
+    return out
+
+
+def _stage_params(shape: ModelShape, split: Sequence[int], ep: int) -> list[tuple[float, float]]:
+    """(dense, expert) parameters each stage holds on one GPU; experts are sharded over ``ep``."""
+    out, start = [], 0
+    for s, count in enumerate(split):
+        dense = experts = 0.0
+        for i in range(start, start + count):
+            dense += shape.attention_params()
+            if shape.is_moe_layer(i):
+                dense += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.shared_experts
+                experts += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.num_experts / ep
+            else:
+                dense += 3 * shape.hidden_size * shape.intermediate_size
+        if s == 0 or s == len(split) - 1:
+            dense += shape.vocab_size * shape.hidden_size
+        out.append((dense, experts))
+        start += count
+    return out
+
+
+def plan(
+    shape: ModelShape,
+    hardware: Any,
+    *,
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    pps: Sequence[int],
+    eps: Sequence[int],
+    microbatches: Sequence[int] | None,
+    schedules: Sequence[str],
+    memory_limit: float,
+    a2a_bytes: int = 2,
+    recompute: bool = False,
+) -> list[Candidate]:
+    """Every feasible candidate, predicted; fitting ones first, fastest first."""
+    rows: list[Candidate] = []
+    for label in schedules:
+        name, v = _SCHEDULES[label]
+        for pp in pps:
+            if gpus % pp:
+                continue
+            dp = gpus // pp
+            n_stages = pp * v
+            for ep in eps:
+                if dp % ep or (shape.num_experts and shape.num_experts % ep):
+                    continue
+                for m in microbatches or (n_stages, 2 * n_stages):
+                    if global_batch % (dp * m) or (name == "DualPipeV" and m < n_stages):
+                        continue
+                    tokens = global_batch // (dp * m) * seq_len
+                    layers, embed, head = layer_costs(
+                        shape, hardware, tokens=tokens, seq_len=seq_len, ep=ep, a2a_dtype_bytes=a2a_bytes,
+                        recompute=recompute,
+                    )
+                    split = _split(shape.num_layers, n_stages)
+                    costs = stage_costs_from_layers(layers, split, first_extra=embed, last_extra=head)
+                    link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
+                    params = _stage_params(shape, split, ep)
+                    for overlap in (True, False) if name == "DualPipeV" else (None,):
+                        try:
+                            result = simulate_schedule(
+                                name, pp, m, costs, stages_per_rank=v, link=link,
+                                overlap=OverlapModel(enabled=bool(overlap)),
+                            )
+                        except ValueError as e:  # torch's constructor refuses this (PP, microbatches)
+                            logger.debug("skipping %s pp=%d m=%d: %s", label, pp, m, e)
+                            break
+                        # bf16 weights + fp32 gradients; fp32 master weights and Adam moments sharded
+                        # (ZeRO-1) over the data-parallel ranks holding the same copy: DP for dense
+                        # parameters, DP / EP for experts
+                        mem = 0.0
+                        for rank in range(pp):
+                            mine = [s for s, r in result.stage_to_rank.items() if r == rank]
+                            dense = sum(params[s][0] for s in mine)
+                            experts = sum(params[s][1] for s in mine)
+                            static = (dense + experts) * (2 + 4) + dense * 12 / dp + experts * 12 / (dp // ep)
+                            mem = max(mem, static + result.ranks[rank].peak_activation_bytes)
+                        rows.append(
+                            Candidate(
+                                label, pp, v, m, ep, overlap, result.step_time, result.bubble_fraction,
+                                result.exposed_comm, mem, mem <= memory_limit, result,
+                            )
+                        )
+    rows.sort(key=lambda c: (not c.fits, c.step_time))
+    return rows
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torch_pipelining_ext.plan",
+        description="Rank pipeline configurations by PREDICTED step time (a simulation, not a measurement).",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a built-in config")
+    src.add_argument("--config", help="a Hugging Face config.json (dense or MoE)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--preset", choices=sorted(HARDWARE_PRESETS), default="H100")
+    p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a hardware field, e.g. achieved_fraction=0.35 (repeatable)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 64 per DP rank of the smallest PP)")
+    p.add_argument("--pp", default="4,8,16", help="comma-separated PP degrees")
+    p.add_argument("--ep", default=None, help="comma-separated EP degrees (default: 1 for dense, 8,16,32,64 for MoE)")
+    p.add_argument("--microbatches", default=None, help="comma-separated counts (default: stages and 2x stages)")
+    p.add_argument("--schedules", default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV",
+                   help=f"comma-separated, of {', '.join(_SCHEDULES)}")
+    p.add_argument("--memory-limit-gib", type=float, default=None, help="default: 90%% of the preset's HBM")
+    p.add_argument("--a2a-bytes", type=int, default=2, help="bytes per element of the all-to-alls (1: FP8 dispatch)")
+    p.add_argument("--recompute", action="store_true", help="full activation checkpointing")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--trace", metavar="DIR", help="write the best candidate's timeline (best.json, best.png)")
+    p.add_argument("--quiet", action="store_true", help="print nothing (for tests)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> list[Candidate]:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        with open(args.config) as f:
+            config = json.load(f)
+    else:
+        config = MODEL_PRESETS[args.model]
+    shape = ModelShape.from_hf_config(config)
+    unknown = [x for x in args.schedules.split(",") if x not in _SCHEDULES]
+    if unknown:
+        parser.error(f"--schedules: unknown {', '.join(unknown)} (known: {', '.join(_SCHEDULES)})")
+    overrides = {}
+    preset = HARDWARE_PRESETS[args.preset]
+    for item in args.override:
+        key, _, value = item.partition("=")
+        if key not in {f.name for f in dataclasses.fields(preset)} or key == "name":
+            parser.error(f"--override {item}: not a hardware field ({', '.join(f.name for f in dataclasses.fields(preset))})")
+        overrides[key] = type(getattr(preset, key))(value)
+    hardware = HARDWARE_PRESETS[args.preset].with_overrides(**overrides)
+    pps = _ints(args.pp)
+    eps = _ints(args.ep) if args.ep else ([1] if not shape.num_experts else [8, 16, 32, 64])
+    global_batch = args.global_batch or 64 * (args.gpus // min(pps))
+    limit = (args.memory_limit_gib * 2**30) if args.memory_limit_gib else 0.9 * hardware.hbm_bytes
+    rows = plan(
+        shape, hardware, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch, pps=pps, eps=eps,
+        microbatches=_ints(args.microbatches) if args.microbatches else None,
+        schedules=args.schedules.split(","), memory_limit=limit, a2a_bytes=args.a2a_bytes, recompute=args.recompute,
+    )
+    out = (lambda *a: None) if args.quiet else print
+    out(
+        f"PREDICTIONS (simulated, not measured): {args.model or args.config} on {args.gpus} x {hardware.name} "
+        f"({hardware.bf16_tflops:g} TFLOP/s x {hardware.achieved_fraction:g}), seq {args.seq_len}, "
+        f"global batch {global_batch} sequences, memory limit {limit / 2**30:.0f} GiB"
+    )
+    out(f"{'schedule':<16}{'pp':>4}{'v':>3}{'mb':>5}{'ep':>5} {'overlap':<8}{'step s':>10}{'bubble':>8}"
+        f"{'exp.comm s':>11}{'mem GiB':>9}  fits")
+    for c in rows[: args.top]:
+        ov = "-" if c.overlap is None else ("on" if c.overlap else "off")
+        out(f"{c.schedule:<16}{c.pp:>4}{c.stages_per_rank:>3}{c.microbatches:>5}{c.ep:>5} {ov:<8}{c.step_time:>10.3f}"
+            f"{c.bubble:>8.1%}{c.exposed_comm:>11.3f}{c.memory_bytes / 2**30:>9.1f}  {'yes' if c.fits else 'no'}")
+    if not rows:
+        out("no candidate: check that --gpus is divisible by PP x EP and --global-batch by DP x microbatches")
+    if args.trace and rows:
+        os.makedirs(args.trace, exist_ok=True)
+        best = rows[0]
+        write_chrome_trace(best.result, os.path.join(args.trace, "best.json"), title=f"{best.schedule} predicted")
+        try:
+            plot_timeline(best.result, os.path.join(args.trace, "best.png"))
+        except ImportError:
+            out("matplotlib is not installed: wrote best.json only (pip install .[plot])")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
