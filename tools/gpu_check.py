@@ -357,6 +357,7 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
 
     import torch_pipelining_ext  # noqa: F401  (applies the patches)
     from torch_pipelining_ext.overlap import _handler as _overlap
+    from torch_pipelining_ext.overlap._install import default_overlap_f_b
     from torch_pipelining_ext import overlap as ep_overlap
     from torch_pipelining_ext._schedule_runtime import run_action
 
@@ -456,7 +457,7 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     stages = [PipelineStage(part, i, 2, device) for i, part in enumerate(parts)]
     schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=F.mse_loss)
     overlap_fn = schedule._comp_type_to_function_map.get(sched.OVERLAP_F_B)
-    if overlap_fn is not _overlap.overlap_f_b:
+    if overlap_fn is not default_overlap_f_b:
         raise RuntimeError(
             "the package's OVERLAP_F_B handler is not installed on ScheduleDualPipeV (is TORCH_PIPELINING_EXT_OVERLAP=0 "
             "or TORCH_PIPELINING_EXT_DISABLE=1 set?)"

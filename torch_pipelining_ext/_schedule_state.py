@@ -3,10 +3,10 @@
 Upstream file: ``torch/distributed/pipelining/schedules.py`` (state that
 ``_PipelineScheduleRuntime`` would hold in attributes of its own).
 
-Everything the package remembers about a schedule between the actions of a
-step (and the accelerator streams it keeps across steps) is one
-:class:`_ScheduleState`, found with :func:`schedule_state`.  The step wrapper
-of ``_schedule_runtime`` starts and ends each step on it
+What the runtime remembers about a schedule between the actions of a step is
+one :class:`_ScheduleState`, found with :func:`schedule_state` (the
+OVERLAP_F_B handler keeps its own, upstream-style, in ``_overlap_state``).
+The step wrapper (``_step_context``) starts and ends each step on it
 (:meth:`_ScheduleState.begin_step`, :meth:`_ScheduleState.end_step`); the
 actions of the step read and add to it.
 """
@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from collections.abc import Iterator
-from typing import Any, Protocol, TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -28,15 +27,7 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
-logger = logging.getLogger(__name__)
-
 _STATE_ATTR = "_pipelining_ext_state"
-
-
-class _StepWorker(Protocol):
-    """A thread serving one step (``_overlap._BackwardWorker``)."""
-
-    def close_after_step(self, owner: str) -> None: ...
 
 
 @dataclasses.dataclass
@@ -47,12 +38,6 @@ class _ScheduleState:
         return_outputs: ``return_outputs`` of the step in progress (True between steps).
         loss_kwargs: ``loss_kwargs`` of the step in progress.
         pending_sends: sends started during the step that it waits before returning.
-        backward_worker: the OVERLAP_F_B backward thread of the step in progress.
-        stage_streams: stage index -> accelerator stream of the overlapped
-            actions, created on first use and kept across steps.
-        unmarked_pairs: (forward stage, backward stage) pairs whose concurrent
-            OVERLAP_F_B passed no communication mark this step (on CPU they run
-            sequentially for the rest of the step; see ``_overlap.overlap_f_b``).
         time_step: position in the rank's lowered schedule of the action running now.
         action: the action running now (last started, when the step failed).
     """
@@ -60,9 +45,6 @@ class _ScheduleState:
     return_outputs: bool = True
     loss_kwargs: dict[str, Any] | None = None
     pending_sends: list[list[dist.Work]] = dataclasses.field(default_factory=list)
-    backward_worker: _StepWorker | None = None
-    stage_streams: dict[int, Any] | None = None
-    unmarked_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     time_step: int | None = None
     action: _Action | None = None
 
@@ -71,7 +53,6 @@ class _ScheduleState:
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
         self.pending_sends.clear()
-        self.unmarked_pairs.clear()
         self.time_step = self.action = None
 
     def record_action(self, time_step: int, action: _Action | None) -> None:
@@ -85,17 +66,10 @@ class _ScheduleState:
         while self.pending_sends:
             _wait_batch_p2p(self.pending_sends.pop())
 
-    def end_step(self, owner: str) -> None:
-        """End the step, however it ended: forget its sends and options, close its worker.
-
-        Args:
-            owner: the schedule, as named in a log line about a stuck worker.
-        """
+    def end_step(self) -> None:
+        """End the step, however it ended: forget its sends and options."""
         self.pending_sends.clear()
         self.return_outputs, self.loss_kwargs = True, None
-        worker, self.backward_worker = self.backward_worker, None
-        if worker is not None:
-            worker.close_after_step(owner)
 
     def recording(self, actions: list[_Action | None]) -> _RecordedActions:
         """``actions`` as a list whose first iteration records each position here."""

@@ -221,12 +221,12 @@ def _probe_custom_functions() -> tuple[str, str]:
 
 
 def _probe_step_loop() -> tuple[str, str]:
-    from torch_pipelining_ext import _schedule_runtime  # local: see _table.py
+    from torch_pipelining_ext import _compat_29  # local: see _table.py
 
 
     runtime = _schedules._PipelineScheduleRuntime
-    upstream_register = getattr(runtime, "register_custom_function", _schedule_runtime.register_custom_function)
-    if upstream_register is not _schedule_runtime.register_custom_function:  # not the one installed from this module
+    upstream_register = getattr(runtime, "register_custom_function", _compat_29.register_custom_function)
+    if upstream_register is not _compat_29.register_custom_function:  # not the one installed from this module
         return AlreadyUpstream, "torch's step loop dispatches custom functions"
     init_params = list(inspect.signature(_schedules.PipelineScheduleMulti._initialize_stages).parameters)
     if init_params != ["self", "args", "kwargs"]:
@@ -262,10 +262,10 @@ def _probe_compute_comms_reduce_grad() -> tuple[str, str]:
     Reads the method's ``format == "compute_comms"`` branch: torch's lowering
     (``_add_reduce_grad``) runs only for compute-only schedules.
     """
-    from torch_pipelining_ext import _schedule_runtime  # local: see _table.py
+    from torch_pipelining_ext import _pipeline_context  # local: see _table.py
 
 
-    if _schedule_runtime._reduce_grad_type() is None:
+    if _pipeline_context._reduce_grad_type() is None:
         return AlreadyUpstream, "not applicable: torch has no REDUCE_GRAD action, the last backward reduces"
     method = _schedules._PipelineScheduleRuntime._prepare_schedule_with_comms
     params = list(inspect.signature(method).parameters)

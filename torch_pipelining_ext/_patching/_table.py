@@ -12,6 +12,7 @@ Order matters: a patch runs after the patches it ``requires``.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -49,8 +50,29 @@ def _patches() -> list[Patch]:
     return patches
 
 
+def _obj(module: str, name: str) -> Any:
+    """``torch_pipelining_ext.<module>.<name>``, imported when a patch is applied."""
+    return getattr(importlib.import_module(f"torch_pipelining_ext.{module}"), name)
+
+
+def _install(module: str, name: str) -> Callable[[Any], Any]:
+    """Replacement: the package's object ``module.name``."""
+    return lambda original: _obj(module, name)
+
+
+def _wrap(module: str, factory: str) -> Callable[[Any], Any]:
+    """Replacement: ``module.factory(original)``."""
+    return lambda original: _obj(module, factory)(original)
+
+
+def _new(module: str, cls: str) -> Callable[[Any], Any]:
+    """Replacement: a new instance of the package's class ``module.cls``."""
+    return lambda original: _obj(module, cls)()
+
+
 # --- schedule runtime: shared schedule state, custom functions on torch 2.9 ---
-# torch_pipelining_ext/_backward_counter.py, _schedule_runtime.py, _gloo_p2p.py, _grad_scaling.py
+# torch_pipelining_ext/_backward_counter.py, _gloo_p2p.py, _pipeline_context.py, _compat_29.py,
+# _step_context.py, _schedule_runtime.py, _grad_scaling.py, _compute_comms.py
 # Upstream: torch/distributed/pipelining/schedules.py and stage.py.  On torch 2.10+
 # the custom-function runtime is upstream; patched there are the counter, the step
 # context, per-step gradient scaling, REDUCE_GRAD for compute_comms schedules and the
@@ -61,84 +83,58 @@ _RUNTIME_STATE_NAMES = ("_comp_type_to_function_map", "fwd_recv_ops", "bwd_recv_
 
 
 def _schedule_runtime_patches() -> list[Patch]:
-    def _rt(name: str) -> Any:
-        from torch_pipelining_ext import _schedule_runtime
-
-        return getattr(_schedule_runtime, name)
+    return [*_transport_patches(), *_compat_29_patches(), *_runtime_patches()]
 
 
-    def install(name: str) -> Callable[[Any], Any]:  # replacement: the module's object
-        return lambda original: _rt(name)
-
-    def wrap(factory: str) -> Callable[[Any], Any]:  # replacement: factory(original)
-        return lambda original: _rt(factory)(original)
-
-    def install_new(cls: str) -> Callable[[Any], Any]:  # replacement: a new instance of the module's class
-        return lambda original: _rt(cls)()
-
-
-    def init_p2p(original: object) -> object:
-        from torch_pipelining_ext._gloo_p2p import _make_get_init_p2p_neighbors_ops
-
-        return _make_get_init_p2p_neighbors_ops(original)  # type: ignore[arg-type]
-
-
-    def self_p2p(original: object) -> object:
-        from torch_pipelining_ext._gloo_p2p import _make_batch_p2p
-
-        return _make_batch_p2p(original)  # type: ignore[arg-type]
-
-
-    def counter(original: object) -> object:
-        from torch_pipelining_ext._backward_counter import _BackwardCounterAttribute
-
-        return _BackwardCounterAttribute()
-
-
-    def grad_scaling(factory: str) -> Callable[[Any], Any]:
-        def make(original: Any) -> Any:
-            from torch_pipelining_ext import _grad_scaling
-
-            return getattr(_grad_scaling, factory)(original)
-
-        return make
-
-    def lazy_state(name: str) -> Target:
-        def make(original: object) -> object:
-            return _rt("_LazyScheduleAttribute")(name, _rt("_RUNTIME_STATE")[name])
-
-        return Target(_SCHEDULES, f"{_RUNTIME}.{name}", make=make)
-
+def _transport_patches() -> list[Patch]:
     return [
         Patch(
             name="stage_init_handshake",
-            targets=(Target(_STAGE, "_PipelineStageBase._get_init_p2p_neighbors_ops", make=init_p2p),),
+            targets=(
+                Target(_STAGE, "_PipelineStageBase._get_init_p2p_neighbors_ops",
+                       make=_wrap("_gloo_p2p", "_make_get_init_p2p_neighbors_ops")),
+            ),
             probe=_probe("_probe_init_p2p_handshake"),
             description="stage init handshake: float32 tensors, no send to the own rank (gloo)",
             upstream="stage.py _get_init_p2p_neighbors_ops (float32 since 2.10; no handshake in 2.15)",
         ),
         Patch(
             name="p2p_to_own_rank",
-            targets=(Target(_SCHEDULES, "_batch_p2p", make=self_p2p),),
+            targets=(Target(_SCHEDULES, "_batch_p2p", make=_wrap("_gloo_p2p", "_make_batch_p2p")),),
             probe=_probe("_probe_self_p2p"),
             description="a P2P batch's sends to the own rank are copied into its receives (gloo)",
             upstream="schedules.py _batch_p2p (PipelineScheduleMulti loop with adjacent stages on one rank)",
         ),
         Patch(
             name="schedule_backward_counter",
-            targets=(Target(_SCHEDULES, f"{_RUNTIME}.backward_counter", make=counter),),
+            targets=(
+                Target(_SCHEDULES, f"{_RUNTIME}.backward_counter", make=_new("_backward_counter", "_BackwardCounterAttribute")),
+            ),
             probe=_probe("_probe_backward_counter"),
             description="schedule.backward_counter: Counter-compatible, thread-safe record_backward()",
             upstream="schedules.py _PipelineScheduleRuntime.backward_counter (2.10 cycle)",
         ),
+    ]
+
+
+def _lazy_state(name: str) -> Target:
+    def make(original: object) -> object:
+        return _obj("_compat_29", "_LazyScheduleAttribute")(name, _obj("_compat_29", "_RUNTIME_STATE")[name])
+
+    return Target(_SCHEDULES, f"{_RUNTIME}.{name}", make=make)
+
+
+def _compat_29_patches() -> list[Patch]:
+    return [
         Patch(
             name="runtime_custom_functions",
             targets=(
-                Target(_SCHEDULES, "_PipelineContext", make=install("_PipelineContext")),
-                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=install("register_custom_function")),
-                Target(_SCHEDULES, f"{_RUNTIME}._assert_unsharded", make=install("_assert_unsharded")),
+                Target(_SCHEDULES, "_PipelineContext", make=_install("_pipeline_context", "_PipelineContext")),
+                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function",
+                       make=_install("_compat_29", "register_custom_function")),
+                Target(_SCHEDULES, f"{_RUNTIME}._assert_unsharded", make=_install("_compat_29", "_assert_unsharded")),
                 # fwd_recv_ops, bwd_recv_ops, unshard_ops, unsharded_stages, _comp_type_to_function_map
-                *(lazy_state(name) for name in _RUNTIME_STATE_NAMES),
+                *(_lazy_state(name) for name in _RUNTIME_STATE_NAMES),
             ),
             probe=_probe("_probe_custom_functions"),
             description="register_custom_function, _PipelineContext and the recv/unshard state on the schedule",
@@ -146,7 +142,10 @@ def _schedule_runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_step_loop",
-            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=install("_runtime_step_microbatches")),),
+            targets=(
+                Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches",
+                       make=_install("_compat_29", "_runtime_step_microbatches")),
+            ),
             probe=_probe("_probe_step_loop"),
             description="step loop that dispatches custom functions and runs every action through run_action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches (2.10 cycle)",
@@ -154,15 +153,20 @@ def _schedule_runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_keep_overlap_f_b",
-            targets=(Target(_SCHEDULES, "_add_send_recv", make=install("_add_send_recv")),),
+            targets=(Target(_SCHEDULES, "_add_send_recv", make=_install("_compat_29", "_add_send_recv")),),
             probe=_probe("_probe_overlap_lowering"),
             description="lowering keeps OVERLAP_F_B actions (sends of both sub-actions follow it)",
             upstream="schedules.py _add_send_recv (2.10 cycle)",
             requires=("runtime_step_loop",),
         ),
+    ]
+
+
+def _runtime_patches() -> list[Patch]:
+    return [
         Patch(
             name="runtime_step_context",
-            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=wrap("_make_step_context")),),
+            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=_wrap("_step_context", "_make_step_context")),),
             probe=_probe("_probe_step_context"),
             description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches / _PipelineContext",
@@ -173,9 +177,16 @@ def _schedule_runtime_patches() -> list[Patch]:
             name="runtime_action_functions",
             targets=(
                 # every schedule's custom-function map starts with perform_action for each customizable type
-                Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=install_new("_FunctionMapWithDefaults")),
+                Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map",
+                       make=_new("_schedule_runtime", "_FunctionMapWithDefaults")),
                 # registering a function over a default one replaces it without a warning
-                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function", make=wrap("_make_register_custom_function")),
+                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function",
+                       make=_wrap("_schedule_runtime", "_make_register_custom_function")),
+                # the per-action methods of upstream patches 0007 and 0008
+                Target(_SCHEDULES, f"{_RUNTIME}._local_stages", make=_install("_schedule_runtime", "stage_index_to_stage")),
+                Target(_SCHEDULES, f"{_RUNTIME}.perform_action", make=_install("_schedule_runtime", "_perform_action_method")),
+                Target(_SCHEDULES, f"{_RUNTIME}.prepare_compute_action",
+                       make=_install("_schedule_runtime", "_prepare_compute_action_method")),
             ),
             probe=_probe("_probe_action_functions"),
             description="every compute, UNSHARD, RESHARD and gradient-reduction action runs perform_action "
@@ -187,8 +198,8 @@ def _schedule_runtime_patches() -> list[Patch]:
         Patch(
             name="scale_grads_per_step",
             targets=(
-                Target(_STAGE, f"{_STAGE_BASE}.clear_runtime_states", make=grad_scaling("_make_clear_runtime_states")),
-                Target(_STAGE, f"{_STAGE_BASE}.scale_grads", make=grad_scaling("_make_scale_grads")),
+                Target(_STAGE, f"{_STAGE_BASE}.clear_runtime_states", make=_wrap("_grad_scaling", "_make_clear_runtime_states")),
+                Target(_STAGE, f"{_STAGE_BASE}.scale_grads", make=_wrap("_grad_scaling", "_make_scale_grads")),
             ),
             probe=_probe("_probe_scale_grads"),
             description="scale_grads scales only the step's gradients (accumulation over steps)",
@@ -197,7 +208,9 @@ def _schedule_runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="compute_comms_reduce_grad",
-            targets=(Target(_SCHEDULES, f"{_RUNTIME}._prepare_schedule_with_comms", make=wrap("_make_prepare_comms")),),
+            targets=(
+                Target(_SCHEDULES, f"{_RUNTIME}._prepare_schedule_with_comms", make=_wrap("_compute_comms", "_make_prepare_comms")),
+            ),
             probe=_probe("_probe_compute_comms_reduce_grad"),
             description="compute_comms schedules get REDUCE_GRAD after each stage's last backward",
             upstream="schedules.py _PipelineScheduleRuntime._prepare_schedule_with_comms (_add_reduce_grad)",
@@ -207,16 +220,13 @@ def _schedule_runtime_patches() -> list[Patch]:
 
 # --- FSDP2 in pipeline stages: split-backward parameters (torch_pipelining_ext/_fsdp_stage.py) ---
 def _fsdp_stage_patches() -> list[Patch]:
-
-    def backward(original: object) -> object:
-        from torch_pipelining_ext._fsdp_stage import _make_backward_maybe_with_nosync
-
-        return _make_backward_maybe_with_nosync(original)  # type: ignore[arg-type]
-
     return [
         Patch(
             name="fsdp_split_backward_params",
-            targets=(Target(_STAGE, "_PipelineStageBase.backward_maybe_with_nosync", make=backward),),
+            targets=(
+                Target(_STAGE, "_PipelineStageBase.backward_maybe_with_nosync",
+                       make=_wrap("_fsdp_stage", "_make_backward_maybe_with_nosync")),
+            ),
             probe=_probe("_probe_backward_params"),
             description="split (I/W) backward of nested fully_shard stages uses the unsharded parameters",
             upstream="stage.py _PipelineStageBase.backward_maybe_with_nosync",
@@ -271,27 +281,18 @@ def _split_backward_patches() -> list[Patch]:
     ]
 
 
-# --- OVERLAP_F_B overlap: torch_pipelining_ext/_overlap.py (+ the public ep_overlap.py) ---
+# --- OVERLAP_F_B overlap: torch_pipelining_ext/overlap/ (installed by overlap/_install.py) ---
 def _overlap_patch() -> Patch:
-
-    def function_map(original: object) -> object:
-        from torch_pipelining_ext.overlap._handler import _FunctionMapWithOverlap
-
-        return _FunctionMapWithOverlap()
-
-    def fork_rng(original: object) -> object:
-        from torch_pipelining_ext.overlap._handler import _make_fork_rng
-
-        return _make_fork_rng(original)  # type: ignore[arg-type]
-
     return Patch(
         name="overlap_f_b",
         targets=(
             # the runtime's default map, with the overlap handler for OVERLAP_F_B (registering
             # another OVERLAP_F_B function, the opt-out, replaces it without a warning)
-            Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=function_map),
+            Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=_new("overlap._install", "_FunctionMapWithOverlap")),
             # checkpoint recomputation on the backward thread draws the sequential handler's random numbers
-            Target("torch.random", "fork_rng", make=fork_rng),
+            Target("torch.random", "fork_rng", make=_wrap("overlap._install", "_make_fork_rng")),
+            # the stage method of upstream patch 0001 that the handler calls
+            Target(_STAGE, f"{_STAGE_BASE}._unshard_fsdp_modules", make=_install("_fsdp_stage", "unshard_stage")),
         ),
         probe=_probe("_probe_overlap"),
         description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "

@@ -1,10 +1,5 @@
 """Expert-parallel communication boundaries for overlapped pipeline actions.
 
-Upstream target: a new public module ``torch/distributed/pipelining/ep_overlap.py``
-(patch 0009), with ``overlap_f_b``, the custom function that opts a schedule
-in; in this package every ``_PipelineScheduleRuntime`` gets it while the
-package is patched.
-
 A concurrent ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``
 (``ScheduleDualPipeV``, or a CSV schedule) runs the forward of one microbatch
 on the calling thread and the backward of another on a worker thread
@@ -82,9 +77,7 @@ __all__ = [
     "dispatch_begin",
     "dispatch_end",
     "get_wait_timeout",
-    # [upstream-only]
-    # "overlap_f_b",
-    # [/upstream-only]
+    "overlap_f_b",
     "register_thread_state",
     "set_wait_timeout",
     "wrap_dispatch_combine",
@@ -226,17 +219,15 @@ def register_thread_state(
     return _ep_marks.register_thread_state(capture, apply)
 
 
-# [upstream-only]
-# def overlap_f_b(action: Any, ctx: Any) -> None:
-#     """Custom function that runs an ``OVERLAP_F_B`` action's sub-actions concurrently.
-#
-#     Register it on a schedule to opt in::
-#
-#         schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)
-#
-#     See ``torch/distributed/pipelining/_overlap.py``.
-#     """
-#     from ._overlap import overlap_f_b as _overlap_f_b
-#
-#     _overlap_f_b(action, ctx)
-# [/upstream-only]
+def overlap_f_b(action: Any, ctx: Any) -> None:
+    """Custom function that runs an ``OVERLAP_F_B`` action's sub-actions concurrently.
+
+    Register it on a schedule to opt in::
+
+        schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)
+
+    See ``torch/distributed/pipelining/_overlap.py``.
+    """
+    from torch_pipelining_ext.overlap._handler import overlap_f_b as _overlap_f_b
+
+    _overlap_f_b(action, ctx)

@@ -1,12 +1,7 @@
 """Concurrent OVERLAP_F_B: the forward and the backward sub-actions run on two threads.
 
-Upstream file: ``torch/distributed/pipelining/_overlap.py`` (new, patch
-0009), which torch registers on request
-(``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``).
-In this package the patch table installs :func:`overlap_f_b` for OVERLAP_F_B
-on every ``_PipelineScheduleRuntime``; opt out globally with
-``TORCH_PIPELINING_EXT_OVERLAP=0`` (schedules built while it is set do not get
-it) or per schedule by registering another OVERLAP_F_B function.
+A schedule opts in with
+``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``.
 
 :func:`overlap_f_b` is a custom function (``register_custom_function``
 protocol) for the ``OVERLAP_F_B`` action that ``ScheduleDualPipeV`` emits (and
@@ -57,7 +52,7 @@ profiler is on (the worker's appear in traces recorded with
 raises only once its backward has finished.  The worker thread serves every
 OVERLAP_F_B action of one step (a fresh thread per action would cost
 milliseconds of cold allocator and math-library state each time); it is kept
-in the schedule's state (:func:`_state`) and joined when the step ends,
+in the schedule's ``_overlap_state`` (:class:`_OverlapState`) and joined when the step ends,
 however it ends: no thread outlives a step.
 
 Ranks: "rank R" in messages and thread names is the global rank (of the
@@ -107,27 +102,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
-import inspect
 import logging
-import os  # [package-only]
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TYPE_CHECKING
 
 import torch
-# [upstream-only]
-# import torch.distributed as dist
-# [/upstream-only]
+import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
 from torch_pipelining_ext.overlap import _marks as _ep_marks
-from torch_pipelining_ext import _fsdp_stage, _schedule_runtime, _schedule_state  # [package-only]
-from torch_pipelining_ext.overlap._rng import _RNGDevices
-from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side, _wait_arg
-from torch_pipelining_ext.overlap import get_wait_timeout
+from torch_pipelining_ext.overlap._turns import _CommCoordinator, _get_timeout, _Side, _wait_arg
 
 
 if TYPE_CHECKING:
@@ -138,104 +125,55 @@ __all__ = ["overlap_f_b"]
 
 logger = logging.getLogger(__name__)
 
-# [package-only]
-OVERLAP_ENV = "TORCH_PIPELINING_EXT_OVERLAP"
-
-
-def overlap_enabled() -> bool:
-    """False when ``$TORCH_PIPELINING_EXT_OVERLAP`` is ``0`` (opt out globally)."""
-    return os.environ.get(OVERLAP_ENV, "1").strip() != "0"
-# [/package-only]
 
 
 # --------------------------------------------------------------------------- #
-# What the handler uses of the schedule                                        #
+# The handler's state on the schedule                                          #
 # --------------------------------------------------------------------------- #
 
 
-# [package-only]
-def _state(schedule: Any) -> _schedule_state._ScheduleState:
-    """The schedule's state: the step's backward worker, the stage streams, the unmarked pairs."""
-    return _schedule_state.schedule_state(schedule)
+@dataclasses.dataclass
+class _OverlapState:
+    """What concurrent OVERLAP_F_B keeps on a schedule, as its ``_overlap_state``.
+
+    Attributes:
+        backward_worker: the backward thread of the step in progress.
+        stage_streams: stage index -> accelerator stream of the overlapped
+            actions, created on first use and kept across steps.
+        unmarked_pairs: (forward stage, backward stage) pairs whose
+            concurrent run passed no communication mark in this step.
+    """
+
+    backward_worker: _BackwardWorker | None = None
+    stage_streams: dict[int, Any] | None = None
+    unmarked_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+
+    def end_step(self, owner: str) -> None:
+        """The step of ``owner`` (a schedule's name) ended: close its backward thread, forget its pairs."""
+        self.unmarked_pairs.clear()
+        if self.backward_worker is not None:
+            worker, self.backward_worker = self.backward_worker, None
+            worker.close_after_step(owner)
+
+
+def _state(schedule: Any) -> _OverlapState:
+    """``schedule``'s :class:`_OverlapState`, created on first use."""
+    state = getattr(schedule, "_overlap_state", None)
+    if state is None:
+        state = schedule._overlap_state = _OverlapState()
+    return state
+
+
+def _close_worker(schedule: Any) -> None:
+    """The step ended, however it ended: close and join its backward thread, forget its unmarked pairs."""
+    state = getattr(schedule, "_overlap_state", None)
+    if state is not None:
+        state.end_step(type(schedule).__name__)
 
 
 def _global_rank(schedule: Any) -> int:
-    return _schedule_state.global_rank(schedule)
-
-
-def _local_stages(schedule: Any) -> dict[int, Any]:
-    return _schedule_runtime.stage_index_to_stage(schedule)
-
-
-def _prepare(action: _Action, ctx: Any) -> Callable[[], None]:
-    return _schedule_runtime.prepare_compute_action(action, ctx)
-
-
-def _run_sequentially(action: _Action, ctx: Any) -> None:
-    _schedule_runtime.sequential_overlap_f_b(action, ctx)
-
-
-def _unshard(stage: Any) -> None:
-    _fsdp_stage.unshard_stage(stage)
-# [/package-only]
-# [upstream-only]
-# @dataclasses.dataclass
-# class _OverlapState:
-#     """What concurrent OVERLAP_F_B keeps on a schedule, as its ``_overlap_state``.
-#
-#     Attributes:
-#         backward_worker: the backward thread of the step in progress.
-#         stage_streams: stage index -> accelerator stream of the overlapped
-#             actions, created on first use and kept across steps.
-#         unmarked_pairs: (forward stage, backward stage) pairs whose
-#             concurrent run passed no communication mark in this step.
-#     """
-#
-#     backward_worker: _BackwardWorker | None = None
-#     stage_streams: dict[int, Any] | None = None
-#     unmarked_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)
-#
-#
-# def _state(schedule: Any) -> _OverlapState:
-#     """``schedule``'s :class:`_OverlapState`, created on first use."""
-#     state = getattr(schedule, "_overlap_state", None)
-#     if state is None:
-#         state = schedule._overlap_state = _OverlapState()
-#     return state
-#
-#
-# def _close_worker(schedule: Any) -> None:
-#     """The step ended, however it ended: close and join its backward thread, forget its unmarked pairs."""
-#     state = getattr(schedule, "_overlap_state", None)
-#     if state is None:
-#         return
-#     state.unmarked_pairs.clear()
-#     if state.backward_worker is not None:
-#         worker, state.backward_worker = state.backward_worker, None
-#         worker.close_after_step(type(schedule).__name__)
-#
-#
-# def _global_rank(schedule: Any) -> int:
-#     """This process's rank in the default group (``schedule.rank``, the pipeline rank, without one)."""
-#     return dist.get_rank() if dist.is_initialized() else getattr(schedule, "rank", 0)
-#
-#
-# def _local_stages(schedule: Any) -> dict[int, Any]:
-#     return schedule._local_stages()
-#
-#
-# def _prepare(action: _Action, ctx: Any) -> Callable[[], None]:
-#     return ctx.schedule_ref.prepare_compute_action(action, ctx)
-#
-#
-# def _run_sequentially(action: _Action, ctx: Any) -> None:
-#     for sub_action in action.sub_actions:
-#         ctx.schedule_ref.perform_action(sub_action, ctx)
-#
-#
-# def _unshard(stage: Any) -> None:
-#     stage._unshard_fsdp_modules()
-# [/upstream-only]
+    """This process's rank in the default group (``schedule.rank``, the pipeline rank, without one)."""
+    return dist.get_rank() if dist.is_initialized() else getattr(schedule, "rank", 0)
 
 
 # --------------------------------------------------------------------------- #
@@ -271,8 +209,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     order; then the backward computes on a worker thread while the forward
     computes here.  A pair that is not one forward plus one backward-like
     action (FULL_BACKWARD, BACKWARD_INPUT or BACKWARD_WEIGHT) runs
-    sequentially, as does every pair once ``unpatch()`` has been called, and,
-    on CPU, a stage pair whose concurrent run earlier in the step passed no
+    sequentially, as does, on CPU, a stage pair whose concurrent run earlier in the step passed no
     communication mark.
 
     Raises:
@@ -283,31 +220,27 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     schedule = ctx.schedule_ref
     global_rank = _global_rank(schedule)
     pair = _forward_and_backward(action)
-    unmarked_pairs = _state(schedule).unmarked_pairs
+    state = _state(schedule)
+    stages = schedule._local_stages()
     stage_pair = None if pair is None else tuple(action.sub_actions[i].stage_index for i in pair)
-    if (
-        pair is None
-        or not _patch_applied()  # [package-only]
-        or _same_fsdp_stage(schedule, action)
-        or stage_pair in unmarked_pairs
-    ):
+    if pair is None or _same_fsdp_stage(stages, action) or stage_pair in state.unmarked_pairs:
         logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
-        _run_sequentially(action, ctx)
+        for sub_action in action.sub_actions:
+            schedule.perform_action(sub_action, ctx)
         return
     logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
 
     # In schedule order, on this thread: recv waits, FSDP checks, the backward
     # counter, the loss.
-    computes = [_prepare(sub, ctx) for sub in action.sub_actions]
+    computes = [schedule.prepare_compute_action(sub, ctx) for sub in action.sub_actions]
     f, b = pair
     fwd_action, bwd_action = action.sub_actions[f], action.sub_actions[b]
-    stages = _local_stages(schedule)
     # Every fully_shard module of both stages is unsharded now, so that
     # neither thread's compute issues a data-parallel collective (whose order
     # would then depend on timing) except the last backward's reduce-scatter.
     for sub in (fwd_action, bwd_action):
-        _unshard(stages[sub.stage_index])
-    streams = _StreamPlan.for_action(schedule, stages, fwd_action, bwd_action)
+        stages[sub.stage_index]._unshard_fsdp_modules()
+    streams = _StreamPlan.for_action(state, stages, fwd_action, bwd_action)
     coordinator = _run_overlapped(
         computes[f],
         computes[b],
@@ -315,7 +248,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         action=str(action),
         sub_actions=(str(fwd_action), str(bwd_action)),
         streams=streams,
-        worker=_worker_for(schedule, global_rank),
+        worker=_worker_for(state, global_rank),
     )
     if streams is not None:
         streams.record_handoffs(stages, fwd_action, bwd_action)
@@ -329,10 +262,10 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         # on the marks passed, which every rank of a group passes alike, never
         # on timing; each step decides afresh.  With streams the device may
         # still run the two sides' kernels at once, so the pair stays concurrent.
-        unmarked_pairs.add(stage_pair)
+        state.unmarked_pairs.add(stage_pair)
 
 
-def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:
+def _same_fsdp_stage(stages: dict[int, Any], action: _Action) -> bool:
     """Both sub-actions on one stage that holds ``fully_shard`` modules: run them one after the other.
 
     FSDP2 keeps per-module state (training state, unsharded parameters) that
@@ -344,16 +277,10 @@ def _same_fsdp_stage(schedule: Any, action: _Action) -> bool:
     fwd, bwd = action.sub_actions
     if fwd.stage_index != bwd.stage_index:
         return False
-    stage = _local_stages(schedule).get(fwd.stage_index)
+    stage = stages.get(fwd.stage_index)
     return stage is not None and isinstance(stage.submod, FSDPModule)
 
 
-# [package-only]
-def _patch_applied() -> bool:
-    """Whether the ``overlap_f_b`` patch is applied now (a schedule built before ``unpatch()`` keeps its map)."""
-    runtime = _schedules()._PipelineScheduleRuntime
-    return isinstance(inspect.getattr_static(runtime, _schedule_runtime._FUNCTION_MAP, None), _FunctionMapWithOverlap)
-# [/package-only]
 
 
 # --------------------------------------------------------------------------- #
@@ -457,7 +384,7 @@ class _BackwardWorker:
 
     def close_after_step(self, owner: str) -> None:
         """Close and join the thread at the end of a step (``owner``'s); log if it is stuck."""
-        if self.stuck or not self.close(_wait_arg(get_wait_timeout())):
+        if self.stuck or not self.close(_wait_arg(_get_timeout())):
             logger.error("the OVERLAP_F_B backward thread of %s is stuck; it is left behind", owner)
 
     @property
@@ -469,9 +396,8 @@ def _worker_name(global_rank: int) -> str:
     return f"OVERLAP_F_B backward (rank {global_rank})"
 
 
-def _worker_for(schedule: Any, global_rank: int) -> _BackwardWorker:
-    """The backward thread of ``schedule``'s step in progress, started on first use."""
-    state = _state(schedule)
+def _worker_for(state: _OverlapState, global_rank: int) -> _BackwardWorker:
+    """The backward thread of the schedule's step in progress (in ``state``), started on first use."""
     if state.backward_worker is None or not state.backward_worker.alive:
         state.backward_worker = _BackwardWorker(_worker_name(global_rank))
     return state.backward_worker
@@ -494,7 +420,7 @@ def _run_overlapped(
     thread is started for this call and joined before it returns.  Returns
     the action's coordinator (tests inspect it).
     """
-    timeout = get_wait_timeout() if timeout is None else timeout
+    timeout = _get_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
     coordinator = _CommCoordinator(rank=global_rank, action=action, timeout=timeout)
     failures: list[tuple[_Side, BaseException]] = []
@@ -544,27 +470,32 @@ def _run_overlapped(
             worker.close(wait_timeout)
         if streams is not None:
             streams.join()
+    where = f"rank {global_rank}, action {action}"
     if not finished:
         coordinator.stop()
         worker.stuck = True
         raise RuntimeError(
-            f"rank {global_rank}, action {action}: the backward sub-action {sub_actions[_Side.BACKWARD]} "
+            f"{where}: the backward sub-action {sub_actions[_Side.BACKWARD]} "
             f"did not finish within {timeout:g} s after the forward sub-action did (see "
             "ep_overlap.set_wait_timeout)"
         )
     if failures:
-        side, error = failures[0]
-        if not isinstance(error, Exception):
-            raise error  # KeyboardInterrupt, SystemExit: as they are
-        also = ""
-        if len(failures) > 1:
-            other_side, other = failures[1]
-            also = f" (then the {other_side.thread_name} sub-action failed: {_describe(other)})"
-        raise RuntimeError(
-            f"rank {global_rank}, action {action}: the {side.thread_name} sub-action {sub_actions[side]} "
-            f"failed: {_describe(error)}{also}"
-        ) from error
+        _reraise(where, sub_actions, failures)
     return coordinator
+
+
+def _reraise(where: str, sub_actions: tuple[str, str], failures: list[tuple[_Side, BaseException]]) -> None:
+    """Raise the first failure of an overlapped action, naming ``where`` and the sub-action (and a second one)."""
+    side, error = failures[0]
+    if not isinstance(error, Exception):
+        raise error  # KeyboardInterrupt, SystemExit: as they are
+    also = ""
+    if len(failures) > 1:
+        other_side, other = failures[1]
+        also = f" (then the {other_side.thread_name} sub-action failed: {_describe(other)})"
+    raise RuntimeError(
+        f"{where}: the {side.thread_name} sub-action {sub_actions[side]} failed: {_describe(error)}{also}"
+    ) from error
 
 
 def _root_cause(error: BaseException) -> BaseException:
@@ -616,7 +547,9 @@ class _StreamPlan:
         self._set_stream = set_stream
 
     @classmethod
-    def for_action(cls, schedule: Any, stages: dict[int, Any], fwd: _Action, bwd: _Action) -> _StreamPlan | None:
+    def for_action(
+        cls, state: _OverlapState, stages: dict[int, Any], fwd: _Action, bwd: _Action
+    ) -> _StreamPlan | None:
         """The plan for this action, or None on CPU."""
         device = getattr(stages[fwd.stage_index], "device", None)
         device = None if device is None else torch.device(device)  # a stage may hold "cuda:0" as given
@@ -624,7 +557,6 @@ class _StreamPlan:
             return None
         if torch.accelerator.current_accelerator().type != device.type:
             return None
-        state = _state(schedule)
         if state.stage_streams is None:  # one stream per stage, created once
             state.stage_streams = {idx: torch.Stream(device=device) for idx in stages}
         stage_streams = state.stage_streams
@@ -665,78 +597,3 @@ class _StreamPlan:
                 buffer = getattr(info, "buffer", None)
                 if isinstance(buffer, torch.Tensor) and buffer.device.type != "cpu":
                     buffer.record_stream(stream)
-
-
-# [package-only]
-# --------------------------------------------------------------------------- #
-# Installation (the "overlap_f_b" entry of _patches.py)                        #
-# --------------------------------------------------------------------------- #
-
-
-class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
-    """The runtime's default custom-function map, with :func:`overlap_f_b` for OVERLAP_F_B.
-
-    Installed over ``_schedule_runtime._FunctionMapWithDefaults`` by the
-    ``overlap_f_b`` patch: a schedule created while it is installed runs
-    OVERLAP_F_B concurrently, unless ``$TORCH_PIPELINING_EXT_OVERLAP`` is
-    ``0`` then (its map holds the sequential handler).  Nothing else of the
-    schedule changes: the step loop finds the function as it finds any
-    registered one, and registering another OVERLAP_F_B function -- the
-    per-schedule opt-out -- replaces it without a warning.
-    """
-
-    def overlap_function(self) -> Callable[..., None]:
-        return overlap_f_b if overlap_enabled() else _schedule_runtime.sequential_overlap_f_b
-
-    def is_default(self, computation_type: Any, function: Any) -> bool:
-        # the OVERLAP_F_B default depends on the environment when the map was made
-        if computation_type == _schedules().OVERLAP_F_B:
-            return function is overlap_f_b or function is _schedule_runtime.sequential_overlap_f_b
-        return super().is_default(computation_type, function)
-# [/package-only]
-
-
-def _rng_devices(devices: Any, device_type: str | None) -> _RNGDevices:
-    """The generators ``torch.random.fork_rng(devices, device_type=...)`` forks, resolved as it does."""
-    if device_type == "meta":
-        return _RNGDevices(None, ())
-    if device_type is None:
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        device_type = accelerator.type if accelerator is not None else "cuda"
-    module = torch.get_device_module(device_type)
-    if devices is None:
-        devices = range(module.device_count())
-    indices = tuple(d if isinstance(d, int) else (torch.device(d).index or 0) for d in devices)
-    return _RNGDevices(device_type, indices)
-
-
-def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.random.fork_rng`` that, on the backward side of an overlapped action, opens an RNG window.
-
-    Activation checkpointing recomputes inside ``fork_rng``; see [Note:
-    random numbers in an overlapped action] in ``_ep_rng.py``.  Anywhere
-    else it is the original.
-    """
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    @contextlib.contextmanager
-    def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
-        binding = _ep_marks._current_binding()
-        if binding is None or binding.side is not _Side.BACKWARD:
-            with original(*args, **kwargs):
-                yield
-            return
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        devices = _rng_devices(bound.arguments.get("devices"), bound.arguments.get("device_type"))
-        preserve = bool(bound.arguments.get("enabled", True))
-        with binding.coordinator.rng_window(binding.side, devices, preserve):
-            with original(*args, **kwargs):
-                yield
-
-    return fork_rng
-
-
-# [package-only]
-# [/package-only]

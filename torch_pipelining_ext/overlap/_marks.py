@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import logging
 import threading
 import types
 from collections import OrderedDict
@@ -27,7 +26,6 @@ from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side
 
 __all__: list[str] = []
 
-logger = logging.getLogger(__name__)
 
 
 class _Boundary(enum.Enum):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 import math
 import os
 import sys
@@ -28,7 +27,6 @@ from torch_pipelining_ext.overlap._rng import _RNGDevices, _RNGWindows
 
 __all__ = ["CommWaitTimeoutError", "DEFAULT_WAIT_TIMEOUT_S", "TIMEOUT_ENV"]
 
-logger = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
 DEFAULT_WAIT_TIMEOUT_S = 600.0
@@ -304,10 +302,7 @@ class _CommCoordinator:
                     "without RNG state preservation (preserve_rng_state=False) drew random numbers on the "
                     f"{side.thread_name} thread of an overlapped OVERLAP_F_B; it cannot draw the numbers "
                     "the sequential handler would. Use preserve_rng_state=True, or run OVERLAP_F_B "
-                    "sequentially (TORCH_PIPELINING_EXT_OVERLAP=0)."  # [package-only]
-                    # [upstream-only]
-                    # "sequentially (do not register ep_overlap.overlap_f_b)."
-                    # [/upstream-only]
+                    "sequentially (register another OVERLAP_F_B function)."
                 )
 
     def regions_opened(self, side: _Side) -> int:

@@ -873,7 +873,7 @@ class PatchTest(TestCase):
     def test_installed_and_removed(self) -> None:
         from torch.distributed.pipelining import schedules
 
-        from torch_pipelining_ext.overlap import _handler as _overlap
+        from torch_pipelining_ext.overlap import _install as _overlap
 
         runtime = schedules._PipelineScheduleRuntime
         self.assertIsInstance(runtime.__dict__["_comp_type_to_function_map"], _overlap._FunctionMapWithOverlap)
@@ -892,12 +892,12 @@ class PatchTest(TestCase):
 
         from torch_pipelining_ext import _schedule_runtime
 
-        from torch_pipelining_ext.overlap import _handler as _overlap
+        from torch_pipelining_ext.overlap import _install as _overlap
 
         class Owner:
             _comp_type_to_function_map = _overlap._FunctionMapWithOverlap()
 
-        self.assertIs(Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.overlap_f_b)
+        self.assertIs(Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.default_overlap_f_b)
         self.assertIs(Owner()._comp_type_to_function_map[schedules.FORWARD], _schedule_runtime.perform_action)
         with unittest.mock.patch.dict(os.environ, {_overlap.OVERLAP_ENV: "0"}):
             sequential = _schedule_runtime.sequential_overlap_f_b
@@ -907,14 +907,14 @@ class PatchTest(TestCase):
             self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], sequential)
         owner = Owner()
         owner._comp_type_to_function_map = {}
-        self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.overlap_f_b)
+        self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.default_overlap_f_b)
 
     def test_registering_another_function_replaces_it_quietly(self) -> None:
         from torch.distributed.pipelining import schedules
 
         from torch_pipelining_ext import _schedule_runtime
 
-        from torch_pipelining_ext.overlap import _handler as _overlap
+        from torch_pipelining_ext.overlap import _install as _overlap
 
         calls = []
 

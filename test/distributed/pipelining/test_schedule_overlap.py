@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext.overlap import _handler as _overlap
+from torch_pipelining_ext.overlap._install import default_overlap_f_b
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 from torch_pipelining_ext.stage_split import split_module
 
@@ -295,7 +296,7 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
         overlapped = _Pipeline(schedule, pp_group, ep_group, self.device, overlap=True, **kwargs)
         with self.assertNoLogs(level="WARNING"):  # replacing the package's OVERLAP_F_B function is quiet
             sequential = _Pipeline(schedule, pp_group, ep_group, self.device, overlap=False, **kwargs)
-        self.assertIs(overlapped.schedule._comp_type_to_function_map[sched.OVERLAP_F_B], _overlap.overlap_f_b)
+        self.assertIs(overlapped.schedule._comp_type_to_function_map[sched.OVERLAP_F_B], default_overlap_f_b)
         self.assertGreater(overlapped.n_overlap, 0)
         reference = _Reference(self.device, data_ranks=list(range(EP)) if use_ep else [ep_rank])
         optimizers = [p.optimizer() for p in (overlapped, sequential)]

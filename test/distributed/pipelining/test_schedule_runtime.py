@@ -50,9 +50,10 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
-from torch_pipelining_ext import _schedule_runtime as rt
+from torch_pipelining_ext import _compat_29, _compute_comms, _schedule_runtime as rt
 from torch_pipelining_ext._backward_counter import BackwardCounter
 from torch_pipelining_ext._schedule_state import _ScheduleState
+from torch_pipelining_ext.overlap._handler import _OverlapState
 
 
 F, B, I, W = sched.FORWARD, sched.FULL_BACKWARD, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT
@@ -124,11 +125,11 @@ class LoweringTest(TestCase):
                 self.assertNotIn(b, actions)
 
     @unittest.skipIf(
-        sched._add_send_recv is rt._add_send_recv,
+        sched._add_send_recv is _compat_29._add_send_recv,
         "this torch's own _add_send_recv flattens OVERLAP_F_B; nothing to compare with",
     )
     def test_lowering_matches_upstream(self) -> None:
-        ours = rt._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
+        ours = _compat_29._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
         theirs = sched._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
         self.assertEqual(ours, theirs)
 
@@ -137,7 +138,7 @@ class LoweringTest(TestCase):
         # Stage 1 backward before anything sends it gradients, on both ranks.
         bad = {0: [a(0, B, 0)], 1: [a(1, F, 0)]}
         with self.assertRaisesRegex(AssertionError, "Malformed compute schedule"):
-            rt._add_send_recv(bad, lambda s: s, 2)
+            _compat_29._add_send_recv(bad, lambda s: s, 2)
 
     @unittest.skipIf(REDUCE_GRAD is None, "this torch has no REDUCE_GRAD action")
     def test_add_missing_reduce_grad(self) -> None:
@@ -147,7 +148,7 @@ class LoweringTest(TestCase):
             _overlap(a(0, F, 0), a(1, B, 1)), a(1, sched.SEND_B, 1), a(0, B, 0), a(0, sched.SEND_B, 0),
             a(0, F, 1), a(0, B, 1),
         ]  # fmt: skip
-        out = rt._add_missing_reduce_grad(actions, n_microbatches=2)
+        out = _compute_comms._add_missing_reduce_grad(actions, n_microbatches=2)
 
         def reduction(stage: int) -> list[_Action]:
             pair = [a(stage, REDUCE_GRAD, None)]
@@ -156,7 +157,7 @@ class LoweringTest(TestCase):
         # stage 1's last backward is inside the OVERLAP_F_B: its REDUCE_GRAD follows the trailing send.
         self.assertEqual(out, actions[:7] + reduction(1) + actions[7:] + reduction(0))
         # A schedule that has its REDUCE_GRADs (and their waits) is left alone.
-        self.assertEqual(rt._add_missing_reduce_grad(out, n_microbatches=2), out)
+        self.assertEqual(_compute_comms._add_missing_reduce_grad(out, n_microbatches=2), out)
 
     @unittest.skipIf(WAIT_REDUCE_GRAD is None, "this torch has no WAIT_REDUCE_GRAD action")
     def test_add_missing_wait_reduce_grad(self) -> None:
@@ -167,10 +168,10 @@ class LoweringTest(TestCase):
         ]  # fmt: skip
         # REDUCE_GRAD written without its wait (a schedule for torch 2.10 - 2.14): the wait follows it.
         no_waits = [x for x in complete if x.computation_type != WAIT_REDUCE_GRAD]
-        self.assertEqual(rt._add_missing_reduce_grad(no_waits, n_microbatches=1), complete)
+        self.assertEqual(_compute_comms._add_missing_reduce_grad(no_waits, n_microbatches=1), complete)
         # A wait without its REDUCE_GRAD: the pair is added after the last backward instead.
         no_reduce_0 = [x for x in complete if x != a(0, REDUCE_GRAD, None)]
-        self.assertEqual(rt._add_missing_reduce_grad(no_reduce_0, n_microbatches=1), complete)
+        self.assertEqual(_compute_comms._add_missing_reduce_grad(no_reduce_0, n_microbatches=1), complete)
 
 
 # --------------------------------------------------------------------------- #
@@ -210,19 +211,25 @@ class ScheduleStateTest(TestCase):
         self.assertEqual(copied, actions)
 
     def test_end_step_forgets_the_step(self) -> None:
+        state = _ScheduleState()
+        state.begin_step(False, {"scale": 2})
+        state.pending_sends.append([])
+        state.end_step()
+        self.assertEqual((state.return_outputs, state.loss_kwargs, state.pending_sends), (True, None, []))
+
+    def test_overlap_state_end_step_closes_the_worker(self) -> None:
         class Worker:
             closed_for = None
 
             def close_after_step(self, owner: str) -> None:
                 self.closed_for = owner
 
-        state, worker = _ScheduleState(), Worker()
-        state.begin_step(False, {"scale": 2})
-        state.pending_sends.append([])
+        state, worker = _OverlapState(), Worker()
         state.backward_worker = worker
+        state.unmarked_pairs.add((0, 3))
         state.end_step("Sched")
-        self.assertEqual((state.return_outputs, state.loss_kwargs, state.pending_sends), (True, None, []))
         self.assertIsNone(state.backward_worker)
+        self.assertEqual(state.unmarked_pairs, set())
         self.assertEqual(worker.closed_for, "Sched")
 
 

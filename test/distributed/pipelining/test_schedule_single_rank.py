@@ -56,6 +56,7 @@ from torch.testing._internal.common_utils import (
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext.overlap import _handler as _overlap
+from torch_pipelining_ext.overlap._install import default_overlap_f_b
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 from torch_pipelining_ext.stage_split import split_module
 
@@ -195,7 +196,7 @@ class ScheduleSingleRankTest(_OneRankTestCase):
             if mode == "sequential":
                 schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
             else:
-                self.assertIs(schedule._comp_type_to_function_map[sched.OVERLAP_F_B], _overlap.overlap_f_b)
+                self.assertIs(schedule._comp_type_to_function_map[sched.OVERLAP_F_B], default_overlap_f_b)
             runs[mode] = (schedule, mode_parts)
         pairs = _overlap_pairs(runs["overlap"][0])
         self.assertGreater(len(pairs), len(set(pairs)))  # some pair comes back within a step
