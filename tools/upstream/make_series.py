@@ -8,11 +8,12 @@ The base is torch 2.15.0's ``torch/distributed/pipelining/`` (by default the
 installed torch's, which must then be 2.15.x).  Each patch of :data:`SERIES`
 is made of parts, applied in order on top of the previous patches:
 
-* :class:`NewModule` -- a new upstream file that is a package module under
-  :func:`upstream_source` (the one fixed rule: markers, imports, names);
-* :class:`SpliceFunction` -- a package function, under the same rule, added to
-  an upstream file after a named top-level definition (one algorithm for the
-  package and the PR);
+* :class:`NewModule` -- a new upstream file that is a package module, copied
+  under :func:`upstream_source` (the one fixed rule: module and environment
+  names);
+* :class:`SpliceFunction` -- a whole package function, copied under the same
+  rule, added to an upstream file after a named top-level definition (one
+  algorithm for the package and the PR);
 * :class:`HandWritten` -- hunks written for upstream, kept in the patch's
   directory, for changes the package makes by wrapping torch instead of
   editing it (the package's wrapper and the upstream edit are tested against
@@ -33,7 +34,6 @@ import ast
 import dataclasses
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,61 +51,45 @@ TORCH_VERSION = "2.15"
 # The rule: package module -> upstream source                                  #
 # --------------------------------------------------------------------------- #
 
-# In a package module:
-#   lines from "# [package-only]" to "# [/package-only]" are dropped, and so is
-#   a line that ends with "# [package-only]";
-#   lines from "# [upstream-only]" to "# [/upstream-only]" are commented-out
-#   upstream code: they lose their "# " (after the block's indentation);
+# A package module that the series proposes is written as it lands upstream;
+# it is copied, with only these names changed:
+#   the package modules below become the upstream modules of
+#   torch/distributed/pipelining (in imports: relative imports);
+#   TORCH_PIPELINING_EXT_ environment variables become TORCH_PIPELINING_;
 #   the module docstring's paragraph that starts with "Upstream file" or
 #   "Upstream target" (where the code goes) is dropped.
-# Then imports and names are rewritten (_REWRITES), and nothing may be left
-# that names the package.
-_REWRITES = (
-    # the overlap subpackage's modules are flat files upstream
-    (re.compile(r"^(\s*)from torch_pipelining_ext\.overlap import _(marks|turns|rng) as _ep_\2$", re.M), r"\1from . import _ep_\2"),
-    (re.compile(r"^(\s*)from torch_pipelining_ext\.overlap\._(marks|turns|rng) import ", re.M), r"\1from ._ep_\2 import "),
-    (re.compile(r"^(\s*)from torch_pipelining_ext\.overlap import ", re.M), r"\1from .ep_overlap import "),
-    (re.compile(r"torch_pipelining_ext\.overlap\._handler\b"), "torch_pipelining_ext._overlap"),
-    (re.compile(r"torch_pipelining_ext\.overlap\._(turns|rng|marks)\b"), r"torch_pipelining_ext._ep_\1"),
-    (re.compile(r"torch_pipelining_ext\.overlap\b"), "torch_pipelining_ext.ep_overlap"),
-    (re.compile(r"^(\s*)from torch_pipelining_ext import ", re.M), r"\1from . import "),
-    (re.compile(r"^(\s*)from torch_pipelining_ext\.(\w+) import ", re.M), r"\1from .\2 import "),
-    (re.compile(r"torch_pipelining_ext\."), "torch.distributed.pipelining."),
-    (re.compile(r"TORCH_PIPELINING_EXT_"), "TORCH_PIPELINING_"),
+# Nothing may be left that names the package.
+UPSTREAM_MODULES = (
+    ("torch_pipelining_ext.overlap._handler", "_overlap"),
+    ("torch_pipelining_ext.overlap._marks", "_ep_marks"),
+    ("torch_pipelining_ext.overlap._turns", "_ep_turns"),
+    ("torch_pipelining_ext.overlap._rng", "_ep_rng"),
+    ("torch_pipelining_ext.overlap", "ep_overlap"),
 )
-_LEFTOVERS = re.compile(r"torch_pipelining_ext|TORCH_PIPELINING_EXT|\[/?package-only\]|\[/?upstream-only\]")
+ENV_PREFIXES = ("TORCH_PIPELINING_EXT_", "TORCH_PIPELINING_")
+_UPSTREAM = dict(UPSTREAM_MODULES)
+_LEFTOVERS = re.compile(r"torch_pipelining_ext|TORCH_PIPELINING_EXT")
+_FROM_IMPORT = re.compile(r"^(\s*)from (torch_pipelining_ext[\w.]*) import (.+)$", re.M)
 
 
-def _strip_markers(text: str, where: str) -> str:
-    out: list[str] = []
-    block: str | None = None
-    indent = ""
-    for n, line in enumerate(text.splitlines(keepends=True), 1):
-        stripped = line.strip()
-        if stripped in ("# [package-only]", "# [upstream-only]"):
-            if block is not None:
-                raise ValueError(f"{where}:{n}: {stripped} inside a {block} block")
-            block, indent = stripped[3:-1], line[: len(line) - len(line.lstrip())]
-            continue
-        if stripped in ("# [/package-only]", "# [/upstream-only]"):
-            if block != stripped[4:-1]:
-                raise ValueError(f"{where}:{n}: {stripped} closes no open block")
-            block = None
-            continue
-        if block == "package-only" or line.rstrip().endswith("# [package-only]"):
-            continue
-        if block == "upstream-only":
-            body = line[len(indent) :] if line.startswith(indent) else line
-            if body.strip() == "#":
-                line = "\n"
-            elif body.startswith("# "):
-                line = indent + body[2:]
-            else:
-                raise ValueError(f"{where}:{n}: an upstream-only line must be a comment: {line!r}")
-        out.append(line)
-    if block is not None:
-        raise ValueError(f"{where}: unclosed {block} block")
-    return "".join(out)
+def _relative_import(match: re.Match[str]) -> str:
+    indent, module, names = match.groups()
+    # ``from <package> import <module> as <alias>``: one module of the mapping
+    child, _, alias = names.partition(" as ")
+    upstream = _UPSTREAM.get(f"{module}.{child.strip()}")
+    if upstream is not None:
+        alias = alias.strip()
+        return f"{indent}from . import {upstream}" + (f" as {alias}" if alias and alias != upstream else "")
+    if module in _UPSTREAM:
+        return f"{indent}from .{_UPSTREAM[module]} import {names}"
+    return match.group(0)  # left for the leftover check
+
+
+def _upstream_names(text: str) -> str:
+    text = _FROM_IMPORT.sub(_relative_import, text)
+    for module, upstream in UPSTREAM_MODULES:  # longest first
+        text = re.sub(rf"\b{re.escape(module)}\b", f"torch.distributed.pipelining.{upstream}", text)
+    return text.replace(*ENV_PREFIXES)
 
 
 def _drop_upstream_paragraph(text: str) -> str:
@@ -121,50 +105,19 @@ def _drop_upstream_paragraph(text: str) -> str:
     return "".join(lines[:start]) + part + "".join(lines[end:])
 
 
-def _drop_definitions(text: str, names: tuple[str, ...], where: str) -> str:
-    """Drop top-level definitions by name, with the comment lines right above them."""
-    if not names:
-        return text
-    tree = ast.parse(text)
-    lines = text.splitlines(keepends=True)
-    spans = []
-    for name in names:
-        nodes = [n for n in tree.body if getattr(n, "name", None) == name]
-        if len(nodes) != 1:
-            raise ValueError(f"{where}: expected one top-level definition {name!r}, found {len(nodes)}")
-        node = nodes[0]
-        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-        while start > 0 and (lines[start - 1].startswith("#") or not lines[start - 1].strip()):
-            start -= 1
-        spans.append((start, node.end_lineno))
-    for start, end in sorted(spans, reverse=True):
-        lines[start:end] = ["\n"] if start else []
-    return "".join(lines).rstrip("\n") + "\n"
-
-
-def upstream_source(
-    text: str,
-    where: str,
-    drop: tuple[str, ...] = (),
-    substitute: tuple[tuple[str, str], ...] = (),
-) -> str:
+def upstream_source(text: str, where: str, substitute: tuple[tuple[str, str], ...] = ()) -> str:
     """A package module's text as the upstream file (see the rule above).
 
-    ``drop`` names top-level definitions the package alone needs, for modules
-    that do not mark them; ``substitute`` lists exact substitutions, each of
-    which must match once (for text that neither markers nor the rewrites
-    cover -- keep it empty where possible).
+    ``substitute`` lists exact substitutions, each of which must match once,
+    for a docstring phrase that names a package-only module (keep it empty
+    where possible).
     """
-    text = _strip_markers(text, where)
     text = _drop_upstream_paragraph(text)
-    text = _drop_definitions(text, drop, where)
     for old, new in substitute:
         if text.count(old) != 1:
             raise ValueError(f"{where}: substitution {old[:60]!r} matches {text.count(old)} times, expected once")
         text = text.replace(old, new)
-    for pattern, replacement in _REWRITES:
-        text = pattern.sub(replacement, text)
-    text = re.sub(r"\n{4,}", "\n\n\n", text)
+    text = _upstream_names(text)
     left = [f"{where}: {line.strip()}" for line in text.splitlines() if _LEFTOVERS.search(line)]
     if left:
         raise ValueError("the upstream file still names the package:\n" + "\n".join(left))
@@ -183,11 +136,10 @@ class NewModule:
 
     target: str
     module: str
-    drop: tuple[str, ...] = ()
     substitute: tuple[tuple[str, str], ...] = ()
 
     def source(self) -> str:
-        return upstream_source((PACKAGE / self.module).read_text(), self.module, self.drop, self.substitute)
+        return upstream_source((PACKAGE / self.module).read_text(), self.module, self.substitute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +220,7 @@ SERIES: tuple[Patch, ...] = (
         "0005-compute-comms-reduce-grad",
         (
             HandWritten("validate.diff"),
-            SpliceFunction("schedules.py", "_schedule_runtime.py", "_add_missing_reduce_grad", "_add_reduce_grad", "_schedules"),
+            SpliceFunction("schedules.py", "_compute_comms.py", "_add_missing_reduce_grad", "_add_reduce_grad", "_schedules"),
         ),
     ),
     Patch(
@@ -277,7 +229,11 @@ SERIES: tuple[Patch, ...] = (
             NewModule(
                 "stage_split.py",
                 "stage_split.py",
-                substitute=(("(e.g. the Hugging Face stage\n    wrapper of :mod:`torch_pipelining_ext.hf`)", "(e.g. a model family's stage\n    wrapper)"),),
+                substitute=(
+                    ("(e.g. the Hugging Face stage\n    wrapper of :mod:`torch_pipelining_ext.hf`)", "(e.g. a model family's stage\n    wrapper)"),
+                    # the header of the probe section that moved to _patching/_probes.py (to go from stage_split.py)
+                    ("\n\n# " + "-" * 75 + "\n# Patch probe (see torch_pipelining_ext/_patches.py)\n# " + "-" * 75 + "\n", ""),
+                ),
             ),
         ),
     ),

@@ -71,7 +71,6 @@ def _code_names(code: Any) -> set[str]:
     return names
 
 
-
 # --- _gloo_p2p.py ---
 
 
@@ -350,7 +349,6 @@ def _weight_grad_cases() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tenso
         "a parameter used twice on one path": (lambda x: (x @ w @ w).sum(), [w]),
         "an intermediate with two outputs": (two_outputs, [w1, v]),
     }
-
 
 
 def _probe_stage_backward_weight() -> tuple[str, str]:

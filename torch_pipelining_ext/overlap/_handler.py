@@ -126,7 +126,6 @@ __all__ = ["overlap_f_b"]
 logger = logging.getLogger(__name__)
 
 
-
 # --------------------------------------------------------------------------- #
 # The handler's state on the schedule                                          #
 # --------------------------------------------------------------------------- #
@@ -279,8 +278,6 @@ def _same_fsdp_stage(stages: dict[int, Any], action: _Action) -> bool:
         return False
     stage = stages.get(fwd.stage_index)
     return stage is not None and isinstance(stage.submod, FSDPModule)
-
-
 
 
 # --------------------------------------------------------------------------- #

@@ -27,7 +27,6 @@ from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side
 __all__: list[str] = []
 
 
-
 class _Boundary(enum.Enum):
     """A mark; ``opens`` says whether it opens its region in forward."""
 

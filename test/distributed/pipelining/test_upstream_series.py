@@ -80,15 +80,38 @@ class UpstreamSeriesTest(TestCase):
             for name in ("_overlap.py", "ep_overlap.py", "stage_split.py", "schedules.py", "stage.py"):
                 compile((target / name).read_text(), name, "exec")
 
+    def test_rule_copies_with_upstream_names(self) -> None:
+        source = (
+            '"""Doc.\n\nUpstream file: ``x.py``.\n"""\n\n'
+            "from torch_pipelining_ext.overlap import _marks as _ep_marks\n"
+            "from torch_pipelining_ext.overlap import _turns as turns\n"
+            "from torch_pipelining_ext.overlap._rng import _RNGDevices\n"
+            "from torch_pipelining_ext.overlap import get_wait_timeout\n\n"
+            'ENV = "TORCH_PIPELINING_EXT_OVERLAP"  # see torch_pipelining_ext.overlap._handler\n'
+        )
+        self.assertEqual(
+            make_series.upstream_source(source, "m.py"),
+            '"""Doc.\n"""\n\n'
+            "from . import _ep_marks\n"
+            "from . import _ep_turns as turns\n"
+            "from ._ep_rng import _RNGDevices\n"
+            "from .ep_overlap import get_wait_timeout\n\n"
+            'ENV = "TORCH_PIPELINING_OVERLAP"  # see torch.distributed.pipelining._overlap\n',
+        )
+
     def test_rule_refuses_what_names_the_package(self) -> None:
-        source = '"""Doc."""\n\nfrom torch_pipelining_ext import _x\n\n# [package-only]\nA = 1\n# [/package-only]\n'
-        self.assertEqual(make_series.upstream_source(source, "m.py"), '"""Doc."""\n\nfrom . import _x\n\n')
         with self.assertRaisesRegex(ValueError, "still names the package"):
             make_series.upstream_source("import torch_pipelining_ext\n", "m.py")
-        with self.assertRaisesRegex(ValueError, "unclosed package-only block"):
-            make_series.upstream_source("# [package-only]\nA = 1\n", "m.py")
-        upstream_only = "# [upstream-only]\n# B = 2\n#\n# C = 3\n# [/upstream-only]\n"
-        self.assertEqual(make_series.upstream_source(upstream_only, "m.py"), "B = 2\n\nC = 3\n")
+        with self.assertRaisesRegex(ValueError, "still names the package"):
+            make_series.upstream_source("from torch_pipelining_ext import _schedule_runtime\n", "m.py")
+        with self.assertRaisesRegex(ValueError, "matches 0 times"):
+            make_series.upstream_source("A = 1\n", "m.py", substitute=(("B", "C"),))
+
+    def test_proposed_modules_have_no_markers_or_commented_code(self) -> None:
+        modules = [part.module for patch in make_series.SERIES for part in patch.parts if hasattr(part, "module")]
+        for module in modules:
+            text = (make_series.PACKAGE / module).read_text()
+            self.assertNotRegex(text, r"\[/?(package|upstream)-only\]", module)
 
 
 if __name__ == "__main__":
