@@ -17,7 +17,10 @@ handshake sends int64 tensors into float32 buffers, on which gloo aborts the
 process (torch 2.9 ran pipelining on NCCL only) -- the stock run applies the
 two patches that only carry tensors over gloo (``stage_init_handshake``,
 ``p2p_to_own_rank``) and nothing else; the package's probe decides, never a
-version string.  On 2.13 and 2.15 the stock run patches nothing.
+version string.  On every other release the stock run gets
+``p2p_to_own_rank`` alone, where its probe finds that torch hands sends to
+the own rank to the backend (gloo cannot carry them at all; stock
+``ScheduleZBVZeroBubble`` issues one on 2.10 and 2.11).
 
 Where stock torch trains a schedule wrongly (``_KNOWN_STOCK_BUGS``: torch 2.9's
 ``ScheduleDualPipeV`` leaves three stages' gradients unscaled), the patched
@@ -121,17 +124,23 @@ def _apply_transport_patches_if_gloo_fails() -> list[str]:
     gloo aborts the process (it does not raise) on a receive whose size does
     not match, which torch 2.9's stage-init handshake of every schedule
     causes (int64 tensors into float32 buffers), so the stock run could not
-    run any schedule there.  Decided by the package's probe, on a rank with
+    run any schedule there: it gets both transport patches.  Elsewhere it gets
+    ``p2p_to_own_rank`` where that patch's probe finds sends to the own rank
+    handed to the backend.  Decided by the package's probes, on a rank with
     the process group initialised.  Returns the patches applied.
     """
     from torch_pipelining_ext._patching import _probes
     from torch_pipelining_ext._patching._table import _REGISTRY
 
     handshake = _probes._recorded_handshake()
-    if handshake is None or len({dtype for dtype, _ in handshake}) == 1:
-        return []
+    handshake_fails = handshake is not None and len({dtype for dtype, _ in handshake}) > 1
+    # gloo cannot carry a send to the own rank at all ("Pair is not connected"); whether a
+    # schedule issues one differs between releases (stock ZBVZeroBubble does on 2.10 and 2.11),
+    # so the stock run always gets p2p_to_own_rank where its probe finds the sends handed to
+    # the backend.  It only copies such sends into their receives.
+    wanted = _TRANSPORT_PATCHES if handshake_fails else ("p2p_to_own_rank",)
     for p in _REGISTRY.patches():
-        if p.name in _TRANSPORT_PATCHES:
+        if p.name in wanted:
             _REGISTRY._apply_one(p, {})
     return [name for name in _TRANSPORT_PATCHES if _REGISTRY.is_applied(name)]
 
