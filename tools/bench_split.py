@@ -3,7 +3,7 @@
 
 Deep-copy-then-prune is what trainers commonly do today: for every stage,
 ``copy.deepcopy`` the whole model, then delete what the stage does not keep.
-``split_module`` copies only what the stage keeps.  Measured side by side in
+``build_stage_module`` copies only what the stage keeps.  Measured side by side in
 one run:
 
 * **meta**: a DeepSeek-V3-671B-shaped model (61 layers: 3 dense + 58 MoE with
@@ -50,9 +50,9 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torch_pipelining_ext.stage_split import (  # noqa: E402
-    _split_stages,
+    build_stage_modules,
     generate_module_names_per_stage,
-    split_module,
+    build_stage_module,
 )
 
 
@@ -253,7 +253,7 @@ def worker_meta() -> dict:
             best = min(best, time.perf_counter() - t0)
         return best, result
 
-    ours_t, ours = timed(lambda: _split_stages(model, names, ids), 3)
+    ours_t, ours = timed(lambda: build_stage_modules(model, names, ids), 3)
     base_t, base = timed(lambda: deepcopy_then_prune(model, names, ids), 1)
     _check_stages(model, ours, complete=True, compare_values=False)
     for a, b in zip(ours, base):
@@ -301,7 +301,7 @@ def worker_cpu(method: str, num_stages: int, which: str) -> list[dict]:
     names = generate_module_names_per_stage(num_stages, len(model.layers))
     ids = [1] if which == "one" else list(range(num_stages))
     if method == "ours":
-        fn = (lambda: [split_module(model, names[1])]) if which == "one" else (lambda: _split_stages(model, names, ids))
+        fn = (lambda: [build_stage_module(model, names[1])]) if which == "one" else (lambda: build_stage_modules(model, names, ids))
     else:
         fn = lambda: deepcopy_then_prune(model, names, ids)  # noqa: E731
     stages, extra, elapsed, peak_reset = _measure(fn)
@@ -315,7 +315,7 @@ def worker_cpu(method: str, num_stages: int, which: str) -> list[dict]:
         # (the peak is reset first); it empties the original model.
         del stages
         original = model.state_dict(keep_vars=True)  # the tensors themselves, no copies
-        moved, extra, elapsed, _ = _measure(lambda: _split_stages(model, names, ids, move=True))
+        moved, extra, elapsed, _ = _measure(lambda: build_stage_modules(model, names, ids, move=True))
         if any(True for _ in model.parameters()):
             raise AssertionError("move=True left parameters in the original model")
         moved_sd = {k: v for s in moved for k, v in s.state_dict(keep_vars=True).items()}
@@ -359,7 +359,7 @@ def main() -> None:
     (meta,) = _run_worker(["meta"])
     print(
         f"[meta] DeepSeek-V3-shaped, {meta['n_params']:.3e} params, 16 stages: "
-        f"split_module {meta['ours_s'] * 1e3:.1f} ms, deep-copy-then-prune {meta['base_s'] * 1e3:.1f} ms "
+        f"build_stage_module {meta['ours_s'] * 1e3:.1f} ms, deep-copy-then-prune {meta['base_s'] * 1e3:.1f} ms "
         f"(ratio {meta['ratio']:.4f})",
         flush=True,
     )

@@ -40,18 +40,25 @@ _lock = threading.Lock()
 def patch() -> list[PatchRecord]:
     """Apply every needed patch that is not applied yet; idempotent.
 
+    Also registers the thread state that the backward thread of an
+    overlapped OVERLAP_F_B needs from torchtitan (inert without it).
+
     Returns:
         The patch report (see :func:`patch_report`).
     """
     with _lock:
+        # inert unless torchtitan is imported, see [Note: torchtitan thread state]
+        _torchtitan_compat.register()
         return _REGISTRY.apply_all(os.environ)
 
 
 def unpatch() -> None:
     """Restore every attribute the package patched to the object that was there
-    before (by identity).  :func:`patch` applies the patches again."""
+    before (by identity), and remove the package's thread-state hooks.
+    :func:`patch` applies the patches again."""
     with _lock:
         _REGISTRY.undo_all()
+        _torchtitan_compat.unregister()
 
 
 def patch_report() -> list[PatchRecord]:
@@ -65,8 +72,6 @@ def patch_report() -> list[PatchRecord]:
     """
     return _REGISTRY.report()
 
-
-_torchtitan_compat.register()  # inert unless torchtitan is imported, see [Note: torchtitan thread state]
 
 if os.environ.get(DISABLE_ENV, "") in ("", "0"):
     patch()

@@ -182,3 +182,11 @@ def register() -> RemovableHandle:
     if _handle is None:
         _handle = ep_overlap.register_thread_state(_capture, _apply)
     return _handle
+
+
+def unregister() -> None:
+    """Remove the pair registered by :func:`register` (nothing if it is not registered)."""
+    global _handle
+    if _handle is not None:
+        _handle.remove()
+        _handle = None

@@ -10,7 +10,7 @@ Manual pipeline parallelism builds each stage from the whole model by keeping a
 few submodules.  This module does that by fully qualified name (FQN), at any
 depth, without ever copying what a stage does not keep:
 
-* :func:`split_module` builds one stage model that holds exactly the named
+* :func:`build_stage_module` builds one stage model that holds exactly the named
   submodules (and/or parameters and buffers).  The ancestors on the way to a
   kept module are shallow copies of the original containers that hold only the
   kept children, so every kept tensor keeps its original FQN: ``ModuleList``
@@ -76,9 +76,12 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "build_stage_module",
+    "build_stage_modules",
     "call_if_present",
     "generate_module_names_per_stage",
     "pipeline_module_split",
+    "resolve_schedule_class",
     "split_module",
     "stage_ids_this_rank",
 ]
@@ -98,7 +101,7 @@ def call_if_present(module: Callable[..., Any] | None, x: Any, *args: Any, **kwa
     stage split removed ``module`` (it is ``None`` in the stage model).
 
     This is the pattern for a forward that runs both on the whole model and on
-    any stage built by :func:`split_module`: the first stage turns tokens into
+    any stage built by :func:`build_stage_module`: the first stage turns tokens into
     hidden states, later stages receive hidden states and skip the embedding,
     only the last stage applies the head.
 
@@ -241,8 +244,12 @@ def _validate_split(
     for s, items in enumerate(items_per_stage):
         for it in items:
             owners[it.parts].append((s, it))
+    _check_disjoint(owners)
+    _check_coverage(model, owners, allow_uncovered)
 
-    # The same name in two stages (allowed only for replicable modules).
+
+def _check_disjoint(owners: dict[tuple[str, ...], list[tuple[int, _Item]]]) -> None:
+    """No stateful module in two stages, none inside a module another stage keeps whole."""
     for parts, entries in owners.items():
         stages = sorted({s for s, _ in entries})
         if len(stages) > 1 and not entries[0][1].replicable:
@@ -251,14 +258,9 @@ def _validate_split(
                 "persistent buffers must belong to exactly one stage (only parameter-free modules, such as "
                 "a rotary embedding, may be replicated)"
             )
-
-    # A name nested inside a name of another stage.
     for parts, entries in owners.items():
         for i in range(1, len(parts)):
-            outer = owners.get(parts[:i])
-            if not outer:
-                continue
-            for s_out, it_out in outer:
+            for s_out, it_out in owners.get(parts[:i], ()):
                 for s_in, it_in in entries:
                     if s_out != s_in and not it_out.replicable:
                         raise ValueError(
@@ -266,28 +268,30 @@ def _validate_split(
                             "whole; a module can belong to only one stage"
                         )
 
-    # Which stages cover each parameter / persistent buffer FQN.
-    def covering_stages(fqn: str) -> set[int]:
-        parts = tuple(fqn.split("."))
-        found: set[int] = set()
-        for i in range(1, len(parts) + 1):
-            for s, _ in owners.get(parts[:i], ()):
-                found.add(s)
-        return found
 
+def _state_aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter and persistent buffer of ``model`` (by identity) -> all its FQNs."""
     aliases: dict[int, list[str]] = defaultdict(list)
-    tensors: dict[int, Any] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases[id(p)].append(name)
-        tensors[id(p)] = p
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         for b_name, b in mod._buffers.items():
             if b is not None and b_name not in mod._non_persistent_buffers_set:
                 aliases[id(b)].append(f"{mod_name}.{b_name}" if mod_name else b_name)
-                tensors[id(b)] = b
+    return aliases
+
+
+def _check_coverage(
+    model: nn.Module, owners: dict[tuple[str, ...], list[tuple[int, _Item]]], allow_uncovered: bool
+) -> None:
+    """Every tensor in some stage (unless ``allow_uncovered``); a warning for each tensor tied across stages."""
+
+    def covering_stages(fqn: str) -> set[int]:
+        parts = tuple(fqn.split("."))
+        return {s for i in range(1, len(parts) + 1) for s, _ in owners.get(parts[:i], ())}
 
     uncovered: list[str] = []
-    for key, names in aliases.items():
+    for names in _state_aliases(model).values():
         stage_sets = {n: covering_stages(n) for n in names}
         all_stages = set().union(*stage_sets.values())
         if not all_stages:
@@ -302,7 +306,7 @@ def _validate_split(
                 "same object): keep the tied modules in one stage, untie them, or reduce their gradients across "
                 "the stages yourself",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
     if uncovered and not allow_uncovered:
         shown = ", ".join(repr(n) for n in uncovered[:10])
@@ -401,7 +405,7 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
     return stage
 
 
-def split_module(model: nn.Module, module_names: Sequence[str], *, move: bool = False) -> nn.Module:
+def build_stage_module(model: nn.Module, module_names: Sequence[str], *, move: bool = False) -> nn.Module:
     """Build a stage model that holds exactly the named parts of ``model``.
 
     Args:
@@ -437,7 +441,18 @@ def split_module(model: nn.Module, module_names: Sequence[str], *, move: bool = 
     return _build_stage(model, items, move)
 
 
-def _split_stages(
+def split_module(model: nn.Module, module_names: Sequence[str], *, move: bool = False) -> nn.Module:
+    """Deprecated name of :func:`build_stage_module` (it clashed with ``torch.fx.passes.split_module``)."""
+    warnings.warn(
+        "stage_split.split_module is deprecated and will be removed: use stage_split.build_stage_module "
+        "(same arguments)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return build_stage_module(model, module_names, move=move)
+
+
+def build_stage_modules(
     model: nn.Module,
     module_names_per_stage: Sequence[Sequence[str]],
     stage_ids: Sequence[int],
@@ -445,8 +460,30 @@ def _split_stages(
     move: bool = False,
     allow_uncovered: bool = False,
 ) -> list[nn.Module]:
-    """Validate the split of ``model`` into ``module_names_per_stage`` and
-    build the stages ``stage_ids`` (nothing is built if validation fails)."""
+    """Validate the whole split of ``model`` and build the stage models ``stage_ids``.
+
+    The checks are :func:`pipeline_module_split`'s (every name exists; no
+    module in two stages, except parameter-free ones; none inside a module of
+    another stage; every parameter and persistent buffer in some stage unless
+    ``allow_uncovered``; tensors tied across stages are reported with a
+    warning); nothing is built when one fails.  Each stage is then built as
+    :func:`build_stage_module` builds it.
+
+    Args:
+        model: the whole model.
+        module_names_per_stage: one sequence of FQNs per stage.
+        stage_ids: the stages to build, e.g. from :func:`stage_ids_this_rank`.
+        move: move the kept modules out of ``model`` instead of copying them.
+        allow_uncovered: allow parameters/buffers that no stage keeps.
+
+    Returns:
+        The stage models, in the order of ``stage_ids``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or the names are not
+            sequences of strings.
+        ValueError: a check above fails, or a stage id is out of range.
+    """
     _check_model(model)
     if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(module_names_per_stage, Sequence):
         raise TypeError(
@@ -483,7 +520,7 @@ def _check_names(arg: str, value: Any) -> list[str]:
 def _check_no_shared_module(named: Sequence[tuple[str, str]]) -> None:
     """Raise if two entries of ``named`` (``(argument, fqn)`` pairs) are the
     same module or one lies inside the other: the stage lists would then share
-    it, and :func:`split_module` would copy it into two stages."""
+    it, and :func:`build_stage_module` would copy it into two stages."""
     by_parts = [(arg, name, tuple(name.split("."))) for arg, name in named]
     for i, (arg_a, a, pa) in enumerate(by_parts):
         for arg_b, b, pb in by_parts[i + 1 :]:
@@ -567,6 +604,37 @@ def _min_max_partition(costs: Sequence[float], num_parts: int) -> list[int]:
     return bounds
 
 
+def _partition_units(
+    num_layers: int,
+    input_weight: float,
+    output_weight: float,
+    layer_costs: Sequence[float] | None,
+    layers_prefix: str,
+    inputs: list[str],
+    outputs: list[str],
+) -> list[tuple[float, list[str]]]:
+    """The checked units a partition is made of: (cost, FQNs) of the inputs, each layer, the outputs."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
+    in_cost = _check_cost("input_weight", input_weight)
+    out_cost = _check_cost("output_weight", output_weight)
+    if layer_costs is None:
+        costs = [1.0] * num_layers
+    else:
+        costs = [_check_cost(f"layer_costs[{i}]", c) for i, c in enumerate(layer_costs)]
+        if len(costs) != num_layers:
+            raise ValueError(f"layer_costs has {len(costs)} entries for {num_layers} layers")
+    if not isinstance(layers_prefix, str) or not layers_prefix:
+        raise TypeError(f"layers_prefix must be a non-empty string, got {layers_prefix!r}")
+    units: list[tuple[float, list[str]]] = []
+    if inputs:
+        units.append((in_cost, inputs))
+    units += [(c, [f"{layers_prefix}.{i}"]) for i, c in enumerate(costs)]
+    if outputs:
+        units.append((out_cost, outputs))
+    return units
+
+
 def generate_module_names_per_stage(
     num_stages: int,
     num_layers: int,
@@ -622,21 +690,10 @@ def generate_module_names_per_stage(
     """
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-        raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
-    in_cost = _check_cost("input_weight", input_weight)
-    out_cost = _check_cost("output_weight", output_weight)
-    if layer_costs is None:
-        costs = [1.0] * num_layers
-    else:
-        costs = [_check_cost(f"layer_costs[{i}]", c) for i, c in enumerate(layer_costs)]
-        if len(costs) != num_layers:
-            raise ValueError(f"layer_costs has {len(costs)} entries for {num_layers} layers")
-    if not isinstance(layers_prefix, str) or not layers_prefix:
-        raise TypeError(f"layers_prefix must be a non-empty string, got {layers_prefix!r}")
     inputs = _check_names("input_modules", input_modules)
     outputs = _check_names("output_modules", output_modules)
     replicated = _check_names("replicated_modules", replicated_modules)
+    units = _partition_units(num_layers, input_weight, output_weight, layer_costs, layers_prefix, inputs, outputs)
     _check_no_shared_module(
         [("input_modules", n) for n in inputs]
         + [("output_modules", n) for n in outputs]
@@ -645,13 +702,6 @@ def generate_module_names_per_stage(
         # stands for all of them in the overlap check
         + [(f"the layers {layers_prefix}.0..{num_layers - 1}", layers_prefix)] * (num_layers > 0)
     )
-
-    units: list[tuple[float, list[str]]] = []
-    if inputs:
-        units.append((in_cost, inputs))
-    units += [(c, [f"{layers_prefix}.{i}"]) for i, c in enumerate(costs)]
-    if outputs:
-        units.append((out_cost, outputs))
     if num_stages > len(units):
         raise ValueError(
             f"cannot make {num_stages} non-empty stages from {num_layers} layers"
@@ -672,7 +722,18 @@ def generate_module_names_per_stage(
 # ---------------------------------------------------------------------------
 
 
-def _schedule_class(schedule: Any) -> type | None:
+def resolve_schedule_class(schedule: type | str) -> type:
+    """The pipeline schedule class ``schedule`` names.
+
+    Args:
+        schedule: a schedule class, or its name with or without the
+            ``Schedule`` prefix (``"Interleaved1F1B"``, ``"ScheduleDualPipeV"``).
+
+    Raises:
+        TypeError: ``schedule`` is a class that is not a pipeline schedule, or
+            neither a class nor a string.
+        ValueError: no schedule has that name.
+    """
     from torch.distributed.pipelining import schedules
 
     if isinstance(schedule, type):
@@ -707,7 +768,7 @@ def _style(style: Any) -> str:
         return style
     if style is None:
         return "loop"
-    return "v" if _is_v_schedule(_schedule_class(style)) else "loop"
+    return "v" if _is_v_schedule(resolve_schedule_class(style)) else "loop"
 
 
 def stage_ids_this_rank(pp_rank: int, pp_size: int, num_stages: int, style: str | type = "loop") -> tuple[int, ...]:
@@ -797,6 +858,7 @@ def pipeline_module_split(
     *,
     move: bool = False,
     allow_uncovered: bool = False,
+    prepare_part: Callable[[nn.Module, int, int], nn.Module] | None = None,
     **stage_kwargs: Any,
 ) -> tuple[list[PipelineStage], list[nn.Module]]:
     """Build this rank's pipeline stages of ``model``.
@@ -805,7 +867,7 @@ def pipeline_module_split(
     stages, except parameter-free ones; no module inside a module of another
     stage; every parameter and persistent buffer in some stage unless
     ``allow_uncovered``; stage count fits the schedule and the group), then
-    builds only the stages this rank runs with :func:`split_module` and wraps
+    builds only the stages this rank runs with :func:`build_stage_module` and wraps
     each in a :class:`~torch.distributed.pipelining.PipelineStage`.  Nothing is
     built when a check fails.  Tensors tied across stages are reported with a
     warning naming their FQNs.
@@ -823,6 +885,10 @@ def pipeline_module_split(
             :func:`generate_module_names_per_stage`.
         move: move modules out of ``model`` instead of copying them.
         allow_uncovered: allow parameters/buffers that no stage keeps.
+        prepare_part: ``prepare_part(part, stage_id, num_stages)`` turns each
+            built stage model into the module its ``PipelineStage`` runs
+            (e.g. a model family's stage wrapper); the returned parts are
+            those modules.
         **stage_kwargs: further ``PipelineStage`` arguments, passed to every
             local stage.
 
@@ -839,6 +905,7 @@ def pipeline_module_split(
         move=move,
         allow_uncovered=allow_uncovered,
         stage_kwargs=stage_kwargs,
+        prepare_part=prepare_part,
     )
 
 
@@ -868,7 +935,7 @@ def _pipeline_split(
         if reserved in stage_kwargs:
             raise TypeError(f"pipeline_module_split sets {reserved!r} itself; do not pass it in stage_kwargs")
     group, pp_rank, pp_size = _pp_group(pp_mesh_or_group)
-    cls = _schedule_class(schedule)
+    cls = resolve_schedule_class(schedule)
     if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(module_names_per_stage, Sequence):
         raise TypeError(
             "module_names_per_stage must be a sequence with one sequence of FQNs per stage, got "
@@ -885,7 +952,7 @@ def _pipeline_split(
         inspect.signature(PipelineStage).bind(model, 0, num_stages, device, group=group, **stage_kwargs)
     except TypeError as e:
         raise TypeError(f"stage_kwargs do not fit PipelineStage: {e}") from None
-    parts = _split_stages(model, module_names_per_stage, stage_ids, move=move, allow_uncovered=allow_uncovered)
+    parts = build_stage_modules(model, module_names_per_stage, stage_ids, move=move, allow_uncovered=allow_uncovered)
     if prepare_part is not None:
         parts = [prepare_part(part, stage_id, num_stages) for part, stage_id in zip(parts, stage_ids)]
     stages = [
@@ -901,8 +968,3 @@ def _pipeline_split(
         _style(cls),
     )
     return stages, parts
-
-
-# ---------------------------------------------------------------------------
-# Patch probe (see torch_pipelining_ext/_patches.py)
-# ---------------------------------------------------------------------------

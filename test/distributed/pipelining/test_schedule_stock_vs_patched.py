@@ -12,12 +12,13 @@ Every microbatch loss and every parameter after the two steps must be equal
 bitwise.  Both are also compared with a single-process reference (up to
 rounding: the reference sums a stage's microbatch gradients in another order).
 
-Where stock torch cannot run on gloo at all -- torch 2.9, whose stage-init
-handshake sends int64 tensors into float32 buffers, on which gloo aborts the
-process (torch 2.9 ran pipelining on NCCL only) -- the stock run applies the
-two patches that only carry tensors over gloo (``stage_init_handshake``,
-``p2p_to_own_rank``) and nothing else; the package's probe decides, never a
-version string.  On 2.13 and 2.15 the stock run patches nothing.
+Where stock torch cannot run on gloo -- torch 2.9's stage-init handshake
+sends int64 tensors into float32 buffers, on which gloo aborts the process
+(torch 2.9 ran pipelining on NCCL only); on 2.10 and 2.11 the handshake of a
+V schedule sends to the own rank, which gloo cannot carry -- the stock run
+applies the two patches that only carry tensors over gloo
+(``stage_init_handshake``, ``p2p_to_own_rank``) and nothing else, each where
+its probe finds torch wrong; the probes decide, never a version string.
 
 Where stock torch trains a schedule wrongly (``_KNOWN_STOCK_BUGS``: torch 2.9's
 ``ScheduleDualPipeV`` leaves three stages' gradients unscaled), the patched
@@ -115,21 +116,21 @@ def _reference(n_stages: int) -> dict[str, Any]:
 _TRANSPORT_PATCHES = ("stage_init_handshake", "p2p_to_own_rank")
 
 
-def _apply_transport_patches_if_gloo_fails() -> list[str]:
-    """In the stock run: apply the transport patches where stock torch cannot run on gloo.
+def _apply_transport_patches() -> list[str]:
+    """In the stock run: the patches that only carry tensors over gloo, where their probes find torch wrong.
 
     gloo aborts the process (it does not raise) on a receive whose size does
     not match, which torch 2.9's stage-init handshake of every schedule
-    causes (int64 tensors into float32 buffers), so the stock run could not
-    run any schedule there.  Decided by the package's probe, on a rank with
-    the process group initialised.  Returns the patches applied.
+    causes (int64 tensors into float32 buffers), and it cannot carry a send to
+    the own rank at all ("Pair is not connected"), which the handshake of a
+    V schedule issues on 2.10 and 2.11, and ``_batch_p2p`` of a schedule with
+    adjacent stages on one rank.  Without these patches stock torch could not
+    run those schedules on gloo; they change no computation.  The package's
+    probes decide, on a rank with the process group initialised.  Returns the
+    patches applied.
     """
-    from torch_pipelining_ext._patching import _probes
     from torch_pipelining_ext._patching._table import _REGISTRY
 
-    handshake = _probes._recorded_handshake()
-    if handshake is None or len({dtype for dtype, _ in handshake}) == 1:
-        return []
     for p in _REGISTRY.patches():
         if p.name in _TRANSPORT_PATCHES:
             _REGISTRY._apply_one(p, {})
@@ -176,7 +177,7 @@ def _rank_main(rank: int, out_dir: str) -> None:
     store = dist.FileStore(os.path.join(out_dir, "store"), PP)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=PP, timeout=_PG_TIMEOUT)
     stock = os.environ.get("TORCH_PIPELINING_EXT_DISABLE") == "1"
-    transport = _apply_transport_patches_if_gloo_fails() if stock else []
+    transport = _apply_transport_patches() if stock else []
     results: dict[str, Any] = {
         "applied": [r.name for r in torch_pipelining_ext.patch_report() if r.status.value == "applied"],
         "transport_patches": transport,

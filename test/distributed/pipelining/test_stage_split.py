@@ -29,10 +29,12 @@ import torch_pipelining_ext
 from torch_pipelining_ext import stage_split as ss
 from torch_pipelining_ext._patching import Target
 from torch_pipelining_ext.stage_split import (
+    build_stage_module,
+    build_stage_modules,
     call_if_present,
     generate_module_names_per_stage,
     pipeline_module_split,
-    split_module,
+    resolve_schedule_class,
     stage_ids_this_rank,
 )
 
@@ -67,7 +69,7 @@ def _names(model: nn.Module, num_stages: int, gen_kwargs: dict) -> list[list[str
 
 
 def _split_all(model: nn.Module, names: list[list[str]], **kwargs) -> list[nn.Module]:
-    return ss._split_stages(model, names, range(len(names)), **kwargs)
+    return build_stage_modules(model, names, range(len(names)), **kwargs)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -91,7 +93,7 @@ class NoDeepCopy(nn.Linear):
     """A layer that fails if anyone deep-copies it."""
 
     def __deepcopy__(self, memo):
-        raise AssertionError("split_module deep-copied a module the stage does not keep")
+        raise AssertionError("build_stage_module deep-copied a module the stage does not keep")
 
 
 class TestSplitModule(TestCase):
@@ -188,7 +190,7 @@ class TestSplitModule(TestCase):
         # Modules the stage keeps may be copied; make those copyable.
         model[2].__class__ = nn.Linear
         model[3].__class__ = nn.Linear
-        stage = split_module(model, ["2", "3"])
+        stage = build_stage_module(model, ["2", "3"])
         self.assertEqual(list(stage._modules), ["2", "3"])
         self.assertEqual(set(stage.state_dict()), {"2.weight", "2.bias", "3.weight", "3.bias"})
         x = torch.randn(2, 4)
@@ -196,7 +198,7 @@ class TestSplitModule(TestCase):
 
     def test_nested_name_keeps_only_that_submodule(self):
         model = ToyLLM(n_layers=4)
-        stage = split_module(model, ["layers.3.attention"])
+        stage = build_stage_module(model, ["layers.3.attention"])
         self.assertEqual(
             set(stage.state_dict()),
             {f"layers.3.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")},
@@ -212,7 +214,7 @@ class TestSplitModule(TestCase):
     @parametrize("container", ["dict", "list"])
     def test_stage_without_layers_has_an_empty_container(self, container):
         model = ToyLLM(n_layers=2, container=container)
-        stage = split_module(model, ["norm", "output"])
+        stage = build_stage_module(model, ["norm", "output"])
         self.assertIs(type(stage.layers), type(model.layers))
         self.assertEqual(len(stage.layers), 0)
         self.assertIsNot(stage.layers, model.layers)
@@ -222,7 +224,7 @@ class TestSplitModule(TestCase):
 
     def test_sparse_module_list_keeps_indices(self):
         model = ToyLLM(n_layers=6, container="list")
-        stage = split_module(model, ["layers.2", "layers.4", "layers.5"])
+        stage = build_stage_module(model, ["layers.2", "layers.4", "layers.5"])
         self.assertIsInstance(stage.layers, nn.ModuleList)
         self.assertEqual(list(stage.layers._modules), ["2", "4", "5"])
         self.assertEqual(len(stage.layers), 3)
@@ -231,15 +233,15 @@ class TestSplitModule(TestCase):
 
     def test_sequential_model(self):
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-        first = split_module(model, ["0", "1", "2"])
-        second = split_module(model, ["3", "4"])
+        first = build_stage_module(model, ["0", "1", "2"])
+        second = build_stage_module(model, ["3", "4"])
         x = torch.randn(5, 4)
         torch.testing.assert_close(second(first(x)), model(x))
         self.assertEqual(set(second.state_dict()), {"4.weight", "4.bias"})
 
     def test_shared_parameters_within_a_stage_stay_shared(self):
         model = TiedLM()
-        stage = split_module(model, ["tok_embeddings", "output", "pos_embed"])
+        stage = build_stage_module(model, ["tok_embeddings", "output", "pos_embed"])
         self.assertIs(stage.tok_embeddings.weight, stage.output.weight)
         self.assertIsNot(stage.tok_embeddings.weight, model.tok_embeddings.weight)
         self.assertEqual(len(list(stage.parameters())), 2)
@@ -291,7 +293,7 @@ class TestSplitModule(TestCase):
         model.eval()
         calls = []
         model.register_forward_hook(lambda m, i, o: calls.append("orig"))
-        stage = split_module(model, ["tok_embeddings", "layers.0"])
+        stage = build_stage_module(model, ["tok_embeddings", "layers.0"])
         self.assertFalse(stage.training)
         stage.register_forward_hook(lambda m, i, o: calls.append("stage"))
         stage(torch.randint(0, 32, (1, 4)))
@@ -304,7 +306,7 @@ class TestSplitModule(TestCase):
         model = nn.Module()
         model.lin = nn.Linear(3, 3)
         model.register_buffer("scale", torch.ones(3))
-        stage = split_module(model, ["lin.weight", "scale"])
+        stage = build_stage_module(model, ["lin.weight", "scale"])
         self.assertEqual(set(stage.state_dict()), {"lin.weight", "scale"})
         self.assertIsNone(stage.lin.bias)
 
@@ -326,9 +328,9 @@ class TestSplitModule(TestCase):
 
     def test_move_then_split_again_names_the_removal(self):
         model = ToyLLM(n_layers=2)
-        split_module(model, ["tok_embeddings", "layers.0"], move=True)
+        build_stage_module(model, ["tok_embeddings", "layers.0"], move=True)
         with self.assertRaisesRegex(ValueError, r"'tok_embeddings' was removed from the model"):
-            split_module(model, ["tok_embeddings"])
+            build_stage_module(model, ["tok_embeddings"])
 
     def test_move_copies_replicated_modules(self):
         model = NestedToyLLM(n_layers=2)
@@ -350,28 +352,28 @@ class TestBadInput(TestCase):
     def test_unknown_name_suggests_close_match(self):
         model = ToyLLM(n_layers=4)
         with self.assertRaisesRegex(ValueError, r"'tok_embedding' names no submodule.*did you mean 'tok_embeddings'"):
-            split_module(model, ["tok_embedding"])
+            build_stage_module(model, ["tok_embedding"])
 
     def test_out_of_range_layer(self):
         model = ToyLLM(n_layers=4, container="list")
         with self.assertRaisesRegex(ValueError, r"'layers.99' names no.*'layers' \(ModuleList\) has entries 0\.\.3"):
-            split_module(model, ["layers.0", "layers.99"])
+            build_stage_module(model, ["layers.0", "layers.99"])
         with self.assertRaisesRegex(ValueError, r"'layers.3.attn' .*has children 'attention_norm', 'attention'"):
-            split_module(model, ["layers.3.attn"])
+            build_stage_module(model, ["layers.3.attn"])
 
     def test_names_must_be_a_sequence_of_strings(self):
         model = ToyLLM(n_layers=2)
         with self.assertRaisesRegex(TypeError, r"did you mean \['layers.0'\]"):
-            split_module(model, "layers.0")
+            build_stage_module(model, "layers.0")
         with self.assertRaisesRegex(TypeError, "module names must be strings"):
-            split_module(model, ["layers.0", 1])
+            build_stage_module(model, ["layers.0", 1])
         with self.assertRaisesRegex(ValueError, "empty name means the whole model"):
-            split_module(model, [""])
+            build_stage_module(model, [""])
 
     def test_empty_stage(self):
         model = ToyLLM(n_layers=2)
         with self.assertRaisesRegex(ValueError, "module_names is empty"):
-            split_module(model, [])
+            build_stage_module(model, [])
         with self.assertRaisesRegex(ValueError, "stage 1 is empty"):
             _split_all(model, [["tok_embeddings", "layers.0", "layers.1", "norm", "output"], []])
         with self.assertRaisesRegex(ValueError, "module_names_per_stage is empty"):
@@ -434,7 +436,7 @@ class TestBadInput(TestCase):
     def test_model_must_be_a_module(self):
         for bad in ("abc", None, 3):
             with self.assertRaisesRegex(TypeError, r"model must be an nn.Module, got " + type(bad).__name__):
-                split_module(bad, ["layers.0"])
+                build_stage_module(bad, ["layers.0"])
             with self.assertRaisesRegex(TypeError, "model must be an nn.Module"):
                 _split_all(bad, [["layers.0"]])
 
@@ -681,6 +683,21 @@ class TestPipelineModuleSplit(TestCase):
         self.assertIsNotNone(parts[0].tok_embeddings)
         self.assertIsNotNone(parts[1].output)
 
+    def test_prepare_part(self):
+        model = ToyLLM(n_layers=4)
+        seen = []
+
+        def prepare(part: nn.Module, stage_id: int, num_stages: int) -> nn.Module:
+            seen.append((stage_id, num_stages))
+            return nn.Sequential(part)
+
+        stages, parts = pipeline_module_split(
+            model, dist.group.WORLD, "Interleaved1F1B", "cpu", generate_module_names_per_stage(2, 4), prepare_part=prepare
+        )
+        self.assertEqual(seen, [(0, 2), (1, 2)])
+        self.assertTrue(all(isinstance(p, nn.Sequential) for p in parts))
+        self.assertEqual([s.submod for s in stages], parts)
+
     def test_errors_before_building(self):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import Schedule1F1B
@@ -705,6 +722,44 @@ class TestPipelineModuleSplit(TestCase):
             self.assertEqual(build.call_count, 0)
 
 
+class TestPublicNames(TestCase):
+    def test_split_module_is_a_deprecated_alias(self):
+        model = ToyLLM(n_layers=4)
+        with self.assertWarnsRegex(FutureWarning, "split_module is deprecated.*build_stage_module"):
+            old = ss.split_module(model, ["layers.1", "norm"])
+        new = build_stage_module(model, ["layers.1", "norm"])
+        self.assertIs(type(old), type(new))
+        self.assertEqual(old.state_dict().keys(), new.state_dict().keys())
+        for key, value in new.state_dict().items():
+            self.assertTrue(torch.equal(old.state_dict()[key], value), key)
+
+    def test_build_stage_modules_builds_only_the_given_stages(self):
+        model = ToyLLM(n_layers=4)
+        names = generate_module_names_per_stage(4, 4)
+        with mock.patch.object(ss, "_build_stage", wraps=ss._build_stage) as build:
+            parts = build_stage_modules(model, names, [2, 0])
+        self.assertEqual(build.call_count, 2)
+        self.assertEqual(set(parts[0].state_dict()), {k for n in names[2] for k in model.state_dict() if k.startswith(n + ".")})
+        self.assertIsNotNone(parts[1].tok_embeddings)
+        with self.assertRaisesRegex(ValueError, "stage id 4 out of range for 4 stages"):
+            build_stage_modules(model, names, [4])
+        with self.assertRaisesRegex(ValueError, "listed in stages"):
+            build_stage_modules(model, [names[0], names[0] + names[1]], [0])
+
+    def test_resolve_schedule_class(self):
+        from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
+
+        self.assertIs(resolve_schedule_class("Interleaved1F1B"), ScheduleInterleaved1F1B)
+        self.assertIs(resolve_schedule_class("ScheduleDualPipeV"), ScheduleDualPipeV)
+        self.assertIs(resolve_schedule_class(ScheduleDualPipeV), ScheduleDualPipeV)
+        with self.assertRaisesRegex(TypeError, "not a pipeline schedule class"):
+            resolve_schedule_class(nn.Linear)
+        with self.assertRaisesRegex(ValueError, "unknown pipeline schedule 'NoSuch'"):
+            resolve_schedule_class("NoSuch")
+        with self.assertRaisesRegex(TypeError, "schedule class or name"):
+            resolve_schedule_class(3)
+
+
 class TestPatch(TestCase):
     def test_reachable_under_torch_while_patched(self):
         import torch.distributed.pipelining as pipelining
@@ -716,9 +771,9 @@ class TestPatch(TestCase):
             self.assertIs(pipelining.stage_split, ss)
             mod = importlib.import_module("torch.distributed.pipelining.stage_split")
             self.assertIs(mod, ss)
-            from torch.distributed.pipelining.stage_split import split_module as imported
+            from torch.distributed.pipelining.stage_split import build_stage_module as imported
 
-            self.assertIs(imported, split_module)
+            self.assertIs(imported, build_stage_module)
             torch_pipelining_ext.unpatch()
             self.assertFalse(hasattr(pipelining, "stage_split"))
             self.assertNotIn("torch.distributed.pipelining.stage_split", sys.modules)
@@ -736,7 +791,7 @@ class TestPatch(TestCase):
         try:
             torch_pipelining_ext.unpatch()
             self.assertEqual(_probes._upstream_probe()[0], "needed")
-            with mock.patch.object(pipelining, "split_module", split_module, create=True):
+            with mock.patch.object(pipelining, "split_module", build_stage_module, create=True):
                 self.assertEqual(_probes._upstream_probe()[0], "upstream")
             with mock.patch.dict(pipelining.__dict__):
                 del pipelining.PipelineStage

@@ -91,7 +91,7 @@ class StageSplitGlooTest(PipelineMultiProcTest):
         names = generate_module_names_per_stage(num_stages, num_layers, **gen_kwargs)
 
         if source == "copy":
-            whole = ref  # split_module copies: the reference stays intact
+            whole = ref  # build_stage_module copies: the reference stays intact
         else:  # build on meta, split (moving), materialise, load the full checkpoint
             whole = self._build(kind, num_layers, meta=True)
         group = self._pipeline_group(pp, use_mesh)

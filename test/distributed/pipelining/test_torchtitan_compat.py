@@ -27,6 +27,9 @@ import importlib.util
 import sys
 import threading
 import types
+import os
+import subprocess
+import sys
 import unittest
 from collections.abc import Iterator
 from typing import Any
@@ -176,6 +179,30 @@ class CaptureApplyTest(TestCase):
 
     def test_registered_once(self) -> None:
         self.assertIs(_torchtitan_compat.register(), _torchtitan_compat.register())
+
+    def test_registered_with_the_patches_only(self) -> None:
+        from torch_pipelining_ext.overlap import _marks
+
+        def registered() -> bool:
+            return any(hook == (_capture, _apply) for hook in _marks._thread_state_hooks.values())
+
+        self.assertTrue(registered())
+        try:
+            torch_pipelining_ext.unpatch()
+            self.assertFalse(registered())
+        finally:
+            torch_pipelining_ext.patch()
+        self.assertTrue(registered())
+        # importing with TORCH_PIPELINING_EXT_DISABLE=1 registers nothing
+        code = (
+            "import torch_pipelining_ext\n"
+            "from torch_pipelining_ext.overlap import _marks\n"
+            "print(len(_marks._thread_state_hooks))\n"
+        )
+        env = {**os.environ, "TORCH_PIPELINING_EXT_DISABLE": "1"}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(done.stdout.strip(), "0")
 
 
 _THREADS: set[str] = set()  # the threads _MeshScaled.forward ran on

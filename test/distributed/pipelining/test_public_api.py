@@ -1,0 +1,152 @@
+# Owner(s): ["oncall: distributed"]
+"""The package's public face: what the README documents exists, and the demo,
+the tools and the docs use public names only.
+
+* Every ``torch_pipelining_ext.<name>`` the README, CONTRIBUTING and the docs
+  mention (dotted references and the imports of their code blocks) resolves,
+  and every public module lists what it exports in ``__all__``.
+* No Python file of ``tools/`` or ``torch_pipelining_ext/demo/`` and no code
+  block of the docs imports a private name of the package (a module or a name
+  that starts with ``_``); the demo's own private modules
+  (``torch_pipelining_ext.demo._*``) are allowed inside ``demo/`` only.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+import torch_pipelining_ext
+
+
+REPO = Path(__file__).resolve().parents[3]
+PACKAGE = "torch_pipelining_ext"
+DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
+# tools/upstream/NNNN-*/ hold upstream's files (they import torch only)
+CODE = sorted(p for p in (REPO / "tools").rglob("*.py") if not re.match(r"\d{4}-", p.parent.name)) + sorted(
+    (REPO / PACKAGE / "demo").rglob("*.py")
+)
+PUBLIC_MODULES = (
+    "torch_pipelining_ext",
+    "torch_pipelining_ext.ep_overlap",
+    "torch_pipelining_ext.hf",
+    "torch_pipelining_ext.overlap",
+    "torch_pipelining_ext.plan",
+    "torch_pipelining_ext.runtime",
+    "torch_pipelining_ext.sim",
+    "torch_pipelining_ext.sim.plan",
+    "torch_pipelining_ext.simulate",
+    "torch_pipelining_ext.stage_split",
+)
+
+
+def _code_blocks(text: str) -> list[str]:
+    """The Python code blocks of a Markdown text (```python ... ```)."""
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def _imports(source: str) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) of every import of the package in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.split(".")[0] == PACKAGE]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == PACKAGE:
+                found += [(node.module, a.name) for a in node.names]
+    return found
+
+
+def _private_parts(module: str, name: str | None) -> list[str]:
+    parts = module.split(".")[1:] + ([name] if name else [])
+    return [p for p in parts if p.startswith("_") and not (p.startswith("__") and p.endswith("__"))]
+
+
+def _resolve(dotted: str) -> object:
+    """The object ``dotted`` names: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+class PublicApiTest(TestCase):
+    def test_documented_names_exist(self) -> None:
+        checked = 0
+        for doc in DOCS:
+            text = doc.read_text()
+            names = set(re.findall(r"\btorch_pipelining_ext(?:\.[A-Za-z_]\w*)+", text))
+            for block in _code_blocks(text):
+                for module, name in _imports(block):
+                    names.add(f"{module}.{name}" if name else module)
+            for dotted in sorted(names):
+                if _private_parts(dotted, None):
+                    continue  # the Layout sections name private modules: they are files, checked below
+                with self.subTest(doc=doc.name, name=dotted):
+                    _resolve(dotted.removesuffix(".py"))
+                    checked += 1
+        self.assertGreater(checked, 10)
+
+    def test_public_modules_have_all(self) -> None:
+        for name in PUBLIC_MODULES:
+            with self.subTest(module=name):
+                module = importlib.import_module(name)
+                exported = getattr(module, "__all__", None)
+                self.assertIsNotNone(exported, f"{name} has no __all__")
+                for attr in exported:
+                    self.assertTrue(hasattr(module, attr), f"{name}.__all__ names {attr!r}, which it lacks")
+                    obj = getattr(module, attr)
+                    if callable(obj) and not isinstance(obj, type(torch_pipelining_ext)):
+                        self.assertTrue(getattr(obj, "__doc__", None), f"{name}.{attr} has no docstring")
+
+    def test_aliases_are_the_same_modules(self) -> None:
+        import torch_pipelining_ext.ep_overlap as ep_overlap
+        import torch_pipelining_ext.overlap as overlap
+        import torch_pipelining_ext.plan as plan
+        import torch_pipelining_ext.sim as sim
+        import torch_pipelining_ext.sim.plan as sim_plan
+        import torch_pipelining_ext.simulate as simulate
+
+        self.assertIs(ep_overlap, overlap)
+        self.assertIs(simulate, sim)
+        self.assertIs(plan, sim_plan)
+
+    def test_layout_paths_exist(self) -> None:
+        """Every package file the README's Layout section names exists."""
+        text = (REPO / "README.md").read_text()
+        layout = re.search(r"^## Layout\n\n```\n(.*?)^```", text, flags=re.S | re.M)
+        self.assertIsNotNone(layout, "README.md has no Layout section with a code block")
+        for path in re.findall(r"(?m)^\s*(\S+\.py|\S+/)\s", layout.group(1)):
+            with self.subTest(path=path):
+                candidates = [REPO / PACKAGE / path, REPO / path]
+                self.assertTrue(any(c.exists() for c in candidates), f"{path} (README Layout) does not exist")
+
+    def test_tools_demo_and_docs_use_public_names(self) -> None:
+        offenders = []
+        sources = [(p, p.read_text()) for p in CODE]
+        sources += [(doc, block) for doc in DOCS for block in _code_blocks(doc.read_text())]
+        for path, source in sources:
+            in_demo = (REPO / PACKAGE / "demo") in path.parents
+            for module, name in _imports(source):
+                private = _private_parts(module, name)
+                if in_demo and module.startswith(f"{PACKAGE}.demo") and private and module.split(".")[1] == "demo":
+                    continue
+                if private:
+                    where = path.relative_to(REPO)
+                    offenders.append(f"{where}: {module}{'.' + name if name else ''}")
+        self.assertEqual(offenders, [], "private names of the package imported:\n" + "\n".join(offenders))
+        self.assertGreater(len(sources), 10)
+
+
+if __name__ == "__main__":
+    run_tests()
