@@ -694,7 +694,7 @@ def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test", "distributed", "pipelining"))
     from model_registry import MoEModelArgs, MoETransformer  # the tests' toy MoE with marked all-to-alls
-    from torch_pipelining_ext.stage_split import split_module
+    from torch_pipelining_ext.stage_split import build_stage_module
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -716,7 +716,7 @@ def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
     model = MoETransformer(margs, ep_group=ep_group)
     stage_ids = [pp_rank, _EP_STAGES - 1 - pp_rank]
     stages = [
-        PipelineStage(split_module(model, fqns[i]), i, _EP_STAGES, torch.device("cpu"), group=pp_group) for i in stage_ids
+        PipelineStage(build_stage_module(model, fqns[i]), i, _EP_STAGES, torch.device("cpu"), group=pp_group) for i in stage_ids
     ]
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -923,8 +923,8 @@ def _pipeline_split(
 ) -> tuple[list[PipelineStage], list[nn.Module]]:
     """:func:`pipeline_module_split`, with a hook for model-specific wrappers.
 
-    ``prepare_part(part, stage_id, num_stages)`` (e.g. the Hugging Face stage
-    wrapper of :mod:`torch_pipelining_ext.hf`) turns each built stage model
+    ``prepare_part(part, stage_id, num_stages)`` (e.g. a model family's stage
+    wrapper) turns each built stage model
     into the module the ``PipelineStage`` runs.
     """
     from torch.distributed.pipelining import PipelineStage

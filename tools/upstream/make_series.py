@@ -226,15 +226,7 @@ SERIES: tuple[Patch, ...] = (
     Patch(
         "0006-stage-split",
         (
-            NewModule(
-                "stage_split.py",
-                "stage_split.py",
-                substitute=(
-                    ("(e.g. the Hugging Face stage\n    wrapper of :mod:`torch_pipelining_ext.hf`)", "(e.g. a model family's stage\n    wrapper)"),
-                    # the header of the probe section that moved to _patching/_probes.py (to go from stage_split.py)
-                    ("\n\n# " + "-" * 75 + "\n# Patch probe (see torch_pipelining_ext/_patches.py)\n# " + "-" * 75 + "\n", ""),
-                ),
-            ),
+            NewModule("stage_split.py", "stage_split.py"),
         ),
     ),
     Patch("0007-runtime-per-action-functions", (HandWritten("patch.diff"),)),

@@ -321,13 +321,13 @@ def _stage_split_patch() -> Patch:
     return Patch(
         name="stage_split",
         targets=(
-            # `from torch.distributed.pipelining.stage_split import split_module`
+            # `from torch.distributed.pipelining.stage_split import build_stage_module`
             Target("sys", "modules", make=module, key=f"{_PIPELINING}.stage_split"),
-            # `torch.distributed.pipelining.stage_split.split_module`
+            # `torch.distributed.pipelining.stage_split.build_stage_module`
             Target(_PIPELINING, "stage_split", make=module),
         ),
         probe=_probe("_upstream_probe"),
-        description="split_module / pipeline_module_split: build pipeline stages by module FQN",
+        description="build_stage_module / pipeline_module_split: build pipeline stages by module FQN",
         upstream="torch/distributed/pipelining/stage_split.py (new)",
     )
 

@@ -284,7 +284,7 @@ def fully_shard_stage(stage: FSDPMLPStage, mesh: object) -> FSDPMLPStage:
 # marks (MoEModelArgs.comm_boundaries=False: no marks).  Without an ep_group
 # every expert is local: the same seed gives the single-process reference.
 # Blocks live in ``layers`` (an nn.ModuleDict keyed by the global layer
-# index), so stage_split.split_module keeps the full model's names.
+# index), so stage_split.build_stage_module keeps the full model's names.
 
 
 @dataclasses.dataclass

@@ -53,7 +53,7 @@ import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext.overlap import _handler as _overlap
 from torch_pipelining_ext.overlap._install import default_overlap_f_b
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
-from torch_pipelining_ext.stage_split import split_module
+from torch_pipelining_ext.stage_split import build_stage_module
 
 from common_pipelining import (
     check_on_all_ranks,
@@ -201,7 +201,7 @@ class _Pipeline:
         else:
             self.stage_ids = [pp_rank, pp_rank + PP]
         model = _build_model(ep_group, device)
-        self.parts = [split_module(model, STAGE_MODULES[i]) for i in self.stage_ids]
+        self.parts = [build_stage_module(model, STAGE_MODULES[i]) for i in self.stage_ids]
         for part in self.parts:
             if random_ops:
                 for block in part.layers.values():

@@ -58,7 +58,7 @@ import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext.overlap import _handler as _overlap
 from torch_pipelining_ext.overlap._install import default_overlap_f_b
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
-from torch_pipelining_ext.stage_split import split_module
+from torch_pipelining_ext.stage_split import build_stage_module
 
 
 DIM = 16
@@ -227,7 +227,7 @@ class ScheduleSingleRankTest(_OneRankTestCase):
         reference = MoETransformer(MOE_ARGS).to(dev)
         runs = {}
         for mode in ("overlap", "sequential"):
-            parts = [split_module(model, names).to(dev) for names in MOE_STAGES]
+            parts = [build_stage_module(model, names).to(dev) for names in MOE_STAGES]
             schedule = _build(sched.ScheduleDualPipeV, parts, dev, token_cross_entropy)
             if mode == "sequential":
                 schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)

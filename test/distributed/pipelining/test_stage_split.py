@@ -791,7 +791,7 @@ class TestPatch(TestCase):
         try:
             torch_pipelining_ext.unpatch()
             self.assertEqual(_probes._upstream_probe()[0], "needed")
-            with mock.patch.object(pipelining, "split_module", build_stage_module, create=True):
+            with mock.patch.object(pipelining, "build_stage_module", build_stage_module, create=True):
                 self.assertEqual(_probes._upstream_probe()[0], "upstream")
             with mock.patch.dict(pipelining.__dict__):
                 del pipelining.PipelineStage
