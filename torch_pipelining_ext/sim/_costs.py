@@ -9,7 +9,7 @@ turns it into a step time, it measures nothing.
   and the bytes a stage sends to its neighbour.
 * :class:`LinkCost` -- pipeline send/recv latency and bandwidth.
 * :class:`OverlapModel` -- how an OVERLAP_F_B action runs (see
-  [Note: the OVERLAP_F_B model] in ``_sim_engine.py``).
+  [Note: the OVERLAP_F_B model] in ``_engine.py``).
 * :class:`LayerCost` and :func:`stage_costs_from_layers` -- per-layer costs
   summed by a stage split.
 * :class:`Hardware`, :data:`HARDWARE_PRESETS`, :class:`ModelShape` and
@@ -24,6 +24,8 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from torch_pipelining_ext.overlap._policy import HAND_OVER_MIN_REGION_S
 
 
 __all__ = [
@@ -148,17 +150,18 @@ class OverlapModel:
         streams: True on accelerators (each stage has its own stream, a pair
             without marks stays concurrent); False on CPU, where a stage pair
             whose concurrent run passed no mark runs sequentially for the rest
-            of the step (the unmarked-pair rule of ``_overlap.py``).
+            of the step (the unmarked-pair rule of ``overlap/_handler.py``).
         handover: seconds a thread needs to resume computing after waiting
             for the other (0 on a device; tens of microseconds on CPU).
         min_region: a region shorter than this does not make its side wait for
-            the other's next region before computing on (``_HAND_OVER_MIN_REGION_S``).
+            the other's next region before computing on (default: the
+            coordinator's threshold, see [Note: the hand-over policy]).
     """
 
     enabled: bool = True
     streams: bool = True
     handover: float = 0.0
-    min_region: float = 0.5e-3
+    min_region: float = HAND_OVER_MIN_REGION_S
 
 
 # --------------------------------------------------------------------------- #
