@@ -28,18 +28,6 @@ from typing import Any
 from torch_pipelining_ext.overlap._policy import HAND_OVER_MIN_REGION_S
 
 
-__all__ = [
-    "HARDWARE_PRESETS",
-    "Hardware",
-    "LayerCost",
-    "LinkCost",
-    "ModelShape",
-    "OverlapModel",
-    "StageCost",
-    "layer_costs",
-    "stage_costs_from_layers",
-]
-
 Segments = tuple[float, ...]
 
 
@@ -137,6 +125,7 @@ class LinkCost:
     post_overhead: float = 0.0
 
     def time(self, nbytes: float) -> float:
+        """Seconds one message of ``nbytes`` bytes takes once it has started."""
         return self.latency + (nbytes / self.bandwidth if nbytes else 0.0)
 
 
@@ -190,6 +179,7 @@ class LayerCost:
 
     @property
     def has_comm(self) -> bool:
+        """Whether the layer has expert-parallel all-to-alls (an MoE layer)."""
         return self.dispatch > 0 or self.combine > 0
 
 
@@ -290,6 +280,7 @@ class Hardware:
     a2a_latency: float = 30e-6
 
     def with_overrides(self, **overrides: Any) -> Hardware:
+        """A copy with the fields in ``overrides`` replaced."""
         return dataclasses.replace(self, **overrides)
 
 
@@ -338,6 +329,7 @@ class ModelShape:
 
     @staticmethod
     def from_hf_config(config: Any) -> ModelShape:
+        """The shape of a ``transformers`` config, or of a dict of its fields (``config.json``)."""
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
             lambda k, d=None: getattr(config, k, d)
         )
@@ -372,9 +364,11 @@ class ModelShape:
         )
 
     def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` has routed experts."""
         return self.num_experts > 0 and index >= self.first_dense_layers and (index % self.moe_layer_freq) == 0
 
     def attention_params(self) -> float:
+        """Parameters of one layer's attention."""
         h = self.hidden_size
         if self.kv_lora_rank:
             q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * self.head_dim if self.q_lora_rank else (
@@ -387,6 +381,7 @@ class ModelShape:
         return h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 
     def mlp_active_params(self, index: int) -> float:
+        """Parameters of layer ``index``'s MLP that one token uses (routed top-k and shared experts)."""
         if self.is_moe_layer(index):
             return 3 * self.hidden_size * self.moe_intermediate_size * (self.top_k + self.shared_experts)
         return 3 * self.hidden_size * self.intermediate_size

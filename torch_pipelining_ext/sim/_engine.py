@@ -19,13 +19,11 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch_pipelining_ext.sim._costs import LinkCost, OverlapModel, Segments, StageCost
 from torch_pipelining_ext.overlap._policy import hands_over, may_compute_on, may_open, may_start
 from torch_pipelining_ext.overlap._turns import _Side as Side  # the coordinator's two sides
+from torch_pipelining_ext.sim._costs import LinkCost, OverlapModel, Segments, StageCost
 from torch_pipelining_ext.sim._schedule import kind
 
-
-__all__ = ["ActionRecord", "RankSummary", "SimulationResult", "run_simulation"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +93,11 @@ class SimulationResult:
 
     @property
     def peak_activation_bytes(self) -> float:
+        """The most activation bytes alive at once on any rank."""
         return max(r.peak_activation_bytes for r in self.ranks)
 
     def summary(self) -> str:
+        """A few lines for a person: the step time and each rank's totals."""
         lines = [f"predicted step time {self.step_time:.6g} s, mean bubble {self.bubble_fraction:.1%}"]
         for r in self.ranks:
             lines.append(

@@ -213,6 +213,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> list[Candidate]:
+    """The command line: parse ``argv``, plan, print the best candidates; returns every candidate."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.config:
