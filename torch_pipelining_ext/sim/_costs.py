@@ -458,3 +458,50 @@ def layer_costs(
         activation_bytes=tokens * shape.vocab_size * 4 / tp,
     )
     return out, embed, head
+
+
+# --------------------------------------------------------------------------- #
+# Parameters and static memory                                                 #
+# --------------------------------------------------------------------------- #
+
+
+def even_layer_split(n_layers: int, n_stages: int) -> list[int]:
+    """Layers per stage, as even as possible: the first stage holds the embedding, the last the head,
+    so the remainder goes to the middle stages."""
+    base, extra = divmod(n_layers, n_stages)
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - (n_stages - 1) / 2)))
+    out = [base] * n_stages
+    for s in order[:extra]:
+        out[s] += 1
+    return out
+
+
+def stage_params(shape: ModelShape, layers_per_stage: Sequence[int], ep: int) -> list[tuple[float, float]]:
+    """(dense, expert) parameters each stage holds on one GPU; experts are sharded over ``ep``."""
+    out, start = [], 0
+    for s, count in enumerate(layers_per_stage):
+        dense = experts = 0.0
+        for i in range(start, start + count):
+            dense += shape.attention_params()
+            if shape.is_moe_layer(i):
+                dense += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.shared_experts
+                experts += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.num_experts / ep
+            else:
+                dense += 3 * shape.hidden_size * shape.intermediate_size
+        if s == 0 or s == len(layers_per_stage) - 1:
+            dense += shape.vocab_size * shape.hidden_size
+        out.append((dense, experts))
+        start += count
+    return out
+
+
+def static_memory_bytes(params: Sequence[tuple[float, float]], dp: int, ep: int) -> float:
+    """Bytes one GPU keeps for the (dense, expert) parameters of its stages, activations aside.
+
+    bf16 weights and fp32 gradients; fp32 master weights and Adam moments
+    sharded (ZeRO-1) over the data-parallel ranks holding the same copy: DP
+    for dense parameters, DP / EP for experts.
+    """
+    dense = sum(d for d, _ in params)
+    experts = sum(e for _, e in params)
+    return (dense + experts) * (2 + 4) + dense * 12 / dp + experts * 12 / (dp // ep)
