@@ -168,14 +168,14 @@ class LayerCost:
     backward first).  ``dispatch = combine = 0`` is a dense layer.
     """
 
-    forward: float
-    backward_input: float
-    backward_weight: float
-    dispatch: float = 0.0
-    combine: float = 0.0
-    expert_fraction: float = 0.5
-    activation_bytes: float = 0.0
-    output_bytes: float = 0.0
+    forward: float  # compute of F
+    backward_input: float  # compute of I
+    backward_weight: float  # compute of W
+    dispatch: float = 0.0  # the dispatch all-to-all (and its backward)
+    combine: float = 0.0  # the combine all-to-all (and its backward)
+    expert_fraction: float = 0.5  # the experts' share of forward and backward_input
+    activation_bytes: float = 0.0  # kept alive per microbatch until its backward
+    output_bytes: float = 0.0  # the layer's output (what a stage ending here sends)
 
     @property
     def has_comm(self) -> bool:
