@@ -46,9 +46,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from torch_pipelining_ext import overlap as ep_overlap  # noqa: E402
-from torch_pipelining_ext._schedule_runtime import perform_action, sequential_overlap_f_b  # noqa: E402
-from torch_pipelining_ext.sim._schedule import kind, schedule_order  # noqa: E402
-from torch_pipelining_ext.sim import LinkCost, OverlapModel, StageCost, simulate  # noqa: E402
+from torch_pipelining_ext.runtime import perform_action, sequential_overlap_f_b  # noqa: E402
+from torch_pipelining_ext.sim import (  # noqa: E402
+    LinkCost,
+    OverlapModel,
+    StageCost,
+    build_schedule,
+    kind,
+    schedule_order,
+    simulate,
+)
 
 
 # (label, torch schedule name, stages per rank, overlap handler)
@@ -309,7 +316,7 @@ def _stage_costs(
     return out
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--tokens", type=int, default=384, help="rows per microbatch")
@@ -321,9 +328,11 @@ def main() -> None:
     p.add_argument("--max-err-iqr", type=float, default=0.10,
                    help="a case whose per-step errors' interquartile range exceeds this is unmeasurable")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the ranks' results")
-    args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    world = 2
+    return p.parse_args()
+
+
+def _run_ranks(args: argparse.Namespace, world: int) -> tuple[float, list[Any]]:
+    """Run every case on ``world`` spawned ranks; rank 0's (p2p latency, rows)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -344,8 +353,39 @@ def main() -> None:
                 raise SystemExit(f"calibrate_simulator: {what} (see the traceback above)")
     for pr in procs:
         pr.join(timeout=60)
-    from torch_pipelining_ext.sim._schedule import build_schedule
+    return link, rows
 
+
+def _predict_case(
+    args: argparse.Namespace, world: int, link: float, name: str, v: int, overlap: bool | None,
+    steps: list[float], gathered: list[Any], order: dict[int, list[Any]], stage_to_rank: dict[int, int],
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per measured step: the prediction, its error, the post overhead and the fixed time."""
+    n_stages = len(stage_to_rank)
+    log = [entry for _, g, _ in gathered for entry in g]
+    every = _durations(log, stage_to_rank, link)
+    model = OverlapModel(enabled=overlap is not False, streams=False, handover=args.handover_us * 1e-6)
+    sched = build_schedule(name, world, args.microbatches, v)
+    # each step is predicted from its own actions' times: load that changes between steps cancels out
+    predicted, errors, posts, fixeds = [], [], [], []
+    for step, measured_step in enumerate(steps):
+        mine = [e for e in log if e[0] == step]
+        costs = _stage_costs(_durations(mine, stage_to_rank, link), n_stages, args.latency_ms / 1e3, every)
+        post, fixed = _post_overhead(mine, order), _fixed_time(gathered, step)
+        link_cost = LinkCost(latency=link, post_overhead=post)
+        pred = simulate(sched, costs, link=link_cost, overlap=model).step_time + fixed
+        predicted.append(pred)
+        errors.append((pred - measured_step) / measured_step)
+        posts.append(post)
+        fixeds.append(fixed)
+    return predicted, errors, posts, fixeds
+
+
+def main() -> None:
+    args = _parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world = 2
+    link, rows = _run_ranks(args, world)
     print(f"PP=2 gloo ranks, 1 thread each, dim {args.dim}, {args.tokens} rows/microbatch, "
           f"{args.microbatches} microbatches, EP stand-in {args.latency_ms:g} ms per region, "
           f"measured p2p {link * 1e3:.3f} ms; step times are medians of {args.steps} steps")
@@ -356,24 +396,7 @@ def main() -> None:
         if steps is None:
             print(f"{label:<24}{'-':>11}{'-':>8}{'-':>8}{'-':>9}{'-':>12}{'-':>8}{'-':>8}  unmeasurable ({rest[0]})")
             continue
-        gathered, order, stage_to_rank = rest
-        n_stages = len(stage_to_rank)
-        log = [entry for _, g, _ in gathered for entry in g]
-        every = _durations(log, stage_to_rank, link)
-        model = OverlapModel(enabled=overlap is not False, streams=False, handover=args.handover_us * 1e-6)
-        sched = build_schedule(name, world, args.microbatches, v)
-        # each step is predicted from its own actions' times: load that changes between steps cancels out
-        predicted, errors, posts, fixeds = [], [], [], []
-        for step, measured_step in enumerate(steps):
-            mine = [e for e in log if e[0] == step]
-            costs = _stage_costs(_durations(mine, stage_to_rank, link), n_stages, args.latency_ms / 1e3, every)
-            post, fixed = _post_overhead(mine, order), _fixed_time(gathered, step)
-            link_cost = LinkCost(latency=link, post_overhead=post)
-            pred = simulate(sched, costs, link=link_cost, overlap=model).step_time + fixed
-            predicted.append(pred)
-            errors.append((pred - measured_step) / measured_step)
-            posts.append(post)
-            fixeds.append(fixed)
+        predicted, errors, posts, fixeds = _predict_case(args, world, link, name, v, overlap, steps, *rest)
         measured = statistics.median(steps)
         spread = (max(steps) - min(steps)) / measured
         err = statistics.median(errors)
@@ -391,7 +414,6 @@ def main() -> None:
             f"{statistics.median(fixeds):>9.4f}{statistics.median(predicted):>12.4f}{err:>+8.1%}{iqr:>8.1%}  {verdict}"
         )
     print(f"cases={len(rows)} within_10pct={within}")
-
 
 if __name__ == "__main__":
     main()

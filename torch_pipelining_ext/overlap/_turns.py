@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
+from torch_pipelining_ext.overlap import _policy
 from torch_pipelining_ext.overlap._rng import _RNGDevices, _RNGWindows
 
 
@@ -30,10 +31,7 @@ __all__ = ["CommWaitTimeoutError", "DEFAULT_WAIT_TIMEOUT_S", "TIMEOUT_ENV"]
 
 TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
 DEFAULT_WAIT_TIMEOUT_S = 600.0
-# A side hands the processor over after a region only if the region took at
-# least this long: waking the other thread costs tens to hundreds of
-# microseconds, more than a shorter region can hide.
-_HAND_OVER_MIN_REGION_S = 0.5e-3
+_HAND_OVER_MIN_REGION_S = _policy.HAND_OVER_MIN_REGION_S  # see [Note: the hand-over policy]
 _timeout_s: float | None = None  # set_wait_timeout(); None: environment or default
 
 
@@ -191,7 +189,8 @@ class _CommCoordinator:
             self._wait(
                 side,
                 where,
-                lambda: self._turn == side or self._stopped or other.state is _TurnState.DONE or other.regions > 0,
+                lambda: self._stopped
+                or _policy.may_start(self._turn == side, other.regions, other.state is _TurnState.DONE),
                 f"for the {side.other.thread_name} thread to start communicating before computing",
             )
             self._sides[side].state = _TurnState.COMPUTING
@@ -231,12 +230,13 @@ class _CommCoordinator:
             me.depth -= 1
             if me.depth == 0:
                 self._release(side, _TurnState.COMPUTING)
-                if self._clock() - me.opened_at >= self._hand_over_min_region_s:
-                    target = other.regions + 1
+                if _policy.hands_over(self._clock() - me.opened_at, self._hand_over_min_region_s):
+                    at_hand_over = other.regions
                     self._wait(
                         side,
                         where,
-                        lambda: self._stopped or other.state is _TurnState.DONE or other.regions >= target,
+                        lambda: self._stopped
+                        or _policy.may_compute_on(other.regions, at_hand_over, other.state is _TurnState.DONE),
                         f"for the {side.other.thread_name} thread to start communicating before computing on",
                     )
             if not self._in_comm(side):
@@ -319,7 +319,7 @@ class _CommCoordinator:
 
     def _may_open(self, side: _Side) -> bool:
         other = self._sides[side.other]
-        return self._stopped or (other.depth == 0 and (self._turn == side or other.state is _TurnState.DONE))
+        return self._stopped or _policy.may_open(self._turn == side, other.depth > 0, other.state is _TurnState.DONE)
 
     def _release(self, side: _Side, state: _TurnState) -> None:
         """``side`` leaves its outermost region for ``state``; the turn passes to the other side."""

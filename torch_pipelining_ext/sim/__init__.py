@@ -39,7 +39,7 @@ from torch_pipelining_ext.sim._costs import (
     stage_costs_from_layers,
 )
 from torch_pipelining_ext.sim._engine import ActionRecord, RankSummary, SimulationResult, overlap_pair, run_simulation
-from torch_pipelining_ext.sim._schedule import build_schedule, order_from_csv, schedule_order
+from torch_pipelining_ext.sim._schedule import build_schedule, kind, order_from_csv, schedule_order
 from torch_pipelining_ext.sim._timeline import chrome_trace, plot_timeline, write_chrome_trace
 
 
@@ -56,13 +56,13 @@ __all__ = [
     "StageCost",
     "build_schedule",
     "chrome_trace",
+    "kind",
     "layer_costs",
     "overlap_pair",
     "plot_timeline",
     "schedule_order",
     "simulate",
     "simulate_schedule",
-    "stage_count",
     "stage_costs_from_layers",
     "write_chrome_trace",
 ]
@@ -115,13 +115,4 @@ def simulate_schedule(
     """Build torch's ``schedule`` for ``pp`` ranks (see :func:`build_schedule`) and simulate it."""
     sched = build_schedule(schedule, pp, n_microbatches, stages_per_rank, **schedule_kwargs)
     return simulate(sched, costs, link=link, overlap=overlap)
-
-
-def stage_count(schedule: str | type, pp: int, stages_per_rank: int | None = None) -> int:
-    """How many stages :func:`build_schedule` gives ``schedule`` on ``pp`` ranks."""
-    from torch_pipelining_ext.sim._schedule import _is_single, _schedule_class
-
-    if _is_single(_schedule_class(schedule)):
-        return pp
-    return pp * (2 if stages_per_rank is None else stages_per_rank)
 

@@ -9,7 +9,7 @@ turns it into a step time, it measures nothing.
   and the bytes a stage sends to its neighbour.
 * :class:`LinkCost` -- pipeline send/recv latency and bandwidth.
 * :class:`OverlapModel` -- how an OVERLAP_F_B action runs (see
-  [Note: the OVERLAP_F_B model] in ``_sim_engine.py``).
+  [Note: the OVERLAP_F_B model] in ``_engine.py``).
 * :class:`LayerCost` and :func:`stage_costs_from_layers` -- per-layer costs
   summed by a stage split.
 * :class:`Hardware`, :data:`HARDWARE_PRESETS`, :class:`ModelShape` and
@@ -25,18 +25,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torch_pipelining_ext.overlap._policy import HAND_OVER_MIN_REGION_S
 
-__all__ = [
-    "HARDWARE_PRESETS",
-    "Hardware",
-    "LayerCost",
-    "LinkCost",
-    "ModelShape",
-    "OverlapModel",
-    "StageCost",
-    "layer_costs",
-    "stage_costs_from_layers",
-]
 
 Segments = tuple[float, ...]
 
@@ -135,6 +125,7 @@ class LinkCost:
     post_overhead: float = 0.0
 
     def time(self, nbytes: float) -> float:
+        """Seconds one message of ``nbytes`` bytes takes once it has started."""
         return self.latency + (nbytes / self.bandwidth if nbytes else 0.0)
 
 
@@ -148,17 +139,18 @@ class OverlapModel:
         streams: True on accelerators (each stage has its own stream, a pair
             without marks stays concurrent); False on CPU, where a stage pair
             whose concurrent run passed no mark runs sequentially for the rest
-            of the step (the unmarked-pair rule of ``_overlap.py``).
+            of the step (the unmarked-pair rule of ``overlap/_handler.py``).
         handover: seconds a thread needs to resume computing after waiting
             for the other (0 on a device; tens of microseconds on CPU).
         min_region: a region shorter than this does not make its side wait for
-            the other's next region before computing on (``_HAND_OVER_MIN_REGION_S``).
+            the other's next region before computing on (default: the
+            coordinator's threshold, see [Note: the hand-over policy]).
     """
 
     enabled: bool = True
     streams: bool = True
     handover: float = 0.0
-    min_region: float = 0.5e-3
+    min_region: float = HAND_OVER_MIN_REGION_S
 
 
 # --------------------------------------------------------------------------- #
@@ -176,17 +168,18 @@ class LayerCost:
     backward first).  ``dispatch = combine = 0`` is a dense layer.
     """
 
-    forward: float
-    backward_input: float
-    backward_weight: float
-    dispatch: float = 0.0
-    combine: float = 0.0
-    expert_fraction: float = 0.5
-    activation_bytes: float = 0.0
-    output_bytes: float = 0.0
+    forward: float  # compute of F
+    backward_input: float  # compute of I
+    backward_weight: float  # compute of W
+    dispatch: float = 0.0  # the dispatch all-to-all (and its backward)
+    combine: float = 0.0  # the combine all-to-all (and its backward)
+    expert_fraction: float = 0.5  # the experts' share of forward and backward_input
+    activation_bytes: float = 0.0  # kept alive per microbatch until its backward
+    output_bytes: float = 0.0  # the layer's output (what a stage ending here sends)
 
     @property
     def has_comm(self) -> bool:
+        """Whether the layer has expert-parallel all-to-alls (an MoE layer)."""
         return self.dispatch > 0 or self.combine > 0
 
 
@@ -287,6 +280,7 @@ class Hardware:
     a2a_latency: float = 30e-6
 
     def with_overrides(self, **overrides: Any) -> Hardware:
+        """A copy with the fields in ``overrides`` replaced."""
         return dataclasses.replace(self, **overrides)
 
 
@@ -335,6 +329,7 @@ class ModelShape:
 
     @staticmethod
     def from_hf_config(config: Any) -> ModelShape:
+        """The shape of a ``transformers`` config, or of a dict of its fields (``config.json``)."""
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
             lambda k, d=None: getattr(config, k, d)
         )
@@ -369,9 +364,11 @@ class ModelShape:
         )
 
     def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` has routed experts."""
         return self.num_experts > 0 and index >= self.first_dense_layers and (index % self.moe_layer_freq) == 0
 
     def attention_params(self) -> float:
+        """Parameters of one layer's attention."""
         h = self.hidden_size
         if self.kv_lora_rank:
             q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * self.head_dim if self.q_lora_rank else (
@@ -384,6 +381,7 @@ class ModelShape:
         return h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 
     def mlp_active_params(self, index: int) -> float:
+        """Parameters of layer ``index``'s MLP that one token uses (routed top-k and shared experts)."""
         if self.is_moe_layer(index):
             return 3 * self.hidden_size * self.moe_intermediate_size * (self.top_k + self.shared_experts)
         return 3 * self.hidden_size * self.intermediate_size
@@ -460,3 +458,50 @@ def layer_costs(
         activation_bytes=tokens * shape.vocab_size * 4 / tp,
     )
     return out, embed, head
+
+
+# --------------------------------------------------------------------------- #
+# Parameters and static memory                                                 #
+# --------------------------------------------------------------------------- #
+
+
+def even_layer_split(n_layers: int, n_stages: int) -> list[int]:
+    """Layers per stage, as even as possible: the first stage holds the embedding, the last the head,
+    so the remainder goes to the middle stages."""
+    base, extra = divmod(n_layers, n_stages)
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - (n_stages - 1) / 2)))
+    out = [base] * n_stages
+    for s in order[:extra]:
+        out[s] += 1
+    return out
+
+
+def stage_params(shape: ModelShape, layers_per_stage: Sequence[int], ep: int) -> list[tuple[float, float]]:
+    """(dense, expert) parameters each stage holds on one GPU; experts are sharded over ``ep``."""
+    out, start = [], 0
+    for s, count in enumerate(layers_per_stage):
+        dense = experts = 0.0
+        for i in range(start, start + count):
+            dense += shape.attention_params()
+            if shape.is_moe_layer(i):
+                dense += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.shared_experts
+                experts += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.num_experts / ep
+            else:
+                dense += 3 * shape.hidden_size * shape.intermediate_size
+        if s == 0 or s == len(layers_per_stage) - 1:
+            dense += shape.vocab_size * shape.hidden_size
+        out.append((dense, experts))
+        start += count
+    return out
+
+
+def static_memory_bytes(params: Sequence[tuple[float, float]], dp: int, ep: int) -> float:
+    """Bytes one GPU keeps for the (dense, expert) parameters of its stages, activations aside.
+
+    bf16 weights and fp32 gradients; fp32 master weights and Adam moments
+    sharded (ZeRO-1) over the data-parallel ranks holding the same copy: DP
+    for dense parameters, DP / EP for experts.
+    """
+    dense = sum(d for d, _ in params)
+    experts = sum(e for _, e in params)
+    return (dense + experts) * (2 + 4) + dense * 12 / dp + experts * 12 / (dp // ep)

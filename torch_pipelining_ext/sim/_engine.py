@@ -19,12 +19,11 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torch_pipelining_ext.overlap._policy import hands_over, may_compute_on, may_open, may_start
+from torch_pipelining_ext.overlap._turns import _Side as Side  # the coordinator's two sides
 from torch_pipelining_ext.sim._costs import LinkCost, OverlapModel, Segments, StageCost
 from torch_pipelining_ext.sim._schedule import kind
-from torch_pipelining_ext.overlap._turns import _Side as Side  # the coordinator's two sides
 
-
-__all__ = ["ActionRecord", "RankSummary", "SimulationResult", "run_simulation"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +93,11 @@ class SimulationResult:
 
     @property
     def peak_activation_bytes(self) -> float:
+        """The most activation bytes alive at once on any rank."""
         return max(r.peak_activation_bytes for r in self.ranks)
 
     def summary(self) -> str:
+        """A few lines for a person: the step time and each rank's totals."""
         lines = [f"predicted step time {self.step_time:.6g} s, mean bubble {self.bubble_fraction:.1%}"]
         for r in self.ranks:
             lines.append(
@@ -111,15 +112,11 @@ class SimulationResult:
 # --------------------------------------------------------------------------- #
 
 # [Note: the OVERLAP_F_B model]
-# The pair runs as _ep_turns._CommCoordinator makes it run, on one compute
-# resource and one communication resource:
-# * communication regions alternate, the backward side first; a region opens
-#   only when the other side is outside one and it is this side's turn (or the
-#   other side is done); closing a region passes the turn;
-# * the forward side computes nothing before the backward side has opened its
-#   first region (or finished);
-# * a side that closes a region of at least ``min_region`` seconds computes on
-#   only once the other side has opened its next region (or finished);
+# The pair runs as overlap._turns._CommCoordinator makes it run, on one compute
+# resource and one communication resource.  When a side may start, open a
+# region or compute on after one is the coordinator's own policy, asked of
+# overlap._policy (see [Note: the hand-over policy] there) with the modelled
+# region lengths.  The model adds:
 # * compute is exclusive: at most one side computes at a time (on CPU the
 #   hand-overs enforce it; on a device two streams share the SMs, which this
 #   approximates as taking turns);
@@ -136,72 +133,91 @@ def overlap_pair(
     Returns the end time of the forward side, of the backward side, and the
     intervals ``(side, start, end, kind)``.
     """
-    segs = {Side.FORWARD: fwd, Side.BACKWARD: bwd}
-    pos = {s: 0 for s in Side}
-    running: dict[Side, tuple[str, float] | None] = {s: None for s in Side}
-    free_since = {s: 0.0 for s in Side}
-    regions = {s: 0 for s in Side}
-    done = {s: False for s in Side}
-    end_time = {s: 0.0 for s in Side}
-    handover_target: dict[Side, int | None] = {s: None for s in Side}
-    turn = Side.BACKWARD
-    started = {Side.BACKWARD: True, Side.FORWARD: False}
-    out: list[tuple[Side, float, float, str]] = []
-    t = 0.0
-    while True:
+    pair = _Pair({Side.FORWARD: fwd, Side.BACKWARD: bwd}, model)
+    while not all(pair.done.values()):
+        pair.start_what_may_start()
+        if not all(pair.done.values()):
+            pair.finish_next()
+    return pair.end_time[Side.FORWARD], pair.end_time[Side.BACKWARD], pair.out
+
+
+class _Pair:
+    """State of one simulated OVERLAP_F_B pair: each side's position, regions and hand-over."""
+
+    def __init__(self, segs: Mapping[Side, Segments], model: OverlapModel) -> None:
+        self.segs = segs
+        self.model = model
+        self.t = 0.0
+        self.turn = Side.BACKWARD  # the coordinator's first turn
+        self.pos = {s: 0 for s in Side}
+        self.running: dict[Side, tuple[str, float] | None] = {s: None for s in Side}
+        self.free_since = {s: 0.0 for s in Side}
+        self.regions = {s: 0 for s in Side}
+        self.started = {s: False for s in Side}
+        self.done = {s: False for s in Side}
+        self.end_time = {s: 0.0 for s in Side}
+        # the other side's regions when this side handed over (None: computes freely)
+        self.handed_over_at: dict[Side, int | None] = {s: None for s in Side}
+        self.out: list[tuple[Side, float, float, str]] = []
+
+    def _running(self, side: Side, what: str) -> bool:
+        return self.running[side] is not None and self.running[side][0] == what  # type: ignore[index]
+
+    def _try_start(self, side: Side) -> bool:
+        """Start ``side``'s next segment (or finish the side) if the policy lets it; True if it did."""
+        other, t = side.other, self.t
+        if self.pos[side] == len(self.segs[side]):
+            self.done[side], self.end_time[side] = True, t
+            return True
+        if not self.started[side]:
+            if not may_start(self.turn == side, self.regions[other], self.done[other]):
+                return False
+            self.started[side] = True
+        dur = self.segs[side][self.pos[side]]
+        if self.pos[side] % 2 == 0:  # compute
+            at = self.handed_over_at[side]
+            if at is not None and not may_compute_on(self.regions[other], at, self.done[other]):
+                return False
+            if self._running(other, "compute"):
+                return False
+            self.handed_over_at[side] = None
+            begin = t + (self.model.handover if t > self.free_since[side] else 0.0)
+            self.running[side] = ("compute", begin + dur)
+            if dur > 0:
+                self.out.append((side, begin, begin + dur, "compute"))
+        else:  # communication region
+            if not may_open(self.turn == side, self._running(other, "comm"), self.done[other]):
+                return False
+            self.regions[side] += 1
+            self.running[side] = ("comm", t + dur)
+            if dur > 0:
+                self.out.append((side, t, t + dur, "comm"))
+        return True
+
+    def start_what_may_start(self) -> None:
+        """At the current time, start every segment that may start, until none can."""
         progress = True
         while progress:
             progress = False
             for side in (Side.BACKWARD, Side.FORWARD):
-                if running[side] is not None or done[side]:
-                    continue
-                other = side.other
-                if pos[side] == len(segs[side]):
-                    done[side] = True
-                    end_time[side] = t
+                if self.running[side] is None and not self.done[side] and self._try_start(side):
                     progress = True
-                    continue
-                if not started[side]:
-                    if not (regions[other] > 0 or done[other]):
-                        continue
-                    started[side] = True
-                dur = segs[side][pos[side]]
-                if pos[side] % 2 == 0:  # compute
-                    target = handover_target[side]
-                    if target is not None and not (regions[other] >= target or done[other]):
-                        continue
-                    if running[other] is not None and running[other][0] == "compute":
-                        continue
-                    handover_target[side] = None
-                    begin = t + (model.handover if t > free_since[side] else 0.0)
-                    running[side] = ("compute", begin + dur)
-                    if dur > 0:
-                        out.append((side, begin, begin + dur, "compute"))
-                else:  # communication region
-                    if running[other] is not None and running[other][0] == "comm":
-                        continue
-                    if not (turn == side or done[other]):
-                        continue
-                    regions[side] += 1
-                    running[side] = ("comm", t + dur)
-                    if dur > 0:
-                        out.append((side, t, t + dur, "comm"))
-                progress = True
-        if all(done.values()):
-            return end_time[Side.FORWARD], end_time[Side.BACKWARD], out
-        busy = [(running[s][1], s) for s in (Side.BACKWARD, Side.FORWARD) if running[s] is not None]
-        if not busy:  # cannot happen under the rules above; guard against a silent hang
-            raise RuntimeError(f"OVERLAP_F_B model stalled at t={t}: positions {pos}, regions {regions}")
-        t, side = min(busy, key=lambda x: (x[0], x[1] != Side.BACKWARD))
-        what, _ = running[side]  # type: ignore[misc]
-        dur = segs[side][pos[side]]
-        running[side] = None
-        pos[side] += 1
-        free_since[side] = t
+
+    def finish_next(self) -> None:
+        """Advance to the end of the running segment that ends first (the backward side's on a tie)."""
+        busy = [(self.running[s][1], s) for s in (Side.BACKWARD, Side.FORWARD) if self.running[s] is not None]
+        if not busy:  # cannot happen under the policy; guard against a silent hang
+            raise RuntimeError(f"OVERLAP_F_B model stalled at t={self.t}: positions {self.pos}, regions {self.regions}")
+        self.t, side = min(busy, key=lambda x: (x[0], x[1] != Side.BACKWARD))
+        what, _ = self.running[side]  # type: ignore[misc]
+        dur = self.segs[side][self.pos[side]]
+        self.running[side] = None
+        self.pos[side] += 1
+        self.free_since[side] = self.t
         if what == "comm":
-            turn = side.other
-            if dur >= model.min_region:
-                handover_target[side] = regions[side.other] + 1
+            self.turn = side.other
+            if hands_over(dur, self.model.min_region):
+                self.handed_over_at[side] = self.regions[side.other]
 
 
 # --------------------------------------------------------------------------- #

@@ -20,8 +20,6 @@ import torch
 from torch.distributed.pipelining import schedules as _schedules
 
 
-__all__ = ["build_schedule", "kind", "schedule_order", "order_from_csv", "lower_compute_only"]
-
 Order = dict[int, list[Any]]
 
 # The short names of torch's computation types, from the module's own
@@ -50,7 +48,13 @@ _KIND = {
 
 
 def kind(action: Any) -> str:
-    """``"F"``, ``"I"``, ``"W"``, ``"B"``, ``"SEND_F"``, ... for a torch ``_Action``."""
+    """The short name of a torch ``_Action``'s computation type: ``"F"``, ``"I"``, ``"W"``, ``"B"``, ``"SEND_F"``, ...
+
+    The same on every torch release (the enum's values are not).
+
+    Raises:
+        ValueError: the simulator has no model for this computation type.
+    """
     try:
         return _KIND[action.computation_type]
     except KeyError:
@@ -131,7 +135,7 @@ def _has_comms(order: Mapping[int, Sequence[Any]]) -> bool:
     return any(a is not None and not a.is_compute_op for acts in order.values() for a in acts)
 
 
-def lower_compute_only(order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]) -> Order:
+def _lower_compute_only(order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]) -> Order:
     """Add torch's send/recv actions to a compute-only order (``_add_send_recv``)."""
     add_send_recv = getattr(_schedules, "_add_send_recv", None)
     if add_send_recv is None:
@@ -165,7 +169,7 @@ def schedule_order(schedule: Any) -> tuple[Order, dict[int, int]]:
         stage_to_rank = _infer_stage_to_rank(order)
         if not _has_comms(order):
             _validate(order, stage_to_rank, "the compute-only order")
-            order = lower_compute_only(order, stage_to_rank)
+            order = _lower_compute_only(order, stage_to_rank)
         return order, stage_to_rank
     with_comms = getattr(schedule, "pipeline_order_with_comms", None)
     mapping = getattr(schedule, "stage_index_to_group_rank", None)
@@ -181,7 +185,7 @@ def schedule_order(schedule: Any) -> tuple[Order, dict[int, int]]:
     compute = copy.copy(compute)
     stage_to_rank = dict(mapping) if mapping else _infer_stage_to_rank(compute)
     _validate(compute, stage_to_rank, f"the pipeline_order that {type(schedule).__name__} generates")
-    return lower_compute_only(compute, stage_to_rank), stage_to_rank
+    return _lower_compute_only(compute, stage_to_rank), stage_to_rank
 
 
 def order_from_csv(path: str | os.PathLike, format: str = "compute_only") -> tuple[Order, dict[int, int]]:

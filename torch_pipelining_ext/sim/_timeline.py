@@ -15,8 +15,6 @@ from typing import Any
 from torch_pipelining_ext.sim._engine import SimulationResult
 
 
-__all__ = ["chrome_trace", "write_chrome_trace", "plot_timeline"]
-
 
 def _lane(rec: Any) -> int:
     if rec.overlapped:
@@ -53,6 +51,7 @@ def chrome_trace(result: SimulationResult, *, title: str = "predicted") -> dict[
 
 
 def write_chrome_trace(result: SimulationResult, path: str | os.PathLike, *, title: str = "predicted") -> None:
+    """Write :func:`chrome_trace` of ``result`` to ``path`` as JSON."""
     with open(path, "w") as f:
         json.dump(chrome_trace(result, title=title), f)
 

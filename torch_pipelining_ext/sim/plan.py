@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-from collections.abc import Sequence
 import logging
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch_pipelining_ext.sim import (
@@ -32,6 +32,7 @@ from torch_pipelining_ext.sim import (
     stage_costs_from_layers,
     write_chrome_trace,
 )
+from torch_pipelining_ext.sim._costs import even_layer_split, stage_params, static_memory_bytes
 
 
 __all__ = ["MODEL_PRESETS", "Candidate", "main", "plan"]
@@ -83,33 +84,29 @@ class Candidate:
     result: SimulationResult | None = dataclasses.field(default=None, repr=False)
 
 
-def _split(n_layers: int, n_stages: int) -> list[int]:
-    base, extra = divmod(n_layers, n_stages)
-    # the remainder goes to the middle stages: the first holds the embedding, the last the head
-    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - (n_stages - 1) / 2)))
-    out = [base] * n_stages
-    for s in order[:extra]:
-        out[s] += 1
-    return out
-
-
-def _stage_params(shape: ModelShape, split: Sequence[int], ep: int) -> list[tuple[float, float]]:
-    """(dense, expert) parameters each stage holds on one GPU; experts are sharded over ``ep``."""
-    out, start = [], 0
-    for s, count in enumerate(split):
-        dense = experts = 0.0
-        for i in range(start, start + count):
-            dense += shape.attention_params()
-            if shape.is_moe_layer(i):
-                dense += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.shared_experts
-                experts += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.num_experts / ep
-            else:
-                dense += 3 * shape.hidden_size * shape.intermediate_size
-        if s == 0 or s == len(split) - 1:
-            dense += shape.vocab_size * shape.hidden_size
-        out.append((dense, experts))
-        start += count
-    return out
+def _configurations(
+    shape: ModelShape,
+    n_stages_per_pp: int,
+    gpus: int,
+    global_batch: int,
+    pps: Sequence[int],
+    eps: Sequence[int],
+    microbatches: Sequence[int] | None,
+    at_least_stages: bool,
+) -> Iterator[tuple[int, int, int, int]]:
+    """Every (PP, DP, EP, microbatches) that divides the GPUs, the experts and the batch."""
+    for pp in pps:
+        if gpus % pp:
+            continue
+        dp = gpus // pp
+        n_stages = pp * n_stages_per_pp
+        for ep in eps:
+            if dp % ep or (shape.num_experts and shape.num_experts % ep):
+                continue
+            for m in microbatches or (n_stages, 2 * n_stages):
+                if global_batch % (dp * m) or (at_least_stages and m < n_stages):
+                    continue
+                yield pp, dp, ep, m
 
 
 def plan(
@@ -131,51 +128,35 @@ def plan(
     rows: list[Candidate] = []
     for label in schedules:
         name, v = _SCHEDULES[label]
-        for pp in pps:
-            if gpus % pp:
-                continue
-            dp = gpus // pp
-            n_stages = pp * v
-            for ep in eps:
-                if dp % ep or (shape.num_experts and shape.num_experts % ep):
-                    continue
-                for m in microbatches or (n_stages, 2 * n_stages):
-                    if global_batch % (dp * m) or (name == "DualPipeV" and m < n_stages):
-                        continue
-                    tokens = global_batch // (dp * m) * seq_len
-                    layers, embed, head = layer_costs(
-                        shape, hardware, tokens=tokens, seq_len=seq_len, ep=ep, a2a_dtype_bytes=a2a_bytes,
-                        recompute=recompute,
+        grid = _configurations(shape, v, gpus, global_batch, pps, eps, microbatches, name == "DualPipeV")
+        for pp, dp, ep, m in grid:
+            tokens = global_batch // (dp * m) * seq_len
+            layers, embed, head = layer_costs(
+                shape, hardware, tokens=tokens, seq_len=seq_len, ep=ep, a2a_dtype_bytes=a2a_bytes, recompute=recompute
+            )
+            split = even_layer_split(shape.num_layers, pp * v)
+            costs = stage_costs_from_layers(layers, split, first_extra=embed, last_extra=head)
+            link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
+            params = stage_params(shape, split, ep)
+            for overlap in (True, False) if name == "DualPipeV" else (None,):
+                try:
+                    result = simulate_schedule(
+                        name, pp, m, costs, stages_per_rank=v, link=link, overlap=OverlapModel(enabled=bool(overlap))
                     )
-                    split = _split(shape.num_layers, n_stages)
-                    costs = stage_costs_from_layers(layers, split, first_extra=embed, last_extra=head)
-                    link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
-                    params = _stage_params(shape, split, ep)
-                    for overlap in (True, False) if name == "DualPipeV" else (None,):
-                        try:
-                            result = simulate_schedule(
-                                name, pp, m, costs, stages_per_rank=v, link=link,
-                                overlap=OverlapModel(enabled=bool(overlap)),
-                            )
-                        except ValueError as e:  # torch's constructor refuses this (PP, microbatches)
-                            logger.debug("skipping %s pp=%d m=%d: %s", label, pp, m, e)
-                            break
-                        # bf16 weights + fp32 gradients; fp32 master weights and Adam moments sharded
-                        # (ZeRO-1) over the data-parallel ranks holding the same copy: DP for dense
-                        # parameters, DP / EP for experts
-                        mem = 0.0
-                        for rank in range(pp):
-                            mine = [s for s, r in result.stage_to_rank.items() if r == rank]
-                            dense = sum(params[s][0] for s in mine)
-                            experts = sum(params[s][1] for s in mine)
-                            static = (dense + experts) * (2 + 4) + dense * 12 / dp + experts * 12 / (dp // ep)
-                            mem = max(mem, static + result.ranks[rank].peak_activation_bytes)
-                        rows.append(
-                            Candidate(
-                                label, pp, v, m, ep, overlap, result.step_time, result.bubble_fraction,
-                                result.exposed_comm, mem, mem <= memory_limit, result,
-                            )
-                        )
+                except ValueError as e:  # torch's constructor refuses this (PP, microbatches)
+                    logger.debug("skipping %s pp=%d m=%d: %s", label, pp, m, e)
+                    break
+                mem = max(
+                    static_memory_bytes([params[s] for s, r in result.stage_to_rank.items() if r == rank], dp, ep)
+                    + result.ranks[rank].peak_activation_bytes
+                    for rank in range(pp)
+                )
+                rows.append(
+                    Candidate(
+                        label, pp, v, m, ep, overlap, result.step_time, result.bubble_fraction,
+                        result.exposed_comm, mem, mem <= memory_limit, result,
+                    )
+                )
     rows.sort(key=lambda c: (not c.fits, c.step_time))
     return rows
 
@@ -213,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> list[Candidate]:
+    """The command line: parse ``argv``, plan, print the best candidates; returns every candidate."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.config:

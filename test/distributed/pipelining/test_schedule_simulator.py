@@ -1,5 +1,5 @@
 # Owner(s): ["oncall: distributed"]
-"""Single-process tests of the schedule simulator (``torch_pipelining_ext/simulate.py``):
+"""Single-process tests of the schedule simulator (``torch_pipelining_ext/sim/``):
 the OVERLAP_F_B coordinator model, the closed-form bubbles of the DualPipe README
 on torch's own generated schedules, CSV and dict inputs, the cost model and the
 planner, and property tests (bounds, per-rank sums, dependencies) over random
@@ -13,7 +13,6 @@ import math
 import os
 import tempfile
 
-import torch
 from hypothesis import given, settings, strategies as st
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.testing._internal.common_utils import (
@@ -25,7 +24,6 @@ from torch.testing._internal.common_utils import (
 
 import torch_pipelining_ext  # noqa: F401  (patches torch: OVERLAP_F_B kept through lowering on 2.9)
 from torch_pipelining_ext.sim import plan
-from torch_pipelining_ext.sim._schedule import kind, schedule_order
 from torch_pipelining_ext.sim import (
     HARDWARE_PRESETS,
     LayerCost,
@@ -35,8 +33,10 @@ from torch_pipelining_ext.sim import (
     StageCost,
     build_schedule,
     chrome_trace,
+    kind,
     layer_costs,
     overlap_pair,
+    schedule_order,
     simulate,
     simulate_schedule,
     stage_costs_from_layers,
