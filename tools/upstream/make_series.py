@@ -64,6 +64,7 @@ UPSTREAM_MODULES = (
     ("torch_pipelining_ext.overlap._marks", "_ep_marks"),
     ("torch_pipelining_ext.overlap._turns", "_ep_turns"),
     ("torch_pipelining_ext.overlap._rng", "_ep_rng"),
+    ("torch_pipelining_ext.overlap._policy", "_ep_policy"),
     ("torch_pipelining_ext.overlap", "ep_overlap"),
 )
 ENV_PREFIXES = ("TORCH_PIPELINING_EXT_", "TORCH_PIPELINING_")
@@ -78,8 +79,8 @@ def _relative_import(match: re.Match[str]) -> str:
     child, _, alias = names.partition(" as ")
     upstream = _UPSTREAM.get(f"{module}.{child.strip()}")
     if upstream is not None:
-        alias = alias.strip()
-        return f"{indent}from . import {upstream}" + (f" as {alias}" if alias and alias != upstream else "")
+        alias = alias.strip() or child.strip()  # the name the module's code uses
+        return f"{indent}from . import {upstream}" + (f" as {alias}" if alias != upstream else "")
     if module in _UPSTREAM:
         return f"{indent}from .{_UPSTREAM[module]} import {names}"
     return match.group(0)  # left for the leftover check
@@ -207,6 +208,7 @@ def _overlap_modules() -> tuple[NewModule, ...]:
             ("_ep_marks.py", "overlap/_marks.py"),
             ("_ep_rng.py", "overlap/_rng.py"),
             ("_ep_turns.py", "overlap/_turns.py"),
+            ("_ep_policy.py", "overlap/_policy.py"),
         )
     )
 
