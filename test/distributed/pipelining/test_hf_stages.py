@@ -34,13 +34,17 @@ try:
 
     from torch_pipelining_ext import hf
 
-    from torch_pipelining_ext.hf import _loading as _hf_loading
+    from torch_pipelining_ext.hf import _config as _hf_config, _loading as _hf_loading, _tensors as _hf_tensors
 
     HAS_TRANSFORMERS = True
 except ImportError:
     HAS_TRANSFORMERS = False
 
 VOCAB = 64
+
+
+def _check_schedule(policy, schedule: str) -> None:
+    _hf_config.check_checkpointing_schedule(policy, ss._schedule_class(schedule))
 
 
 def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpointing=None) -> list:
@@ -57,8 +61,8 @@ def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpo
             layout,
             i,
             num_stages,
-            tied_groups=hf._tied_groups(model),
-            full_state_keys=hf._state_keys(model),
+            tied_groups=_hf_tensors.tied_groups(model),
+            full_state_keys=_hf_tensors.state_keys(model),
             checkpoint_conversions=_hf_compat.conversion_mapping(model),
         )
         for p, i in zip(raw, ids)
@@ -127,7 +131,7 @@ class TestHFStages(TestCase):
             warnings.simplefilter("always")
             stages = _split(model, num_stages)
         tie_warnings = [w for w in caught if "shared across pipeline stages" in str(w.message)]
-        self.assertEqual(len(tie_warnings), 1 if hf._tied_groups(model) else 0)
+        self.assertEqual(len(tie_warnings), 1 if _hf_tensors.tied_groups(model) else 0)
         _chain_and_check(self, model, stages, ids, labels)
 
     @parametrize("family", ["gemma2", "qwen2_sliding", "gpt_oss"])
@@ -161,8 +165,8 @@ class TestHFStages(TestCase):
             stages[0].set_activation_checkpointing("sometimes")
         if mode == "selective":
             with self.assertRaisesRegex(ValueError, "selective activation checkpointing cannot run under ScheduleDualPipeV"):
-                hf._check_checkpointing_schedule(policy, "ScheduleDualPipeV")
-        hf._check_checkpointing_schedule(policy, "Schedule1F1B")
+                _check_schedule(policy, "ScheduleDualPipeV")
+        _check_schedule(policy, "Schedule1F1B")
 
     def test_reentrant_gradient_checkpointing_is_refused(self):
         model = tiny_hf_model("llama", num_layers=2)
@@ -172,7 +176,7 @@ class TestHFStages(TestCase):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.train()
         with self.assertRaisesRegex(ValueError, r"model.layers.0 uses reentrant activation checkpointing.*use_reentrant"):
-            hf._check_training_config(model)
+            _hf_config.check_training_config(model, hf.detect_layout(model))
         stages = _split(model, 2)
         ids, _ = _batch()
         with self.assertRaisesRegex(ValueError, "reentrant activation checkpointing"):
@@ -180,7 +184,7 @@ class TestHFStages(TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        hf._check_training_config(model)  # the non-reentrant variant trains correctly
+        _hf_config.check_training_config(model, hf.detect_layout(model))  # the non-reentrant variant trains correctly
         ids, labels = _batch()
         _chain_and_check(self, model, _split(model, 2), ids, labels)
 
@@ -257,7 +261,7 @@ class TestHFStages(TestCase):
             hf.detect_layout(model)
         model = tiny_hf_model("qwen3_moe", num_layers=2, output_router_logits=True)
         with self.assertRaisesRegex(ValueError, "output_router_logits"):
-            hf._check_training_config(model)
+            _hf_config.check_training_config(model, hf.detect_layout(model))
 
     def test_stage_placement_errors(self):
         model = tiny_hf_model("llama", num_layers=2)
