@@ -36,7 +36,7 @@ from typing import Any, Callable, TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from torch_pipelining_ext.hf import _build, _checkpoint, _compat, _costs, _expert_parallel, _selfcheck, _training
+from torch_pipelining_ext.hf import _build, _checkpoint, _compat, _config, _costs, _expert_parallel, _selfcheck, _training
 from torch_pipelining_ext.hf._expert_parallel import ExpertParallelTransport, ExpertShard
 from torch_pipelining_ext.hf._layout import detect_layout
 from torch_pipelining_ext.hf._stage import HFCausalLMStage
@@ -213,7 +213,7 @@ def pipeline_hf_causal_lm(
     warning; call :func:`sync_tied_gradients` after each backward.
     Run the schedule with ``scale_grads=False`` and :class:`CausalLMLoss`.
     """
-    options = _build.StageOptions(
+    options = _config.StageOptions(
         num_stages, layer_costs, checkpoint, init_weights, dtype, activation_checkpointing, verify, ep_group, stage_kwargs
     )
     return _build.build_stages(model, pp_mesh_or_group, schedule, device, module_names_per_stage, options)

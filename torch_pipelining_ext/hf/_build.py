@@ -4,17 +4,15 @@
 Private helper of :mod:`torch_pipelining_ext.hf`: the model on the meta
 device (see ``[Note: meta build]`` in ``_compat.py``), the checks, the
 stage lists, the split with each stage wrapped (and sharded for expert
-parallelism) by :class:`_StageFactory`, and the stage weights: initialised,
+parallelism) by ``_factory.StageFactory``, and the stage weights: initialised,
 loaded from a checkpoint, or moved.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -23,29 +21,15 @@ from torch_pipelining_ext import stage_split
 from torch_pipelining_ext.hf import _compat, _config
 from torch_pipelining_ext.hf._checkpoint import load_stage_weights
 from torch_pipelining_ext.hf._costs import module_names_per_stage
-from torch_pipelining_ext.hf._expert_parallel import shard_experts
-from torch_pipelining_ext.hf._layout import DecoderLayout
+from torch_pipelining_ext.hf._layout import detect_layout, VERIFIED_MODEL_TYPES
 from torch_pipelining_ext.hf._loading import checkpoint_entries
-from torch_pipelining_ext.hf._stage import HFCausalLMStage
-from torch_pipelining_ext.hf._tensors import replace, state_keys, tensor_slots, tied_groups
+from torch_pipelining_ext.hf._selfcheck import check_stages_match
+from torch_pipelining_ext.hf._factory import StageFactory
+from torch_pipelining_ext.hf._stage import check_trainable, HFCausalLMStage
+from torch_pipelining_ext.hf._tensors import replace, tensor_slots
 
 
 __all__: list[str] = []
-
-
-@dataclass(frozen=True)
-class StageOptions:
-    """The keyword arguments of ``pipeline_hf_causal_lm``."""
-
-    num_stages: int | None = None
-    layer_costs: Sequence[float] | str | None = "auto"
-    checkpoint: str | os.PathLike | None = None
-    init_weights: bool = False
-    dtype: torch.dtype | None = None
-    activation_checkpointing: str | Callable | Sequence | None = None
-    verify: bool | None = None
-    ep_group: Any = None
-    stage_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -91,67 +75,9 @@ def build_on_meta(config: Any, dtype: torch.dtype | None) -> nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _init_stage_weights(hf_part: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    """Materialise meta tensors of a split HF model on ``device`` and run the
-    model's own ``_init_weights`` on every submodule."""
-    for old, places in tensor_slots(hf_part).values():
-        if old.is_meta:
-            target = dtype if dtype is not None and old.is_floating_point() else old.dtype
-            replace(places, torch.empty(old.shape, dtype=target, device=device), old)
-        elif old.device != device:
-            replace(places, old.to(device), old)
-    with torch.no_grad():
-        for module in hf_part.modules():
-            hf_part._init_weights(module)
-
-
 # ---------------------------------------------------------------------------
 # Building this rank's stages
 # ---------------------------------------------------------------------------
-
-
-class _StageFactory:
-    """Turns each stage model the split builds into its
-    :class:`HFCausalLMStage` (``prepare_part`` of the split): what every stage
-    keeps of the whole model, read from it once."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        layout: DecoderLayout,
-        on_meta: bool,
-        device: torch.device,
-        options: StageOptions,
-        ep_group: Any,
-    ) -> None:
-        self.layout = layout
-        self.on_meta = on_meta
-        self.device = device
-        self.options = options
-        self.ep_group = ep_group
-        self.config = model.config
-        self.tied_groups = tied_groups(model)
-        self.full_state_keys = state_keys(model)
-        self.ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-        self.conversions = _compat.conversion_mapping(model) if options.checkpoint is not None else None
-
-    def __call__(self, part: nn.Module, stage_id: int, num_stages: int) -> nn.Module:
-        if self.options.checkpoint is None and self.on_meta:
-            _init_stage_weights(part, self.device, self.options.dtype)
-        stage = HFCausalLMStage(
-            part,
-            self.layout,
-            stage_id,
-            num_stages,
-            tied_groups=self.tied_groups,
-            full_state_keys=self.full_state_keys,
-            ignore_unexpected=self.ignore_unexpected,
-            checkpoint_conversions=self.conversions,
-        )
-        stage.set_activation_checkpointing(self.options.activation_checkpointing)
-        if self.ep_group is not None:
-            shard_experts(stage, self.ep_group, self.config, self.layout.layers_prefix)
-        return stage
 
 
 def build_stages(
@@ -160,7 +86,7 @@ def build_stages(
     schedule: type | str,
     device: torch.device | str | int,
     names: Sequence[Sequence[str]] | None,
-    options: StageOptions,
+    options: _config.StageOptions,
 ) -> tuple[list, list[HFCausalLMStage]]:
     """See :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm`."""
     transformers = _compat.require_transformers()
@@ -168,12 +94,14 @@ def build_stages(
     if isinstance(model, transformers.PretrainedConfig):
         model = build_on_meta(model, options.dtype)
     schedule_cls = stage_split._schedule_class(schedule)
-    layout = _config.validated_layout(
-        model,
-        schedule_cls=schedule_cls,
-        activation_checkpointing=options.activation_checkpointing,
-        verify=options.verify,
-    )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
+    layout = detect_layout(model)
+    check_trainable(model, layout)
+    _config.check_checkpointing_schedule(options.activation_checkpointing, schedule_cls)
+    model_type = getattr(model.config, "model_type", None)
+    if options.verify or (options.verify is None and model_type not in VERIFIED_MODEL_TYPES):
+        check_stages_match(model.config)
     _, _, pp_size = stage_split._pp_group(pp_mesh_or_group)
     if names is None:
         n = options.num_stages if options.num_stages is not None else _config.default_num_stages(schedule_cls, pp_size)
@@ -183,7 +111,7 @@ def build_stages(
     on_meta = any(t.is_meta for t in model.parameters())
     _check_weights_source(on_meta, options)
     device = as_device(device)
-    factory = _StageFactory(model, layout, on_meta, device, options, ep_group)
+    factory = StageFactory(model, layout, on_meta, device, options, ep_group)
     stages, parts = stage_split._pipeline_split(
         model,
         pp_mesh_or_group,
@@ -204,7 +132,7 @@ def as_device(device: torch.device | str | int) -> torch.device:
     return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
 
 
-def _check_weights_source(on_meta: bool, options: StageOptions) -> None:
+def _check_weights_source(on_meta: bool, options: _config.StageOptions) -> None:
     if on_meta and options.checkpoint is None and not options.init_weights:
         raise ValueError(
             "the model is on the meta device: pass checkpoint= to load this rank's weights, or init_weights=True "
@@ -214,7 +142,7 @@ def _check_weights_source(on_meta: bool, options: StageOptions) -> None:
         checkpoint_entries(options.checkpoint)  # fail on a bad path before building anything
 
 
-def _place_weights(parts: list[HFCausalLMStage], on_meta: bool, device: torch.device, options: StageOptions) -> None:
+def _place_weights(parts: list[HFCausalLMStage], on_meta: bool, device: torch.device, options: _config.StageOptions) -> None:
     """Load the stages' weights from the checkpoint, or move real ones to ``device``
     (initialised ones are there already)."""
     if options.checkpoint is not None:

@@ -19,8 +19,9 @@ import torch
 
 from torch_pipelining_ext.hf import _compat
 from torch_pipelining_ext.hf._loading import checkpoint_entries, CheckpointKeys, read_tensors, rows, summarize_keys
+from torch_pipelining_ext.hf._factory import state_keys
 from torch_pipelining_ext.hf._stage import HFCausalLMStage
-from torch_pipelining_ext.hf._tensors import replace, state_keys, tensor_slots
+from torch_pipelining_ext.hf._tensors import replace, tensor_slots
 
 
 __all__: list[str] = []

@@ -1,58 +1,41 @@
 # mypy: allow-untyped-defs
-"""Checks of what :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm` is
-given, before anything is built.
+"""What :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm` is given,
+checked before anything is built.
 
-Private helper of :mod:`torch_pipelining_ext.hf`: the model and its training
-configuration, the activation checkpointing mode against the schedule, the
-pipeline and expert-parallel dimensions, and the default number of stages.
+Private helper of :mod:`torch_pipelining_ext.hf`: its options, the
+activation checkpointing mode against the schedule, the pipeline and
+expert-parallel dimensions, and the default number of stages.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-import torch.nn as nn
+import torch
 
-from torch_pipelining_ext.hf._layout import DecoderLayout, detect_layout, VERIFIED_MODEL_TYPES
-from torch_pipelining_ext.hf._selfcheck import check_stages_match
-from torch_pipelining_ext.hf._stage import check_not_reentrant
 
 
 __all__: list[str] = []
 
+@dataclass(frozen=True)
+class StageOptions:
+    """The keyword arguments of ``pipeline_hf_causal_lm``."""
+
+    num_stages: int | None = None
+    layer_costs: Sequence[float] | str | None = "auto"
+    checkpoint: str | os.PathLike | None = None
+    init_weights: bool = False
+    dtype: torch.dtype | None = None
+    activation_checkpointing: str | Callable | Sequence | None = None
+    verify: bool | None = None
+    ep_group: Any = None
+    stage_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
 _SPLIT_BACKWARD_SCHEDULES = ("ScheduleDualPipeV", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble")
-
-
-def validated_layout(
-    model: Any, *, schedule_cls: type, activation_checkpointing: Any, verify: bool | None
-) -> DecoderLayout:
-    """The layout of ``model``, once everything about it that the stages
-    cannot run is refused: its type and layout, router logits for an
-    auxiliary loss, reentrant activation checkpointing, selective
-    checkpointing under a schedule that splits the backward, and (where
-    ``verify`` asks, see ``[Note: HF self-check]``) stage forwards that do not
-    reproduce the model's."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
-    layout = detect_layout(model)
-    check_training_config(model, layout)
-    check_checkpointing_schedule(activation_checkpointing, schedule_cls)
-    if verify or (verify is None and getattr(model.config, "model_type", None) not in VERIFIED_MODEL_TYPES):
-        check_stages_match(model.config)
-    return layout
-
-
-def check_training_config(model: nn.Module, layout: DecoderLayout) -> None:
-    """Refuse router logits for an auxiliary loss and reentrant activation
-    checkpointing."""
-    if getattr(model.config, "output_router_logits", False):
-        raise ValueError(
-            "config.output_router_logits is set: the router auxiliary loss is computed over all layers in the "
-            "Hugging Face forward and is not part of CausalLMLoss; set it to False (or add the auxiliary loss "
-            "yourself) for pipeline training"
-        )
-    for i, layer in enumerate(model.get_submodule(layout.layers_prefix)):
-        check_not_reentrant(layer, f"{layout.layers_prefix}.{i}")
 
 
 def check_checkpointing_schedule(mode: Any, schedule_cls: type) -> None:

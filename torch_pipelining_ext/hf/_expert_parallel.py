@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext.hf._selfcheck import tiny_config
 
 
 __all__: list[str] = []
@@ -250,8 +251,6 @@ def formula_problem(module: nn.Module, config: Any) -> str | None:
     once per class.  ``None`` when they agree, else what differs."""
     cls = type(module)
     if cls not in _formula_checked:
-        from torch_pipelining_ext.hf._selfcheck import tiny_config
-
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             tiny = cls(tiny_config(config)).float()

@@ -3,7 +3,8 @@
 
 Private helper of :mod:`torch_pipelining_ext.hf`: :class:`HFCausalLMStage`
 holds a stage's modules under their original names and runs them with plain
-tensors (see ``[Note: HF stage forward]``).
+tensors (see ``[Note: HF stage forward]``); what the stage forward
+cannot train is refused up front.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch.nn as nn
 
 from torch_pipelining_ext.hf import _compat
 from torch_pipelining_ext.hf._layout import DecoderLayout
-from torch_pipelining_ext.hf._tensors import TiedGroup
 
 
 __all__: list[str] = []
+
+TiedGroup = tuple[tuple[str, ...], torch.Size, torch.dtype]
 
 
 # [Note: HF stage forward]
@@ -258,3 +260,16 @@ def check_not_reentrant(layer: nn.Module, fqn: str) -> None:
             "pipeline_hf_causal_lm, or call model.gradient_checkpointing_enable("
             "gradient_checkpointing_kwargs={'use_reentrant': False})"
         )
+
+
+def check_trainable(model: nn.Module, layout: DecoderLayout) -> None:
+    """Refuse a model whose stages cannot be trained as it is configured:
+    router logits for an auxiliary loss, reentrant activation checkpointing."""
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError(
+            "config.output_router_logits is set: the router auxiliary loss is computed over all layers in the "
+            "Hugging Face forward and is not part of CausalLMLoss; set it to False (or add the auxiliary loss "
+            "yourself) for pipeline training"
+        )
+    for i, layer in enumerate(model.get_submodule(layout.layers_prefix)):
+        check_not_reentrant(layer, f"{layout.layers_prefix}.{i}")

@@ -1,10 +1,9 @@
 # mypy: allow-untyped-defs
-"""Which tensors a module holds, and where.
+"""Which tensors a module holds, where, and replacing them.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: the places that hold each
 parameter or buffer (so that a tensor tied in several modules is replaced in
-all of them at once), the groups of names of tied parameters and the keys of
-a full state dict.
+all of them at once), and the materialisation of a meta stage.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ __all__: list[str] = []
 
 # (module, "_parameters" or "_buffers", attribute, FQN)
 Place = tuple[nn.Module, str, str, str]
-TiedGroup = tuple[tuple[str, ...], torch.Size, torch.dtype]
 
 
 def tensor_slots(module: nn.Module) -> dict[int, tuple[torch.Tensor, list[Place]]]:
@@ -42,22 +40,15 @@ def replace(places: list[Place], new: torch.Tensor, old: torch.Tensor) -> None:
         getattr(mod, table)[key] = new
 
 
-def tied_groups(model: nn.Module) -> list[TiedGroup]:
-    """The FQN groups of parameters that are one tensor, with its shape and dtype."""
-    by_id: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-        tensors[id(p)] = p
-    return [(tuple(names), tensors[i].shape, tensors[i].dtype) for i, names in by_id.items() if len(names) > 1]
-
-
-def state_keys(model: nn.Module) -> frozenset[str]:
-    """The keys of ``model.state_dict()`` with tied names repeated (persistent
-    buffers included, non-persistent ones left out)."""
-    keys = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for b_name, b in mod._buffers.items():
-            if b is not None and b_name not in mod._non_persistent_buffers_set:
-                keys.add(f"{mod_name}.{b_name}" if mod_name else b_name)
-    return frozenset(keys)
+def init_weights(hf_part: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Materialise meta tensors of a split HF model on ``device`` and run the
+    model's own ``_init_weights`` on every submodule."""
+    for old, places in tensor_slots(hf_part).values():
+        if old.is_meta:
+            target = dtype if dtype is not None and old.is_floating_point() else old.dtype
+            replace(places, torch.empty(old.shape, dtype=target, device=device), old)
+        elif old.device != device:
+            replace(places, old.to(device), old)
+    with torch.no_grad():
+        for module in hf_part.modules():
+            hf_part._init_weights(module)

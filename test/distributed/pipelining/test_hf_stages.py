@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from hf_model_registry import HF_FAMILIES, MOE_FAMILIES, tiny_hf_config, tiny_hf_model
+from hf_model_registry import HF_FAMILIES, tiny_hf_config, tiny_hf_model
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -34,7 +34,7 @@ try:
 
     from torch_pipelining_ext import hf
 
-    from torch_pipelining_ext.hf import _config as _hf_config, _loading as _hf_loading, _tensors as _hf_tensors
+    from torch_pipelining_ext.hf import _config as _hf_config, _factory as _hf_factory, _loading as _hf_loading, _stage as _hf_stage
 
     HAS_TRANSFORMERS = True
 except ImportError:
@@ -61,8 +61,8 @@ def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpo
             layout,
             i,
             num_stages,
-            tied_groups=_hf_tensors.tied_groups(model),
-            full_state_keys=_hf_tensors.state_keys(model),
+            tied_groups=_hf_factory.tied_groups(model),
+            full_state_keys=_hf_factory.state_keys(model),
             checkpoint_conversions=_hf_compat.conversion_mapping(model),
         )
         for p, i in zip(raw, ids)
@@ -131,7 +131,7 @@ class TestHFStages(TestCase):
             warnings.simplefilter("always")
             stages = _split(model, num_stages)
         tie_warnings = [w for w in caught if "shared across pipeline stages" in str(w.message)]
-        self.assertEqual(len(tie_warnings), 1 if _hf_tensors.tied_groups(model) else 0)
+        self.assertEqual(len(tie_warnings), 1 if _hf_factory.tied_groups(model) else 0)
         _chain_and_check(self, model, stages, ids, labels)
 
     @parametrize("family", ["gemma2", "qwen2_sliding", "gpt_oss"])
@@ -176,7 +176,7 @@ class TestHFStages(TestCase):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.train()
         with self.assertRaisesRegex(ValueError, r"model.layers.0 uses reentrant activation checkpointing.*use_reentrant"):
-            _hf_config.check_training_config(model, hf.detect_layout(model))
+            _hf_stage.check_trainable(model, hf.detect_layout(model))
         stages = _split(model, 2)
         ids, _ = _batch()
         with self.assertRaisesRegex(ValueError, "reentrant activation checkpointing"):
@@ -184,7 +184,7 @@ class TestHFStages(TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        _hf_config.check_training_config(model, hf.detect_layout(model))  # the non-reentrant variant trains correctly
+        _hf_stage.check_trainable(model, hf.detect_layout(model))  # the non-reentrant variant trains correctly
         ids, labels = _batch()
         _chain_and_check(self, model, _split(model, 2), ids, labels)
 
@@ -261,7 +261,7 @@ class TestHFStages(TestCase):
             hf.detect_layout(model)
         model = tiny_hf_model("qwen3_moe", num_layers=2, output_router_logits=True)
         with self.assertRaisesRegex(ValueError, "output_router_logits"):
-            _hf_config.check_training_config(model, hf.detect_layout(model))
+            _hf_stage.check_trainable(model, hf.detect_layout(model))
 
     def test_stage_placement_errors(self):
         model = tiny_hf_model("llama", num_layers=2)
