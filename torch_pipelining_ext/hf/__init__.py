@@ -187,17 +187,13 @@ def pipeline_hf_causal_lm(
             Face's reentrant ``gradient_checkpointing_enable()`` is refused.
         verify: compare the stages of this model type with its unsplit
             forward on a tiny config first (:func:`self_check`); default:
-            only for model types outside the verified list, which are
-            refused if the check fails.
+            only for unverified model types, refused if the check fails.
         ep_group: the expert-parallel dimension (``ProcessGroup`` or 1-D
-            ``DeviceMesh``; or the ``"ep"`` dimension of a 2-D mesh): every
-            MoE layer keeps ``E / ep`` of its experts and exchanges tokens by
-            all-to-all inside ``ep_overlap`` regions (see
-            ``[Note: HF expert parallelism]``; fused experts of
-            transformers 5.x).  Ranks of the group feed different data; call
-            ``CausalLMLoss.set_labels(labels, group=ep_group)``, and
-            :func:`reduce_expert_parallel_gradients` after each step (or
-            :func:`fully_shard_replicated` once).
+            ``DeviceMesh``, or the ``"ep"`` dimension of a 2-D mesh): every
+            MoE layer keeps ``E / ep`` of its fused experts (transformers 5.x;
+            ``[Note: HF expert parallelism]``).  Its ranks feed different
+            data: see :func:`reduce_expert_parallel_gradients` (each step)
+            or :func:`fully_shard_replicated` (once).
         **stage_kwargs: further ``PipelineStage`` arguments.
 
     Returns:
@@ -205,16 +201,24 @@ def pipeline_hf_causal_lm(
         their :class:`HFCausalLMStage` modules, in ascending stage order.
 
     Raises:
-        ValueError: a model layout this cannot run (the message names what is
-            missing), a bad split, a meta model with neither ``checkpoint``
-            nor ``init_weights``, or checkpoint problems.
+        ValueError: a model layout this cannot run (the message names what
+            is missing), a bad split, a meta model with neither
+            ``checkpoint`` nor ``init_weights``, or checkpoint problems.
 
     Tensors tied across stages (``tie_word_embeddings``) are reported with a
     warning; call :func:`sync_tied_gradients` after each backward.
     Run the schedule with ``scale_grads=False`` and :class:`CausalLMLoss`.
     """
     options = _config.StageOptions(
-        num_stages, layer_costs, checkpoint, init_weights, dtype, activation_checkpointing, verify, ep_group, stage_kwargs
+        num_stages=num_stages,
+        layer_costs=layer_costs,
+        checkpoint=checkpoint,
+        init_weights=init_weights,
+        dtype=dtype,
+        activation_checkpointing=activation_checkpointing,
+        verify=verify,
+        ep_group=ep_group,
+        stage_kwargs=stage_kwargs,
     )
     return _build.build_stages(model, pp_mesh_or_group, schedule, device, module_names_per_stage, options)
 

@@ -21,10 +21,10 @@ from torch_pipelining_ext import stage_split
 from torch_pipelining_ext.hf import _compat, _config
 from torch_pipelining_ext.hf._checkpoint import load_stage_weights
 from torch_pipelining_ext.hf._costs import module_names_per_stage
+from torch_pipelining_ext.hf._factory import StageFactory
 from torch_pipelining_ext.hf._layout import detect_layout, VERIFIED_MODEL_TYPES
 from torch_pipelining_ext.hf._loading import checkpoint_entries
 from torch_pipelining_ext.hf._selfcheck import check_stages_match
-from torch_pipelining_ext.hf._factory import StageFactory
 from torch_pipelining_ext.hf._stage import check_trainable, HFCausalLMStage
 from torch_pipelining_ext.hf._tensors import replace, tensor_slots
 
