@@ -20,6 +20,7 @@ import torch
 
 __all__: list[str] = []
 
+
 @dataclass(frozen=True)
 class StageOptions:
     """The keyword arguments of ``pipeline_hf_causal_lm``."""

@@ -263,6 +263,23 @@ class TestHFStages(TestCase):
         with self.assertRaisesRegex(ValueError, "output_router_logits"):
             _hf_stage.check_trainable(model, hf.detect_layout(model))
 
+    def test_expert_parallel_transport_is_installed_and_restored(self):
+        class Quiet(hf.ExpertParallelTransport):
+            pass
+
+        mine = Quiet()
+        previous = hf.set_expert_parallel_transport(mine)
+        try:
+            self.assertIs(type(previous), hf.ExpertParallelTransport)  # the default
+            self.assertIs(hf.set_expert_parallel_transport(None), mine)
+            self.assertIs(type(hf.set_expert_parallel_transport(mine)), hf.ExpertParallelTransport)
+            with self.assertRaisesRegex(TypeError, "must be an ExpertParallelTransport or None, got function"):
+                hf.set_expert_parallel_transport(dist.all_to_all_single)
+        finally:
+            self.assertIs(hf.set_expert_parallel_transport(previous), mine)
+        self.assertIsInstance(hf.has_fused_experts(), bool)
+        self.assertEqual(hf.expert_parallel_shards(_split(tiny_hf_model("llama", num_layers=2), 2)), [])
+
     def test_stage_placement_errors(self):
         model = tiny_hf_model("llama", num_layers=2)
         layout = hf.detect_layout(model)
