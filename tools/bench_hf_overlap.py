@@ -11,8 +11,8 @@ a ``("pp", "ep")`` mesh, ``ScheduleDualPipeV``) in two layouts:
   OVERLAP_F_B actions pair the two local stages);
 * ``pp2xep2``: 4 gloo ranks, PP=2 x EP=2 (on 2 cores the ranks share them).
 
-Every token all-to-all waits L ms (``set_simulated_link_latency``, GIL
-released), L = one MoE layer's local expert compute for one microbatch,
+Every token all-to-all waits L ms (the demo's ``SimulatedLink``, an
+expert-parallel transport of :mod:`torch_pipelining_ext.hf`; GIL released), L = one MoE layer's local expert compute for one microbatch,
 measured at start-up (``--latency-ms`` overrides).  Round by round, in
 rotating order so that machine drift hits every mode alike, one training step
 of each of four modes from the same initial weights: overlapped and
@@ -41,6 +41,7 @@ bitwise equal (at L and at 0).  The last line is machine-readable::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -53,7 +54,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from torch_pipelining_ext.demo import _harness, train  # noqa: E402
+from torch_pipelining_ext.demo import harness, train  # noqa: E402
 
 _LAYOUTS = {"pp1xep2": (1, 2), "pp2xep2": (2, 2)}
 # (overlapped?, with the link latency?)
@@ -71,8 +72,6 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
     from torch_pipelining_ext import hf
 
-    from torch_pipelining_ext.hf import _expert_parallel as _hf_expert_parallel
-
     mesh = init_device_mesh("cpu", (args.pp, args.ep), mesh_dim_names=("pp", "ep"))
     ep_rank = mesh["ep"].get_local_rank()
     torch.manual_seed(args.seed)
@@ -83,10 +82,12 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     parts = runs["overlap"].parts
     if args.latency_ms is None:
         tokens = train.MICROBATCH_SIZE * train.SEQ_LEN
-        latency = _harness.calibrate_link_latency(parts, tokens, config.num_experts_per_tok)
+        latency = harness.calibrate_link_latency(parts, tokens, config.num_experts_per_tok)
     else:
         latency = args.latency_ms / 1e3
-    n_all_to_all = _harness.all_to_alls_per_step(parts, args.microbatches)
+    n_all_to_all = harness.all_to_alls_per_step(parts, args.microbatches)
+    link = harness.SimulatedLink()
+    hf.set_expert_parallel_transport(link)
     step_s: dict[str, list[float]] = {m: [] for m in runs}
     comm_s: list[float] = []
     identical = True
@@ -95,17 +96,13 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         ids = train.global_batch(args, r).chunk(args.ep)[ep_rank]
         losses = {}
         for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            _hf_expert_parallel.set_simulated_link_latency(latency if _MODES[mode][1] else 0.0)
-            clock = _harness.CommClock()
+            link.latency_s = latency if _MODES[mode][1] else 0.0
             dist.barrier()
             t0 = time.perf_counter()
-            if mode == "sequential":
-                with clock.measuring():
-                    losses[mode] = runs[mode].train_step(ids)
-            else:
+            with link.measuring() if mode == "sequential" else contextlib.nullcontext():
                 losses[mode] = runs[mode].train_step(ids)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            comm = torch.tensor([clock.seconds], dtype=torch.float64)
+            comm = torch.tensor([link.seconds if mode == "sequential" else 0.0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank
             dist.all_reduce(comm)  # the mean over ranks, below
             if r > 0:  # round 0: shape inference, warm-up
@@ -116,7 +113,7 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
             len(losses[a]) == len(losses[b]) and all(torch.equal(x, y) for x, y in zip(losses[a], losses[b]))
             for a, b in (("overlap", "sequential"), ("overlap L=0", "sequential L=0"))
         )
-        identical &= _harness._all_ranks(same)
+        identical &= harness.all_ranks(same)
         if rank == 0:
             times = ", ".join(f"{m} {step_s[m][-1] * 1e3:.0f} ms" for m in modes) if r else "warm-up"
             print(f"  round {r + 1}/{args.rounds}: {times}", flush=True)
@@ -151,21 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in layouts if x not in _LAYOUTS]
     if unknown or args.rounds < 2:
         p.error(f"unknown layouts {unknown}" if unknown else "--rounds must be at least 2 (the first is warm-up)")
-    problem = _harness.fused_experts_problem()
+    problem = harness.fused_experts_problem()
     if problem:
         p.error(problem)
     if args.latency_ms is not None and not 0 <= args.latency_ms <= 1000:
         p.error("--latency-ms must be >= 0 and <= 1000")
     print(
         f"torch {torch.__version__}; tiny {args.model}, {args.layers} layers, {args.experts} experts, "
-        f"ScheduleDualPipeV, {args.microbatches} microbatches per EP rank; {_harness.cpu_cores()} CPU cores",
+        f"ScheduleDualPipeV, {args.microbatches} microbatches per EP rank; {harness.cpu_cores()} CPU cores",
         flush=True,
     )
     results = {}
     for name in layouts:
         args.pp, args.ep = _LAYOUTS[name]
         print(f"\n{name}: {args.pp * args.ep} gloo ranks, PP={args.pp} x EP={args.ep}", flush=True)
-        r = results[name] = _harness.launch(args, _worker)
+        r = results[name] = harness.launch(args, _worker)
         m = r["median_ms"]
         print(
             f"  link latency L = {r['latency_ms']:.2f} ms per token all-to-all "

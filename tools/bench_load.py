@@ -4,8 +4,10 @@ Writes a ~1.1B-parameter bf16 Llama checkpoint (TinyLlama-shaped: hidden 2048,
 22 layers, vocab 32000; random weights, sharded safetensors) to a temporary
 directory, then loads stage 1 of 4 in two fresh processes, side by side:
 
-* ``stage_load``: ``meta_causal_lm`` + split + ``load_stage_weights``
-  (torch_pipelining_ext.hf): only the stage's tensors are read;
+* ``stage_load``: ``pipeline_hf_causal_lm(config, ..., checkpoint=...)``
+  (torch_pipelining_ext.hf: the model on meta, this rank's stage split off,
+  its tensors loaded) on a fake process group: only the stage's tensors are
+  read;
 * ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained`` of the whole
   model, then ``split_module`` of stage 1 (and the whole model dropped).
 
@@ -167,47 +169,39 @@ def _reset_peak() -> bool:
         return False
 
 
+def _fake_pipeline(expert_parallel: bool):
+    """Stage ``STAGE`` of ``NUM_STAGES`` (on expert-parallel rank ``EP_RANK`` of
+    ``EP_SIZE``): a fake process group, as building and loading a stage issue
+    no collective."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    ep_size, ep_rank = (EP_SIZE, EP_RANK) if expert_parallel else (1, 0)
+    rank = STAGE * ep_size + ep_rank
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=NUM_STAGES * ep_size)
+    if not expert_parallel:
+        return dist.group.WORLD
+    return init_device_mesh("cpu", (NUM_STAGES, ep_size), mesh_dim_names=("pp", "ep"))
+
+
 def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
     import torch
     import transformers  # noqa: F401  (imports before the measurement)
 
     from torch_pipelining_ext import hf, stage_split
 
-    from torch_pipelining_ext.hf import _compat as _hf_compat
-
     torch.set_num_threads(1)
     config = _config(model_kind)
-    if method == "stage_load_ep":
-        import torch.distributed as dist
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        from torch_pipelining_ext.hf import _expert_parallel as _hf_expert_parallel
-
-        # expert-parallel rank 1 of 4 (a fake group: loading issues no collective)
-        dist.init_process_group("fake", store=FakeStore(), rank=EP_RANK, world_size=EP_SIZE)
+    if method in ("stage_load", "stage_load_ep"):
+        mesh = _fake_pipeline(method == "stage_load_ep")
     rss_before = _status("VmRSS")
     peak_reset = _reset_peak()
     hwm_before = _status("VmHWM")
     t0 = time.perf_counter()
     if method in ("stage_load", "stage_load_ep"):
-        model = hf.meta_causal_lm(config)
-        names = hf.hf_module_names_per_stage(model, NUM_STAGES)
-        (raw,) = stage_split._split_stages(model, names, [STAGE])
-        part = hf.HFCausalLMStage(
-            raw,
-            hf.detect_layout(model),
-            STAGE,
-            NUM_STAGES,
-            tied_groups=hf._tied_groups(model),
-            full_state_keys=hf._state_keys(model),
-            checkpoint_conversions=_hf_compat.conversion_mapping(model),
-        )
-        if method == "stage_load_ep":
-            _hf_expert_parallel.shard_experts(
-                part, dist.group.WORLD, config, hf.detect_layout(model).layers_prefix
-            )
-        del model, raw
-        hf.load_stage_weights([part], directory)
+        # this rank's stage only, on the meta device, then its tensors read from the checkpoint
+        _, (part,) = hf.pipeline_hf_causal_lm(config, mesh, "1F1B", "cpu", checkpoint=directory)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
         names = hf.hf_module_names_per_stage(model, NUM_STAGES)

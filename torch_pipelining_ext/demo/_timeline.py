@@ -11,7 +11,7 @@ What a trace contains (and what the lanes are built from):
   action (``PP:0F3``, ``PP:3B1``, ``PP:(0F3;3B1)OVERLAP_F_B``, ...);
 * ``OVERLAP_F_B forward <sub-action>`` / ``OVERLAP_F_B backward <sub-action>``
   ranges around the two sub-actions of an OVERLAP_F_B action, on the thread
-  that ran each (``torch_pipelining_ext.overlap._handler`` adds them when profiling;
+  that ran each (the concurrent OVERLAP_F_B handler adds them when profiling;
   the demo adds the same names to its sequential run's sub-actions when it traces);
 * ``ep_overlap::... communication (... thread)`` ranges around the
   expert-parallel communication inside overlapped actions

@@ -19,7 +19,8 @@ config -- no download -- and trains it on synthetic data with
 
 Exit status: 0 when all of that holds, 1 when not, 2 for bad arguments.
 Under ``torchrun`` the demo joins its env:// rendezvous instead of spawning.
-Measurement and launching live in :mod:`torch_pipelining_ext.demo._harness`.
+Launching and the simulated link live in :mod:`torch_pipelining_ext.demo.harness`,
+the checks and the report in ``demo/_report.py``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import hf
-from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
-from torch_pipelining_ext.demo import _harness
+from torch_pipelining_ext.demo import _report, harness
+from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
 
 __all__ = ["Pipeline", "build_parser", "main", "parse_args", "tiny_moe_config"]
@@ -72,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     """Parse and validate; bad input exits with status 2 before any process starts."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _harness.validate(parser, args, environ)
+    _report.validate(parser, args, environ)
     return args
 
 
@@ -148,7 +149,7 @@ def train(args: argparse.Namespace, rank: int) -> int:
     names = hf.hf_module_names_per_stage(model, 2 * args.pp, input_weight=0.25, output_weight=0.5)
     runs = {mode: Pipeline(model, mesh, names, args, overlap=mode == "overlap") for mode in ("overlap", "sequential")}
     # calibrates the simulated link, prints the header
-    report = _harness.Report(args, rank, runs, names, MICROBATCH_SIZE * SEQ_LEN, config.num_experts_per_tok)
+    report = _report.Report(args, rank, runs, names, MICROBATCH_SIZE * SEQ_LEN, config.num_experts_per_tok)
 
     for step in range(args.steps):
         ids = global_batch(args, step).chunk(args.ep)[ep_rank]
@@ -182,4 +183,4 @@ def reference_losses(model: torch.nn.Module, args: argparse.Namespace) -> list[f
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m torch_pipelining_ext.demo``; returns the exit status."""
     args = parse_args(argv)
-    return _harness.launch(args, train)
+    return harness.launch(args, train)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from typing import Any, Callable
 
 import torch
@@ -28,7 +27,16 @@ import torch.nn as nn
 
 __all__: list[str] = []
 
-logger = logging.getLogger(__name__)
+
+def require_transformers():
+    """The ``transformers`` module, or an ``ImportError`` saying how to install it."""
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "torch_pipelining_ext.hf needs transformers: pip install 'torch_pipelining_ext[hf]'"
+        ) from e
+    return transformers
 
 
 # ---------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 import types
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext.hf._selfcheck import tiny_config
 
 
 __all__: list[str] = []
@@ -47,24 +47,63 @@ logger = logging.getLogger(__name__)
 # (expert parallelism carved out of data parallelism).
 
 
-_link_latency_s = 0.0
+# [Note: HF expert-parallel transport]
+# Every all-to-all of the expert-parallel forward and backward goes through
+# one ExpertParallelTransport: ``counts`` (the per-expert slot counts, once
+# per MoE layer and microbatch, forward only) and ``tokens`` (dispatch and
+# combine, forward and backward).  The default calls
+# ``torch.distributed.all_to_all_single``; a subclass installed with
+# ``set_expert_parallel_transport`` can instrument the exchange (count, time
+# it), add to it or carry it another way.  The transport is called on the
+# thread that runs the exchange (with the concurrent OVERLAP_F_B, either of
+# two), so it must be thread-safe, and it must keep the collective's
+# semantics: the same calls in the same order on every rank of the group.
 
 
-def set_simulated_link_latency(seconds: float) -> None:
-    """Wait ``seconds`` in every token all-to-all (forward and backward),
-    standing in for a slower link than the one the ranks have (loopback):
-    for benchmarks and the demo, which measure what the overlap hides.  The
-    wait releases the GIL, as a network transfer does."""
-    global _link_latency_s
-    if not seconds >= 0:
-        raise ValueError(f"latency must be >= 0 seconds, got {seconds!r}")
-    _link_latency_s = float(seconds)
+class ExpertParallelTransport:
+    """How the expert-parallel exchange moves data between the ranks of its
+    group (see ``[Note: HF expert-parallel transport]``).  The default sends
+    with :func:`torch.distributed.all_to_all_single`; subclass it and install
+    it with :func:`torch_pipelining_ext.hf.set_expert_parallel_transport`."""
+
+    def counts(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Exchange the per-expert slot counts (equal splits, one block per rank)."""
+        dist.all_to_all_single(output, input, group=group)
+
+    def tokens(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        group: dist.ProcessGroup,
+    ) -> None:
+        """Exchange token rows (dispatch or combine, forward or backward) with
+        the given split sizes; ``input`` is contiguous."""
+        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+
+class _TransportSlot:
+    """The installed transport (one per process, like a process group)."""
+
+    def __init__(self) -> None:
+        self.transport = ExpertParallelTransport()
+
+
+_slot = _TransportSlot()
+
+
+def set_transport(transport: ExpertParallelTransport | None) -> ExpertParallelTransport:
+    """Install ``transport`` (``None``: the default); returns the one it replaces."""
+    if transport is not None and not isinstance(transport, ExpertParallelTransport):
+        raise TypeError(f"transport must be an ExpertParallelTransport or None, got {type(transport).__name__}")
+    previous = _slot.transport
+    _slot.transport = transport if transport is not None else ExpertParallelTransport()
+    return previous
 
 
 def _exchange(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> None:
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    if _link_latency_s:
-        time.sleep(_link_latency_s)
+    _slot.transport.tokens(out, x.contiguous(), out_splits, in_splits, group)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -190,13 +229,13 @@ def _expert_parallel_forward(
 
     routed = ep_overlap.dispatch_begin(hidden_states.index_select(0, token_of_slot))
     recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=shard.group)
+    _slot.transport.counts(recv_counts, counts, shard.group)
     send = counts.view(shard.size, shard.local).sum(dim=1).tolist()
     recv_counts = recv_counts.view(shard.size, shard.local)
     recv = recv_counts.sum(dim=1).tolist()
     received = ep_overlap.dispatch_end(_AllToAll.apply(routed, recv, send, shard.group))
 
-    out = _local_experts(self, received, recv_counts)
+    out = local_experts(self, received, recv_counts)
 
     back = ep_overlap.combine_end(_AllToAll.apply(ep_overlap.combine_begin(out), send, recv, shard.group))
     return _add_slots(hidden_states, back, order, token_of_slot, top_k_weights)
@@ -212,8 +251,6 @@ def formula_problem(module: nn.Module, config: Any) -> str | None:
     once per class.  ``None`` when they agree, else what differs."""
     cls = type(module)
     if cls not in _formula_checked:
-        from torch_pipelining_ext.hf._selfcheck import tiny_config
-
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             tiny = cls(tiny_config(config)).float()
@@ -235,7 +272,7 @@ def formula_problem(module: nn.Module, config: Any) -> str | None:
             hf_logging.set_verbosity(verbosity)
         with torch.no_grad():
             order, token_of_slot, counts = _slots(idx, num_experts)
-            out = _local_experts(tiny, h.index_select(0, token_of_slot), counts.view(1, num_experts))
+            out = local_experts(tiny, h.index_select(0, token_of_slot), counts.view(1, num_experts))
             got = _add_slots(h, out, order, token_of_slot, w)
         diff = (got - want).abs().max().item()
         ok = torch.allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -243,7 +280,7 @@ def formula_problem(module: nn.Module, config: Any) -> str | None:
     return _formula_checked[cls]
 
 
-def _local_experts(module: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def local_experts(module: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The local experts on ``tokens`` (grouped by source rank, then local
     expert; ``counts`` [sources, local experts]), in the same order."""
     local = counts.shape[1]
@@ -263,3 +300,8 @@ def is_expert_parameter(part: nn.Module, fqn: str) -> bool:
     """Whether ``fqn`` of ``part`` is a sharded expert parameter (different
     on every rank of the expert-parallel group)."""
     return fqn in getattr(part, "expert_ranges", {})
+
+
+def sharded_experts(parts: Any) -> list[tuple[nn.Module, ExpertShard]]:
+    """Every experts module of ``parts`` that :func:`shard_experts` sharded, with its shard."""
+    return [(m, m._expert_shard) for part in parts for m in part.modules() if hasattr(m, "_expert_shard")]

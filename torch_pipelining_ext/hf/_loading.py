@@ -215,14 +215,12 @@ class CheckpointKeys:
             return None
 
         for key, entry in entries.items():
-            found = in_model(key)
-            if found is not None:
-                self.direct.setdefault(found, key)
-                continue
             renamed = key
-            for r in renamings:
-                renamed = r.rename_source_key(renamed)[0]
-            found = in_model(renamed)
+            found = in_model(key)
+            if found is None:
+                for r in renamings:
+                    renamed = r.rename_source_key(renamed)[0]
+                found = in_model(renamed)
             if found is not None:
                 self.direct.setdefault(found, key)
                 continue

@@ -29,12 +29,12 @@ from unittest import mock
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 import torch_pipelining_ext  # noqa: F401
-from torch_pipelining_ext.demo import _harness, train
+from torch_pipelining_ext.demo import harness, train
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _TIMEOUT_S = 300
-_NO_FUSED = _harness.fused_experts_problem()
+_NO_FUSED = harness.fused_experts_problem()
 # small enough for a few seconds per step on 2 CPU cores
 _SHORT = ["--steps", "2", "--layers", "2", "--microbatches", "2", "--comm-latency-ms", "0.5"]
 
@@ -119,7 +119,7 @@ class DemoArgumentsTest(TestCase):
         env.update(environ or {})
         with (
             mock.patch.dict(os.environ, env, clear=True),
-            mock.patch.object(_harness, "launch", side_effect=AssertionError("launched")) as launch,
+            mock.patch.object(harness, "launch", side_effect=AssertionError("launched")) as launch,
             contextlib.redirect_stderr(stderr),
             self.assertRaises(SystemExit) as cm,
         ):
@@ -130,7 +130,7 @@ class DemoArgumentsTest(TestCase):
 
     def test_without_fused_experts(self) -> None:
         # transformers 4.x holds experts as separate modules: the demo says what to install
-        with mock.patch("torch_pipelining_ext.hf._compat.has_fused_experts", return_value=False):
+        with mock.patch("torch_pipelining_ext.hf.has_fused_experts", return_value=False):
             msg = self._error([])
         self.assertIn("the demo needs transformers 5.x (fused experts", msg)
         self.assertIn("pip install 'transformers>=5,<6'", msg)

@@ -32,7 +32,7 @@ from torch.testing._internal.common_distributed import MultiProcContinuousTest, 
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
-from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
+from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
 
 try:
@@ -40,9 +40,7 @@ try:
 
     from torch_pipelining_ext import hf
 
-    from torch_pipelining_ext.hf import _compat as _hf_compat
-
-    HAS_FUSED = _hf_compat.has_fused_experts()
+    HAS_FUSED = hf.has_fused_experts()
 except ImportError:
     HAS_FUSED = False
 
@@ -269,6 +267,70 @@ class _HFExpertParallelTests:
                     want = want[start:stop]
                 got = p.grad if p.grad is not None else torch.zeros_like(p)
                 torch.testing.assert_close(got.cpu(), want, msg=name)
+
+    def test_transport_sees_every_all_to_all(self):
+        torch.set_num_threads(1)
+        mesh, ep_group, ep_rank = self._mesh()
+        ref = tiny_hf_model("qwen3_moe", num_layers=4)
+        batches = [self._local(_global_batch(step), ep_rank) for step in range(2)]
+
+        class Recording(hf.ExpertParallelTransport):
+            def __init__(self):
+                self.counts_calls, self.tokens_calls, self.well_formed = 0, [], []
+
+            def counts(self, output, input, group):
+                self.counts_calls += 1
+                super().counts(output, input, group)
+
+            def tokens(self, output, input, output_split_sizes, input_split_sizes, group):
+                self.well_formed.append(input.is_contiguous() and group is ep_group)
+                self.tokens_calls.append((sum(input_split_sizes), sum(output_split_sizes)))
+                super().tokens(output, input, output_split_sizes, input_split_sizes, group)
+
+        runs = {}
+        for name in ("default", "recording"):
+            pipe = _Pipeline(ref, mesh, "1f1b", self.device)
+            recording = Recording()
+            previous = hf.set_expert_parallel_transport(recording if name == "recording" else None)
+            try:
+                pipe.step(*batches[0], ep_group)  # also runs torch's metadata inference
+                recording.counts_calls, recording.tokens_calls = 0, []
+                runs[name] = pipe.step(*batches[1], ep_group)
+            finally:
+                installed = hf.set_expert_parallel_transport(previous)
+            self.assertIs(type(installed), Recording if name == "recording" else hf.ExpertParallelTransport)
+        for a, b in zip(runs["default"], runs["recording"]):
+            self.assertTrue(torch.equal(a, b))
+        shards = hf.expert_parallel_shards(pipe.parts)
+        self.assertEqual(len(shards), 2)  # 2 of the 4 MoE layers on each pipeline rank
+        # per MoE layer and microbatch: the counts once, the tokens forward and backward, dispatch and combine
+        self.assertEqual(recording.counts_calls, 4 * len(shards))
+        self.assertEqual(len(recording.tokens_calls), 4 * 4 * len(shards))
+        self.assertTrue(all(recording.well_formed))
+        with self.assertRaisesRegex(TypeError, "must be an ExpertParallelTransport"):
+            hf.set_expert_parallel_transport(dist.all_to_all_single)
+
+    def test_expert_parallel_shards_and_local_experts(self):
+        torch.set_num_threads(1)
+        mesh, _, ep_rank = self._mesh()
+        ref = tiny_hf_model("qwen3_moe", num_layers=4)
+        _, parts = hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, self.device)
+        shards = hf.expert_parallel_shards(parts)
+        self.assertEqual(len(shards), 2)
+        for module, shard in shards:
+            self.assertEqual((shard.size, shard.rank, shard.local), (2, ep_rank, shard.num_experts // 2))
+            self.assertEqual(parts[0].expert_ranges[f"{shard.fqn}.gate_up_proj"], (shard.start, shard.stop))
+            self.assertEqual(module.gate_up_proj.shape[0], shard.local)
+        module, shard = shards[0]
+        counts = torch.tensor([[1, 0] + [2] * (shard.local - 2), [3, 1] + [0] * (shard.local - 2)])
+        tokens = torch.randn(int(counts.sum()), module.gate_up_proj.shape[-1], device=self.device)
+        got = hf.run_local_experts(module, tokens, counts)
+        # row by row: rows come grouped by source rank, then local expert
+        experts = torch.arange(shard.local).repeat(2).repeat_interleave(counts.flatten())
+        for row, e in enumerate(experts.tolist()):
+            gate, up = torch.nn.functional.linear(tokens[row], module.gate_up_proj[e]).chunk(2, dim=-1)
+            want = torch.nn.functional.linear(module.act_fn(gate) * up, module.down_proj[e])
+            torch.testing.assert_close(got[row], want)
 
     def test_experts_not_divisible_by_the_group(self):
         mesh, _, _ = self._mesh()

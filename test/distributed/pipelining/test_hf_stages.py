@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from hf_model_registry import HF_FAMILIES, MOE_FAMILIES, tiny_hf_config, tiny_hf_model
+from hf_model_registry import HF_FAMILIES, tiny_hf_config, tiny_hf_model
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -34,13 +34,17 @@ try:
 
     from torch_pipelining_ext import hf
 
-    from torch_pipelining_ext.hf import _loading as _hf_loading
+    from torch_pipelining_ext.hf import _config as _hf_config, _factory as _hf_factory, _loading as _hf_loading, _stage as _hf_stage
 
     HAS_TRANSFORMERS = True
 except ImportError:
     HAS_TRANSFORMERS = False
 
 VOCAB = 64
+
+
+def _check_schedule(policy, schedule: str) -> None:
+    _hf_config.check_checkpointing_schedule(policy, ss._schedule_class(schedule))
 
 
 def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpointing=None) -> list:
@@ -57,8 +61,8 @@ def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpo
             layout,
             i,
             num_stages,
-            tied_groups=hf._tied_groups(model),
-            full_state_keys=hf._state_keys(model),
+            tied_groups=_hf_factory.tied_groups(model),
+            full_state_keys=_hf_factory.state_keys(model),
             checkpoint_conversions=_hf_compat.conversion_mapping(model),
         )
         for p, i in zip(raw, ids)
@@ -127,7 +131,7 @@ class TestHFStages(TestCase):
             warnings.simplefilter("always")
             stages = _split(model, num_stages)
         tie_warnings = [w for w in caught if "shared across pipeline stages" in str(w.message)]
-        self.assertEqual(len(tie_warnings), 1 if hf._tied_groups(model) else 0)
+        self.assertEqual(len(tie_warnings), 1 if _hf_factory.tied_groups(model) else 0)
         _chain_and_check(self, model, stages, ids, labels)
 
     @parametrize("family", ["gemma2", "qwen2_sliding", "gpt_oss"])
@@ -161,8 +165,8 @@ class TestHFStages(TestCase):
             stages[0].set_activation_checkpointing("sometimes")
         if mode == "selective":
             with self.assertRaisesRegex(ValueError, "selective activation checkpointing cannot run under ScheduleDualPipeV"):
-                hf._check_checkpointing_schedule(policy, "ScheduleDualPipeV")
-        hf._check_checkpointing_schedule(policy, "Schedule1F1B")
+                _check_schedule(policy, "ScheduleDualPipeV")
+        _check_schedule(policy, "Schedule1F1B")
 
     def test_reentrant_gradient_checkpointing_is_refused(self):
         model = tiny_hf_model("llama", num_layers=2)
@@ -172,7 +176,7 @@ class TestHFStages(TestCase):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.train()
         with self.assertRaisesRegex(ValueError, r"model.layers.0 uses reentrant activation checkpointing.*use_reentrant"):
-            hf._check_training_config(model)
+            _hf_stage.check_trainable(model, hf.detect_layout(model))
         stages = _split(model, 2)
         ids, _ = _batch()
         with self.assertRaisesRegex(ValueError, "reentrant activation checkpointing"):
@@ -180,7 +184,7 @@ class TestHFStages(TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        hf._check_training_config(model)  # the non-reentrant variant trains correctly
+        _hf_stage.check_trainable(model, hf.detect_layout(model))  # the non-reentrant variant trains correctly
         ids, labels = _batch()
         _chain_and_check(self, model, _split(model, 2), ids, labels)
 
@@ -257,7 +261,24 @@ class TestHFStages(TestCase):
             hf.detect_layout(model)
         model = tiny_hf_model("qwen3_moe", num_layers=2, output_router_logits=True)
         with self.assertRaisesRegex(ValueError, "output_router_logits"):
-            hf._check_training_config(model)
+            _hf_stage.check_trainable(model, hf.detect_layout(model))
+
+    def test_expert_parallel_transport_is_installed_and_restored(self):
+        class Quiet(hf.ExpertParallelTransport):
+            pass
+
+        mine = Quiet()
+        previous = hf.set_expert_parallel_transport(mine)
+        try:
+            self.assertIs(type(previous), hf.ExpertParallelTransport)  # the default
+            self.assertIs(hf.set_expert_parallel_transport(None), mine)
+            self.assertIs(type(hf.set_expert_parallel_transport(mine)), hf.ExpertParallelTransport)
+            with self.assertRaisesRegex(TypeError, "must be an ExpertParallelTransport or None, got function"):
+                hf.set_expert_parallel_transport(dist.all_to_all_single)
+        finally:
+            self.assertIs(hf.set_expert_parallel_transport(previous), mine)
+        self.assertIsInstance(hf.has_fused_experts(), bool)
+        self.assertEqual(hf.expert_parallel_shards(_split(tiny_hf_model("llama", num_layers=2), 2)), [])
 
     def test_stage_placement_errors(self):
         model = tiny_hf_model("llama", num_layers=2)

@@ -1,10 +1,11 @@
-"""What the demo measures and how it starts its ranks (private to the demo).
+"""What the demo checks and reports (private to the demo).
 
 :mod:`torch_pipelining_ext.demo.train` is the example of how to use the
-package; this module holds everything around it: argument validation,
-launching (local processes or torchrun), calibrating the simulated link,
-timing, the bitwise and reference checks, the printed report and
-``--trace``.  ``tools/bench_hf_overlap.py`` reuses it.
+package; this module holds what surrounds it: argument validation, timing,
+the bitwise and reference checks, the printed report and ``--trace``.
+Launching and the simulated link are in
+:mod:`torch_pipelining_ext.demo.harness`, which ``tools/bench_hf_overlap.py``
+shares.
 """
 
 from __future__ import annotations
@@ -13,42 +14,29 @@ import argparse
 import contextlib
 import math
 import os
-import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from torch_pipelining_ext import hf
+from torch_pipelining_ext.demo import harness
+
 
 __all__: list[str] = []
 
 _MAX_LATENCY_MS = 1000.0
 _REFERENCE_RTOL = 1e-4
-_PG_TIMEOUT = timedelta(seconds=300)
-_CALIBRATION_REPEATS = 20
 
 
 # ---------------------------------------------------------------------------
-# Arguments and launching
+# Arguments
 # ---------------------------------------------------------------------------
-
-
-def _under_torchrun(environ: dict[str, str]) -> bool:
-    return "RANK" in environ and "WORLD_SIZE" in environ
-
-
-def cpu_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: dict[str, str] | None) -> None:
@@ -56,7 +44,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, environ:
     environ = dict(os.environ) if environ is None else environ
 
     def error(message: str) -> NoReturn:
-        if _under_torchrun(environ) and environ.get("RANK") != "0":
+        if harness.under_torchrun(environ) and environ.get("RANK") != "0":
             sys.exit(2)  # under torchrun rank 0 alone explains
         parser.error(message)
 
@@ -86,12 +74,12 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, environ:
     if args.microbatches < stages:
         error(f"ScheduleDualPipeV needs at least as many microbatches as stages ({stages}); got --microbatches "
               f"{args.microbatches}")
-    if _under_torchrun(environ) and int(environ["WORLD_SIZE"]) != args.pp * args.ep:
+    if harness.under_torchrun(environ) and int(environ["WORLD_SIZE"]) != args.pp * args.ep:
         error(
             f"torchrun started {environ['WORLD_SIZE']} processes but --pp {args.pp} x --ep {args.ep} = "
             f"{args.pp * args.ep}; start {args.pp * args.ep} (torchrun --nproc-per-node ...) or change --pp/--ep"
         )
-    problem = fused_experts_problem()
+    problem = harness.fused_experts_problem()
     if problem:
         error(problem)
     if args.trace is not None:
@@ -99,139 +87,6 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, environ:
             os.makedirs(args.trace, exist_ok=True)
         except OSError as e:
             error(f"--trace {args.trace!r}: cannot create the directory ({e.strerror}); pass a writable path")
-
-
-def fused_experts_problem() -> str | None:
-    """Why this environment cannot run the demo's expert parallelism (None if it can)."""
-    try:
-        import transformers
-    except ImportError:
-        return "the demo needs transformers 5.x: pip install 'torch_pipelining_ext[hf]'"
-    from torch_pipelining_ext.hf import _compat as _hf_compat
-
-    if not _hf_compat.has_fused_experts():
-        return (
-            f"the demo needs transformers 5.x (fused experts, which expert parallelism shards); transformers "
-            f"{transformers.__version__} is installed: pip install 'transformers>=5,<6'"
-        )
-    return None
-
-
-def launch(args: argparse.Namespace, fn: Callable[[argparse.Namespace, int], Any]) -> Any:
-    """Run ``fn(args, rank)`` on every rank (torchrun's, or ``pp * ep`` local
-    processes, gloo); returns what it returned on rank 0 (under torchrun: on
-    this rank)."""
-    if _under_torchrun(os.environ):
-        return _rank_entry(int(os.environ["RANK"]), args, fn, "env://", int(os.environ["WORLD_SIZE"]))
-    import torch.multiprocessing as mp
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # forked, as PyTorch's multi-process tests do: no rank imports torch again
-    method = "fork" if sys.platform == "linux" else "spawn"
-    queue = mp.get_context(method).SimpleQueue()
-    world = args.pp * args.ep
-    mp.start_processes(
-        _spawned, args=(args, fn, f"tcp://127.0.0.1:{port}", world, queue), nprocs=world, start_method=method
-    )
-    if queue.empty():
-        raise RuntimeError("rank 0 finished without a result")
-    return queue.get()
-
-
-def _spawned(rank: int, args, fn, init_method: str, world: int, queue) -> None:
-    result = _rank_entry(rank, args, fn, init_method, world)
-    if rank == 0:
-        queue.put(result)
-
-
-def _rank_entry(rank: int, args, fn, init_method: str, world: int) -> Any:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=_PG_TIMEOUT)
-    try:
-        return fn(args, rank)
-    finally:
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------
-# The simulated link
-# ---------------------------------------------------------------------------
-
-
-def _local_experts_modules(parts: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    return [m for part in parts for m in part.modules() if hasattr(m, "_expert_shard")]
-
-
-def calibrate_link_latency(parts: list[torch.nn.Module], tokens_per_microbatch: int, top_k: int) -> float:
-    """Seconds one MoE layer's local experts compute on one microbatch
-    (forward; each rank receives ``tokens * top_k`` slots, spread evenly
-    over the experts): the fastest of a few repeats, the mean over all ranks."""
-    from torch_pipelining_ext.hf._expert_parallel import _local_experts
-
-    module = _local_experts_modules(parts)[0]
-    shard = module._expert_shard
-    per_expert = max(1, tokens_per_microbatch * top_k // shard.num_experts)
-    counts = torch.full((shard.size, shard.local), per_expert)
-    tokens = torch.randn(int(counts.sum()), module.gate_up_proj.shape[-1], dtype=module.gate_up_proj.dtype)
-    times = []
-    with torch.no_grad():
-        for i in range(_CALIBRATION_REPEATS + 3):
-            t0 = time.perf_counter()
-            _local_experts(module, tokens, counts)
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-    # the fastest repeat: on a busy machine the others include time the process was not running
-    mean = torch.tensor([min(times)], dtype=torch.float64)
-    dist.all_reduce(mean)
-    return mean.item() / dist.get_world_size()
-
-
-def all_to_alls_per_step(parts: list[torch.nn.Module], microbatches: int) -> int:
-    """Token all-to-alls this rank runs per step: every microbatch passes each
-    local MoE layer once forward (dispatch, combine) and once backward (the same two)."""
-    return 4 * microbatches * len(_local_experts_modules(parts))
-
-
-class CommClock:
-    """Wall time spent in the expert-parallel all-to-alls (token counts,
-    tokens and the simulated link) while :meth:`measuring`.
-
-    Measured on the sequential run only, where all of it is on the calling
-    thread: the time the overlap could hide.  It includes the waits for the
-    other EP ranks to reach the same all-to-all, which the overlap hides too.
-    Wraps ``torch.distributed.all_to_all_single`` and the expert-parallel
-    token exchange for the duration; the package is not modified.
-    """
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._depth = 0
-
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self._depth += 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self._depth == 0:  # the exchange calls all_to_all_single: count it once
-                    self.seconds += time.perf_counter() - t0
-
-        return timed
-
-    @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
-        from torch_pipelining_ext.hf import _expert_parallel as ep
-
-        saved = dist.all_to_all_single, ep._exchange
-        dist.all_to_all_single, ep._exchange = self._timed(saved[0]), self._timed(saved[1])
-        try:
-            yield
-        finally:
-            dist.all_to_all_single, ep._exchange = saved
 
 
 # ---------------------------------------------------------------------------
@@ -252,18 +107,17 @@ class Report:
         tokens_per_microbatch: int,
         top_k: int,
     ) -> None:
-        from torch_pipelining_ext.hf import _expert_parallel as _hf_expert_parallel
-
         self.args, self.rank, self.runs = args, rank, runs
         parts = runs["overlap"].parts
         if args.comm_latency_ms is None:
-            self.latency_s = calibrate_link_latency(parts, tokens_per_microbatch, top_k)
+            self.latency_s = harness.calibrate_link_latency(parts, tokens_per_microbatch, top_k)
             how = "= one MoE layer's local expert compute, forward, one microbatch: measured at start-up"
         else:
             self.latency_s = args.comm_latency_ms / 1e3
             how = "--comm-latency-ms" if args.comm_latency_ms else "--comm-latency-ms 0: loopback only"
-        _hf_expert_parallel.set_simulated_link_latency(self.latency_s)
-        self.n_all_to_all = all_to_alls_per_step(parts, args.microbatches)
+        self.link = harness.SimulatedLink(self.latency_s)
+        self._default_transport = hf.set_expert_parallel_transport(self.link)
+        self.n_all_to_all = harness.all_to_alls_per_step(parts, args.microbatches)
         self.step_s: dict[str, list[float]] = {m: [] for m in runs}
         self.comm_s: list[float] = []  # per step, in the sequential run (mean over ranks)
         self.local_losses: dict[str, list[list[torch.Tensor]]] = {m: [] for m in runs}
@@ -274,7 +128,7 @@ class Report:
         if args.trace is not None:
             _name_sequential_sub_actions(runs["sequential"].schedule)
         if rank == 0:
-            world, cores = args.pp * args.ep, cpu_cores()
+            world, cores = args.pp * args.ep, harness.cpu_cores()
             print(
                 f"torch {torch.__version__}, transformers {_transformers_version()}: tiny {args.model}, "
                 f"{args.layers} layers, {args.experts} experts ({args.experts // args.ep} per EP rank), "
@@ -297,8 +151,7 @@ class Report:
         """Time one step of ``mode`` (slowest rank); profile it if it is the last and --trace is set."""
         trace = self.args.trace is not None and step == self.args.steps - 1
         prof = _profiler() if trace else contextlib.nullcontext()
-        clock = CommClock()
-        comm = clock.measuring() if mode == "sequential" else contextlib.nullcontext()
+        comm = self.link.measuring() if mode == "sequential" else contextlib.nullcontext()
         dist.barrier()
         t0 = time.perf_counter()
         with prof, comm:
@@ -307,7 +160,7 @@ class Report:
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         self.step_s[mode].append(dt.item())
         if mode == "sequential":
-            c = torch.tensor([clock.seconds], dtype=torch.float64)
+            c = torch.tensor([self.link.seconds], dtype=torch.float64)
             dist.all_reduce(c)
             self.comm_s.append(c.item() / dist.get_world_size())
         if trace:
@@ -321,7 +174,7 @@ class Report:
 
     def print_step(self, step: int) -> None:
         a, b = self.local_losses["overlap"][step], self.local_losses["sequential"][step]
-        self.identical_steps.append(_all_ranks(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))))
+        self.identical_steps.append(harness.all_ranks(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))))
         if self.rank == 0:
             differ = "" if self.identical_steps[-1] else "  LOSSES DIFFER"
             print(
@@ -332,7 +185,7 @@ class Report:
             )
 
     def params_identical(self, parts_a: list[torch.nn.Module], parts_b: list[torch.nn.Module]) -> None:
-        self.params_equal = _all_ranks(
+        self.params_equal = harness.all_ranks(
             all(torch.equal(x, y) for a, b in zip(parts_a, parts_b) for x, y in zip(a.parameters(), b.parameters()))
         )
 
@@ -365,6 +218,7 @@ class Report:
             self._print_table(r)
             status[0] = 0 if r["losses_identical"] and r["params_identical"] and r["reference_ok"] else 1
         dist.broadcast(status, src=0)
+        hf.set_expert_parallel_transport(self._default_transport)
         if self.args.trace is not None:
             self._finish_trace()
         return int(status.item())
@@ -427,12 +281,6 @@ class Report:
             print(f"timeline: {png}", flush=True)
 
 
-def _all_ranks(ok: bool) -> bool:
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def _transformers_version() -> str:
     import transformers
 
@@ -452,7 +300,7 @@ def _name_sequential_sub_actions(schedule: Any) -> None:
     handler gives them (``OVERLAP_F_B forward 0F3``), so the traces compare."""
     from torch.distributed.pipelining import schedules
 
-    from torch_pipelining_ext._schedule_runtime import run_action
+    from torch_pipelining_ext.runtime import run_action
 
     def named(action: Any, ctx: Any) -> None:
         for sub in action.sub_actions or ():

@@ -1,0 +1,176 @@
+# mypy: allow-untyped-defs
+"""What a training step of Hugging Face stages needs around the schedule.
+
+Private helper of :mod:`torch_pipelining_ext.hf`: the last stage's loss,
+the gradients of weights tied across stages, and the gradients of the
+parameters replicated over the expert-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from torch_pipelining_ext.hf._expert_parallel import is_expert_parameter
+
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from torch_pipelining_ext.hf._stage import HFCausalLMStage
+
+
+__all__: list[str] = []
+
+
+class CausalLMLoss:
+    """Loss for the last stage: Hugging Face's causal-LM loss, split so that
+    the microbatch losses add up to the loss of the whole batch.
+
+    Labels are shifted (token ``t`` predicts label ``t + 1``) and
+    ``ignore_index`` labels are skipped, as in transformers'
+    ``ForCausalLMLoss``.  Each microbatch returns its summed cross entropy
+    divided by the number of predicted tokens of the *whole* batch, so the
+    sum over microbatches equals Hugging Face's mean over the batch even when
+    microbatches hold different numbers of labelled tokens.  Hence:
+
+    * call :meth:`set_labels` with the whole step's labels before each
+      ``schedule.step``;
+    * build the schedule with ``scale_grads=False`` (the division is already
+      in the loss).
+
+    Example::
+
+        loss_fn = CausalLMLoss()
+        schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn, scale_grads=False)
+        loss_fn.set_labels(labels)
+        schedule.step(input_ids, target=labels, losses=losses)
+        step_loss = torch.stack(losses).sum()   # == model(input_ids, labels=labels).loss
+    """
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        self.ignore_index = ignore_index
+        self.num_items_in_batch: int | None = None
+
+    def set_labels(self, labels: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        """Count the predicted tokens of the step's whole batch.
+
+        With ``group`` (the expert-parallel group, whose ranks train on
+        different data) the count is that of the global batch over the
+        group's size: each rank's losses then average, over the group, to
+        the global batch's loss (the data-parallel convention), so the
+        gradients of replicated parameters are averaged over the group and
+        those of the sharded experts divided by its size
+        (:func:`reduce_expert_parallel_gradients`, :func:`fully_shard_replicated`).
+        """
+        count = (labels[..., 1:] != self.ignore_index).sum()
+        if group is not None:
+            import torch.distributed as dist
+
+            count = count.to(group_device(group))
+            dist.all_reduce(count, group=group)
+            if int(count) == 0:
+                raise ValueError(f"labels hold no token to predict on any rank (all but the first are {self.ignore_index})")
+            self.num_items_in_batch = int(count) / dist.get_world_size(group)
+            return
+        n = int(count)
+        if n == 0:
+            raise ValueError(f"labels hold no token to predict (all but the first are {self.ignore_index})")
+        self.num_items_in_batch = n
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.num_items_in_batch is None:
+            raise RuntimeError("CausalLMLoss: call set_labels(labels) with the whole batch's labels before the step")
+        shifted = nn.functional.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
+        loss = nn.functional.cross_entropy(
+            logits.float().flatten(0, -2),
+            shifted.reshape(-1).to(logits.device),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+        return loss / self.num_items_in_batch
+
+
+def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGroup | None = None) -> None:
+    """See :func:`torch_pipelining_ext.hf.sync_tied_gradients`."""
+    if not parts:
+        return
+    for names, shape, _ in parts[0].tied_groups:
+        holders = []
+        for part in parts:
+            params = dict(part.named_parameters(remove_duplicate=False))
+            seen: set[int] = set()
+            for n in names:
+                p = params.get(n)
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    holders.append(p)
+        if group is None and len(holders) < 2:
+            continue
+        device = holders[0].device if holders else group_device(group)
+        # float32 on every rank: ranks holding no copy do not know the loaded dtype
+        total = torch.zeros(shape, dtype=torch.float32, device=device)
+        for p in holders:
+            if p.grad is not None:
+                total += p.grad.float()
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(total, group=group)
+        for p in holders:
+            if p.grad is None:
+                p.grad = total.to(p.dtype)
+            else:
+                p.grad.copy_(total)
+
+
+def reduce_expert_parallel_gradients(parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup) -> None:
+    """See :func:`torch_pipelining_ext.hf.reduce_expert_parallel_gradients`."""
+    import torch.distributed as dist
+
+    # every rank of the group holds the same stages: the same parameters in the same order
+    params = [
+        p for part in parts for name, p in part.named_parameters() if not is_expert_parameter(part, name)
+    ]
+    if not params:
+        return
+    size = dist.get_world_size(ep_group)
+    for part in parts:
+        for name, p in part.named_parameters():
+            if p.grad is not None and is_expert_parameter(part, name):
+                p.grad.div_(size)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    dist.all_reduce(flat, group=ep_group)
+    flat.div_(size)
+    offset = 0
+    for p in params:
+        total = flat[offset : offset + p.numel()].view(p.shape).to(p.dtype)
+        offset += p.numel()
+        if p.grad is None:
+            p.grad = total
+        else:
+            p.grad.copy_(total)
+
+
+def fully_shard_replicated(parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any) -> None:
+    """See :func:`torch_pipelining_ext.hf.fully_shard_replicated`."""
+    from torch.distributed.fsdp import fully_shard
+
+    size = mesh.size()
+    for part in parts:
+        experts = [p for name, p in part.named_parameters() if is_expert_parameter(part, name)]
+        fully_shard(part, mesh=mesh, ignored_params=set(experts), **fsdp_kwargs)
+        for p in experts:
+            p.register_hook(lambda grad: grad / size)
+
+
+def group_device(group: Any) -> torch.device:
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
