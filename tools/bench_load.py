@@ -9,7 +9,7 @@ directory, then loads stage 1 of 4 in two fresh processes, side by side:
   its tensors loaded) on a fake process group: only the stage's tensors are
   read;
 * ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained`` of the whole
-  model, then ``split_module`` of stage 1 (and the whole model dropped).
+  model, then ``build_stage_module`` of stage 1 (and the whole model dropped).
 
 Then the same ``stage_load`` of a ~3.5B-parameter bf16 Qwen3-MoE-shaped
 checkpoint (16 layers, 32 experts of width 1024) stored per expert, as
@@ -205,7 +205,7 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
         names = hf.hf_module_names_per_stage(model, NUM_STAGES)
-        part = stage_split.split_module(model, names[STAGE])
+        part = stage_split.build_stage_module(model, names[STAGE])
         del model
     elapsed = time.perf_counter() - t0
     extra = _status("VmHWM") - (rss_before if peak_reset else hwm_before)

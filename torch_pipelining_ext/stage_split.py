@@ -80,6 +80,7 @@ __all__ = [
     "build_stage_modules",
     "call_if_present",
     "generate_module_names_per_stage",
+    "pipeline_group",
     "pipeline_module_split",
     "resolve_schedule_class",
     "split_module",
@@ -827,7 +828,18 @@ def stage_ids_this_rank(pp_rank: int, pp_size: int, num_stages: int, style: str 
 # ---------------------------------------------------------------------------
 
 
-def _pp_group(pp_mesh_or_group: Any) -> tuple[dist.ProcessGroup, int, int]:
+def pipeline_group(pp_mesh_or_group: Any) -> tuple[dist.ProcessGroup, int, int]:
+    """The pipeline process group, this process's rank in it, and its size.
+
+    Args:
+        pp_mesh_or_group: the pipeline dimension as a 1-D ``DeviceMesh``, or a
+            ``ProcessGroup``.
+
+    Raises:
+        TypeError: neither a ``DeviceMesh`` nor a ``ProcessGroup``.
+        ValueError: a mesh of more than one dimension, or a group this
+            process is not a member of.
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -847,6 +859,37 @@ def _pp_group(pp_mesh_or_group: Any) -> tuple[dist.ProcessGroup, int, int]:
     raise TypeError(
         f"pp_mesh_or_group must be a 1-D DeviceMesh or a ProcessGroup, got {type(pp_mesh_or_group).__name__}"
     )
+
+
+def _check_placement(cls: type, module_names_per_stage: Any, pp_size: int) -> int:
+    """The number of stages, checked against the schedule class and the pipeline size."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(module_names_per_stage, Sequence):
+        raise TypeError(
+            "module_names_per_stage must be a sequence with one sequence of FQNs per stage, got "
+            f"{type(module_names_per_stage).__name__}"
+        )
+    num_stages = len(module_names_per_stage)
+    if issubclass(cls, PipelineScheduleSingle) and num_stages != pp_size:
+        raise ValueError(
+            f"{cls.__name__} runs one stage per rank, but {num_stages} stages were given for {pp_size} ranks; "
+            "use a multi-stage schedule such as ScheduleInterleaved1F1B"
+        )
+    return num_stages
+
+
+def _check_stage_kwargs(stage_kwargs: dict[str, Any], model: nn.Module, num_stages: int, device: Any, group: Any) -> None:
+    """``stage_kwargs`` are further ``PipelineStage`` arguments, none of those the split sets itself."""
+    from torch.distributed.pipelining import PipelineStage
+
+    for reserved in ("group", "submodule", "stage_index", "num_stages", "device"):
+        if reserved in stage_kwargs:
+            raise TypeError(f"pipeline_module_split sets {reserved!r} itself; do not pass it in stage_kwargs")
+    try:
+        inspect.signature(PipelineStage).bind(model, 0, num_stages, device, group=group, **stage_kwargs)
+    except TypeError as e:
+        raise TypeError(f"stage_kwargs do not fit PipelineStage: {e}") from None
 
 
 def pipeline_module_split(
@@ -896,62 +939,14 @@ def pipeline_module_split(
         ``(stages, model_parts)``: this rank's ``PipelineStage`` objects and
         their stage models, in the same order (ascending stage id).
     """
-    return _pipeline_split(
-        model,
-        pp_mesh_or_group,
-        schedule,
-        device,
-        module_names_per_stage,
-        move=move,
-        allow_uncovered=allow_uncovered,
-        stage_kwargs=stage_kwargs,
-        prepare_part=prepare_part,
-    )
-
-
-def _pipeline_split(
-    model: nn.Module,
-    pp_mesh_or_group: Any,
-    schedule: type | str,
-    device: torch.device | str | int,
-    module_names_per_stage: Sequence[Sequence[str]],
-    *,
-    move: bool,
-    allow_uncovered: bool,
-    stage_kwargs: dict[str, Any],
-    prepare_part: Callable[[nn.Module, int, int], nn.Module] | None = None,
-) -> tuple[list[PipelineStage], list[nn.Module]]:
-    """:func:`pipeline_module_split`, with a hook for model-specific wrappers.
-
-    ``prepare_part(part, stage_id, num_stages)`` (e.g. a model family's stage
-    wrapper) turns each built stage model
-    into the module the ``PipelineStage`` runs.
-    """
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     _check_model(model)
-    for reserved in ("group", "submodule", "stage_index", "num_stages", "device"):
-        if reserved in stage_kwargs:
-            raise TypeError(f"pipeline_module_split sets {reserved!r} itself; do not pass it in stage_kwargs")
-    group, pp_rank, pp_size = _pp_group(pp_mesh_or_group)
+    group, pp_rank, pp_size = pipeline_group(pp_mesh_or_group)
     cls = resolve_schedule_class(schedule)
-    if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(module_names_per_stage, Sequence):
-        raise TypeError(
-            "module_names_per_stage must be a sequence with one sequence of FQNs per stage, got "
-            f"{type(module_names_per_stage).__name__}"
-        )
-    num_stages = len(module_names_per_stage)
-    if cls is not None and issubclass(cls, PipelineScheduleSingle) and num_stages != pp_size:
-        raise ValueError(
-            f"{cls.__name__} runs one stage per rank, but {num_stages} stages were given for {pp_size} ranks; "
-            "use a multi-stage schedule such as ScheduleInterleaved1F1B"
-        )
+    num_stages = _check_placement(cls, module_names_per_stage, pp_size)
+    _check_stage_kwargs(stage_kwargs, model, num_stages, device, group)
     stage_ids = stage_ids_this_rank(pp_rank, pp_size, num_stages, cls)
-    try:
-        inspect.signature(PipelineStage).bind(model, 0, num_stages, device, group=group, **stage_kwargs)
-    except TypeError as e:
-        raise TypeError(f"stage_kwargs do not fit PipelineStage: {e}") from None
     parts = build_stage_modules(model, module_names_per_stage, stage_ids, move=move, allow_uncovered=allow_uncovered)
     if prepare_part is not None:
         parts = [prepare_part(part, stage_id, num_stages) for part, stage_id in zip(parts, stage_ids)]

@@ -93,7 +93,7 @@ def build_stages(
     pp_mesh_or_group, ep_group = _config.pp_and_ep(pp_mesh_or_group, options.ep_group)
     if isinstance(model, transformers.PretrainedConfig):
         model = build_on_meta(model, options.dtype)
-    schedule_cls = stage_split._schedule_class(schedule)
+    schedule_cls = stage_split.resolve_schedule_class(schedule)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
     layout = detect_layout(model)
@@ -102,7 +102,7 @@ def build_stages(
     model_type = getattr(model.config, "model_type", None)
     if options.verify or (options.verify is None and model_type not in VERIFIED_MODEL_TYPES):
         check_stages_match(model.config)
-    _, _, pp_size = stage_split._pp_group(pp_mesh_or_group)
+    _, _, pp_size = stage_split.pipeline_group(pp_mesh_or_group)
     if names is None:
         n = options.num_stages if options.num_stages is not None else _config.default_num_stages(schedule_cls, pp_size)
         names = module_names_per_stage(model, layout, n, options.layer_costs, input_weight=1, output_weight=1)
@@ -112,16 +112,8 @@ def build_stages(
     _check_weights_source(on_meta, options)
     device = as_device(device)
     factory = StageFactory(model, layout, on_meta, device, options, ep_group)
-    stages, parts = stage_split._pipeline_split(
-        model,
-        pp_mesh_or_group,
-        schedule,
-        device,
-        names,
-        move=False,
-        allow_uncovered=False,
-        stage_kwargs=options.stage_kwargs,
-        prepare_part=factory,
+    stages, parts = stage_split.pipeline_module_split(
+        model, pp_mesh_or_group, schedule_cls, device, names, prepare_part=factory, **options.stage_kwargs
     )
     _place_weights(parts, on_meta, device, options)
     return stages, parts

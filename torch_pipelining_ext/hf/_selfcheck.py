@@ -164,7 +164,7 @@ def _chain_stages(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     names = module_names_per_stage(model, layout, n, None, input_weight=1, output_weight=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ties split across stages
-        parts = [stage_split.split_module(model, stage_names) for stage_names in names]
+        parts = [stage_split.build_stage_module(model, stage_names) for stage_names in names]
     h = ids
     for i, part in enumerate(parts):
         h = HFCausalLMStage(part, layout, i, n)(h)

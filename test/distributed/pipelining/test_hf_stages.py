@@ -44,7 +44,7 @@ VOCAB = 64
 
 
 def _check_schedule(policy, schedule: str) -> None:
-    _hf_config.check_checkpointing_schedule(policy, ss._schedule_class(schedule))
+    _hf_config.check_checkpointing_schedule(policy, ss.resolve_schedule_class(schedule))
 
 
 def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpointing=None) -> list:
@@ -54,7 +54,7 @@ def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpo
     names = hf.hf_module_names_per_stage(model, num_stages)
     ids = list(range(num_stages)) if stage_ids is None else stage_ids
     layout = hf.detect_layout(model)
-    raw = ss._split_stages(model, names, ids)
+    raw = ss.build_stage_modules(model, names, ids)
     stages = [
         hf.HFCausalLMStage(
             p,
@@ -287,14 +287,14 @@ class TestHFStages(TestCase):
             ["model.embed_tokens", "model.layers.0", "model.norm", "model.rotary_emb"],
             ["model.layers.1", "lm_head"],
         ]
-        part = ss._split_stages(model, names, [0])[0]
+        part = ss.build_stage_modules(model, names, [0])[0]
         with self.assertRaisesRegex(ValueError, r"stage 0 of 2 holds 'model.norm', which only the last stage can run"):
             hf.HFCausalLMStage(part, layout, 0, 2)
         names = [
             ["model.embed_tokens", "model.layers.0", "model.rotary_emb"],
             ["model.layers.1", "model.norm", "lm_head"],
         ]
-        part = ss._split_stages(model, names, [1])[0]
+        part = ss.build_stage_modules(model, names, [1])[0]
         with self.assertRaisesRegex(ValueError, r"stage 1 of 2 runs layers but lacks 'model.rotary_emb'"):
             hf.HFCausalLMStage(part, layout, 1, 2)
 
