@@ -63,6 +63,8 @@ AlreadyUpstream = "upstream"
 
 
 class PatchStatus(str, enum.Enum):
+    """What happened to a patch (see :func:`torch_pipelining_ext.patch_report`)."""
+
     APPLIED = "applied"
     UPSTREAM = "upstream"
     SKIPPED = "skipped"

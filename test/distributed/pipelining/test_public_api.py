@@ -122,14 +122,27 @@ class PublicApiTest(TestCase):
         self.assertIs(plan, sim_plan)
 
     def test_layout_paths_exist(self) -> None:
-        """Every package file the README's Layout section names exists."""
+        """Every file and folder the README's Layout section names exists, where it says."""
         text = (REPO / "README.md").read_text()
         layout = re.search(r"^## Layout\n\n```\n(.*?)^```", text, flags=re.S | re.M)
         self.assertIsNotNone(layout, "README.md has no Layout section with a code block")
-        for path in re.findall(r"(?m)^\s*(\S+\.py|\S+/)\s", layout.group(1)):
-            with self.subTest(path=path):
-                candidates = [REPO / PACKAGE / path, REPO / path]
-                self.assertTrue(any(c.exists() for c in candidates), f"{path} (README Layout) does not exist")
+        folders: list[tuple[int, Path]] = []  # (indent, folder) of the enclosing entries
+        checked = 0
+        for line in layout.group(1).splitlines():
+            if not line.strip():
+                continue
+            indent = len(line) - len(line.lstrip())
+            while folders and folders[-1][0] >= indent:
+                folders.pop()
+            base = folders[-1][1] if folders else REPO
+            for name in re.split(r"\s{2,}", line.strip())[0].split(", "):
+                path = base / name
+                with self.subTest(path=str(path.relative_to(REPO))):
+                    self.assertTrue(path.exists(), f"{path.relative_to(REPO)} (README Layout) does not exist")
+                    checked += 1
+                if name.endswith("/"):
+                    folders.append((indent, path))
+        self.assertGreater(checked, 20)
 
     def test_tools_demo_and_docs_use_public_names(self) -> None:
         offenders = []
