@@ -16,7 +16,7 @@ import os
 import threading
 
 from torch_pipelining_ext import _torchtitan_compat
-from torch_pipelining_ext._patching import PatchRecord, PatchStatus
+from torch_pipelining_ext._patching._registry import PatchRecord, PatchStatus
 from torch_pipelining_ext._patching._table import _REGISTRY
 
 

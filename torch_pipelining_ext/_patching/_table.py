@@ -16,7 +16,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from torch_pipelining_ext._patching import _PatchRegistry, Patch, Target  # noqa: F401
+from torch_pipelining_ext._patching._registry import _PatchRegistry, Patch, Target
 
 
 __all__: list[str] = []

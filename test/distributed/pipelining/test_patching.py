@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch_pipelining_ext
 from torch_pipelining_ext._patching._table import _REGISTRY
-from torch_pipelining_ext._patching import (
+from torch_pipelining_ext._patching._registry import (
     _PatchRegistry,
     AlreadyUpstream,
     Patch,

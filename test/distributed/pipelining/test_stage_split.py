@@ -27,7 +27,7 @@ from torch.testing._internal.common_utils import (
 
 import torch_pipelining_ext
 from torch_pipelining_ext import stage_split as ss
-from torch_pipelining_ext._patching import Target
+from torch_pipelining_ext._patching._registry import Target
 from torch_pipelining_ext.stage_split import (
     build_stage_module,
     build_stage_modules,
