@@ -105,6 +105,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TYPE_CHECKING
 
@@ -114,7 +115,8 @@ from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
 from torch_pipelining_ext.overlap import _marks as _ep_marks
-from torch_pipelining_ext.overlap._turns import _CommCoordinator, _get_timeout, _Side, _wait_arg
+from torch_pipelining_ext.overlap import _turns as _ep_turns
+from torch_pipelining_ext.overlap._turns import _CommCoordinator, _get_timeout, _ObservedCoordinator, _Side, _wait_arg
 
 
 if TYPE_CHECKING:
@@ -419,7 +421,7 @@ def _run_overlapped(
     """
     timeout = _get_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
-    coordinator = _CommCoordinator(rank=global_rank, action=action, timeout=timeout)
+    coordinator, forward, backward = _coordinated(global_rank, action, timeout, forward, backward)
     failures: list[tuple[_Side, BaseException]] = []
     failures_lock = threading.Lock()
 
@@ -479,6 +481,34 @@ def _run_overlapped(
     if failures:
         _reraise(where, sub_actions, failures)
     return coordinator
+
+
+def _coordinated(
+    global_rank: int, action: str, timeout: float, forward: Callable[[], None], backward: Callable[[], None]
+) -> tuple[_CommCoordinator, Callable[[], None], Callable[[], None]]:
+    """The action's coordinator and its two computes; they report to the observer, if one is set.
+
+    See ``ep_overlap.observe_actions``: without an observer this is the plain
+    coordinator and the computes as given.
+    """
+    observer = _ep_turns._observer
+    if observer is None:
+        return _CommCoordinator(rank=global_rank, action=action, timeout=timeout), forward, backward
+    coordinator = _ObservedCoordinator(observer, rank=global_rank, action=action, timeout=timeout)
+    return coordinator, _observed(observer, _Side.FORWARD, forward), _observed(observer, _Side.BACKWARD, backward)
+
+
+def _observed(observer: Any, side: _Side, compute: Callable[[], None]) -> Callable[[], None]:
+    """``compute``, reporting its start and end to ``observer``."""
+
+    def observed() -> None:
+        start = time.perf_counter()
+        try:
+            compute()
+        finally:
+            observer.sub_action(side.thread_name, start, time.perf_counter())
+
+    return observed
 
 
 def _reraise(where: str, sub_actions: tuple[str, str], failures: list[tuple[_Side, BaseException]]) -> None:
