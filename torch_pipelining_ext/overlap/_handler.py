@@ -226,8 +226,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     stage_pair = None if pair is None else tuple(action.sub_actions[i].stage_index for i in pair)
     if pair is None or _same_fsdp_stage(stages, action) or stage_pair in state.unmarked_pairs:
         logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
-        for sub_action in action.sub_actions:
-            schedule.perform_action(sub_action, ctx)
+        _run_sequentially(schedule, action, ctx, pair)
         return
     logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
 
@@ -264,6 +263,17 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         # on timing; each step decides afresh.  With streams the device may
         # still run the two sides' kernels at once, so the pair stays concurrent.
         state.unmarked_pairs.add(stage_pair)
+
+
+def _run_sequentially(schedule: Any, action: _Action, ctx: Any, pair: tuple[int, int] | None) -> None:
+    """The sub-actions one after the other; a forward-backward pair's computes report to the observer, if set."""
+    observer = _ep_turns._observer  # see ep_overlap.observe_actions
+    for i, sub_action in enumerate(action.sub_actions):
+        if observer is None or pair is None:
+            schedule.perform_action(sub_action, ctx)
+        else:
+            side = _Side.FORWARD if i == pair[0] else _Side.BACKWARD
+            _observed(observer, side, schedule.prepare_compute_action(sub_action, ctx))()
 
 
 def _same_fsdp_stage(stages: dict[int, Any], action: _Action) -> bool:
