@@ -62,11 +62,12 @@ probes; ``ep_step_ratio`` is ``nan`` with --no-ep).  Every mode computes the
 same losses (weights are not updated); the script checks that they are
 bitwise equal across modes.
 
-The timestamps come from wrappers that this script installs in its own
-processes around ``_schedule_runtime.prepare_compute_action``'s closures and
-the coordinator's transitions (``open``, ``close``, ``_start``, ``finish``
-of ``_ep_turns._CommCoordinator``, where they exist); the package itself is
-not modified.
+The timestamps of the overlapped actions come from
+``ep_overlap.observe_actions`` (the sub-actions' computes and the
+turn-taking's transitions ``start``, ``open``, ``close``, ``finish``); the
+sequential handler's from this script's own OVERLAP_F_B function, which runs
+each sub-action as ``runtime.sequential_overlap_f_b`` does
+(``runtime.prepare_compute_action``, then the compute) and times the compute.
 """
 
 from __future__ import annotations
@@ -93,11 +94,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch_pipelining_ext  # noqa: E402, F401  (applies the patches)
-from torch_pipelining_ext import _schedule_runtime
-from torch_pipelining_ext.overlap import _turns as _ep_turns
-from torch_pipelining_ext.overlap import _handler as _overlap
 from torch_pipelining_ext import overlap as ep_overlap  # noqa: E402
-from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b  # noqa: E402
+from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b  # noqa: E402
 
 
 # --------------------------------------------------------------------------- #
@@ -144,56 +142,30 @@ class _ActionTrace:
     coord: list[tuple[str, int, float, float]] = dataclasses.field(default_factory=list)
 
 
-class _Tracer:
-    """Records :class:`_ActionTrace` s while an OVERLAP_F_B handler runs (this process only)."""
+class _Tracer(ep_overlap.ActionObserver):
+    """Records :class:`_ActionTrace` s while an OVERLAP_F_B handler runs (this process only).
+
+    Under ``ep_overlap.observe_actions`` for the overlapped handler; the
+    sequential handler (:func:`timed_sequential_overlap_f_b`) reports its
+    computes to :meth:`sub_action` itself.
+    """
 
     COORDINATOR_METHODS = ("open", "close", "start", "finish")
 
     def __init__(self) -> None:
         self.current: _ActionTrace | None = None
         self.actions: list[_ActionTrace] = []
-        self.coordinator_hooks: list[str] = []
+        self.coordinator_hooks: list[str] = list(self.COORDINATOR_METHODS)
 
-    def install(self) -> None:
-        from torch.distributed.pipelining.schedules import FORWARD
+    def sub_action(self, side: str, start: float, end: float) -> None:
+        trace = self.current
+        if trace is not None:
+            trace.subs.append(("F" if side == "forward" else "B", threading.get_ident(), start, end))
 
-        original_prepare = _schedule_runtime.prepare_compute_action
-
-        def prepare_compute_action(action: Any, ctx: Any) -> Callable[[], None]:
-            compute = original_prepare(action, ctx)
-            trace = self.current
-            if trace is None:
-                return compute
-            kind = "F" if action.computation_type == FORWARD else "B"
-
-            def timed() -> None:
-                t0 = time.perf_counter()
-                try:
-                    compute()
-                finally:
-                    trace.subs.append((kind, threading.get_ident(), t0, time.perf_counter()))
-
-            return timed
-
-        # run_action and the overlap handler look the function up in the module
-        _schedule_runtime.prepare_compute_action = prepare_compute_action
-        cls = getattr(_ep_turns, "_CommCoordinator", None)
-        for name in self.COORDINATOR_METHODS:
-            if cls is not None and callable(getattr(cls, name, None)):
-                setattr(cls, name, self._timed_method(name, getattr(cls, name)))
-                self.coordinator_hooks.append(name)
-
-    def _timed_method(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(coordinator: Any, *args: Any, **kwargs: Any) -> Any:
-            trace = self.current
-            t0 = time.perf_counter()
-            try:
-                return original(coordinator, *args, **kwargs)
-            finally:
-                if trace is not None:
-                    trace.coord.append((name, threading.get_ident(), t0, time.perf_counter()))
-
-        return method
+    def transition(self, name: str, side: str, call: float, ret: float) -> None:
+        trace = self.current
+        if trace is not None:
+            trace.coord.append((name, threading.get_ident(), call, ret))
 
     def region(self, t0: float, t1: float) -> None:
         trace = self.current
@@ -203,6 +175,23 @@ class _Tracer:
     def take(self) -> list[_ActionTrace]:
         actions, self.actions = self.actions, []
         return actions
+
+
+def timed_sequential_overlap_f_b(action: Any, ctx: Any) -> None:
+    """``runtime.sequential_overlap_f_b`` that reports each sub-action's compute to the tracer."""
+    from torch.distributed.pipelining.schedules import FORWARD
+
+    tracer = _TRACER
+    if tracer is None:
+        sequential_overlap_f_b(action, ctx)
+        return
+    for sub in action.sub_actions:
+        compute = prepare_compute_action(sub, ctx)
+        start = time.perf_counter()
+        try:
+            compute()
+        finally:
+            tracer.sub_action("forward" if sub.computation_type == FORWARD else "backward", start, time.perf_counter())
 
 
 _TRACER: _Tracer | None = None  # per process, when the breakdown is on
@@ -275,7 +264,7 @@ def _segments(trace: _ActionTrace, kind: str) -> tuple[list[float], float, float
 
 # [Note: hand-over latency]
 # A thread that waits in the coordinator (open: for its turn; close: for the
-# other side to start communicating; _start: for the backward side's first
+# other side to start communicating; start: for the backward side's first
 # region) is released by a transition of the other thread: the other side
 # opened a region (open returned), closed one (close called) or finished
 # (finish called).  The hand-over latency is the time from the last such
@@ -296,7 +285,7 @@ def _handovers(trace: _ActionTrace) -> tuple[list[float], list[float], int]:
             for ev in trace.coord
             if ev[1] != thread and ev[0] in _RELEASES and call <= ev[_RELEASES[ev[0]]] <= ret
         ]
-        if releases and name in ("open", "close", "_start"):
+        if releases and name in ("open", "close", "start"):
             last = max(releases, key=lambda ev: ev[_RELEASES[ev[0]]])
             handovers.append(ret - last[_RELEASES[last[0]]])
             # the other thread was already waiting for this turn: two wake-ups in a row, the second
@@ -316,7 +305,7 @@ def summarize_action(trace: _ActionTrace) -> dict[str, Any] | None:
     b_segs, b0, b1 = b
     f_thread = next(s[1] for s in trace.subs if s[0] == "F")
     b_thread = next(s[1] for s in trace.subs if s[0] == "B")
-    starts = {th: c for name, th, c, _ in trace.coord if name == "_start"}
+    starts = {th: c for name, th, c, _ in trace.coord if name == "start"}
     handovers, costs, relay = _handovers(trace)
     return {
         "total": trace.end - trace.start,
@@ -434,8 +423,9 @@ def _block_time(dim: int, tokens: int, repeats: int = 30) -> float:
 class _Timed:
     """Wraps an OVERLAP_F_B function and sums the time spent in it (and traces it with the breakdown on)."""
 
-    def __init__(self, fn: Callable[[Any, Any], None]) -> None:
+    def __init__(self, fn: Callable[[Any, Any], None], observed: bool = False) -> None:
         self.fn = fn
+        self.observed = observed  # the package's handler: traced through ep_overlap.observe_actions
         self.seconds = 0.0
 
     def __call__(self, action: Any, ctx: Any) -> None:
@@ -444,7 +434,11 @@ class _Timed:
         if tracer is not None:
             tracer.current = _ActionTrace(start=t0)
         try:
-            self.fn(action, ctx)
+            if tracer is not None and self.observed:
+                with ep_overlap.observe_actions(tracer):
+                    self.fn(action, ctx)
+            else:
+                self.fn(action, ctx)
         finally:
             t1 = time.perf_counter()
             self.seconds += t1 - t0
@@ -454,12 +448,21 @@ class _Timed:
                 tracer.actions.append(trace)
 
 
-def _set_overlap_function(schedule: Any, fn: Callable[[Any, Any], None]) -> None:
-    from torch.distributed.pipelining import schedules
+class _Switch:
+    """The OVERLAP_F_B function registered once on a schedule; each step points it at one handler.
 
-    # (the benchmark switches the function back and forth every step; going
-    # through register_custom_function would log a warning each time)
-    schedule._comp_type_to_function_map[schedules.OVERLAP_F_B] = fn
+    (The benchmark switches handlers every step; registering each one would
+    log a warning each time.)
+    """
+
+    def __init__(self, schedule: Any) -> None:
+        from torch.distributed.pipelining import schedules
+
+        self.fn: Callable[[Any, Any], None] = sequential_overlap_f_b
+        schedule.register_custom_function(schedules.OVERLAP_F_B, self)
+
+    def __call__(self, action: Any, ctx: Any) -> None:
+        self.fn(action, ctx)
 
 
 MODES = {
@@ -499,7 +502,6 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
     latency = args.latency_ms / 1e3 if args.latency_ms is not None else float(block)
     if not args.no_breakdown:
         _TRACER = _Tracer()
-        _TRACER.install()
 
     stage_ids = [rank, n_stages - 1 - rank]
     stages = [
@@ -507,7 +509,8 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
         for i in stage_ids
     ]
     schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=lambda y, t: F.mse_loss(y, t))
-    handlers = {True: _Timed(_overlap.overlap_f_b), False: _Timed(sequential_overlap_f_b)}
+    handlers = {True: _Timed(ep_overlap.overlap_f_b, observed=True), False: _Timed(timed_sequential_overlap_f_b)}
+    switch = _Switch(schedule)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.microbatches * tokens, args.dim, generator=gen)
     target = torch.randn(args.microbatches * tokens, args.dim, generator=gen)
@@ -527,7 +530,7 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
             use_overlap, marks, with_latency = MODES[name]
             _MARKS, _LATENCY_S = marks, (latency if with_latency else 0.0)
             handler = handlers[use_overlap]
-            _set_overlap_function(schedule, handler)
+            switch.fn = handler
             for s in stages:
                 s.submod.zero_grad(set_to_none=True)
             dist.barrier()
@@ -723,7 +726,8 @@ def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=loss_fn)
-    handlers = {"overlap": _Timed(_overlap.overlap_f_b), "sequential": _Timed(sequential_overlap_f_b)}
+    handlers = {"overlap": _Timed(ep_overlap.overlap_f_b), "sequential": _Timed(sequential_overlap_f_b)}
+    switch = _Switch(schedule)
     gen = torch.Generator().manual_seed(rank % 2)
     tokens = torch.randint(0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen)
     labels = torch.randint(0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen)
@@ -732,7 +736,7 @@ def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
     for rnd in range(args.warmup + args.ep_rounds):
         order = list(handlers) if rnd % 2 == 0 else list(reversed(handlers))
         for name in order:
-            _set_overlap_function(schedule, handlers[name])
+            switch.fn = handlers[name]
             for s in stages:
                 s.submod.zero_grad(set_to_none=True)
             dist.barrier()

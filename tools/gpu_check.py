@@ -355,11 +355,9 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
     from torch.distributed.pipelining import schedules as sched
 
-    import torch_pipelining_ext  # noqa: F401  (applies the patches)
-    from torch_pipelining_ext.overlap import _handler as _overlap
-    from torch_pipelining_ext.overlap._install import default_overlap_f_b
+    import torch_pipelining_ext  # (applies the patches)
     from torch_pipelining_ext import overlap as ep_overlap
-    from torch_pipelining_ext._schedule_runtime import run_action
+    from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
     cuda = args.device == "cuda"
     if cuda:
@@ -456,23 +454,24 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
 
     stages = [PipelineStage(part, i, 2, device) for i, part in enumerate(parts)]
     schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=F.mse_loss)
-    overlap_fn = schedule._comp_type_to_function_map.get(sched.OVERLAP_F_B)
-    if overlap_fn is not default_overlap_f_b:
+    patches = {r.name: r.status for r in torch_pipelining_ext.patch_report()}
+    if patches.get("overlap_f_b") not in (torch_pipelining_ext.PatchStatus.APPLIED, torch_pipelining_ext.PatchStatus.UPSTREAM):
         raise RuntimeError(
-            "the package's OVERLAP_F_B handler is not installed on ScheduleDualPipeV (is TORCH_PIPELINING_EXT_OVERLAP=0 "
-            "or TORCH_PIPELINING_EXT_DISABLE=1 set?)"
+            "the package's OVERLAP_F_B patch is not applied (is TORCH_PIPELINING_EXT_DISABLE=1 set?): "
+            f"{patches.get('overlap_f_b')}"
         )
+    # the two handlers, registered explicitly: one function that each step points at either
+    handlers = {"overlap": ep_overlap.overlap_f_b, "sequential": sequential_overlap_f_b}
+    current = {"mode": "overlap"}
 
-    def sequential_fn(action: Any, ctx: Any) -> None:
-        for sub in action.sub_actions:
-            run_action(sub, ctx)
+    def overlap_f_b(action: Any, ctx: Any) -> None:
+        handlers[current["mode"]](action, ctx)
 
-    handlers = {"overlap": overlap_fn, "sequential": sequential_fn}
+    schedule.register_custom_function(sched.OVERLAP_F_B, overlap_f_b)
     n_overlap = sum(a.computation_type == sched.OVERLAP_F_B for a in schedule.pipeline_order_with_comms[0])
 
     def step(mode: str) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
-        # (assigned directly: register_custom_function would log each switch)
-        schedule._comp_type_to_function_map[sched.OVERLAP_F_B] = handlers[mode]
+        current["mode"] = mode
         for part in parts:
             part.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []

@@ -3,7 +3,7 @@
 Checks that the package's concurrent OVERLAP_F_B runs torchtitan 0.3.0's
 DeepSeek-V3 ``debugmodel`` correctly under torchtitan's default SPMD backend
 (``spmd_types``), whose meshes live in thread-local state that the backward
-thread of an overlapped action gets from ``_torchtitan_compat.py``.
+thread of an overlapped action gets from the package's torchtitan pair.
 
 What runs: 4 gloo ranks on the CPU and torchtitan's own pieces -- its
 ``ParallelDims`` meshes (pp=2, dp_shard=2, ep=2 carved out of dp_shard), its
@@ -16,8 +16,9 @@ torchtitan's own SPMD context (``get_spmd_context``, the trainer's
 in between) is compared with the unsplit model on the whole global batch in
 one process -- the loss, and every parameter gradient (this rank's shard of
 it; tolerances in [Note: tolerances]) -- and the overlapped run with the
-sequential OVERLAP_F_B handler, bitwise.  ``--no-thread-state`` removes the
-package's pair first: a negative control, in which the overlapped run must
+sequential OVERLAP_F_B handler, bitwise.  ``--no-thread-state`` imports the
+package with ``TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE=0``, so that it
+registers no torchtitan pair: a negative control, in which the overlapped run must
 fail on the backward thread (the recomputation of a checkpointed MoE layer
 finds no current SPMD mesh there).
 
@@ -103,7 +104,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uneven-routing", action="store_true",
                    help="the learned top-k routing (uneven all-to-alls, which gloo cannot run under spmd_types)")
     p.add_argument("--no-thread-state", action="store_true",
-                   help="negative control: remove the package's torchtitan pair; the overlapped run must fail")
+                   help="negative control: without the package's torchtitan pair; the overlapped run must fail")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     p.add_argument("--collective-timeout", type=float, default=120.0,
                    help="seconds a collective may wait (a rank whose peer failed gives up after it)")
@@ -240,7 +241,7 @@ class _Run:
         from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
         from torch_pipelining_ext import overlap as ep_overlap
-        from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
+        from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
         spec = config.model_spec
         self.schedule, self.parts, self.has_first, self.has_last = pipeline_llm(
@@ -343,10 +344,10 @@ def _rank_main(rank: int, args: argparse.Namespace, store_path: str, out_path: s
 
 def _rank_check(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
 
+    if args.no_thread_state:
+        os.environ["TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE"] = "0"  # the package registers no torchtitan pair
     import torch_pipelining_ext  # noqa: F401  (patches torch, registers the torchtitan pair)
-    from torch_pipelining_ext import _torchtitan_compat
 
     # what torchtitan's init_distributed does: backward (and AC recomputation) on the thread holding the meshes
     torch.autograd.set_multithreading_enabled(False)
@@ -363,8 +364,6 @@ def _rank_check(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     parallel_dims = ParallelDims.from_config(config.parallelism, WORLD_SIZE)
     parallel_dims.build_mesh()
     train_context = titan_dist_utils.get_spmd_context(parallel_dims=parallel_dims)
-    if args.no_thread_state:
-        _torchtitan_compat.register().remove()
 
     # the unsplit model, the same on every rank
     model_config = config.model_spec.model

@@ -16,12 +16,16 @@ to the worker thread of an overlapped ``OVERLAP_F_B``:
   that holds the meshes.
 
 Nothing here imports torchtitan; see [Note: torchtitan thread state].
+``TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE=0`` when the package is imported
+(or :func:`torch_pipelining_ext.patch` is called) registers no pair: for a
+model that carries the state itself, and for negative controls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -69,6 +73,7 @@ logger = logging.getLogger(__name__)
 # and the backend is ``spmd_types`` but the layout is not found, the action
 # raises instead of running a backward without meshes.
 
+THREAD_STATE_ENV = "TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE"
 _TORCHTITAN_SPMD = "torchtitan.distributed.spmd_types"
 _TORCHTITAN_UTILS = "torchtitan.distributed.utils"
 _SPMD_TYPES_STATE = "spmd_types._state"
@@ -176,10 +181,13 @@ def _apply(state: _SpmdThreadState | None) -> Iterator[None]:
         yield
 
 
-def register() -> RemovableHandle:
-    """Register the pair with :func:`ep_overlap.register_thread_state` (once; later calls return the same handle)."""
+def register() -> RemovableHandle | None:
+    """Register the pair with :func:`ep_overlap.register_thread_state` (once; later calls return the same handle).
+
+    Registers nothing and returns ``None`` while ``$TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE`` is ``0``.
+    """
     global _handle
-    if _handle is None:
+    if _handle is None and os.environ.get(THREAD_STATE_ENV, "1").strip() != "0":
         _handle = ep_overlap.register_thread_state(_capture, _apply)
     return _handle
 

@@ -10,9 +10,10 @@ start of the step, one ``sub_`` and one ``add_`` at the end, on top of torch's
 size this times, side by side in one run on one stage holding one parameter
 of that many float32 elements:
 
-* ``stock``: torch's ``scale_grads`` (``div_``);
-* ``fixed``: ``clear_runtime_states`` + ``scale_grads`` of the package, with a
-  gradient carried in;
+* ``stock``: torch's ``clear_runtime_states`` + ``scale_grads`` (``div_``),
+  as they are after ``torch_pipelining_ext.unpatch()``;
+* ``fixed``: the same two methods of ``_PipelineStageBase`` after
+  ``torch_pipelining_ext.patch()``, with a gradient carried in;
 * ``adamw``: one ``torch.optim.AdamW(foreach=True)`` step on the same
   parameter, the per-step cost every training loop pays anyway.
 
@@ -29,18 +30,14 @@ import time
 import types
 
 import torch
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from torch_pipelining_ext import _grad_scaling
-
-
-def _stock_scale(stage: object, factor: int) -> None:
-    for p in stage.submod.parameters():
-        if p.grad is not None:
-            p.grad.div_(factor)
+import torch_pipelining_ext
 
 
-def _clear(stage: object) -> None:
-    pass
+def _stage_methods() -> tuple[object, object]:
+    """``_PipelineStageBase``'s ``clear_runtime_states`` and ``scale_grads`` as they are now."""
+    return _PipelineStageBase.clear_runtime_states, _PipelineStageBase.scale_grads
 
 
 def _best(fn, repeat: int) -> float:
@@ -59,25 +56,38 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    clear = _grad_scaling._make_clear_runtime_states(_clear)
-    scale = _grad_scaling._make_scale_grads(_stock_scale)
+    torch_pipelining_ext.unpatch()
+    stock_clear, stock_scale = _stage_methods()
+    torch_pipelining_ext.patch()
+    status = {r.name: r.status.value for r in torch_pipelining_ext.patch_report()}["scale_grads_per_step"]
+    fixed_clear, fixed_scale = _stage_methods()
     n = args.microbatches
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeat}, {n} microbatches")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeat}, {n} microbatches; "
+        f"patch scale_grads_per_step: {status}"
+    )
     print(f"{'params':>10} {'stock ms':>9} {'fixed ms':>9} {'adamw ms':>9} {'(fixed-stock)/adamw':>20}")
     last = None
     for size in (int(float(s)) for s in args.params.split(",")):
         param = torch.nn.Parameter(torch.randn(size))
         param.grad = torch.randn(size)
-        stage = types.SimpleNamespace(submod=torch.nn.Module(), has_backward=True)
+        # the attributes the two methods use, for one stage holding one parameter
+        stage = types.SimpleNamespace(
+            submod=torch.nn.Module(), has_backward=True, fwd_cache={}, output_chunks=[], args_recv_info={}
+        )
         stage.submod.p = param
         optimizer = torch.optim.AdamW([param], foreach=True)
         optimizer.step()  # state allocated before timing
 
-        def fixed() -> None:
-            clear(stage)
-            scale(stage, n)
+        def stock_step() -> None:
+            stock_clear(stage)
+            stock_scale(stage, n)
 
-        stock = _best(lambda: _stock_scale(stage, n), args.repeat)
+        def fixed() -> None:
+            fixed_clear(stage)
+            fixed_scale(stage, n)
+
+        stock = _best(stock_step, args.repeat)
         patched = _best(fixed, args.repeat)
         adamw = _best(optimizer.step, args.repeat)
         ratio = (patched - stock) / adamw

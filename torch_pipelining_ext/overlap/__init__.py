@@ -56,8 +56,8 @@ turn longer than :func:`get_wait_timeout` seconds raises
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch.nn as nn
@@ -70,6 +70,7 @@ from torch_pipelining_ext.overlap._turns import CommWaitTimeoutError, DEFAULT_WA
 
 
 __all__ = [
+    "ActionObserver",
     "CommWaitTimeoutError",
     "DEFAULT_WAIT_TIMEOUT_S",
     "combine_begin",
@@ -77,6 +78,7 @@ __all__ = [
     "dispatch_begin",
     "dispatch_end",
     "get_wait_timeout",
+    "observe_actions",
     "overlap_f_b",
     "register_thread_state",
     "set_wait_timeout",
@@ -114,6 +116,49 @@ def get_wait_timeout() -> float:
         ValueError: the environment variable is set to anything else.
     """
     return _ep_turns._get_timeout()
+
+
+class ActionObserver:
+    """Receives timestamps of the overlapped actions run under :func:`observe_actions`.
+
+    Subclass it and override what you need; the defaults do nothing.  Each
+    method is called on the thread the event happened on (the calling thread
+    for the forward side, the worker thread for the backward side), with
+    ``time.perf_counter()`` values, and must not raise.  ``side`` is
+    ``"forward"`` or ``"backward"``.
+    """
+
+    def sub_action(self, side: str, start: float, end: float) -> None:
+        """The compute of ``side``'s sub-action ran from ``start`` to ``end`` (its bookkeeping excluded)."""
+
+    def transition(self, name: str, side: str, call: float, ret: float) -> None:
+        """``side`` called the turn-taking at ``call`` and went on at ``ret``.
+
+        ``name`` is ``"start"`` (before the sub-action computes), ``"open"``
+        / ``"close"`` (a mark entering / leaving a communication region,
+        nested ones included) or ``"finish"`` (the sub-action ended); the time
+        between ``call`` and ``ret`` is spent waiting for the other side.
+        """
+
+
+@contextmanager
+def observe_actions(observer: ActionObserver) -> Iterator[ActionObserver]:
+    """Report the overlapped actions that start inside the ``with`` block to ``observer``.
+
+    For benchmarks and for debugging the turn-taking; one observer per
+    process at a time (an inner block replaces an outer one until it exits).
+    Without an observer an action pays one ``is None`` check.
+
+    Raises:
+        TypeError: ``observer`` is not an :class:`ActionObserver`.
+    """
+    if not isinstance(observer, ActionObserver):
+        raise TypeError(f"observe_actions: expected an ActionObserver, got {type(observer).__name__}")
+    previous = _ep_turns._set_observer(observer)
+    try:
+        yield observer
+    finally:
+        _ep_turns._set_observer(previous)
 
 
 def dispatch_begin(*tensors: Any) -> Any:

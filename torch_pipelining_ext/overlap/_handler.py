@@ -105,6 +105,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TYPE_CHECKING
 
@@ -114,7 +115,8 @@ from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
 from torch_pipelining_ext.overlap import _marks as _ep_marks
-from torch_pipelining_ext.overlap._turns import _CommCoordinator, _get_timeout, _Side, _wait_arg
+from torch_pipelining_ext.overlap import _turns as _ep_turns
+from torch_pipelining_ext.overlap._turns import _CommCoordinator, _get_timeout, _ObservedCoordinator, _Side, _wait_arg
 
 
 if TYPE_CHECKING:
@@ -224,8 +226,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     stage_pair = None if pair is None else tuple(action.sub_actions[i].stage_index for i in pair)
     if pair is None or _same_fsdp_stage(stages, action) or stage_pair in state.unmarked_pairs:
         logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
-        for sub_action in action.sub_actions:
-            schedule.perform_action(sub_action, ctx)
+        _run_sequentially(schedule, action, ctx, pair)
         return
     logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
 
@@ -262,6 +263,17 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         # on timing; each step decides afresh.  With streams the device may
         # still run the two sides' kernels at once, so the pair stays concurrent.
         state.unmarked_pairs.add(stage_pair)
+
+
+def _run_sequentially(schedule: Any, action: _Action, ctx: Any, pair: tuple[int, int] | None) -> None:
+    """The sub-actions one after the other; a forward-backward pair's computes report to the observer, if set."""
+    observer = _ep_turns._observer  # see ep_overlap.observe_actions
+    for i, sub_action in enumerate(action.sub_actions):
+        if observer is None or pair is None:
+            schedule.perform_action(sub_action, ctx)
+        else:
+            side = _Side.FORWARD if i == pair[0] else _Side.BACKWARD
+            _observed(observer, side, schedule.prepare_compute_action(sub_action, ctx))()
 
 
 def _same_fsdp_stage(stages: dict[int, Any], action: _Action) -> bool:
@@ -419,7 +431,7 @@ def _run_overlapped(
     """
     timeout = _get_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
-    coordinator = _CommCoordinator(rank=global_rank, action=action, timeout=timeout)
+    coordinator, forward, backward = _coordinated(global_rank, action, timeout, forward, backward)
     failures: list[tuple[_Side, BaseException]] = []
     failures_lock = threading.Lock()
 
@@ -479,6 +491,34 @@ def _run_overlapped(
     if failures:
         _reraise(where, sub_actions, failures)
     return coordinator
+
+
+def _coordinated(
+    global_rank: int, action: str, timeout: float, forward: Callable[[], None], backward: Callable[[], None]
+) -> tuple[_CommCoordinator, Callable[[], None], Callable[[], None]]:
+    """The action's coordinator and its two computes; they report to the observer, if one is set.
+
+    See ``ep_overlap.observe_actions``: without an observer this is the plain
+    coordinator and the computes as given.
+    """
+    observer = _ep_turns._observer
+    if observer is None:
+        return _CommCoordinator(rank=global_rank, action=action, timeout=timeout), forward, backward
+    coordinator = _ObservedCoordinator(observer, rank=global_rank, action=action, timeout=timeout)
+    return coordinator, _observed(observer, _Side.FORWARD, forward), _observed(observer, _Side.BACKWARD, backward)
+
+
+def _observed(observer: Any, side: _Side, compute: Callable[[], None]) -> Callable[[], None]:
+    """``compute``, reporting its start and end to ``observer``."""
+
+    def observed() -> None:
+        start = time.perf_counter()
+        try:
+            compute()
+        finally:
+            observer.sub_action(side.thread_name, start, time.perf_counter())
+
+    return observed
 
 
 def _reraise(where: str, sub_actions: tuple[str, str], failures: list[tuple[_Side, BaseException]]) -> None:

@@ -33,6 +33,7 @@ TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
 DEFAULT_WAIT_TIMEOUT_S = 600.0
 _HAND_OVER_MIN_REGION_S = _policy.HAND_OVER_MIN_REGION_S  # see [Note: the hand-over policy]
 _timeout_s: float | None = None  # set_wait_timeout(); None: environment or default
+_observer: Any = None  # observe_actions(); None: nothing is timed
 
 
 class CommWaitTimeoutError(RuntimeError):
@@ -68,6 +69,13 @@ def _get_timeout() -> float:
         return _check_timeout(value, f"${TIMEOUT_ENV}={env!r}")
     except ValueError as e:
         raise ValueError(str(e)) from None
+
+
+def _set_observer(observer: Any) -> Any:
+    """Make ``observer`` the one that actions started from now on report to; returns the previous one."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
 
 
 def _wait_arg(seconds: float) -> float | None:
@@ -383,3 +391,35 @@ class _CommCoordinator:
             f"marks, identically on every rank; raise the limit with ep_overlap.set_wait_timeout() or "
             f"${TIMEOUT_ENV} if the other side's compute is this long."
         )
+
+
+class _ObservedCoordinator(_CommCoordinator):
+    """A :class:`_CommCoordinator` that reports each transition to an ``ActionObserver``.
+
+    Used instead of the plain one for the actions started while an observer
+    is set (``ep_overlap.observe_actions``), so that the plain one pays
+    nothing for it.
+    """
+
+    def __init__(self, observer: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._observer = observer
+
+    def _timed(self, name: str, side: _Side, transition: Callable[..., None], *args: Any) -> None:
+        call = time.perf_counter()
+        try:
+            transition(side, *args)
+        finally:
+            self._observer.transition(name, side.thread_name, call, time.perf_counter())
+
+    def start(self, side: _Side) -> None:
+        self._timed("start", side, super().start)
+
+    def open(self, side: _Side, where: str, phase: str) -> None:
+        self._timed("open", side, super().open, where, phase)
+
+    def close(self, side: _Side, where: str) -> None:
+        self._timed("close", side, super().close, where)
+
+    def finish(self, side: _Side) -> None:
+        self._timed("finish", side, super().finish)

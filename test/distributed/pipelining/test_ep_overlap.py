@@ -726,6 +726,57 @@ class ThreadStateTest(TestCase):
         self.assertIn("ep_overlap::combine backward communication (backward thread)", names)
 
 
+class _Recorder(ep_overlap.ActionObserver):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int, float, float]] = []  # (event, side, thread, t0, t1)
+
+    def sub_action(self, side: str, start: float, end: float) -> None:
+        self.events.append(("compute", side, threading.get_ident(), start, end))
+
+    def transition(self, name: str, side: str, call: float, ret: float) -> None:
+        self.events.append((name, side, threading.get_ident(), call, ret))
+
+
+class ObserverTest(TestCase):
+    def test_observer_gets_computes_and_transitions_on_their_threads(self) -> None:
+        recorder = _Recorder()
+        with ep_overlap.observe_actions(recorder):
+            coordinator = PairRun(2, 1).run()
+        self.assertIs(type(coordinator), _ep_turns._ObservedCoordinator)
+        threads = {side: {e[2] for e in recorder.events if e[1] == side} for side in ("forward", "backward")}
+        self.assertEqual(threads["forward"], {threading.get_ident()})
+        self.assertEqual(len(threads["backward"]), 1)
+        self.assertNotEqual(threads["backward"], threads["forward"])
+        for side, regions in (("forward", 2), ("backward", 1)):
+            names = [e[0] for e in recorder.events if e[1] == side]
+            # each region: a dispatch and a combine mark pair, see ToyMoELayer
+            self.assertEqual(names.count("open"), 2 * regions, names)
+            self.assertEqual(names.count("close"), 2 * regions, names)
+            self.assertEqual((names[0], names[-1]), ("start", "finish"))
+            self.assertEqual(names.count("compute"), 1)
+            (compute,) = [e for e in recorder.events if e[1] == side and e[0] == "compute"]
+            for e in recorder.events:
+                if e[1] == side and e[0] in ("open", "close"):
+                    self.assertTrue(compute[3] <= e[3] <= e[4] <= compute[4], (compute, e))
+        # outside the block: the plain coordinator, nothing reported
+        count = len(recorder.events)
+        self.assertIs(type(PairRun(1, 1).run()), _CommCoordinator)
+        self.assertEqual(len(recorder.events), count)
+
+    def test_observe_actions_nests_and_checks_its_argument(self) -> None:
+        outer, inner = _Recorder(), _Recorder()
+        with ep_overlap.observe_actions(outer):
+            with ep_overlap.observe_actions(inner):
+                PairRun(1, 1).run()
+            self.assertEqual(outer.events, [])
+            PairRun(1, 1).run()
+        self.assertTrue(inner.events and outer.events)
+        self.assertIsNone(_ep_turns._observer)
+        with self.assertRaisesRegex(TypeError, "expected an ActionObserver"):
+            with ep_overlap.observe_actions(object()):
+                pass
+
+
 class MarksTest(TestCase):
     def test_noop_outside_an_action(self) -> None:
         x = torch.randn(3, DIM)

@@ -29,7 +29,6 @@ import threading
 import types
 import os
 import subprocess
-import sys
 import unittest
 from collections.abc import Iterator
 from typing import Any
@@ -203,6 +202,22 @@ class CaptureApplyTest(TestCase):
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertEqual(done.stdout.strip(), "0")
+
+    def test_turned_off_by_the_environment(self) -> None:
+        from torch_pipelining_ext.overlap import _marks
+
+        def registered() -> bool:
+            return any(hook == (_capture, _apply) for hook in _marks._thread_state_hooks.values())
+
+        try:
+            torch_pipelining_ext.unpatch()
+            with mock.patch.dict(os.environ, {_torchtitan_compat.THREAD_STATE_ENV: "0"}):
+                torch_pipelining_ext.patch()
+                self.assertFalse(registered())
+                self.assertIsNone(_torchtitan_compat.register())
+        finally:
+            torch_pipelining_ext.patch()
+        self.assertTrue(registered())
 
 
 _THREADS: set[str] = set()  # the threads _MeshScaled.forward ran on
