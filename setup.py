@@ -10,7 +10,7 @@ _ROOT = Path(__file__).parent
 _VERSION = re.search(
     r'^__version__ = "([^"]+)"',
     (_ROOT / "torch_pipelining_ext" / "__init__.py").read_text(),
-    re.M,
+    re.MULTILINE,
 ).group(1)
 
 setup(
@@ -28,7 +28,14 @@ setup(
     packages=find_packages(include=["torch_pipelining_ext", "torch_pipelining_ext.*"]),
     install_requires=["torch>=2.9,<2.16"],
     extras_require={
-        "test": ["pytest", "expecttest", "hypothesis", "numpy", "matplotlib", "ruff==0.17.6"],
+        "test": [
+            "pytest",
+            "expecttest",
+            "hypothesis",
+            "numpy",
+            "matplotlib",
+            "ruff==0.17.6",
+        ],
         "plot": ["matplotlib"],
         # torch_pipelining_ext.hf; tested with transformers 4.57 (the last 4.x line) and 5.x
         "hf": ["transformers>=4.57,<6", "safetensors>=0.4"],

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from torch_pipelining_ext.demo import harness, train  # noqa: E402
+from torch_pipelining_ext.demo import harness, train
 
 _LAYOUTS = {"pp1xep2": (1, 2), "pp2xep2": (2, 2)}
 # (overlapped?, with the link latency?)
@@ -77,12 +77,19 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     config = train.tiny_moe_config(args)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    names = hf.hf_module_names_per_stage(model, 2 * args.pp, input_weight=0.25, output_weight=0.5)
-    runs = {m: train.Pipeline(model, mesh, names, args, overlap=o) for m, (o, _) in _MODES.items()}
+    names = hf.hf_module_names_per_stage(
+        model, 2 * args.pp, input_weight=0.25, output_weight=0.5
+    )
+    runs = {
+        m: train.Pipeline(model, mesh, names, args, overlap=o)
+        for m, (o, _) in _MODES.items()
+    }
     parts = runs["overlap"].parts
     if args.latency_ms is None:
         tokens = train.MICROBATCH_SIZE * train.SEQ_LEN
-        latency = harness.calibrate_link_latency(parts, tokens, config.num_experts_per_tok)
+        latency = harness.calibrate_link_latency(
+            parts, tokens, config.num_experts_per_tok
+        )
     else:
         latency = args.latency_ms / 1e3
     n_all_to_all = harness.all_to_alls_per_step(parts, args.microbatches)
@@ -102,7 +109,9 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
             with link.measuring() if mode == "sequential" else contextlib.nullcontext():
                 losses[mode] = runs[mode].train_step(ids)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            comm = torch.tensor([link.seconds if mode == "sequential" else 0.0], dtype=torch.float64)
+            comm = torch.tensor(
+                [link.seconds if mode == "sequential" else 0.0], dtype=torch.float64
+            )
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank
             dist.all_reduce(comm)  # the mean over ranks, below
             if r > 0:  # round 0: shape inference, warm-up
@@ -110,12 +119,17 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
                 if mode == "sequential":
                     comm_s.append(comm.item() / dist.get_world_size())
         same = all(
-            len(losses[a]) == len(losses[b]) and all(torch.equal(x, y) for x, y in zip(losses[a], losses[b]))
+            len(losses[a]) == len(losses[b])
+            and all(torch.equal(x, y) for x, y in zip(losses[a], losses[b]))
             for a, b in (("overlap", "sequential"), ("overlap L=0", "sequential L=0"))
         )
         identical &= harness.all_ranks(same)
         if rank == 0:
-            times = ", ".join(f"{m} {step_s[m][-1] * 1e3:.0f} ms" for m in modes) if r else "warm-up"
+            times = (
+                ", ".join(f"{m} {step_s[m][-1] * 1e3:.0f} ms" for m in modes)
+                if r
+                else "warm-up"
+            )
             print(f"  round {r + 1}/{args.rounds}: {times}", flush=True)
     med = {m: statistics.median(v) for m, v in step_s.items()}
     gain = med["sequential"] - med["overlap"]
@@ -133,11 +147,23 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--layouts", default="pp1xep2,pp2xep2", help="comma-separated: " + ", ".join(_LAYOUTS))
-    p.add_argument("--rounds", type=int, default=10, help="rounds (the first is warm-up)")
-    p.add_argument("--latency-ms", type=float, default=None, help="link latency per all-to-all (default: calibrated)")
+    p.add_argument(
+        "--layouts",
+        default="pp1xep2,pp2xep2",
+        help="comma-separated: " + ", ".join(_LAYOUTS),
+    )
+    p.add_argument(
+        "--rounds", type=int, default=10, help="rounds (the first is warm-up)"
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="link latency per all-to-all (default: calibrated)",
+    )
     p.add_argument("--model", choices=train.MODELS, default="qwen3_moe")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
@@ -147,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     layouts = args.layouts.split(",")
     unknown = [x for x in layouts if x not in _LAYOUTS]
     if unknown or args.rounds < 2:
-        p.error(f"unknown layouts {unknown}" if unknown else "--rounds must be at least 2 (the first is warm-up)")
+        p.error(
+            f"unknown layouts {unknown}"
+            if unknown
+            else "--rounds must be at least 2 (the first is warm-up)"
+        )
     problem = harness.fused_experts_problem()
     if problem:
         p.error(problem)
@@ -161,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in layouts:
         args.pp, args.ep = _LAYOUTS[name]
-        print(f"\n{name}: {args.pp * args.ep} gloo ranks, PP={args.pp} x EP={args.ep}", flush=True)
+        print(
+            f"\n{name}: {args.pp * args.ep} gloo ranks, PP={args.pp} x EP={args.ep}",
+            flush=True,
+        )
         r = results[name] = harness.launch(args, _worker)
         m = r["median_ms"]
         print(
@@ -178,13 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     first, *rest = layouts
     r0 = results[first]
     fields = [
-        f"hf_overlap_ratio={r0['ratio']:.3f}", f"hidden_fraction={r0['hidden']:.3f}",
-        f"ratio_l0={r0['ratio_l0']:.3f}", f"layout={first}", f"latency_ms={r0['latency_ms']:.3f}",
+        f"hf_overlap_ratio={r0['ratio']:.3f}",
+        f"hidden_fraction={r0['hidden']:.3f}",
+        f"ratio_l0={r0['ratio_l0']:.3f}",
+        f"layout={first}",
+        f"latency_ms={r0['latency_ms']:.3f}",
     ]
     for name in rest:
         r = results[name]
-        fields += [f"hf_overlap_ratio_{name}={r['ratio']:.3f}", f"hidden_fraction_{name}={r['hidden']:.3f}",
-                   f"ratio_l0_{name}={r['ratio_l0']:.3f}", f"latency_ms_{name}={r['latency_ms']:.3f}"]
+        fields += [
+            f"hf_overlap_ratio_{name}={r['ratio']:.3f}",
+            f"hidden_fraction_{name}={r['hidden']:.3f}",
+            f"ratio_l0_{name}={r['ratio_l0']:.3f}",
+            f"latency_ms_{name}={r['latency_ms']:.3f}",
+        ]
     identical = all(r["losses_identical"] for r in results.values())
     fields.append(f"losses_identical={int(identical)}")
     print()

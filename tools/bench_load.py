@@ -116,7 +116,9 @@ def write_checkpoint(directory: str, model_kind: str = "llama") -> dict:
     config.save_pretrained(directory)
     model = meta_causal_lm(config, dtype=torch.bfloat16)
     shapes = {k: torch.Size(s) for k, s in _stored_shapes(model).items()}
-    pool = torch.randn(max(s.numel() for s in shapes.values()) + 1_000_003, dtype=torch.bfloat16)
+    pool = torch.randn(
+        max(s.numel() for s in shapes.values()) + 1_000_003, dtype=torch.bfloat16
+    )
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = total = 0
@@ -126,7 +128,9 @@ def write_checkpoint(directory: str, model_kind: str = "llama") -> dict:
         nonlocal shard, shard_bytes
         if shard:
             name = f"model-{len(files) + 1:05d}.safetensors"
-            safetensors.torch.save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
+            safetensors.torch.save_file(
+                shard, os.path.join(directory, name), metadata={"format": "pt"}
+            )
             files.append((name, shard))
             shard, shard_bytes = {}, 0
 
@@ -146,7 +150,10 @@ def write_checkpoint(directory: str, model_kind: str = "llama") -> dict:
         new = f"model-{j + 1:05d}-of-{n:05d}.safetensors"
         os.rename(os.path.join(directory, name), os.path.join(directory, new))
         renamed[name] = new
-    index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {k: renamed[v] for k, v in weight_map.items()},
+    }
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
     return dict(n_params=sum(s.numel() for s in shapes.values()), bytes=total, shards=n)
@@ -179,7 +186,9 @@ def _fake_pipeline(expert_parallel: bool):
 
     ep_size, ep_rank = (EP_SIZE, EP_RANK) if expert_parallel else (1, 0)
     rank = STAGE * ep_size + ep_rank
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=NUM_STAGES * ep_size)
+    dist.init_process_group(
+        "fake", store=FakeStore(), rank=rank, world_size=NUM_STAGES * ep_size
+    )
     if not expert_parallel:
         return dist.group.WORLD
     return init_device_mesh("cpu", (NUM_STAGES, ep_size), mesh_dim_names=("pp", "ep"))
@@ -187,7 +196,7 @@ def _fake_pipeline(expert_parallel: bool):
 
 def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
     import torch
-    import transformers  # noqa: F401  (imports before the measurement)
+    import transformers
 
     from torch_pipelining_ext import hf, stage_split
 
@@ -201,9 +210,13 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
     t0 = time.perf_counter()
     if method in ("stage_load", "stage_load_ep"):
         # this rank's stage only, on the meta device, then its tensors read from the checkpoint
-        _, (part,) = hf.pipeline_hf_causal_lm(config, mesh, "1F1B", "cpu", checkpoint=directory)
+        _, (part,) = hf.pipeline_hf_causal_lm(
+            config, mesh, "1F1B", "cpu", checkpoint=directory
+        )
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.bfloat16
+        )
         names = hf.hf_module_names_per_stage(model, NUM_STAGES)
         part = stage_split.build_stage_module(model, names[STAGE])
         del model
@@ -217,6 +230,7 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
 
     with open(os.path.join(directory, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
+
     def stored(key):
         with safe_open(os.path.join(directory, weight_map[key]), framework="pt") as f:
             return f.get_tensor(key)
@@ -226,7 +240,15 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
         if key.endswith(".experts.gate_up_proj"):
             base = key[: -len("gate_up_proj")]
             want = torch.stack(
-                [torch.cat([stored(f"{base}{e}.gate_proj.weight"), stored(f"{base}{e}.up_proj.weight")]) for e in experts]
+                [
+                    torch.cat(
+                        [
+                            stored(f"{base}{e}.gate_proj.weight"),
+                            stored(f"{base}{e}.up_proj.weight"),
+                        ]
+                    )
+                    for e in experts
+                ]
             )
         elif key.endswith(".experts.down_proj"):
             base = key[: -len("down_proj")]
@@ -234,7 +256,9 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
         else:
             want = stored(key)
         if t.dtype != torch.bfloat16 or not torch.equal(t, want):
-            raise AssertionError(f"{method}: stage tensor {key!r} differs from the checkpoint")
+            raise AssertionError(
+                f"{method}: stage tensor {key!r} differs from the checkpoint"
+            )
     return dict(
         method=method,
         stage_bytes=stage_bytes,
@@ -246,7 +270,16 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
 
 
 def _run_worker(method: str, directory: str, model_kind: str = "llama") -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--dir", directory, "--model", model_kind]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        method,
+        "--dir",
+        directory,
+        "--model",
+        model_kind,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"worker {method} failed:\n{out.stderr[-4000:]}")
@@ -255,7 +288,9 @@ def _run_worker(method: str, directory: str, model_kind: str = "llama") -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", help="where to write the checkpoint (default: a temporary directory)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="llama", help=argparse.SUPPRESS)
@@ -300,7 +335,10 @@ def main() -> None:
             f"{info['shards']} shards",
             flush=True,
         )
-        for method, what in (("stage_load", "MoE stage_load "), ("stage_load_ep", f"MoE EP {EP_RANK}/{EP_SIZE}    ")):
+        for method, what in (
+            ("stage_load", "MoE stage_load "),
+            ("stage_load_ep", f"MoE EP {EP_RANK}/{EP_SIZE}    "),
+        ):
             r = _run_worker(method, moe_dir, "moe")
             r["ratio"] = r["extra_peak"] / r["stage_bytes"]
             rows.append(r)
@@ -311,12 +349,20 @@ def main() -> None:
                 flush=True,
             )
         if not all(r["peak_reset"] for r in rows):
-            print("[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before")
+            print(
+                "[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before"
+            )
         print(f"[done] {time.perf_counter() - t_start:.0f} s")
-        dense = "" if args.moe_only else (
-            f"stage_load_rss_ratio={rows[0]['ratio']:.3f} from_pretrained_rss_ratio={rows[1]['ratio']:.3f} "
+        dense = (
+            ""
+            if args.moe_only
+            else (
+                f"stage_load_rss_ratio={rows[0]['ratio']:.3f} from_pretrained_rss_ratio={rows[1]['ratio']:.3f} "
+            )
         )
-        print(f"{dense}moe_stage_load_rss_ratio={rows[-2]['ratio']:.3f} moe_ep_stage_load_rss_ratio={rows[-1]['ratio']:.3f}")
+        print(
+            f"{dense}moe_stage_load_rss_ratio={rows[-2]['ratio']:.3f} moe_ep_stage_load_rss_ratio={rows[-1]['ratio']:.3f}"
+        )
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(directory, ignore_errors=True)

@@ -93,9 +93,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch_pipelining_ext  # noqa: E402, F401  (applies the patches)
-from torch_pipelining_ext import overlap as ep_overlap  # noqa: E402
-from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b  # noqa: E402
+import torch_pipelining_ext  # noqa: F401  (applies the patches)
+from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b
 
 
 # --------------------------------------------------------------------------- #
@@ -160,7 +160,9 @@ class _Tracer(ep_overlap.ActionObserver):
     def sub_action(self, side: str, start: float, end: float) -> None:
         trace = self.current
         if trace is not None:
-            trace.subs.append(("F" if side == "forward" else "B", threading.get_ident(), start, end))
+            trace.subs.append(
+                ("F" if side == "forward" else "B", threading.get_ident(), start, end)
+            )
 
     def transition(self, name: str, side: str, call: float, ret: float) -> None:
         trace = self.current
@@ -191,7 +193,11 @@ def timed_sequential_overlap_f_b(action: Any, ctx: Any) -> None:
         try:
             compute()
         finally:
-            tracer.sub_action("forward" if sub.computation_type == FORWARD else "backward", start, time.perf_counter())
+            tracer.sub_action(
+                "forward" if sub.computation_type == FORWARD else "backward",
+                start,
+                time.perf_counter(),
+            )
 
 
 _TRACER: _Tracer | None = None  # per process, when the breakdown is on
@@ -242,18 +248,24 @@ def lockstep_time(backward: Sequence[float], forward: Sequence[float]) -> float:
     return max(ready)
 
 
-def _blocked(coord: list[tuple[str, int, float, float]], thread: int, t0: float, t1: float) -> float:
+def _blocked(
+    coord: list[tuple[str, int, float, float]], thread: int, t0: float, t1: float
+) -> float:
     """Time ``thread`` spent inside coordinator calls that lie within [t0, t1]."""
     return sum(r - c for _, th, c, r in coord if th == thread and t0 <= c and r <= t1)
 
 
-def _segments(trace: _ActionTrace, kind: str) -> tuple[list[float], float, float] | None:
+def _segments(
+    trace: _ActionTrace, kind: str
+) -> tuple[list[float], float, float] | None:
     """(segments, span start, span end) of sub-action ``kind``, coordinator time removed."""
     subs = [s for s in trace.subs if s[0] == kind]
     if len(subs) != 1:
         return None
     _, thread, s0, s1 = subs[0]
-    regions = sorted((a, b) for th, a, b in trace.regions if th == thread and s0 <= a and b <= s1)
+    regions = sorted(
+        (a, b) for th, a, b in trace.regions if th == thread and s0 <= a and b <= s1
+    )
     segs, t = [], s0
     for a, b in regions:
         segs += [a - t - _blocked(trace.coord, thread, t, a), b - a]
@@ -272,7 +284,11 @@ def _segments(trace: _ActionTrace, kind: str) -> tuple[list[float], float, float
 # again (its call returned).  Calls in which no transition of the other thread
 # happened did not wait for it and are not hand-overs.
 
-_RELEASES = {"open": 3, "close": 2, "finish": 2}  # which timestamp of the other thread's call releases
+_RELEASES = {
+    "open": 3,
+    "close": 2,
+    "finish": 2,
+}  # which timestamp of the other thread's call releases
 
 
 def _handovers(trace: _ActionTrace) -> tuple[list[float], list[float], int]:
@@ -283,7 +299,9 @@ def _handovers(trace: _ActionTrace) -> tuple[list[float], list[float], int]:
         releases = [
             ev
             for ev in trace.coord
-            if ev[1] != thread and ev[0] in _RELEASES and call <= ev[_RELEASES[ev[0]]] <= ret
+            if ev[1] != thread
+            and ev[0] in _RELEASES
+            and call <= ev[_RELEASES[ev[0]]] <= ret
         ]
         if releases and name in ("open", "close", "start"):
             last = max(releases, key=lambda ev: ev[_RELEASES[ev[0]]])
@@ -309,11 +327,14 @@ def summarize_action(trace: _ActionTrace) -> dict[str, Any] | None:
     handovers, costs, relay = _handovers(trace)
     return {
         "total": trace.end - trace.start,
-        "spans": (f1 - f0) + (b1 - b0),  # both sub-actions' compute closures, as if back to back
+        "spans": (f1 - f0)
+        + (b1 - b0),  # both sub-actions' compute closures, as if back to back
         "f_segs": f_segs,
         "b_segs": b_segs,
         # the worker thread running after the calling thread handed it the backward
-        "worker_wake": starts[b_thread] - starts[f_thread] if f_thread in starts and b_thread in starts else math.nan,
+        "worker_wake": starts[b_thread] - starts[f_thread]
+        if f_thread in starts and b_thread in starts
+        else math.nan,
         # the calling thread running again after the backward, when it finished last
         "join_wake": trace.end - b1 if b1 > f1 else 0.0,
         "handovers": handovers,
@@ -364,7 +385,9 @@ def _simulated_latency() -> None:
         _TRACER.region(t0, time.perf_counter())
 
 
-def _comm(x: torch.Tensor, begin: Callable[..., Any], end: Callable[..., Any]) -> torch.Tensor:
+def _comm(
+    x: torch.Tensor, begin: Callable[..., Any], end: Callable[..., Any]
+) -> torch.Tensor:
     if not _MARKS:
         return x
     return end(SimulatedComm.apply(begin(x)))
@@ -419,13 +442,14 @@ def _block_time(dim: int, tokens: int, repeats: int = 30) -> float:
     return min(times[repeats // 3 :])
 
 
-
 class _Timed:
     """Wraps an OVERLAP_F_B function and sums the time spent in it (and traces it with the breakdown on)."""
 
     def __init__(self, fn: Callable[[Any, Any], None], observed: bool = False) -> None:
         self.fn = fn
-        self.observed = observed  # the package's handler: traced through ep_overlap.observe_actions
+        self.observed = (
+            observed  # the package's handler: traced through ep_overlap.observe_actions
+        )
         self.seconds = 0.0
 
     def __call__(self, action: Any, ctx: Any) -> None:
@@ -487,14 +511,18 @@ COUNTERPART = {
 }
 
 
-def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _part1_worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
+) -> None:
     global _LATENCY_S, _MARKS, _TRACER
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
     torch.set_num_threads(1)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     n_stages = 2 * world
     tokens = args.microbatch_tokens
     block = torch.tensor([_block_time(args.dim, tokens)])
@@ -505,11 +533,18 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
 
     stage_ids = [rank, n_stages - 1 - rank]
     stages = [
-        PipelineStage(_stage_model(args.dim, args.layers, i), i, n_stages, torch.device("cpu"))
+        PipelineStage(
+            _stage_model(args.dim, args.layers, i), i, n_stages, torch.device("cpu")
+        )
         for i in stage_ids
     ]
-    schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=lambda y, t: F.mse_loss(y, t))
-    handlers = {True: _Timed(ep_overlap.overlap_f_b, observed=True), False: _Timed(timed_sequential_overlap_f_b)}
+    schedule = ScheduleDualPipeV(
+        stages, args.microbatches, loss_fn=lambda y, t: F.mse_loss(y, t)
+    )
+    handlers = {
+        True: _Timed(ep_overlap.overlap_f_b, observed=True),
+        False: _Timed(timed_sequential_overlap_f_b),
+    }
     switch = _Switch(schedule)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.microbatches * tokens, args.dim, generator=gen)
@@ -518,7 +553,9 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
     names = list(MODES)
     step_times: dict[str, list[float]] = {n: [] for n in names}
     inside: dict[str, list[float]] = {n: [] for n in names}
-    actions: dict[str, list[list[dict[str, Any] | None]]] = {n: [] for n in names}  # per round, this rank
+    actions: dict[str, list[list[dict[str, Any] | None]]] = {
+        n: [] for n in names
+    }  # per round, this rank
     probes: list[tuple[float, float]] = []
     losses_by_mode: dict[str, list[torch.Tensor]] = {}
     for rnd in range(args.warmup + args.rounds):
@@ -551,7 +588,8 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
                 actions[name].append([summarize_action(t) for t in traces])
             if rank == 0:
                 if name in losses_by_mode and not all(
-                    torch.equal(a, b) for a, b in zip(losses, losses_by_mode[name], strict=True)
+                    torch.equal(a, b)
+                    for a, b in zip(losses, losses_by_mode[name], strict=True)
                 ):
                     raise AssertionError(f"{name}: losses changed between rounds")
                 losses_by_mode[name] = losses
@@ -568,10 +606,12 @@ def _part1_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
     if rank == 0:
         reference = losses_by_mode["sequential"]
         result["same_losses"] = all(
-            all(torch.equal(a, b) for a, b in zip(ls, reference, strict=True)) for ls in losses_by_mode.values()
+            all(torch.equal(a, b) for a, b in zip(ls, reference, strict=True))
+            for ls in losses_by_mode.values()
         )
         result["overlap_actions_rank0"] = sum(
-            a.computation_type.name == "OVERLAP_F_B" for a in schedule.pipeline_order_with_comms[rank]
+            a.computation_type.name == "OVERLAP_F_B"
+            for a in schedule.pipeline_order_with_comms[rank]
         )
         result["block_ms"] = float(block) * 1e3
         result["latency_ms"] = latency * 1e3
@@ -598,8 +638,12 @@ class _ModeBreakdown:
     handover_us: float = math.nan  # median
     handover_p90_us: float = math.nan
     handovers_per_action: float = math.nan
-    relay_per_action: float = math.nan  # closes that waited for an open already in progress
-    coord_call_us: float = math.nan  # median duration of open/close calls that did not wait
+    relay_per_action: float = (
+        math.nan
+    )  # closes that waited for an open already in progress
+    coord_call_us: float = (
+        math.nan
+    )  # median duration of open/close calls that did not wait
     coord_calls_per_action: float = math.nan
     # per round, summed over ranks and actions, medians: where achieved - ideal goes
     lost_wake: float = math.nan  # worker wake-ups and join wake-ups
@@ -608,7 +652,9 @@ class _ModeBreakdown:
     comm_per_round: list[float] = dataclasses.field(default_factory=list)
 
 
-def _breakdown(ranks: list[dict[str, Any]], inside: dict[str, list[float]]) -> dict[str, _ModeBreakdown]:
+def _breakdown(
+    ranks: list[dict[str, Any]], inside: dict[str, list[float]]
+) -> dict[str, _ModeBreakdown]:
     """Combine every rank's action summaries into per-mode breakdowns (see the module docstring)."""
     out: dict[str, _ModeBreakdown] = {}
     n_rounds = min(len(v) for v in inside.values())
@@ -660,7 +706,9 @@ def _breakdown(ranks: list[dict[str, Any]], inside: dict[str, list[float]]) -> d
             for rnd in range(n_rounds):
                 comm_seq = out[counterpart].comm_per_round[rnd]
                 if comm_seq > 1e-3 * inside[counterpart][rnd]:
-                    paired.append((inside[counterpart][rnd] - inside[name][rnd]) / comm_seq)
+                    paired.append(
+                        (inside[counterpart][rnd] - inside[name][rnd]) / comm_seq
+                    )
         out[name] = _ModeBreakdown(
             ideal=_median(ideal),
             ideal_own=_median(ideal_own),
@@ -692,15 +740,31 @@ def _breakdown(ranks: list[dict[str, Any]], inside: dict[str, list[float]]) -> d
 _EP_STAGES = 4
 
 
-def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _part2_worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
+) -> None:
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test", "distributed", "pipelining"))
-    from model_registry import MoEModelArgs, MoETransformer  # the tests' toy MoE with marked all-to-alls
+    sys.path.insert(
+        0,
+        os.path.join(
+            os.path.dirname(os.path.abspath(__file__)),
+            "..",
+            "test",
+            "distributed",
+            "pipelining",
+        ),
+    )
+    from model_registry import (
+        MoEModelArgs,
+        MoETransformer,
+    )  # the tests' toy MoE with marked all-to-alls
     from torch_pipelining_ext.stage_split import build_stage_module
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pp_group, ep_group = pp_groups[rank % 2], ep_groups[rank // 2]
@@ -719,18 +783,32 @@ def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
     model = MoETransformer(margs, ep_group=ep_group)
     stage_ids = [pp_rank, _EP_STAGES - 1 - pp_rank]
     stages = [
-        PipelineStage(build_stage_module(model, fqns[i]), i, _EP_STAGES, torch.device("cpu"), group=pp_group) for i in stage_ids
+        PipelineStage(
+            build_stage_module(model, fqns[i]),
+            i,
+            _EP_STAGES,
+            torch.device("cpu"),
+            group=pp_group,
+        )
+        for i in stage_ids
     ]
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=loss_fn)
-    handlers = {"overlap": _Timed(ep_overlap.overlap_f_b), "sequential": _Timed(sequential_overlap_f_b)}
+    handlers = {
+        "overlap": _Timed(ep_overlap.overlap_f_b),
+        "sequential": _Timed(sequential_overlap_f_b),
+    }
     switch = _Switch(schedule)
     gen = torch.Generator().manual_seed(rank % 2)
-    tokens = torch.randint(0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen)
-    labels = torch.randint(0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen)
+    tokens = torch.randint(
+        0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen
+    )
+    labels = torch.randint(
+        0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen
+    )
     times: dict[str, list[float]] = {n: [] for n in handlers}
     losses_by_mode: dict[str, list[torch.Tensor]] = {}
     for rnd in range(args.warmup + args.ep_rounds):
@@ -752,13 +830,23 @@ def _part2_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
                 times[name].append(float(elapsed))
             losses_by_mode[name] = losses
     if _EP_STAGES - 1 in stage_ids:
-        same = all(torch.equal(a, b) for a, b in zip(losses_by_mode["overlap"], losses_by_mode["sequential"], strict=True))
+        same = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                losses_by_mode["overlap"], losses_by_mode["sequential"], strict=True
+            )
+        )
     else:
         same = True
     flag = torch.tensor([1 if same else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if rank == 0:
-        out.put({"steps": {n: statistics.median(v) for n, v in times.items()}, "same_losses": bool(flag)})
+        out.put(
+            {
+                "steps": {n: statistics.median(v) for n, v in times.items()},
+                "same_losses": bool(flag),
+            }
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -774,11 +862,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(worker: Callable[..., None], world: int, args: argparse.Namespace, n_results: int = 1) -> list[Any]:
+def _spawn(
+    worker: Callable[..., None],
+    world: int,
+    args: argparse.Namespace,
+    n_results: int = 1,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, out)) for r in range(world)]
+    procs = [
+        ctx.Process(target=worker, args=(r, world, port, args, out))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: list[Any] = []
@@ -795,7 +891,9 @@ def _spawn(worker: Callable[..., None], world: int, args: argparse.Namespace, n_
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs) or len(results) < n_results:
-        raise SystemExit(f"a rank of {worker.__name__} failed (exit codes {[p.exitcode for p in procs]})")
+        raise SystemExit(
+            f"a rank of {worker.__name__} failed (exit codes {[p.exitcode for p in procs]})"
+        )
     return results
 
 
@@ -803,12 +901,19 @@ def _fmt(value: float, spec: str) -> str:
     return "-" if math.isnan(value) else format(value, spec)
 
 
-def _print_part1(args: argparse.Namespace, r: dict[str, Any], bd: dict[str, _ModeBreakdown], world: int) -> None:
+def _print_part1(
+    args: argparse.Namespace,
+    r: dict[str, Any],
+    bd: dict[str, _ModeBreakdown],
+    world: int,
+) -> None:
     print(
         f"\nPart 1: PP={world} on {world} gloo rank(s), {args.layers} MoE-like layers per stage (dim {args.dim}, "
         f"{args.microbatch_tokens} tokens per microbatch), {r['overlap_actions_rank0']} OVERLAP_F_B actions on rank 0"
     )
-    print(f"  one forward block: {r['block_ms']:.2f} ms; simulated latency L = {r['latency_ms']:.2f} ms per region")
+    print(
+        f"  one forward block: {r['block_ms']:.2f} ms; simulated latency L = {r['latency_ms']:.2f} ms per region"
+    )
     print(
         f"  medians of {args.rounds} interleaved rounds (step: slowest rank; inside: OVERLAP_F_B time, all ranks; "
         "ideal: see [Note: lock-step ideal])"
@@ -841,7 +946,9 @@ def _print_part1(args: argparse.Namespace, r: dict[str, Any], bd: dict[str, _Mod
             f"{_fmt(b.handovers_per_action, '8.1f')} {_fmt(b.relay_per_action, '6.1f')} {_fmt(b.worker_wake_us, '12.0f')} "
             f"{_fmt(b.join_wake_us, '10.0f')} {_fmt(b.coord_call_us, '11.1f')} {_fmt(b.coord_calls_per_action, '8.1f')}"
         )
-    print("  where achieved - ideal goes, per step (ms, all ranks; the parts overlap where both threads wait):")
+    print(
+        "  where achieved - ideal goes, per step (ms, all ranks; the parts overlap where both threads wait):"
+    )
     for name in ("overlap", "overlap L=0", "overlap dense"):
         b, seq = bd[name], bd[COUNTERPART[name]]
         gap = _median(r["inside"][name]) - b.ideal
@@ -854,27 +961,57 @@ def _print_part1(args: argparse.Namespace, r: dict[str, Any], bd: dict[str, _Mod
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=6, help="measured rounds of every mode (part 1)")
+    p.add_argument(
+        "--rounds", type=int, default=6, help="measured rounds of every mode (part 1)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="rounds not measured")
-    p.add_argument("--pp", type=int, choices=(1, 2), default=2, help="pipeline ranks of part 1 (2 stages each)")
-    p.add_argument("--layers", type=int, default=4, help="MoE-like layers per stage (part 1)")
-    p.add_argument("--dim", type=int, default=384, help="width of the MoE-like layers (part 1)")
-    p.add_argument("--microbatch-tokens", type=int, default=256, help="tokens per microbatch (part 1)")
+    p.add_argument(
+        "--pp",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="pipeline ranks of part 1 (2 stages each)",
+    )
+    p.add_argument(
+        "--layers", type=int, default=4, help="MoE-like layers per stage (part 1)"
+    )
+    p.add_argument(
+        "--dim", type=int, default=384, help="width of the MoE-like layers (part 1)"
+    )
+    p.add_argument(
+        "--microbatch-tokens",
+        type=int,
+        default=256,
+        help="tokens per microbatch (part 1)",
+    )
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--latency-ms", type=float, default=None, help="simulated latency L (default: one block's compute)")
-    p.add_argument("--no-breakdown", action="store_true", help="no timestamps: step times and ratios only")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="simulated latency L (default: one block's compute)",
+    )
+    p.add_argument(
+        "--no-breakdown",
+        action="store_true",
+        help="no timestamps: step times and ratios only",
+    )
     p.add_argument(
         "--switch-interval",
         type=float,
         default=None,
         help="sys.setswitchinterval() of every rank of part 1, seconds (default: Python's, 0.005)",
     )
-    p.add_argument("--no-ep", action="store_true", help="skip part 2 (PP=2 x EP=2 on 4 ranks)")
+    p.add_argument(
+        "--no-ep", action="store_true", help="skip part 2 (PP=2 x EP=2 on 4 ranks)"
+    )
     p.add_argument("--ep-rounds", type=int, default=4, help="measured rounds of part 2")
     p.add_argument("--ep-dim", type=int, default=128, help="model width of part 2")
     args = p.parse_args(argv)
     if args.switch_interval is not None and not 0 < args.switch_interval <= 1:
-        p.error(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
+        p.error(
+            f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}"
+        )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     probe_baseline = calibrate_probe()
@@ -884,7 +1021,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{(args.switch_interval or sys.getswitchinterval()) * 1e3:g} ms"
     )
     world = args.pp
-    results = sorted(_spawn(_part1_worker, world, args, n_results=world), key=lambda x: x["rank"])
+    results = sorted(
+        _spawn(_part1_worker, world, args, n_results=world), key=lambda x: x["rank"]
+    )
     r = results[0]
     bd = {} if args.no_breakdown else _breakdown(results, r["inside"])
     _print_part1(args, r, bd, world)
@@ -892,37 +1031,54 @@ def main(argv: list[str] | None = None) -> int:
     inside = {n: _median(v) for n, v in r["inside"].items()}
 
     def hidden(times: dict[str, float]) -> float:
-        return (times["sequential"] - times["overlap"]) / (times["sequential"] - times["sequential L=0"])
+        return (times["sequential"] - times["overlap"]) / (
+            times["sequential"] - times["sequential L=0"]
+        )
 
     hidden_in, hidden_e2e = hidden(inside), hidden(steps)
     overhead_dense = steps["overlap dense"] / steps["sequential dense"]
     overhead_l0 = steps["overlap L=0"] / steps["sequential L=0"]
     repeat_dense = steps["sequential dense again"] / steps["sequential dense"]
-    print(f"  communication hidden inside OVERLAP_F_B actions: {hidden_in:.3f} (end to end: {hidden_e2e:.3f})")
+    print(
+        f"  communication hidden inside OVERLAP_F_B actions: {hidden_in:.3f} (end to end: {hidden_e2e:.3f})"
+    )
     if bd:
         print(
             "  ... per round, (sequential - overlap) / the sequential run's measured communication: "
             f"{bd['overlap'].hidden_paired:.3f} (less exposed to drift between modes)"
         )
-        ideal_hidden = (inside["sequential"] - bd["overlap"].ideal) / (inside["sequential"] - inside["sequential L=0"])
+        ideal_hidden = (inside["sequential"] - bd["overlap"].ideal) / (
+            inside["sequential"] - inside["sequential L=0"]
+        )
         print(f"  ... by the ideal lock-step of the same segments: {ideal_hidden:.3f}")
         if r["coordinator_hooks"] != list(_Tracer.COORDINATOR_METHODS):
-            print(f"  (coordinator transitions timed: {r['coordinator_hooks'] or 'none'}; hand-overs need all four)")
-    print(f"  overlap / sequential step time: no marks {overhead_dense:.3f}, marks with L=0 {overhead_l0:.3f}")
+            print(
+                f"  (coordinator transitions timed: {r['coordinator_hooks'] or 'none'}; hand-overs need all four)"
+            )
+    print(
+        f"  overlap / sequential step time: no marks {overhead_dense:.3f}, marks with L=0 {overhead_l0:.3f}"
+    )
     print(
         f"  noise floor: sequential dense again / sequential dense = {repeat_dense:.3f} (identical modes; a step-time "
         "ratio this far from 1.0 says nothing)"
     )
     print(f"  losses identical in every mode: {'yes' if r['same_losses'] else 'NO'}")
     marks_cost = steps["sequential L=0"] / steps["sequential dense"]
-    print(f"  (marks and zero-latency stand-in ops, sequential handler: L=0 / dense = {marks_cost:.3f})")
+    print(
+        f"  (marks and zero-latency stand-in ops, sequential handler: L=0 / dense = {marks_cost:.3f})"
+    )
 
     # CPU probe: per round, the worst rank; before and after the round.  The
     # baseline is the best time seen anywhere (the launcher's calibration can
     # itself run on a busy machine), so 1.0 is the best this machine gave.
-    probe_baseline = min([probe_baseline] + [t for res in results for pair in res["probes"] for t in pair])
+    probe_baseline = min(
+        [probe_baseline]
+        + [t for res in results for pair in res["probes"] for t in pair]
+    )
     per_round = [
-        tuple(probe_baseline / max(res["probes"][i][j] for res in results) for j in (0, 1))
+        tuple(
+            probe_baseline / max(res["probes"][i][j] for res in results) for j in (0, 1)
+        )
         for i in range(len(r["probes"]))
     ]
     probe_values = [v for pair in per_round for v in pair]
@@ -934,7 +1090,9 @@ def main(argv: list[str] | None = None) -> int:
         + f"; median {cpu_probe:.2f}, min {min(probe_values):.2f}"
     )
     if min(probe_values) < 0.7:
-        print("  note: the machine was busy during some rounds (probe < 0.7): the ranks did not get a core each")
+        print(
+            "  note: the machine was busy during some rounds (probe < 0.7): the ranks did not get a core each"
+        )
 
     ep_ratio = math.nan
     ok = r["same_losses"]
@@ -948,9 +1106,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  medians of {args.ep_rounds} interleaved rounds, slowest rank")
         for name, t in r2["steps"].items():
             print(f"  {name:<18} {t * 1e3:9.1f} ms")
-        print(f"  overlap / sequential: {ep_ratio:.3f}; losses identical: {'yes' if r2['same_losses'] else 'NO'}")
+        print(
+            f"  overlap / sequential: {ep_ratio:.3f}; losses identical: {'yes' if r2['same_losses'] else 'NO'}"
+        )
         if (os.cpu_count() or 1) < 4:
-            print(f"  ({os.cpu_count()} CPU cores for 4 ranks: the ranks already keep every core busy)")
+            print(
+                f"  ({os.cpu_count()} CPU cores for 4 ranks: the ranks already keep every core busy)"
+            )
         ok = ok and r2["same_losses"]
 
     ovl = bd.get("overlap", _ModeBreakdown())

@@ -49,7 +49,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_pipelining_ext.stage_split import (  # noqa: E402
+from torch_pipelining_ext.stage_split import (
     build_stage_modules,
     generate_module_names_per_stage,
     build_stage_module,
@@ -87,13 +87,17 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden, num_experts)
         self.shared_experts = FeedForward(dim, hidden)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts), persistent=False
+        )
 
 
 class MLA(nn.Module):
     """DeepSeek-V3 multi-head latent attention projections."""
 
-    def __init__(self, dim=7168, n_heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128) -> None:
+    def __init__(
+        self, dim=7168, n_heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128
+    ) -> None:
         super().__init__()
         self.wq_a = nn.Linear(dim, q_lora, bias=False)
         self.q_norm = nn.RMSNorm(q_lora)
@@ -105,7 +109,15 @@ class MLA(nn.Module):
 
 
 class DeepSeekV3Block(nn.Module):
-    def __init__(self, layer_id: int, dim=7168, n_dense=3, inter=18432, moe_inter=2048, n_experts=256) -> None:
+    def __init__(
+        self,
+        layer_id: int,
+        dim=7168,
+        n_dense=3,
+        inter=18432,
+        moe_inter=2048,
+        n_experts=256,
+    ) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim)
         self.attention = MLA(dim)
@@ -120,7 +132,9 @@ class DeepSeekV3(nn.Module):
     def __init__(self, n_layers=61, dim=7168, vocab=129280) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): DeepSeekV3Block(i, dim) for i in range(n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): DeepSeekV3Block(i, dim) for i in range(n_layers)}
+        )
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
         self.register_buffer("freqs_cis", torch.zeros(4096, 32), persistent=False)
@@ -143,7 +157,9 @@ class Llama1B4(nn.Module):
     def __init__(self, n_layers=24, dim=2048, hidden=5632, vocab=32000) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(dim, hidden) for i in range(n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaBlock(dim, hidden) for i in range(n_layers)}
+        )
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -153,7 +169,9 @@ class Llama1B4(nn.Module):
 # ---------------------------------------------------------------------------
 
 
-def _prune(module: nn.Module, keep: Sequence[str], prefix: tuple[str, ...] = ()) -> None:
+def _prune(
+    module: nn.Module, keep: Sequence[str], prefix: tuple[str, ...] = ()
+) -> None:
     """Remove from ``module`` (in place) everything not under a kept FQN."""
     keep_paths = [tuple(k.split(".")) for k in keep]
 
@@ -162,7 +180,10 @@ def _prune(module: nn.Module, keep: Sequence[str], prefix: tuple[str, ...] = ())
             child_path = path + (key,)
             if any(child_path[: len(k)] == k for k in keep_paths):
                 continue  # kept whole
-            if any(k[: len(child_path)] == child_path for k in keep_paths) and mod._modules[key] is not None:
+            if (
+                any(k[: len(child_path)] == child_path for k in keep_paths)
+                and mod._modules[key] is not None
+            ):
                 visit(mod._modules[key], child_path)
                 continue
             if isinstance(mod, _CONTAINERS):
@@ -173,13 +194,18 @@ def _prune(module: nn.Module, keep: Sequence[str], prefix: tuple[str, ...] = ())
             if path + (key,) not in keep_paths:
                 mod._parameters[key] = None
         for key in list(mod._buffers):
-            if path + (key,) not in keep_paths and key not in mod._non_persistent_buffers_set:
+            if (
+                path + (key,) not in keep_paths
+                and key not in mod._non_persistent_buffers_set
+            ):
                 mod._buffers[key] = None
 
     visit(module, prefix)
 
 
-def deepcopy_then_prune(model: nn.Module, names_per_stage: Sequence[Sequence[str]], stage_ids) -> list[nn.Module]:
+def deepcopy_then_prune(
+    model: nn.Module, names_per_stage: Sequence[Sequence[str]], stage_ids
+) -> list[nn.Module]:
     out = []
     for s in stage_ids:
         stage = copy.deepcopy(model)
@@ -214,7 +240,9 @@ def _nbytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 
-def _check_stages(model: nn.Module, stages: Sequence[nn.Module], complete: bool, compare_values: bool) -> None:
+def _check_stages(
+    model: nn.Module, stages: Sequence[nn.Module], complete: bool, compare_values: bool
+) -> None:
     full = model.state_dict()
     seen: set[str] = set()
     for stage in stages:
@@ -228,7 +256,9 @@ def _check_stages(model: nn.Module, stages: Sequence[nn.Module], complete: bool,
                 raise AssertionError(f"stage tensor {key!r} is not in the model")
             ref = full[key]
             if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
-                raise AssertionError(f"{key!r}: {t.shape}/{t.dtype}/{t.device} vs {ref.shape}/{ref.dtype}/{ref.device}")
+                raise AssertionError(
+                    f"{key!r}: {t.shape}/{t.dtype}/{t.device} vs {ref.shape}/{ref.dtype}/{ref.device}"
+                )
             if compare_values and not torch.equal(t, ref):
                 raise AssertionError(f"stage tensor {key!r} differs from the original")
     if complete and seen != set(full):
@@ -258,7 +288,9 @@ def worker_meta() -> dict:
     _check_stages(model, ours, complete=True, compare_values=False)
     for a, b in zip(ours, base):
         if list(a.state_dict()) != list(b.state_dict()):
-            raise AssertionError("our stage and the deep-copy-then-prune stage hold different keys")
+            raise AssertionError(
+                "our stage and the deep-copy-then-prune stage hold different keys"
+            )
     if any(not t.is_meta for s in ours for t in s.state_dict().values()):
         raise AssertionError("a meta split produced a non-meta tensor")
     return dict(n_params=n_params, ours_s=ours_t, base_s=base_t, ratio=ours_t / base_t)
@@ -273,7 +305,9 @@ def _real_llama() -> nn.Module:
         model = Llama1B4().to(torch.bfloat16)
     model.to_empty(device="cpu")
     tensors = list(model.state_dict().values())
-    pool = torch.randn(max(t.numel() for t in tensors) + 1_000_003, dtype=torch.bfloat16)
+    pool = torch.randn(
+        max(t.numel() for t in tensors) + 1_000_003, dtype=torch.bfloat16
+    )
     with torch.no_grad():
         for i, t in enumerate(tensors):
             offset = (i * 7919) % 1_000_003
@@ -301,26 +335,48 @@ def worker_cpu(method: str, num_stages: int, which: str) -> list[dict]:
     names = generate_module_names_per_stage(num_stages, len(model.layers))
     ids = [1] if which == "one" else list(range(num_stages))
     if method == "ours":
-        fn = (lambda: [build_stage_module(model, names[1])]) if which == "one" else (lambda: build_stage_modules(model, names, ids))
+        fn = (
+            (lambda: [build_stage_module(model, names[1])])
+            if which == "one"
+            else (lambda: build_stage_modules(model, names, ids))
+        )
     else:
         fn = lambda: deepcopy_then_prune(model, names, ids)  # noqa: E731
     stages, extra, elapsed, peak_reset = _measure(fn)
     _check_stages(model, stages, complete=which == "all", compare_values=True)
-    common = dict(num_stages=num_stages, which=which, n_params=n_params, model_bytes=model_bytes, peak_reset=peak_reset)
+    common = dict(
+        num_stages=num_stages,
+        which=which,
+        n_params=n_params,
+        model_bytes=model_bytes,
+        peak_reset=peak_reset,
+    )
     results = [
-        dict(common, method=method, stage_bytes=sum(_nbytes(s) for s in stages), extra_peak=extra, seconds=elapsed)
+        dict(
+            common,
+            method=method,
+            stage_bytes=sum(_nbytes(s) for s in stages),
+            extra_peak=extra,
+            seconds=elapsed,
+        )
     ]
     if method == "ours" and which == "all" and num_stages == 8:
         # move=True allocates nothing, so it can follow in the same process
         # (the peak is reset first); it empties the original model.
         del stages
         original = model.state_dict(keep_vars=True)  # the tensors themselves, no copies
-        moved, extra, elapsed, _ = _measure(lambda: build_stage_modules(model, names, ids, move=True))
+        moved, extra, elapsed, _ = _measure(
+            lambda: build_stage_modules(model, names, ids, move=True)
+        )
         if any(True for _ in model.parameters()):
             raise AssertionError("move=True left parameters in the original model")
-        moved_sd = {k: v for s in moved for k, v in s.state_dict(keep_vars=True).items()}
+        moved_sd = {
+            k: v for s in moved for k, v in s.state_dict(keep_vars=True).items()
+        }
         if set(moved_sd) != set(original):
-            raise AssertionError("the moved stages do not hold exactly the model's tensors")
+            raise AssertionError(
+                "the moved stages do not hold exactly the model's tensors"
+            )
         for k, v in moved_sd.items():
             if v is not original[k]:
                 raise AssertionError(f"move=True replaced tensor {k!r}")
@@ -350,7 +406,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         kind, *rest = args.worker
-        res = [worker_meta()] if kind == "meta" else worker_cpu(rest[0], int(rest[1]), rest[2])
+        res = (
+            [worker_meta()]
+            if kind == "meta"
+            else worker_cpu(rest[0], int(rest[1]), rest[2])
+        )
         print(json.dumps(res))
         return
 
@@ -385,14 +445,18 @@ def main() -> None:
                 flush=True,
             )
     if not all(r["peak_reset"] for r in rows):
-        print("[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before")
+        print(
+            "[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before"
+        )
     model_gib = rows[0]["model_bytes"] / gib
     print(
         f"[cpu ] model: {rows[0]['n_params']:.3e} params, {model_gib:.2f} GiB bf16; "
         "every stage tensor equals the original with the same FQN"
     )
     one = next(r for r in rows if r["method"] == "ours" and r["which"] == "one")
-    all_ratio = max(r["ratio"] for r in rows if r["method"] == "ours" and r["which"] == "all")
+    all_ratio = max(
+        r["ratio"] for r in rows if r["method"] == "ours" and r["which"] == "all"
+    )
     print(f"[done] {time.perf_counter() - t_start:.0f} s")
     print(
         f"meta_time_ratio={meta['ratio']:.4f} one_stage_rss_ratio={one['ratio']:.3f} "

@@ -45,9 +45,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from torch_pipelining_ext import overlap as ep_overlap  # noqa: E402
-from torch_pipelining_ext.runtime import perform_action, sequential_overlap_f_b  # noqa: E402
-from torch_pipelining_ext.sim import (  # noqa: E402
+from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext.runtime import perform_action, sequential_overlap_f_b
+from torch_pipelining_ext.sim import (
     LinkCost,
     OverlapModel,
     StageCost,
@@ -101,14 +101,25 @@ class _Timer:
     """A custom function that records when each action it runs starts and ends (perform_action does the work)."""
 
     def __init__(self) -> None:
-        self.log: list[tuple[int, int, str, int, float, float]] = []  # (step, stage, kind, mb, start, end)
+        self.log: list[
+            tuple[int, int, str, int, float, float]
+        ] = []  # (step, stage, kind, mb, start, end)
         self.step = -1  # < 0: not recording
 
     def __call__(self, action: Any, ctx: Any) -> None:
         t0 = time.perf_counter()
         perform_action(action, ctx)
         if self.step >= 0:
-            self.log.append((self.step, action.stage_index, kind(action), action.microbatch_index, t0, time.perf_counter()))
+            self.log.append(
+                (
+                    self.step,
+                    action.stage_index,
+                    kind(action),
+                    action.microbatch_index,
+                    t0,
+                    time.perf_counter(),
+                )
+            )
 
 
 def _free_port() -> int:
@@ -134,13 +145,17 @@ def _ping_pong(rank: int, dim: int, tokens: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, queue: Any
+) -> None:
     global _LATENCY_S
     from torch.distributed.pipelining import PipelineStage, schedules
 
     torch.set_num_threads(1)
     _LATENCY_S = args.latency_ms / 1e3
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     link = _ping_pong(rank, args.dim, args.tokens)
     rows = []
     for label, name, v, overlap in CASES:
@@ -150,23 +165,44 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
             ids = [rank, n_stages - 1 - rank]
         else:
             ids = [rank + i * world for i in range(v)]
-        stages = [PipelineStage(_Stage(args.dim, i), i, n_stages, torch.device("cpu")) for i in ids]
+        stages = [
+            PipelineStage(_Stage(args.dim, i), i, n_stages, torch.device("cpu"))
+            for i in ids
+        ]
         sched = cls(stages, args.microbatches, loss_fn=lambda y, t: F.mse_loss(y, t))
         if not hasattr(sched, "_comp_type_to_function_map"):
             # not a runtime schedule on this torch (e.g. 2.9's Interleaved1F1B): its actions cannot be timed
             if rank == 0:
-                rows.append((label, name, v, overlap, None, f"{cls.__name__} has no custom-function map here"))
+                rows.append(
+                    (
+                        label,
+                        name,
+                        v,
+                        overlap,
+                        None,
+                        f"{cls.__name__} has no custom-function map here",
+                    )
+                )
             continue
         timer = _Timer()
-        for comp in (schedules.FORWARD, schedules.BACKWARD_INPUT, schedules.BACKWARD_WEIGHT, schedules.FULL_BACKWARD):
+        for comp in (
+            schedules.FORWARD,
+            schedules.BACKWARD_INPUT,
+            schedules.BACKWARD_WEIGHT,
+            schedules.FULL_BACKWARD,
+        ):
             sched._comp_type_to_function_map[comp] = timer
         if overlap is False:
-            sched._comp_type_to_function_map[schedules.OVERLAP_F_B] = sequential_overlap_f_b
+            sched._comp_type_to_function_map[schedules.OVERLAP_F_B] = (
+                sequential_overlap_f_b
+            )
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(args.microbatches * args.tokens, args.dim, generator=gen)
         target = torch.randn(args.microbatches * args.tokens, args.dim, generator=gen)
         steps = []
-        bounds: list[tuple[int, float, float]] = []  # (step, start, end) of this rank's step calls
+        bounds: list[
+            tuple[int, float, float]
+        ] = []  # (step, start, end) of this rank's step calls
         for i in range(args.warmup + args.steps):
             for s in stages:
                 s.submod.zero_grad(set_to_none=True)
@@ -183,8 +219,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (rank, timer.log, bounds))
         if rank == 0:
-            order, stage_to_rank = schedule_order(sched)  # with send/recv actions, as the simulator runs it
-            rows.append((label, name, v, overlap, steps, gathered, order, stage_to_rank))
+            order, stage_to_rank = schedule_order(
+                sched
+            )  # with send/recv actions, as the simulator runs it
+            rows.append(
+                (label, name, v, overlap, steps, gathered, order, stage_to_rank)
+            )
         dist.barrier()
     if rank == 0:
         queue.put((link, rows))
@@ -192,7 +232,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
 
 
 def _durations(
-    log: list[tuple[int, int, str, int, float, float]], stage_to_rank: dict[int, int], link: float
+    log: list[tuple[int, int, str, int, float, float]],
+    stage_to_rank: dict[int, int],
+    link: float,
 ) -> dict[tuple[int, str], list[float]]:
     """Each action's execution time without the time it waited for its input.
 
@@ -256,7 +298,11 @@ def _post_overhead(
             if a.sub_actions is None and kind(a) in ("F", "I", "W", "B"):
                 where[(kind(a), a.stage_index, a.microbatch_index)] = (rank, i)
     compute_at = {
-        rank: {i for i, a in enumerate(actions) if a.sub_actions is not None or kind(a) in ("F", "I", "W", "B")}
+        rank: {
+            i
+            for i, a in enumerate(actions)
+            if a.sub_actions is not None or kind(a) in ("F", "I", "W", "B")
+        }
         for rank, actions in order.items()
     }
     by_step_rank: dict[tuple[int, int], list[tuple[int, float, float]]] = {}
@@ -267,7 +313,7 @@ def _post_overhead(
     for (_, rank), entries in by_step_rank.items():
         entries.sort()
         for (i, _, end), (j, start, _) in zip(entries, entries[1:]):
-            between = [x for x in range(i + 1, j)]
+            between = list(range(i + 1, j))
             if between and not any(x in compute_at[rank] for x in between):
                 samples.append(max(start - end, 0.0) / len(between))
     return statistics.median(samples) if samples else 0.0
@@ -292,7 +338,9 @@ def _stage_costs(
             if xs:
                 got[c] = _median(xs)
         if "F" not in got or not ("B" in got or "I" in got):
-            raise RuntimeError(f"stage {s}: no timed forward/backward actions (got {sorted(got)})")
+            raise RuntimeError(
+                f"stage {s}: no timed forward/backward actions (got {sorted(got)})"
+            )
         f = max(got["F"] - latency, 0.0)
         if "I" in got:
             i = max(got["I"] - latency, 0.0)
@@ -321,13 +369,32 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--tokens", type=int, default=384, help="rows per microbatch")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--latency-ms", type=float, default=10.0, help="the simulated link latency of each EP region")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=10.0,
+        help="the simulated link latency of each EP region",
+    )
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--handover-us", type=float, default=100.0, help="thread hand-over cost in the CPU overlap model")
-    p.add_argument("--max-err-iqr", type=float, default=0.10,
-                   help="a case whose per-step errors' interquartile range exceeds this is unmeasurable")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the ranks' results")
+    p.add_argument(
+        "--handover-us",
+        type=float,
+        default=100.0,
+        help="thread hand-over cost in the CPU overlap model",
+    )
+    p.add_argument(
+        "--max-err-iqr",
+        type=float,
+        default=0.10,
+        help="a case whose per-step errors' interquartile range exceeds this is unmeasurable",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds to wait for the ranks' results",
+    )
     return p.parse_args()
 
 
@@ -336,7 +403,10 @@ def _run_ranks(args: argparse.Namespace, world: int) -> tuple[float, list[Any]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, args, queue))
+        for r in range(world)
+    ]
     for pr in procs:
         pr.start()
     deadline = time.monotonic() + args.timeout
@@ -345,32 +415,57 @@ def _run_ranks(args: argparse.Namespace, world: int) -> tuple[float, list[Any]]:
             link, rows = queue.get(timeout=1.0)
             break
         except Exception:  # queue.Empty: check the ranks are alive
-            dead = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+            dead = [
+                (r, pr.exitcode)
+                for r, pr in enumerate(procs)
+                if pr.exitcode not in (None, 0)
+            ]
             if dead or time.monotonic() > deadline:
                 for pr in procs:
                     pr.kill()
-                what = f"rank {dead[0][0]} exited with {dead[0][1]}" if dead else f"no result within {args.timeout:g} s"
-                raise SystemExit(f"calibrate_simulator: {what} (see the traceback above)")
+                what = (
+                    f"rank {dead[0][0]} exited with {dead[0][1]}"
+                    if dead
+                    else f"no result within {args.timeout:g} s"
+                )
+                raise SystemExit(
+                    f"calibrate_simulator: {what} (see the traceback above)"
+                ) from None
     for pr in procs:
         pr.join(timeout=60)
     return link, rows
 
 
 def _predict_case(
-    args: argparse.Namespace, world: int, link: float, name: str, v: int, overlap: bool | None,
-    steps: list[float], gathered: list[Any], order: dict[int, list[Any]], stage_to_rank: dict[int, int],
+    args: argparse.Namespace,
+    world: int,
+    link: float,
+    name: str,
+    v: int,
+    overlap: bool | None,
+    steps: list[float],
+    gathered: list[Any],
+    order: dict[int, list[Any]],
+    stage_to_rank: dict[int, int],
 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per measured step: the prediction, its error, the post overhead and the fixed time."""
     n_stages = len(stage_to_rank)
     log = [entry for _, g, _ in gathered for entry in g]
     every = _durations(log, stage_to_rank, link)
-    model = OverlapModel(enabled=overlap is not False, streams=False, handover=args.handover_us * 1e-6)
+    model = OverlapModel(
+        enabled=overlap is not False, streams=False, handover=args.handover_us * 1e-6
+    )
     sched = build_schedule(name, world, args.microbatches, v)
     # each step is predicted from its own actions' times: load that changes between steps cancels out
     predicted, errors, posts, fixeds = [], [], [], []
     for step, measured_step in enumerate(steps):
         mine = [e for e in log if e[0] == step]
-        costs = _stage_costs(_durations(mine, stage_to_rank, link), n_stages, args.latency_ms / 1e3, every)
+        costs = _stage_costs(
+            _durations(mine, stage_to_rank, link),
+            n_stages,
+            args.latency_ms / 1e3,
+            every,
+        )
         post, fixed = _post_overhead(mine, order), _fixed_time(gathered, step)
         link_cost = LinkCost(latency=link, post_overhead=post)
         pred = simulate(sched, costs, link=link_cost, overlap=model).step_time + fixed
@@ -386,17 +481,25 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 2
     link, rows = _run_ranks(args, world)
-    print(f"PP=2 gloo ranks, 1 thread each, dim {args.dim}, {args.tokens} rows/microbatch, "
-          f"{args.microbatches} microbatches, EP stand-in {args.latency_ms:g} ms per region, "
-          f"measured p2p {link * 1e3:.3f} ms; step times are medians of {args.steps} steps")
-    print(f"{'case':<24}{'measured s':>11}{'spread':>8}{'post ms':>8}{'fixed s':>9}{'predicted s':>12}"
-          f"{'error':>8}{'err IQR':>8}  verdict")
+    print(
+        f"PP=2 gloo ranks, 1 thread each, dim {args.dim}, {args.tokens} rows/microbatch, "
+        f"{args.microbatches} microbatches, EP stand-in {args.latency_ms:g} ms per region, "
+        f"measured p2p {link * 1e3:.3f} ms; step times are medians of {args.steps} steps"
+    )
+    print(
+        f"{'case':<24}{'measured s':>11}{'spread':>8}{'post ms':>8}{'fixed s':>9}{'predicted s':>12}"
+        f"{'error':>8}{'err IQR':>8}  verdict"
+    )
     within = 0
     for label, name, v, overlap, steps, *rest in rows:
         if steps is None:
-            print(f"{label:<24}{'-':>11}{'-':>8}{'-':>8}{'-':>9}{'-':>12}{'-':>8}{'-':>8}  unmeasurable ({rest[0]})")
+            print(
+                f"{label:<24}{'-':>11}{'-':>8}{'-':>8}{'-':>9}{'-':>12}{'-':>8}{'-':>8}  unmeasurable ({rest[0]})"
+            )
             continue
-        predicted, errors, posts, fixeds = _predict_case(args, world, link, name, v, overlap, steps, *rest)
+        predicted, errors, posts, fixeds = _predict_case(
+            args, world, link, name, v, overlap, steps, *rest
+        )
         measured = statistics.median(steps)
         spread = (max(steps) - min(steps)) / measured
         err = statistics.median(errors)
@@ -414,6 +517,7 @@ def main() -> None:
             f"{statistics.median(fixeds):>9.4f}{statistics.median(predicted):>12.4f}{err:>+8.1%}{iqr:>8.1%}  {verdict}"
         )
     print(f"cases={len(rows)} within_10pct={within}")
+
 
 if __name__ == "__main__":
     main()

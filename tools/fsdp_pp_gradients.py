@@ -64,7 +64,9 @@ def _worker(rank: int, schedules: list[str], out_dir: str, port: int) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=PP * DP, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=PP * DP, timeout=datetime.timedelta(seconds=60)
+    )
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     loss_fn = nn.functional.mse_loss
@@ -75,10 +77,18 @@ def _worker(rank: int, schedules: list[str], out_dir: str, port: int) -> None:
             torch.manual_seed(0)
             ref = nn.Sequential(*(FSDPMLPStage(DIM) for _ in range(N_STAGES)))
             v_shape = name in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble")
-            indices = [pp_rank, N_STAGES - 1 - pp_rank] if v_shape else [pp_rank, pp_rank + PP]
-            modules = [fully_shard_stage(copy.deepcopy(ref[i]), mesh["dp"]) for i in indices]
+            indices = (
+                [pp_rank, N_STAGES - 1 - pp_rank]
+                if v_shape
+                else [pp_rank, pp_rank + PP]
+            )
+            modules = [
+                fully_shard_stage(copy.deepcopy(ref[i]), mesh["dp"]) for i in indices
+            ]
             stages = [
-                PipelineStage(m, i, N_STAGES, torch.device("cpu"), group=mesh["pp"].get_group())
+                PipelineStage(
+                    m, i, N_STAGES, torch.device("cpu"), group=mesh["pp"].get_group()
+                )
                 for m, i in zip(modules, indices)
             ]
             schedule = schedule_class(stages, N_MICROBATCHES, loss_fn=loss_fn)
@@ -97,9 +107,22 @@ def _worker(rank: int, schedules: list[str], out_dir: str, port: int) -> None:
                             continue
                         grad = p.grad.full_tensor()
                         ratios.append((grad.norm() / ref_p.grad.norm()).item())
-                    results.append(dict(schedule=name, step=step, stage=i, ratios=ratios, missing=missing))
-        except Exception as e:  # noqa: BLE001 - reported, not raised
-            results.append(dict(schedule=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"))
+                    results.append(
+                        dict(
+                            schedule=name,
+                            step=step,
+                            stage=i,
+                            ratios=ratios,
+                            missing=missing,
+                        )
+                    )
+        except Exception as e:
+            results.append(
+                dict(
+                    schedule=name,
+                    error=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}",
+                )
+            )
             traceback.print_exc()
             break  # the process group may be unusable now
     if dp_rank == 0:
@@ -111,13 +134,24 @@ def _run_config(config: str, schedules: list[str], port: int) -> list[dict]:
     import subprocess
 
     with tempfile.TemporaryDirectory() as out_dir:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_PIPELINING_EXT_DISABLE")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("TORCH_PIPELINING_EXT_DISABLE")
+        }
         env.update(_CONFIGS[config])
         code = (
-            "import sys, torch.multiprocessing as mp; sys.path.insert(0, %r); import fsdp_pp_gradients as t; "
-            "mp.spawn(t._worker, args=(%r, %r, %d), nprocs=%d)"
-        ) % (str(Path(__file__).parent), schedules, out_dir, port, PP * DP)
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+            f"import sys, torch.multiprocessing as mp; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import fsdp_pp_gradients as t; mp.spawn(t._worker, args=({schedules!r}, {out_dir!r}, {port:d}), "
+            f"nprocs={PP * DP:d})"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         results = []
         for f in sorted(Path(out_dir).glob("pp*.json")):
             results.extend(json.loads(f.read_text()))
@@ -131,8 +165,16 @@ def _cell(rows: list[dict], schedule: str, stage: int, step: int) -> str:
     for r in rows:
         if r["schedule"] == schedule and "error" in r:
             return "error"
-        if r["schedule"] == schedule and r.get("stage") == stage and r.get("step") == step:
-            lo, hi = (min(r["ratios"]), max(r["ratios"])) if r["ratios"] else (float("nan"),) * 2
+        if (
+            r["schedule"] == schedule
+            and r.get("stage") == stage
+            and r.get("step") == step
+        ):
+            lo, hi = (
+                (min(r["ratios"]), max(r["ratios"]))
+                if r["ratios"]
+                else (float("nan"),) * 2
+            )
             text = f"{lo:.4f}" if abs(hi - lo) < 5e-5 else f"{lo:.4f}-{hi:.4f}"
             return text + (f" ({r['missing']} none)" if r["missing"] else "")
     return "-"
@@ -147,13 +189,21 @@ def main() -> None:
     args = parser.parse_args()
     configs, schedules = args.configs.split(","), args.schedules.split(",")
     table = {c: _run_config(c, schedules, 29600 + i) for i, c in enumerate(configs)}
-    print(f"torch {torch.__version__}: |grad| / |reference grad| per parameter (min-max over a stage's parameters)")
+    print(
+        f"torch {torch.__version__}: |grad| / |reference grad| per parameter (min-max over a stage's parameters)"
+    )
     width = 26
-    print(f"{'schedule':<30} {'stage':>5} {'step':>4}  " + "".join(f"{c:<{width}}" for c in configs))
+    print(
+        f"{'schedule':<30} {'stage':>5} {'step':>4}  "
+        + "".join(f"{c:<{width}}" for c in configs)
+    )
     for schedule in schedules:
         for stage in range(N_STAGES):
             for step in (1, 2):
-                cells = "".join(f"{_cell(table[c], schedule, stage, step):<{width}}" for c in configs)
+                cells = "".join(
+                    f"{_cell(table[c], schedule, stage, step):<{width}}"
+                    for c in configs
+                )
                 print(f"{schedule:<30} {stage:>5} {step:>4}  {cells}")
     for c in configs:
         for r in table[c]:

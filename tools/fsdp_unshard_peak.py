@@ -48,11 +48,13 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -
     from torch.distributed.fsdp._fully_shard import _fsdp_param
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
-    import torch_pipelining_ext  # noqa: F401
+    import torch_pipelining_ext
     from model_registry import FSDPMLPStage, fully_shard_stage
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=PP * DP)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=PP * DP
+    )
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     pp_rank = mesh["pp"].get_local_rank()
     stage_ids = [pp_rank, N_STAGES - 1 - pp_rank]
@@ -61,7 +63,9 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -
     peak = [0]
 
     def unsharded_bytes() -> int:
-        return sum(t.untyped_storage().nbytes() for fp in params for t in fp.all_gather_outputs)
+        return sum(
+            t.untyped_storage().nbytes() for fp in params for t in fp.all_gather_outputs
+        )
 
     def sampled(fn):
         def wrapper(self, *a, **k):
@@ -71,23 +75,43 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -
 
         return wrapper
 
-    for name in ("init_all_gather_outputs", "alloc_all_gather_outputs", "free_unsharded_param"):
-        setattr(_fsdp_param.FSDPParam, name, sampled(getattr(_fsdp_param.FSDPParam, name)))
+    for name in (
+        "init_all_gather_outputs",
+        "alloc_all_gather_outputs",
+        "free_unsharded_param",
+    ):
+        setattr(
+            _fsdp_param.FSDPParam, name, sampled(getattr(_fsdp_param.FSDPParam, name))
+        )
 
     def build(overlap: bool):
         torch.manual_seed(0)
-        modules = [fully_shard_stage(FSDPMLPStage(args.dim, args.layers), mesh["dp"]) for _ in stage_ids]
-        stages = [PipelineStage(m, i, N_STAGES, "cpu", group=mesh["pp"].get_group()) for m, i in zip(modules, stage_ids)]
+        modules = [
+            fully_shard_stage(FSDPMLPStage(args.dim, args.layers), mesh["dp"])
+            for _ in stage_ids
+        ]
+        stages = [
+            PipelineStage(m, i, N_STAGES, "cpu", group=mesh["pp"].get_group())
+            for m, i in zip(modules, stage_ids)
+        ]
         if not overlap:
-            os.environ["TORCH_PIPELINING_EXT_OVERLAP"] = "0"  # read when the schedule is built
+            os.environ["TORCH_PIPELINING_EXT_OVERLAP"] = (
+                "0"  # read when the schedule is built
+            )
         try:
-            schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=torch.nn.functional.mse_loss)
+            schedule = ScheduleDualPipeV(
+                stages, N_MICROBATCHES, loss_fn=torch.nn.functional.mse_loss
+            )
         finally:
             os.environ.pop("TORCH_PIPELINING_EXT_OVERLAP", None)
         return modules, schedule
 
-    x = torch.randn(N_MICROBATCHES * MB_SIZE, args.dim, generator=torch.Generator().manual_seed(0))
-    y = torch.randn(N_MICROBATCHES * MB_SIZE, args.dim, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(
+        N_MICROBATCHES * MB_SIZE, args.dim, generator=torch.Generator().manual_seed(0)
+    )
+    y = torch.randn(
+        N_MICROBATCHES * MB_SIZE, args.dim, generator=torch.Generator().manual_seed(1)
+    )
     result = {}
     for mode in ("stock", "upstream", "overlapped"):
         if mode == "stock":
@@ -95,8 +119,15 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -
         elif mode == "upstream":
             torch_pipelining_ext.patch()
         modules, schedule = build(overlap=mode == "overlapped")
-        params[:] = [fp for m in modules for s in [m, *m.layers] for fp in s._get_fsdp_state()._fsdp_param_group.fsdp_params]
-        for _ in range(2):  # the second step is measured (the first one initialises FSDP lazily)
+        params[:] = [
+            fp
+            for m in modules
+            for s in [m, *m.layers]
+            for fp in s._get_fsdp_state()._fsdp_param_group.fsdp_params
+        ]
+        for _ in range(
+            2
+        ):  # the second step is measured (the first one initialises FSDP lazily)
             peak[0] = 0
             if pp_rank == 0:
                 schedule.step(x, target=y, losses=[])
@@ -107,7 +138,9 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -
             m.zero_grad(set_to_none=True)
     # one nested layer, unsharded: a Linear(dim, dim)
     result["layer"] = (args.dim * args.dim + args.dim) * 4
-    result["stage"] = sum(p.numel() for p in FSDPMLPStage(args.dim, args.layers).parameters()) * 4
+    result["stage"] = (
+        sum(p.numel() for p in FSDPMLPStage(args.dim, args.layers).parameters()) * 4
+    )
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -115,21 +148,34 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8, help="nested fully_shard layers per stage")
+    parser.add_argument(
+        "--layers", type=int, default=8, help="nested fully_shard layers per stage"
+    )
     parser.add_argument("--dim", type=int, default=256)
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.start_processes(_worker, args=(args, init_file, tmp), nprocs=PP * DP, start_method="spawn")
-        results = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(PP * DP)]
+        mp.start_processes(
+            _worker, args=(args, init_file, tmp), nprocs=PP * DP, start_method="spawn"
+        )
+        results = []
+        for r in range(PP * DP):
+            with open(os.path.join(tmp, f"{r}.json")) as f:
+                results.append(json.load(f))
     layer, stage = results[0]["layer"], results[0]["stage"]
-    print(f"{args.layers} nested layers per stage, two stages per rank; one layer unsharded = {layer} bytes")
-    print(f"{'rank':>4}  {'stock peak':>12}  {'upstream peak':>14}  {'overlapped peak':>16}  {'extra layers':>12}")
+    print(
+        f"{args.layers} nested layers per stage, two stages per rank; one layer unsharded = {layer} bytes"
+    )
+    print(
+        f"{'rank':>4}  {'stock peak':>12}  {'upstream peak':>14}  {'overlapped peak':>16}  {'extra layers':>12}"
+    )
     for rank, r in enumerate(results):
         extra = (r["overlapped"] - r["stock"]) / layer
-        print(f"{rank:>4}  {r['stock']:>12}  {r['upstream']:>14}  {r['overlapped']:>16}  {extra:>12.2f}")
+        print(
+            f"{rank:>4}  {r['stock']:>12}  {r['upstream']:>14}  {r['overlapped']:>16}  {extra:>12.2f}"
+        )
     stock = max(r["stock"] for r in results)
     up = max(r["upstream"] for r in results)
     ov = max(r["overlapped"] for r in results)

@@ -74,9 +74,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SINGLE_GPU_TESTS = ["test/distributed/pipelining/test_schedule_single_rank.py"]
 EXIT_NO_CUDA = 3
 HIDDEN_TARGET = 0.8
-STANDIN_KERNEL = "spin_kernel"  # the kernel torch.cuda._sleep launches (aten/src/ATen/cuda/Sleep.cu)
-_ALLOCATOR_WARNING = re.compile(r"alloc|record_stream", re.IGNORECASE)  # CUDACachingAllocator, allocation, ...
-_WARNING_LINE = re.compile(r"warn|^\[W\d|^W\d{4}", re.IGNORECASE)  # Python, c10 and glog-style warnings
+STANDIN_KERNEL = (
+    "spin_kernel"  # the kernel torch.cuda._sleep launches (aten/src/ATen/cuda/Sleep.cu)
+)
+_ALLOCATOR_WARNING = re.compile(
+    r"alloc|record_stream", re.IGNORECASE
+)  # CUDACachingAllocator, allocation, ...
+_WARNING_LINE = re.compile(
+    r"warn|^\[W\d|^W\d{4}", re.IGNORECASE
+)  # Python, c10 and glog-style warnings
 
 
 # --------------------------------------------------------------------------- #
@@ -115,19 +121,42 @@ def cuda_problem() -> str | None:
 # --------------------------------------------------------------------------- #
 
 
-def run_tests(pytest_args: Sequence[str], timeout_s: float, out_dir: str) -> dict[str, Any]:
+def run_tests(
+    pytest_args: Sequence[str], timeout_s: float, out_dir: str
+) -> dict[str, Any]:
     """Run the single-GPU test modules in a pytest subprocess; counts from its JUnit XML."""
     xml = os.path.join(out_dir, "tests.xml")
-    cmd = [sys.executable, "-m", "pytest", *SINGLE_GPU_TESTS, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *SINGLE_GPU_TESTS,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+    ]
     cmd += list(pytest_args)
     print("(a) " + " ".join(cmd[2:]), flush=True)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, timeout=timeout_s, capture_output=True, text=True)
+        proc = subprocess.run(
+            cmd, cwd=REPO, timeout=timeout_s, capture_output=True, text=True
+        )
         rc, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, output = -1, f"pytest did not finish within {timeout_s:g} s\n" + (e.stdout or b"").decode(errors="replace")
-    result = {"rc": rc, "seconds": time.perf_counter() - t0, "passed": 0, "failed": 0, "skipped_cuda": []}
+        rc, output = (
+            -1,
+            f"pytest did not finish within {timeout_s:g} s\n"
+            + (e.stdout or b"").decode(errors="replace"),
+        )
+    result = {
+        "rc": rc,
+        "seconds": time.perf_counter() - t0,
+        "passed": 0,
+        "failed": 0,
+        "skipped_cuda": [],
+    }
     if os.path.exists(xml):
         for case in ET.parse(xml).getroot().iter("testcase"):
             name = f"{case.get('classname', '')}.{case.get('name', '')}"
@@ -160,7 +189,9 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _covered(a: float, b: float, merged: list[tuple[float, float]], starts: list[float]) -> float:
+def _covered(
+    a: float, b: float, merged: list[tuple[float, float]], starts: list[float]
+) -> float:
     """Length of [a, b] covered by ``merged`` (sorted, disjoint; ``starts`` their starts)."""
     total = 0.0
     i = max(0, bisect.bisect_right(starts, a) - 1)
@@ -177,7 +208,9 @@ def _kernel_stream(event: dict[str, Any]) -> Any:
 
 
 def device_overlap(
-    events: Sequence[dict[str, Any]], standin: str = STANDIN_KERNEL, inside_actions: bool = True
+    events: Sequence[dict[str, Any]],
+    standin: str = STANDIN_KERNEL,
+    inside_actions: bool = True,
 ) -> dict[str, Any]:
     """How much stand-in kernel time overlaps compute kernels of other streams, from Chrome-trace events.
 
@@ -196,7 +229,10 @@ def device_overlap(
     kernels = [
         e
         for e in events
-        if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel" and "dur" in e and "ts" in e
+        if e.get("ph") == "X"
+        and str(e.get("cat", "")).lower() == "kernel"
+        and "dur" in e
+        and "ts" in e
     ]
     if not kernels:
         return {"fraction": math.nan, "standin_us": 0.0, "hidden_us": 0.0, "n_standin": 0,
@@ -218,7 +254,9 @@ def device_overlap(
         if inside_actions and stream == caller:
             continue
         if stream not in others:
-            merged = _merge([iv for s, ivs in compute.items() if s != stream for iv in ivs])
+            merged = _merge(
+                [iv for s, ivs in compute.items() if s != stream for iv in ivs]
+            )
             others[stream] = (merged, [m[0] for m in merged])
         merged, starts = others[stream]
         total += b - a
@@ -238,7 +276,9 @@ def device_overlap(
 _PP_ACTION = re.compile(r"^PP:(\d+)(F|I|W|B)(\d+)$")
 
 
-def action_kernel_times(events: Sequence[dict[str, Any]], standin: str = STANDIN_KERNEL) -> dict[str, dict[str, float]]:
+def action_kernel_times(
+    events: Sequence[dict[str, Any]], standin: str = STANDIN_KERNEL
+) -> dict[str, dict[str, float]]:
     """Per plain action (``PP:<stage><F|I|W|B><mb>`` ranges), its kernels' device time, from Chrome-trace events.
 
     A kernel belongs to the action whose range holds the CPU launch with the
@@ -251,11 +291,27 @@ def action_kernel_times(events: Sequence[dict[str, Any]], standin: str = STANDIN
     for e in events:
         m = _PP_ACTION.match(str(e.get("name", "")))
         # (not the device-side copies of the ranges, "gpu_user_annotation")
-        if m and e.get("ph") == "X" and "dur" in e and not str(e.get("cat", "")).startswith("gpu_"):
-            ranges.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("tid"), m.group(1) + m.group(2)))
+        if (
+            m
+            and e.get("ph") == "X"
+            and "dur" in e
+            and not str(e.get("cat", "")).startswith("gpu_")
+        ):
+            ranges.append(
+                (
+                    float(e["ts"]),
+                    float(e["ts"]) + float(e["dur"]),
+                    e.get("tid"),
+                    m.group(1) + m.group(2),
+                )
+            )
     kernels = {}
     for e in events:
-        if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel" and "correlation" in e.get("args", {}):
+        if (
+            e.get("ph") == "X"
+            and str(e.get("cat", "")).lower() == "kernel"
+            and "correlation" in e.get("args", {})
+        ):
             kernels[e["args"]["correlation"]] = e
     per: dict[tuple[float, str], list[float]] = {}
     if kernels:
@@ -268,7 +324,9 @@ def action_kernel_times(events: Sequence[dict[str, Any]], standin: str = STANDIN
                 if a <= ts <= b and tid == e.get("tid"):
                     k = kernels[corr]
                     slot = per.setdefault((a, key), [0.0, 0.0])
-                    slot[1 if standin in str(k.get("name", "")) else 0] += float(k["dur"])
+                    slot[1 if standin in str(k.get("name", "")) else 0] += float(
+                        k["dur"]
+                    )
                     break
     else:
         for a, b, _, key in ranges:
@@ -287,7 +345,11 @@ def action_kernel_times(events: Sequence[dict[str, Any]], standin: str = STANDIN
 
 
 def simulated_step_ratio(
-    schedule: Any, times: dict[str, dict[str, float]], regions: int, region_s: float, cpu: bool
+    schedule: Any,
+    times: dict[str, dict[str, float]],
+    regions: int,
+    region_s: float,
+    cpu: bool,
 ) -> float:
     """The simulator's overlapped / sequential step time of ``schedule`` with the measured per-action times.
 
@@ -320,8 +382,14 @@ def simulated_step_ratio(
             return math.nan
         i = i if i is not None else b / 2
         w = w if w is not None else (b - i if b is not None else 0.0)
-        costs.append(StageCost(forward=segs(f), backward_input=segs(i), backward_weight=w,
-                               full_backward=segs(b) if b is not None else None))
+        costs.append(
+            StageCost(
+                forward=segs(f),
+                backward_input=segs(i),
+                backward_weight=w,
+                full_backward=segs(b) if b is not None else None,
+            )
+        )
     model = OverlapModel(streams=not cpu)
     on = simulate(schedule, costs, overlap=model).step_time
     off = simulate(schedule, costs, overlap=OverlapModel(enabled=False)).step_time
@@ -369,7 +437,13 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     owns_pg = not dist.is_initialized()
     if owns_pg:
         kwargs = {"device_id": device} if cuda else {}
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            **kwargs,
+        )
 
     def synchronize() -> None:
         if cuda:
@@ -380,7 +454,10 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
             t0 = time.perf_counter()
             fn()
             return (time.perf_counter() - t0) * 1e3
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
         start.record()
         fn()
         end.record()
@@ -392,7 +469,9 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     if cuda:
         torch.cuda._sleep(1000)
         probe = 20_000_000
-        cycles_per_ms = statistics.median(probe / elapsed_ms(lambda: torch.cuda._sleep(probe)) for _ in range(3))
+        cycles_per_ms = statistics.median(
+            probe / elapsed_ms(lambda: torch.cuda._sleep(probe)) for _ in range(3)
+        )
 
     class StandIn(torch.autograd.Function):
         """Communication stand-in: a kernel of known duration on the current stream, forward and backward."""
@@ -439,14 +518,19 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
             return h + t
 
     torch.manual_seed(0)
-    parts = [nn.Sequential(*(Layer(args.dim) for _ in range(args.layers))).to(device) for _ in range(2)]
+    parts = [
+        nn.Sequential(*(Layer(args.dim) for _ in range(args.layers))).to(device)
+        for _ in range(2)
+    ]
     x = torch.randn(args.microbatches * args.tokens, args.dim, device=device)
     target = torch.randn_like(x)
     with torch.no_grad():
         layer, xm = parts[0][0], x[: args.tokens]
         for _ in range(3):
             layer.attention(xm), layer.expert(xm)
-        block_ms = statistics.median(elapsed_ms(lambda: layer.attention(xm)) for _ in range(10))
+        block_ms = statistics.median(
+            elapsed_ms(lambda: layer.attention(xm)) for _ in range(10)
+        )
     latency_ms = args.latency_ms if args.latency_ms is not None else block_ms
     if cuda:
         StandIn.cycles = max(1, int(latency_ms * cycles_per_ms))
@@ -455,7 +539,10 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     stages = [PipelineStage(part, i, 2, device) for i, part in enumerate(parts)]
     schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=F.mse_loss)
     patches = {r.name: r.status for r in torch_pipelining_ext.patch_report()}
-    if patches.get("overlap_f_b") not in (torch_pipelining_ext.PatchStatus.APPLIED, torch_pipelining_ext.PatchStatus.UPSTREAM):
+    if patches.get("overlap_f_b") not in (
+        torch_pipelining_ext.PatchStatus.APPLIED,
+        torch_pipelining_ext.PatchStatus.UPSTREAM,
+    ):
         raise RuntimeError(
             "the package's OVERLAP_F_B patch is not applied (is TORCH_PIPELINING_EXT_DISABLE=1 set?): "
             f"{patches.get('overlap_f_b')}"
@@ -468,7 +555,10 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
         handlers[current["mode"]](action, ctx)
 
     schedule.register_custom_function(sched.OVERLAP_F_B, overlap_f_b)
-    n_overlap = sum(a.computation_type == sched.OVERLAP_F_B for a in schedule.pipeline_order_with_comms[0])
+    n_overlap = sum(
+        a.computation_type == sched.OVERLAP_F_B
+        for a in schedule.pipeline_order_with_comms[0]
+    )
 
     def step(mode: str) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
         current["mode"] = mode
@@ -498,9 +588,14 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
             first.setdefault(mode, (losses, grads))
         for mode, (losses, grads) in results.items():
             ref_losses, ref_grads = first["sequential"]
-            if not (all(map(torch.equal, losses, ref_losses)) and all(map(torch.equal, grads, ref_grads))):
+            if not (
+                all(map(torch.equal, losses, ref_losses))
+                and all(map(torch.equal, grads, ref_grads))
+            ):
                 if bitwise:
-                    mismatch = f"round {rnd}: {mode} differs from the first sequential step"
+                    mismatch = (
+                        f"round {rnd}: {mode} differs from the first sequential step"
+                    )
                 bitwise = False
 
     from torch.profiler import profile, ProfilerActivity
@@ -510,7 +605,9 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
         try:
             from torch._C._profiler import _ExperimentalConfig
 
-            config = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+            config = {
+                "experimental_config": _ExperimentalConfig(profile_all_threads=True)
+            }
         except (ImportError, TypeError):
             config = {}
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -527,13 +624,20 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     with open(os.path.join(out_dir, "action_kernel_times.json"), "w") as f:
         json.dump(kernel_times, f, indent=1)
     try:
-        sim_ratio = simulated_step_ratio(schedule, kernel_times, 2 * args.layers, latency_ms / 1e3, cpu=not cuda)
-    except Exception as e:  # the check's other results stand; say why there is no prediction
+        sim_ratio = simulated_step_ratio(
+            schedule, kernel_times, 2 * args.layers, latency_ms / 1e3, cpu=not cuda
+        )
+    except (
+        Exception
+    ) as e:  # the check's other results stand; say why there is no prediction
         print(f"    simulator: no prediction ({type(e).__name__}: {e})", flush=True)
         sim_ratio = math.nan
     if owns_pg:
         dist.destroy_process_group()
-    t_o, t_s = statistics.median(times["overlap"]), statistics.median(times["sequential"])
+    t_o, t_s = (
+        statistics.median(times["overlap"]),
+        statistics.median(times["sequential"]),
+    )
     return {
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device) if cuda else "CPU (dry run)",
@@ -554,17 +658,25 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     }
 
 
-def _measure_with_warnings(args: argparse.Namespace, out_dir: str) -> tuple[dict[str, Any], list[str]]:
+def _measure_with_warnings(
+    args: argparse.Namespace, out_dir: str
+) -> tuple[dict[str, Any], list[str]]:
     """Part (b) with every warning captured: (result, warning lines)."""
-    with captured_stderr() as stderr_lines, warnings.catch_warnings(record=True) as caught:
+    with (
+        captured_stderr() as stderr_lines,
+        warnings.catch_warnings(record=True) as caught,
+    ):
         warnings.simplefilter("always")
         try:
             result = measure_overlap(args, out_dir)
-        except BaseException as e:  # noqa: BLE001 - reported below with the captured output
+        except BaseException as e:
             result = {"error": f"{type(e).__name__}: {e}"}
     for line in stderr_lines:  # what was written to stderr, as it would have been
         print(line, file=sys.stderr)
-    found = [f"{w.category.__name__}: {w.message} ({os.path.basename(w.filename)}:{w.lineno})" for w in caught]
+    found = [
+        f"{w.category.__name__}: {w.message} ({os.path.basename(w.filename)}:{w.lineno})"
+        for w in caught
+    ]
     found += [line for line in stderr_lines if _WARNING_LINE.search(line)]
     return result, found
 
@@ -604,7 +716,9 @@ def _print_summary(
             f"{args.tokens} tokens per microbatch, {args.microbatches} microbatches, "
             f"{r['overlap_actions']} OVERLAP_F_B actions"
         )
-        print(f"      one block {r['block_ms']:.2f} ms; stand-in {r['latency_ms']:.2f} ms ({r['cycles_per_ms']:.0f} cycles/ms)")
+        print(
+            f"      one block {r['block_ms']:.2f} ms; stand-in {r['latency_ms']:.2f} ms ({r['cycles_per_ms']:.0f} cycles/ms)"
+        )
         print(
             f"      step time: overlap {r['overlap_step_ms']:.1f} ms, sequential {r['sequential_step_ms']:.1f} ms, "
             f"ratio {r['step_ratio']:.3f} (medians of {args.steps})"
@@ -622,7 +736,9 @@ def _print_summary(
             f"{_fmt(r['simulated_step_ratio'])} vs measured {r['step_ratio']:.3f} (a prediction from those times)"
         )
         print(f"      traces: {', '.join(r['traces'])}")
-    print(f"      warnings: {len(found)}, of the allocator or record_stream: {len(allocator)}")
+    print(
+        f"      warnings: {len(found)}, of the allocator or record_stream: {len(allocator)}"
+    )
     for w in found[:10]:
         print(f"        {w}")
 
@@ -631,22 +747,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-tests", action="store_true", help="skip part (a)")
     p.add_argument("--skip-overlap", action="store_true", help="skip part (b)")
-    p.add_argument("--tests-timeout", type=float, default=240.0, help="seconds for part (a)")
-    p.add_argument("--out", default=None, help="directory for traces and the test report (default: a temporary one)")
-    p.add_argument("--dim", type=int, default=2048, help="width of the MoE-like layers (part b)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per microbatch (part b)")
-    p.add_argument("--layers", type=int, default=4, help="MoE-like layers per stage (part b)")
+    p.add_argument(
+        "--tests-timeout", type=float, default=240.0, help="seconds for part (a)"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="directory for traces and the test report (default: a temporary one)",
+    )
+    p.add_argument(
+        "--dim", type=int, default=2048, help="width of the MoE-like layers (part b)"
+    )
+    p.add_argument(
+        "--tokens", type=int, default=4096, help="tokens per microbatch (part b)"
+    )
+    p.add_argument(
+        "--layers", type=int, default=4, help="MoE-like layers per stage (part b)"
+    )
     p.add_argument("--microbatches", type=int, default=8, help="part (b)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps of each handler (part b)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each handler (part b)")
-    p.add_argument("--latency-ms", type=float, default=None, help="stand-in duration (default: one block's compute)")
+    p.add_argument(
+        "--steps", type=int, default=5, help="timed steps of each handler (part b)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps of each handler (part b)"
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="stand-in duration (default: one block's compute)",
+    )
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
         help="cpu: a dry run of part (b) on the CPU (no part (a), nothing measured on a device; checks the plumbing)",
     )
-    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments for part (a), after --")
+    p.add_argument(
+        "pytest_args", nargs="*", help="extra pytest arguments for part (a), after --"
+    )
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     # before any cuBLAS handle exists (gpu_check.sh sets it too): deterministic across streams
@@ -663,14 +802,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out_dir = args.out or tempfile.mkdtemp(prefix="gpu_check_")
     os.makedirs(out_dir, exist_ok=True)
-    tests: dict[str, Any] = {"passed": 0, "failed": 0, "skipped_cuda": [], "seconds": 0.0}
+    tests: dict[str, Any] = {
+        "passed": 0,
+        "failed": 0,
+        "skipped_cuda": [],
+        "seconds": 0.0,
+    }
     if not args.skip_tests:
         tests = run_tests(args.pytest_args, args.tests_timeout, out_dir)
     result: dict[str, Any] = {}
     found: list[str] = []
     if not args.skip_overlap:
         backend = "gloo, a dry run on the CPU" if dry_run else "NCCL"
-        print(f"(b) device-level overlap: ScheduleDualPipeV, 2 stages on 1 rank ({backend}, world size 1)", flush=True)
+        print(
+            f"(b) device-level overlap: ScheduleDualPipeV, 2 stages on 1 rank ({backend}, world size 1)",
+            flush=True,
+        )
         result, found = _measure_with_warnings(args, out_dir)
     allocator = [w for w in found if _ALLOCATOR_WARNING.search(w)]
 
@@ -681,9 +828,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     bitwise = result.get("bitwise_equal")
     checks = []
     if not args.skip_tests:
-        checks.append(tests["failed"] == 0 and tests["passed"] > 0 and not tests["skipped_cuda"])
+        checks.append(
+            tests["failed"] == 0 and tests["passed"] > 0 and not tests["skipped_cuda"]
+        )
     if not args.skip_overlap:
-        checks += ["error" not in result, bool(bitwise), dry_run or hidden >= HIDDEN_TARGET, not allocator]
+        checks += [
+            "error" not in result,
+            bool(bitwise),
+            dry_run or hidden >= HIDDEN_TARGET,
+            not allocator,
+        ]
     ok = bool(checks) and all(checks)
     seconds = time.perf_counter() - t_start
     verdict = ("dry_run" if ok else "fail") if dry_run else ("pass" if ok else "fail")

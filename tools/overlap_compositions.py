@@ -34,7 +34,15 @@ TEST = ROOT / "test" / "distributed" / "pipelining" / "test_schedule_overlap.py"
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:
     """(exit status, or None after ``timeout`` seconds; output)."""
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            timeout=timeout,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return None, out
@@ -43,14 +51,25 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | Non
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one composition may take (a hang fails)")
-    parser.add_argument("-k", default="", help="only compositions whose test id contains this")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds one composition may take (a hang fails)",
+    )
+    parser.add_argument(
+        "-k", default="", help="only compositions whose test id contains this"
+    )
     args = parser.parse_args(argv)
     env = dict(os.environ, TORCH_PIPELINING_EXT_FULL_MATRIX="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     status, out = _run([*pytest, "--collect-only", str(TEST)], env, 300.0)
-    ids = [line.strip() for line in out.splitlines() if "::" in line and "NCCL" not in line and args.k in line]
+    ids = [
+        line.strip()
+        for line in out.splitlines()
+        if "::" in line and "NCCL" not in line and args.k in line
+    ]
     if status != 0 or not ids:
         print(out)
         print("compositions=0 failures=0")
@@ -59,7 +78,11 @@ def main(argv: list[str]) -> int:
     for test_id in ids:
         status, out = _run([*pytest, test_id], env, args.timeout)
         verdict = "passed" if status == 0 else ("HUNG" if status is None else "FAILED")
-        if status == 5 or "skipped" in out.splitlines()[-1:][0] if out.strip() else False:
+        if (
+            status == 5 or "skipped" in out.splitlines()[-1:][0]
+            if out.strip()
+            else False
+        ):
             verdict = "skipped"
         failures += verdict in ("HUNG", "FAILED")
         print(f"{verdict:8} {test_id.split('::', 1)[1]}", flush=True)

@@ -36,20 +36,30 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m torch_pipelining_ext",
         description="Show which torch_pipelining_ext patches this torch got.",
     )
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="print machine-readable JSON"
+    )
     args = parser.parse_args(argv)
 
     env = _environment()
     report = torch_pipelining_ext.patch_report()
     if args.json:
-        print(json.dumps({"environment": env, "patches": [r.as_dict() for r in report]}, indent=2))
+        print(
+            json.dumps(
+                {"environment": env, "patches": [r.as_dict() for r in report]}, indent=2
+            )
+        )
         return 0
 
     print(f"torch_pipelining_ext {env['torch_pipelining_ext']}")
     print(f"torch                {env['torch']} (python {env['python']})")
-    backends = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in env["backends"].items())  # type: ignore[union-attr]
+    backends = ", ".join(
+        f"{k}={'yes' if v else 'no'}" for k, v in env["backends"].items()
+    )  # type: ignore[union-attr]
     print(f"backends             {backends}")
-    print(f"devices              cpu, cuda GPUs: {env['cuda_gpus']}, accelerator: {env['accelerator'] or 'none'}")
+    print(
+        f"devices              cpu, cuda GPUs: {env['cuda_gpus']}, accelerator: {env['accelerator'] or 'none'}"
+    )
     print()
     name_w = max([len("patch")] + [len(r.name) for r in report])
     status_w = max([len("status")] + [len(r.status.value) for r in report])

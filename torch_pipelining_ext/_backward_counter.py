@@ -92,7 +92,9 @@ class BackwardCounter(Counter):
 
     def is_last_backward(self, stage_idx: int) -> bool:
         """Whether ``stage_idx`` has had all its backwards in this step."""
-        return self.n_microbatches is not None and self[stage_idx] >= self.n_microbatches
+        return (
+            self.n_microbatches is not None and self[stage_idx] >= self.n_microbatches
+        )
 
     def reset(self) -> None:
         """Forget every count; called at the start of every ``step()``."""
@@ -113,7 +115,9 @@ class BackwardCounter(Counter):
         return f"{type(self).__name__}(n_microbatches={self.n_microbatches}, {dict(self)!r})"
 
 
-def _rebuild_backward_counter(counts: dict[int, int], n_microbatches: int | None) -> BackwardCounter:
+def _rebuild_backward_counter(
+    counts: dict[int, int], n_microbatches: int | None
+) -> BackwardCounter:
     return BackwardCounter(counts, n_microbatches=n_microbatches)
 
 
@@ -142,7 +146,9 @@ class _BackwardCounterAttribute:
             obj.__dict__[self._name] = counter
         return counter
 
-    def __set__(self, obj: Any, value: Mapping[int, int] | Iterable[int] | None) -> None:
+    def __set__(
+        self, obj: Any, value: Mapping[int, int] | Iterable[int] | None
+    ) -> None:
         obj.__dict__[self._name] = self._coerce(obj, value)
 
     def __delete__(self, obj: Any) -> None:

@@ -27,7 +27,11 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.profiler import record_function
 
 from torch_pipelining_ext import _fsdp_stage
-from torch_pipelining_ext._pipeline_context import _CustomFunctionProtocol, _customizable_types, _PipelineContext
+from torch_pipelining_ext._pipeline_context import (
+    _CustomFunctionProtocol,
+    _customizable_types,
+    _PipelineContext,
+)
 from torch_pipelining_ext._schedule_runtime import run_action, sequential_overlap_f_b
 from torch_pipelining_ext._schedule_state import rank_label, schedule_state
 
@@ -76,7 +80,9 @@ def register_custom_function(
     self._comp_type_to_function_map[computation_type] = custom_function
 
 
-def _assert_unsharded(self: _PipelineScheduleRuntime, stage: _PipelineStageBase) -> None:
+def _assert_unsharded(
+    self: _PipelineScheduleRuntime, stage: _PipelineStageBase
+) -> None:
     """If an unshard of ``stage`` is pending, wait for it and mark the stage unsharded.
 
     Upstream: ``_PipelineScheduleRuntime._assert_unsharded`` (2.10 cycle).
@@ -150,7 +156,9 @@ def _runtime_step_microbatches(
     if not self._stages_initialized:
         self._initialize_stages(arg_mbs[0], kwarg_mbs[0])
     if getattr(self, "pipeline_order_with_comms", None) is None:
-        raise AssertionError("Must call _prepare_schedule_with_comms() before calling _step_microbatches()")
+        raise AssertionError(
+            "Must call _prepare_schedule_with_comms() before calling _step_microbatches()"
+        )
 
     # torch 2.9 kept the counter and the unshard state per step.
     self.backward_counter.clear()
@@ -162,10 +170,16 @@ def _runtime_step_microbatches(
 
     for time_step, action in enumerate(self.pipeline_order_with_comms[self.rank]):
         state.record_action(time_step, action)
-        logger.debug("_PipelineScheduleRuntime running time_step %d, action %s", time_step, action)
+        logger.debug(
+            "_PipelineScheduleRuntime running time_step %d, action %s",
+            time_step,
+            action,
+        )
         try:
             with record_function(_schedules._get_profiler_function_name(action)):
-                custom_function = self._comp_type_to_function_map.get(action.computation_type)
+                custom_function = self._comp_type_to_function_map.get(
+                    action.computation_type
+                )
                 if custom_function is not None:
                     custom_function(action, ctx)
                 elif action.computation_type == _schedules.OVERLAP_F_B:
@@ -179,7 +193,9 @@ def _runtime_step_microbatches(
                 rank_label(self),
                 time_step,
                 action,
-                _schedules._format_pipeline_order(self.pipeline_order_with_comms, error_step_number=time_step),
+                _schedules._format_pipeline_order(
+                    self.pipeline_order_with_comms, error_step_number=time_step
+                ),
             )
             raise
 
@@ -216,7 +232,9 @@ def _add_send_recv(
     def sends_to_other_rank(a: _Action) -> bool:
         if a.computation_type == F:
             peer = a.stage_index + 1
-            return peer < num_stages and stage_to_rank(peer) != stage_to_rank(a.stage_index)
+            return peer < num_stages and stage_to_rank(peer) != stage_to_rank(
+                a.stage_index
+            )
         if a.computation_type in (I, B):
             peer = a.stage_index - 1
             return peer >= 0 and stage_to_rank(peer) != stage_to_rank(a.stage_index)
@@ -227,7 +245,9 @@ def _add_send_recv(
             return True
         s, mb = a.stage_index, a.microbatch_index
         if a.computation_type == F and s != 0:
-            return Action(s, _schedules.RECV_F, mb) in done or Action(s - 1, F, mb) in done
+            return (
+                Action(s, _schedules.RECV_F, mb) in done or Action(s - 1, F, mb) in done
+            )
         if a.computation_type in (I, B) and s != num_stages - 1:
             return (
                 Action(s, _schedules.RECV_B, mb) in done
@@ -238,12 +258,18 @@ def _add_send_recv(
 
     lowered: dict[int, list[_Action]] = {rank: [] for rank in compute_actions}
     done: dict[int, set[_Action]] = {rank: set() for rank in compute_actions}
-    pending = {rank: list(actions) for rank, actions in compute_actions.items() if actions}
+    pending = {
+        rank: list(actions) for rank, actions in compute_actions.items() if actions
+    }
     while pending:
         progress = False
         for rank in sorted(pending):
             action = pending[rank][0]
-            parts = action.sub_actions if action is not None and action.sub_actions is not None else (action,)
+            parts = (
+                action.sub_actions
+                if action is not None and action.sub_actions is not None
+                else (action,)
+            )
             if not all(inputs_available(a, done[rank]) for a in parts):
                 continue
             if action is not None:
@@ -267,5 +293,7 @@ def _add_send_recv(
                 del pending[rank]
             progress = True
         if not progress:
-            raise AssertionError("Malformed compute schedule, can't schedule sends/recvs")
+            raise AssertionError(
+                "Malformed compute schedule, can't schedule sends/recvs"
+            )
     return lowered

@@ -32,7 +32,9 @@ REDUCE_GRAD = _computation_type("REDUCE_GRAD")
 WAIT_REDUCE_GRAD = _computation_type("WAIT_REDUCE_GRAD")
 
 
-def _add_missing_reduce_grad(actions: list[_Action | None], n_microbatches: int) -> list[_Action | None]:
+def _add_missing_reduce_grad(
+    actions: list[_Action | None], n_microbatches: int
+) -> list[_Action | None]:
     """Complete the gradient reduction of one rank's compute_comms actions.
 
     Inserts REDUCE_GRAD after each stage's last backward where ``actions`` has
@@ -46,7 +48,11 @@ def _add_missing_reduce_grad(actions: list[_Action | None], n_microbatches: int)
     reduce_grad, wait = REDUCE_GRAD, WAIT_REDUCE_GRAD
     present = [a for a in actions if a is not None]
     reduced = {a.stage_index for a in present if a.computation_type == reduce_grad}
-    waited = {a.stage_index for a in present if wait is not None and a.computation_type == wait}
+    waited = {
+        a.stage_index
+        for a in present
+        if wait is not None and a.computation_type == wait
+    }
 
     def reduction(stage_idx: int) -> list[_Action]:
         pair = [_schedules._Action(stage_idx, reduce_grad, None)]
@@ -68,12 +74,22 @@ def _add_missing_reduce_grad(actions: list[_Action | None], n_microbatches: int)
         if wait is not None and ctype == wait and action.stage_index not in reduced:
             continue  # replaced by the pair added after the stage's last backward
         out.append(action)
-        if wait is not None and ctype == reduce_grad and action.stage_index not in waited:
+        if (
+            wait is not None
+            and ctype == reduce_grad
+            and action.stage_index not in waited
+        ):
             out.append(_schedules._Action(action.stage_index, wait, None))
         for a in action.sub_actions if action.sub_actions is not None else (action,):
-            if a.computation_type in (_schedules.FULL_BACKWARD, _schedules.BACKWARD_WEIGHT):
+            if a.computation_type in (
+                _schedules.FULL_BACKWARD,
+                _schedules.BACKWARD_WEIGHT,
+            ):
                 counts[a.stage_index] += 1
-                if counts[a.stage_index] == n_microbatches and a.stage_index not in reduced:
+                if (
+                    counts[a.stage_index] == n_microbatches
+                    and a.stage_index not in reduced
+                ):
                     due.append(a.stage_index)
     out.extend(a for s in due for a in reduction(s))
     return out

@@ -92,7 +92,9 @@ def reshard_stage(stage: _PipelineStageBase) -> None:
         module.reshard()
 
 
-def _make_backward_maybe_with_nosync(original: Callable[..., Any]) -> Callable[..., Any]:
+def _make_backward_maybe_with_nosync(
+    original: Callable[..., Any],
+) -> Callable[..., Any]:
     """Wrap ``_PipelineStageBase.backward_maybe_with_nosync`` to unshard before I and W.
 
     Only the parameter list of the ``"input"`` and ``"weight"`` passes is
@@ -102,7 +104,9 @@ def _make_backward_maybe_with_nosync(original: Callable[..., Any]) -> Callable[.
     """
 
     @functools.wraps(original)
-    def backward_maybe_with_nosync(self: Any, backward_type: str, *args: Any, **kwargs: Any) -> Any:
+    def backward_maybe_with_nosync(
+        self: Any, backward_type: str, *args: Any, **kwargs: Any
+    ) -> Any:
         if backward_type in ("input", "weight"):
             unshard_stage(self)
         return original(self, backward_type, *args, **kwargs)

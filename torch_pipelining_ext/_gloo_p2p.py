@@ -57,7 +57,9 @@ import torch.distributed as dist
 __all__: list[str] = []
 
 
-def _make_get_init_p2p_neighbors_ops(original: Callable[..., Any]) -> Callable[..., Any]:
+def _make_get_init_p2p_neighbors_ops(
+    original: Callable[..., Any],
+) -> Callable[..., Any]:
     """Wrap ``_get_init_p2p_neighbors_ops``: float32 tensors, no op to the calling rank."""
 
     @functools.wraps(original)
@@ -75,7 +77,9 @@ def _make_batch_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``schedules._batch_p2p``: sends to the calling rank are copied into its receives."""
 
     @functools.wraps(original)
-    def _batch_p2p(p2p_ops: list[dist.P2POp], *args: Any, **kwargs: Any) -> list[dist.Work]:
+    def _batch_p2p(
+        p2p_ops: list[dist.P2POp], *args: Any, **kwargs: Any
+    ) -> list[dist.Work]:
         if not p2p_ops:
             return original(p2p_ops, *args, **kwargs)
         rank = dist.get_rank()
@@ -90,12 +94,17 @@ def _make_batch_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
                 "own rank; they can only be matched within one batch"
             )
         for send, recv in zip(sends, recvs):
-            if send.tensor.shape != recv.tensor.shape or send.tensor.dtype != recv.tensor.dtype:
+            if (
+                send.tensor.shape != recv.tensor.shape
+                or send.tensor.dtype != recv.tensor.dtype
+            ):
                 raise RuntimeError(
                     f"[rank {rank}] send to own rank of {send.tensor.dtype}{list(send.tensor.shape)} "
                     f"does not match the receive buffer {recv.tensor.dtype}{list(recv.tensor.shape)}"
                 )
-            with torch.no_grad():  # receive buffers of activations are leaves that require grad
+            with (
+                torch.no_grad()
+            ):  # receive buffers of activations are leaves that require grad
                 recv.tensor.copy_(send.tensor)
         return original([op for op in p2p_ops if op.peer != rank], *args, **kwargs)
 

@@ -69,7 +69,9 @@ def _reduction_deferred(submod: torch.nn.Module, params: list[torch.Tensor]) -> 
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    return isinstance(submod, FSDPModule) and any(not isinstance(p, DTensor) for p in params)
+    return isinstance(submod, FSDPModule) and any(
+        not isinstance(p, DTensor) for p in params
+    )
 
 
 def _make_scale_grads(original: Callable[..., Any]) -> Callable[..., Any]:

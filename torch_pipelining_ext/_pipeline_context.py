@@ -36,7 +36,7 @@ class _PipelineContext:
     losses: list | None = None
 
 
-class _CustomFunctionProtocol(Protocol):
+class _CustomFunctionProtocol(Protocol):  # noqa: PYI046  (used by the runtime modules)
     def __call__(self, action: _Action, ctx: _PipelineContext) -> None: ...
 
 
@@ -51,7 +51,12 @@ def _reduce_grad_type() -> Any:
 
 def _compute_types() -> tuple[Any, ...]:
     """The actions :func:`prepare_compute_action` handles."""
-    return (_schedules.FORWARD, _schedules.FULL_BACKWARD, _schedules.BACKWARD_INPUT, _schedules.BACKWARD_WEIGHT)
+    return (
+        _schedules.FORWARD,
+        _schedules.FULL_BACKWARD,
+        _schedules.BACKWARD_INPUT,
+        _schedules.BACKWARD_WEIGHT,
+    )
 
 
 _CUSTOMIZABLE_TYPES = (

@@ -53,7 +53,13 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
 
-__all__ = ["perform_action", "prepare_compute_action", "run_action", "sequential_overlap_f_b", "stage_index_to_stage"]
+__all__ = [
+    "perform_action",
+    "prepare_compute_action",
+    "run_action",
+    "sequential_overlap_f_b",
+    "stage_index_to_stage",
+]
 
 
 # --------------------------------------------------------------------------- #
@@ -61,7 +67,9 @@ __all__ = ["perform_action", "prepare_compute_action", "run_action", "sequential
 # --------------------------------------------------------------------------- #
 
 
-def stage_index_to_stage(schedule: _PipelineScheduleRuntime) -> dict[int, _PipelineStageBase]:
+def stage_index_to_stage(
+    schedule: _PipelineScheduleRuntime,
+) -> dict[int, _PipelineStageBase]:
     """The schedule's local stages, by stage index."""
     return {stage.stage_index: stage for stage in schedule._stages}
 
@@ -75,7 +83,9 @@ def _wait_recv(
     key = (action.stage_index, action.microbatch_index)
     works = recv_ops.pop(key, None)
     if works is None:
-        raise AssertionError(f"[{rank_label(schedule)}] computing {action} before receiving its {what}")
+        raise AssertionError(
+            f"[{rank_label(schedule)}] computing {action} before receiving its {what}"
+        )
     try:
         _schedules._wait_batch_p2p(works)
     except Exception as e:
@@ -85,7 +95,9 @@ def _wait_recv(
         ) from e
 
 
-def _forward_one_chunk(stage: _PipelineStageBase, mb_index: int, args: Any, kwargs: Any, save_output: bool) -> Any:
+def _forward_one_chunk(
+    stage: _PipelineStageBase, mb_index: int, args: Any, kwargs: Any, save_output: bool
+) -> Any:
     if save_output:  # torch 2.9's forward_one_chunk has no save_forward_output
         return stage.forward_one_chunk(mb_index, args, kwargs)
     return stage.forward_one_chunk(mb_index, args, kwargs, save_forward_output=False)
@@ -105,7 +117,9 @@ def _maybe_compute_loss(
         schedule._maybe_compute_loss(stage, output, target_mbs, mb_index, loss_kwargs)
 
 
-def _finish_last_backward(schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase) -> None:
+def _finish_last_backward(
+    schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase
+) -> None:
     """Work after a stage's last backward of the step, on torches without REDUCE_GRAD.
 
     The stage's backward already ran FSDP's post-backward (torch 2.9's
@@ -117,7 +131,9 @@ def _finish_last_backward(schedule: _PipelineScheduleRuntime, stage: _PipelineSt
     stage.scale_grads(schedule._n_microbatches if schedule.scale_grads else 1)
 
 
-def prepare_compute_action(action: _Action, ctx: _PipelineContext) -> Callable[[], None]:
+def prepare_compute_action(
+    action: _Action, ctx: _PipelineContext
+) -> Callable[[], None]:
     """Do ``action``'s in-order bookkeeping now; return its compute as a closure.
 
     For FORWARD, FULL_BACKWARD, BACKWARD_INPUT and BACKWARD_WEIGHT.  On the
@@ -145,7 +161,9 @@ def prepare_compute_action(action: _Action, ctx: _PipelineContext) -> Callable[[
     schedule = ctx.schedule_ref
     stages = stage_index_to_stage(schedule)
     if action.computation_type not in _compute_types():
-        raise ValueError(f"prepare_compute_action: {action} is not a FORWARD or backward action")
+        raise ValueError(
+            f"prepare_compute_action: {action} is not a FORWARD or backward action"
+        )
     if action.microbatch_index is None:
         raise AssertionError(f"{action=} missing mb_index")
     stage = stages[action.stage_index]
@@ -161,18 +179,30 @@ def _prepare_forward(
     stage: _PipelineStageBase,
     stages: dict[int, _PipelineStageBase],
 ) -> Callable[[], None]:
-    schedule, stage_idx, mb_index = ctx.schedule_ref, action.stage_index, action.microbatch_index
+    schedule, stage_idx, mb_index = (
+        ctx.schedule_ref,
+        action.stage_index,
+        action.microbatch_index,
+    )
     if not stage.is_first and stage_idx - 1 not in stages:
         _wait_recv(schedule, schedule.fwd_recv_ops, action, "activations")
     state = schedule_state(schedule)
     return_outputs, loss_kwargs = state.return_outputs, state.loss_kwargs
     next_stage = stages.get(stage_idx + 1)
-    arg_mbs = ctx.arg_mbs if ctx.arg_mbs is not None else [()] * schedule._n_microbatches
-    kwarg_mbs = ctx.kwarg_mbs if ctx.kwarg_mbs is not None else [{}] * schedule._n_microbatches
+    arg_mbs = (
+        ctx.arg_mbs if ctx.arg_mbs is not None else [()] * schedule._n_microbatches
+    )
+    kwarg_mbs = (
+        ctx.kwarg_mbs if ctx.kwarg_mbs is not None else [{}] * schedule._n_microbatches
+    )
 
     def forward() -> None:
-        output = _forward_one_chunk(stage, mb_index, arg_mbs[mb_index], kwarg_mbs[mb_index], return_outputs)
-        _maybe_compute_loss(schedule, stage, output, ctx.target_mbs, mb_index, loss_kwargs)
+        output = _forward_one_chunk(
+            stage, mb_index, arg_mbs[mb_index], kwarg_mbs[mb_index], return_outputs
+        )
+        _maybe_compute_loss(
+            schedule, stage, output, ctx.target_mbs, mb_index, loss_kwargs
+        )
         if next_stage is not None:
             next_stage.set_local_fwd_input(output, mb_index)
 
@@ -185,7 +215,11 @@ def _prepare_backward(
     stage: _PipelineStageBase,
     stages: dict[int, _PipelineStageBase],
 ) -> Callable[[], None]:
-    ctype, stage_idx, mb_index = action.computation_type, action.stage_index, action.microbatch_index
+    ctype, stage_idx, mb_index = (
+        action.computation_type,
+        action.stage_index,
+        action.microbatch_index,
+    )
     loss = None
     if ctype != _schedules.BACKWARD_WEIGHT:
         if not stage.is_last and stage_idx + 1 not in stages:
@@ -208,14 +242,20 @@ def _prepare_backward(
                 last_backward=last_backward,
             )
             if prev_stage is not None:
-                prev_stage.set_local_bwd_input(stage.get_local_bwd_output(mb_index), mb_index)
+                prev_stage.set_local_bwd_input(
+                    stage.get_local_bwd_output(mb_index), mb_index
+                )
         if finish_in_backward:
             _finish_last_backward(schedule, stage)
 
     return backward
 
 
-def run_action(action: _Action, ctx: _PipelineContext, send_ops: list[list[dist.Work]] | None = None) -> None:
+def run_action(
+    action: _Action,
+    ctx: _PipelineContext,
+    send_ops: list[list[dist.Work]] | None = None,
+) -> None:
     """Run one action of the lowered schedule, sequentially.
 
     Compute actions go through :func:`prepare_compute_action`; SEND_F/SEND_B
@@ -236,31 +276,52 @@ def run_action(action: _Action, ctx: _PipelineContext, send_ops: list[list[dist.
         prepare_compute_action(action, ctx)()
         return
     if ctype == _schedules.OVERLAP_F_B:
-        raise ValueError(f"run_action runs single actions; run the sub_actions of {action}")
+        raise ValueError(
+            f"run_action runs single actions; run the sub_actions of {action}"
+        )
 
     stage_idx, mb_index = action.stage_index, action.microbatch_index
     stage = stage_index_to_stage(schedule)[stage_idx]
-    if ctype in (_schedules.SEND_F, _schedules.SEND_B, _schedules.RECV_F, _schedules.RECV_B) and mb_index is None:
+    if (
+        ctype
+        in (_schedules.SEND_F, _schedules.SEND_B, _schedules.RECV_F, _schedules.RECV_B)
+        and mb_index is None
+    ):
         raise AssertionError(f"{action=} missing mb_index")
 
     if ctype in (_schedules.SEND_F, _schedules.SEND_B):
         if send_ops is None:
             send_ops = schedule_state(schedule).pending_sends
-        get_ops = stage.get_fwd_send_ops if ctype == _schedules.SEND_F else stage.get_bwd_send_ops
+        get_ops = (
+            stage.get_fwd_send_ops
+            if ctype == _schedules.SEND_F
+            else stage.get_bwd_send_ops
+        )
         send_ops.append(_schedules._batch_p2p(get_ops(mb_index)))
     elif ctype == _schedules.RECV_F:
         if (stage_idx, mb_index) in schedule.fwd_recv_ops:
-            raise AssertionError(f"Recv twice for {stage_idx=} {mb_index=} without executing forward")
-        schedule.fwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(stage.get_fwd_recv_ops(mb_index))
+            raise AssertionError(
+                f"Recv twice for {stage_idx=} {mb_index=} without executing forward"
+            )
+        schedule.fwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(
+            stage.get_fwd_recv_ops(mb_index)
+        )
     elif ctype == _schedules.RECV_B:
         if (stage_idx, mb_index) in schedule.bwd_recv_ops:
-            raise AssertionError(f"Recv twice for {stage_idx=} {mb_index=} without executing backward")
-        schedule.bwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(stage.get_bwd_recv_ops(mb_index))
+            raise AssertionError(
+                f"Recv twice for {stage_idx=} {mb_index=} without executing backward"
+            )
+        schedule.bwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(
+            stage.get_bwd_recv_ops(mb_index)
+        )
     elif ctype == _schedules.UNSHARD:
         if _fsdp_stage.stage_uses_fsdp(stage):
             if _take_marker(schedule, "_deferred_stages", stage_idx):
                 return  # kept unsharded from a step that did not finalize its gradients
-            if stage_idx in schedule.unsharded_stages or stage_idx in schedule.unshard_ops:
+            if (
+                stage_idx in schedule.unsharded_stages
+                or stage_idx in schedule.unshard_ops
+            ):
                 raise AssertionError(f"Unsharding the same {stage_idx=} twice")
             schedule.unshard_ops[stage_idx] = _fsdp_stage.unshard_async(stage)
     elif ctype == _schedules.RESHARD:
@@ -268,13 +329,20 @@ def run_action(action: _Action, ctx: _PipelineContext, send_ops: list[list[dist.
             if _take_marker(schedule, "_finalized_stages", stage_idx):
                 return  # the gradient reduction resharded it
             finalize = getattr(schedule, "_finalize_gradients", True)
-            if not finalize and schedule.backward_counter[stage_idx] == schedule._n_microbatches:
-                schedule._deferred_stages.add(stage_idx)  # keep the accumulated gradients unsharded
+            if (
+                not finalize
+                and schedule.backward_counter[stage_idx] == schedule._n_microbatches
+            ):
+                schedule._deferred_stages.add(
+                    stage_idx
+                )  # keep the accumulated gradients unsharded
                 return
             if stage_idx not in schedule.unsharded_stages:
                 raise AssertionError(f"Resharding {stage_idx=} without unsharding")
             if stage_idx in schedule.unshard_ops:
-                raise AssertionError(f"Resharding {stage_idx=} before finishing unshard")
+                raise AssertionError(
+                    f"Resharding {stage_idx=} before finishing unshard"
+                )
             _fsdp_stage.reshard_stage(stage)
             schedule.unsharded_stages.remove(stage_idx)
     elif ctype is not None and ctype == _reduce_grad_type():
@@ -312,6 +380,7 @@ def perform_action(action: _Action, ctx: _PipelineContext) -> None:
             perform_action(action, ctx)
             times.append(time.perf_counter() - start)
 
+
         schedule.register_custom_function(FORWARD, forward_with_timing)
     """
     run_action(action, ctx)
@@ -321,7 +390,9 @@ def perform_action(action: _Action, ctx: _PipelineContext) -> None:
 # table (the OVERLAP_F_B handler calls them).
 
 
-def _perform_action_method(self: _PipelineScheduleRuntime, action: _Action, ctx: _PipelineContext) -> None:
+def _perform_action_method(
+    self: _PipelineScheduleRuntime, action: _Action, ctx: _PipelineContext
+) -> None:
     """``_PipelineScheduleRuntime.perform_action``: :func:`run_action`."""
     run_action(action, ctx)
 
@@ -371,9 +442,15 @@ def _reduce_grad(schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase) 
         schedule._finalized_stages.add(stage_idx)
 
 
-def _wait_reduce_grad(schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase) -> None:
+def _wait_reduce_grad(
+    schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase
+) -> None:
     """WAIT_REDUCE_GRAD (torch 2.15+): wait for the FSDP reduce-scatter REDUCE_GRAD started, then scale."""
-    if schedule._has_backward and schedule._finalize_gradients and _fsdp_stage.stage_uses_fsdp(stage):
+    if (
+        schedule._has_backward
+        and schedule._finalize_gradients
+        and _fsdp_stage.stage_uses_fsdp(stage)
+    ):
         stage.wait_for_gradient_reduction(_grad_scale_factor(schedule))
 
 
@@ -422,7 +499,9 @@ class _FunctionMapWithDefaults:
 
     def defaults(self) -> dict[Any, _CustomFunctionProtocol]:
         """Computation type -> the function a new schedule's map holds for it."""
-        functions: dict[Any, _CustomFunctionProtocol] = dict.fromkeys(_customizable_types(), perform_action)
+        functions: dict[Any, _CustomFunctionProtocol] = dict.fromkeys(
+            _customizable_types(), perform_action
+        )
         functions[_schedules.OVERLAP_F_B] = self.overlap_function()
         return functions
 
@@ -436,7 +515,9 @@ class _FunctionMapWithDefaults:
         return function_map
 
 
-def _make_register_custom_function(original: Callable[..., None]) -> Callable[..., None]:
+def _make_register_custom_function(
+    original: Callable[..., None],
+) -> Callable[..., None]:
     """``register_custom_function`` that replaces one of the package's default functions quietly.
 
     Registering a function for a type whose entry is still the default
@@ -445,10 +526,15 @@ def _make_register_custom_function(original: Callable[..., None]) -> Callable[..
     registered still warns, as torch does.
     """
 
-    def register_custom_function(self: Any, computation_type: Any, custom_function: Callable[..., None]) -> None:
+    def register_custom_function(
+        self: Any, computation_type: Any, custom_function: Callable[..., None]
+    ) -> None:
         descriptor = inspect.getattr_static(type(self), _FUNCTION_MAP, None)
         function_map = self._comp_type_to_function_map
-        if isinstance(descriptor, _FunctionMapWithDefaults) and computation_type in function_map:
+        if (
+            isinstance(descriptor, _FunctionMapWithDefaults)
+            and computation_type in function_map
+        ):
             if descriptor.is_default(computation_type, function_map[computation_type]):
                 del function_map[computation_type]
         original(self, computation_type, custom_function)

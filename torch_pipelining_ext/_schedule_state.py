@@ -48,7 +48,9 @@ class _ScheduleState:
     time_step: int | None = None
     action: _Action | None = None
 
-    def begin_step(self, return_outputs: bool, loss_kwargs: dict[str, Any] | None) -> None:
+    def begin_step(
+        self, return_outputs: bool, loss_kwargs: dict[str, Any] | None
+    ) -> None:
         """Start a step with these ``step()`` arguments."""
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
@@ -128,4 +130,6 @@ def global_rank(schedule: Any) -> int:
 def rank_label(schedule: Any) -> str:
     """``"rank G"`` (global rank), with ``" (pipeline rank P)"`` where the two differ."""
     rank, pp_rank = global_rank(schedule), getattr(schedule, "rank", 0)
-    return f"rank {rank}" if rank == pp_rank else f"rank {rank} (pipeline rank {pp_rank})"
+    return (
+        f"rank {rank}" if rank == pp_rank else f"rank {rank} (pipeline rank {pp_rank})"
+    )

@@ -79,7 +79,9 @@ def _saved_edges(
     return edges, grads
 
 
-def _weight_grads_of_group(param_group: dict[str, Any], retain_graph: bool) -> dict[Node, torch.Tensor]:
+def _weight_grads_of_group(
+    param_group: dict[str, Any], retain_graph: bool
+) -> dict[Node, torch.Tensor]:
     intermediates: list[Node] = list(param_group.pop("intermediates"))
     saved = param_group.pop("grads", None) or [None] * len(intermediates)
     edges, grads = _saved_edges(intermediates, saved)
@@ -90,7 +92,9 @@ def _weight_grads_of_group(param_group: dict[str, Any], retain_graph: bool) -> d
         if len(intermediates) > 1:  # see [Note: saved gradients are final]
             for node, node_grads in zip(intermediates, saved, strict=True):
                 if node_grads is not None:
-                    hooks.callback(node.register_prehook(lambda _, g=node_grads: g).remove)
+                    hooks.callback(
+                        node.register_prehook(lambda _, g=node_grads: g).remove
+                    )
         dweights = torch.autograd.grad(
             edges,
             tuple(GradientEdge(acc, 0) for acc in accumulators),
@@ -101,7 +105,9 @@ def _weight_grads_of_group(param_group: dict[str, Any], retain_graph: bool) -> d
 
 
 def stage_backward_weight(
-    weights: Iterator[Parameter], param_groups: list[dict[str, Any]], retain_graph: bool = False
+    weights: Iterator[Parameter],
+    param_groups: list[dict[str, Any]],
+    retain_graph: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """Accumulate the weight gradients of the stage from ``stage_backward_input``'s groups.
 
@@ -144,7 +150,9 @@ def _make_stage_backward_input(original: Callable[..., Any]) -> Callable[..., An
         if all(isinstance(v, torch.Tensor) for v in input_values):
             return original(stage_outputs_or_loss, output_grads, input_values, weights)
         placeholder = torch.empty(0)
-        tensors_only = [v if isinstance(v, torch.Tensor) else placeholder for v in input_values]
+        tensors_only = [
+            v if isinstance(v, torch.Tensor) else placeholder for v in input_values
+        ]
         logger.debug(
             "stage_backward_input: %d non-tensor stage inputs have no gradient",
             sum(v is placeholder for v in tensors_only),

@@ -19,7 +19,11 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TYPE_CHECKING
 
-from torch_pipelining_ext._schedule_state import _ScheduleState, rank_label, schedule_state
+from torch_pipelining_ext._schedule_state import (
+    _ScheduleState,
+    rank_label,
+    schedule_state,
+)
 
 
 if TYPE_CHECKING:
@@ -51,7 +55,9 @@ def _add_note(error: BaseException, note: str) -> None:
 
 
 @contextlib.contextmanager
-def _recording_actions(schedule: _PipelineScheduleRuntime, state: _ScheduleState) -> Iterator[None]:
+def _recording_actions(
+    schedule: _PipelineScheduleRuntime, state: _ScheduleState
+) -> Iterator[None]:
     """For torch's loop: the rank's actions, while it runs, record the loop's position in the state.
 
     See ``_schedule_state._RecordedActions``.  The actions are put back when
@@ -91,9 +97,16 @@ def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
     def _step_microbatches(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
         state = schedule_state(self)
-        state.begin_step(bound.arguments.get("return_outputs", True), bound.arguments.get("loss_kwargs"))
+        state.begin_step(
+            bound.arguments.get("return_outputs", True),
+            bound.arguments.get("loss_kwargs"),
+        )
         try:
-            with contextlib.nullcontext() if loop_records_actions else _recording_actions(self, state):
+            with (
+                contextlib.nullcontext()
+                if loop_records_actions
+                else _recording_actions(self, state)
+            ):
                 result = original(self, *args, **kwargs)
             state.wait_sends()
             return result

@@ -90,7 +90,10 @@ class _SpmdThreadState(NamedTuple):
 
 
 def _copied(attributes: dict[str, Any]) -> dict[str, Any]:
-    return {name: list(value) if isinstance(value, list) else value for name, value in attributes.items()}
+    return {
+        name: list(value) if isinstance(value, list) else value
+        for name, value in attributes.items()
+    }
 
 
 def _torchtitan_backend() -> str | None:
@@ -124,7 +127,9 @@ def _capture() -> _SpmdThreadState | None:
         if tls is not None:
             titan_attrs = _copied(vars(tls))
         elif _torchtitan_backend() == "spmd_types":
-            raise _unknown_layout(f"the threading.local '_MESH_TLS' of {_TORCHTITAN_SPMD}")
+            raise _unknown_layout(
+                f"the threading.local '_MESH_TLS' of {_TORCHTITAN_SPMD}"
+            )
     spmd_stack = None
     if spmd_state is not None:
         tls = _thread_local(spmd_state, "_tls")
@@ -139,11 +144,15 @@ def _capture() -> _SpmdThreadState | None:
             spmd_stack = list(getattr(tls, "mesh_stack", []))
         elif _torchtitan_backend() == "spmd_types":
             raise _unknown_layout(f"the threading.local '_tls' of {_SPMD_TYPES_STATE}")
-    return _SpmdThreadState(titan_attrs, spmd_stack, torch._C._is_multithreading_enabled())
+    return _SpmdThreadState(
+        titan_attrs, spmd_stack, torch._C._is_multithreading_enabled()
+    )
 
 
 @contextlib.contextmanager
-def _replaced_attributes(tls: threading.local, attributes: dict[str, Any]) -> Iterator[None]:
+def _replaced_attributes(
+    tls: threading.local, attributes: dict[str, Any]
+) -> Iterator[None]:
     """This thread's view of ``tls`` holds ``attributes`` (copies) until exit, then what it held before."""
     own = vars(tls)
     before = dict(own)
@@ -170,8 +179,14 @@ def _apply(state: _SpmdThreadState | None) -> Iterator[None]:
         if state.spmd_mesh_stack is not None:
             tls = _thread_local(sys.modules[_SPMD_TYPES_STATE], "_tls")
             assert tls is not None
-            stack.enter_context(_replaced_attributes(tls, {**vars(tls), "mesh_stack": state.spmd_mesh_stack}))
-        stack.enter_context(torch.autograd.set_multithreading_enabled(state.autograd_multithreading))
+            stack.enter_context(
+                _replaced_attributes(
+                    tls, {**vars(tls), "mesh_stack": state.spmd_mesh_stack}
+                )
+            )
+        stack.enter_context(
+            torch.autograd.set_multithreading_enabled(state.autograd_multithreading)
+        )
         logger.debug(
             "%s: torchtitan SPMD state applied (torchtitan meshes: %s, spmd_types mesh stack depth: %s)",
             threading.current_thread().name,

@@ -23,4 +23,9 @@ from torch_pipelining_ext._schedule_runtime import (
 )
 
 
-__all__ = ["perform_action", "prepare_compute_action", "run_action", "sequential_overlap_f_b"]
+__all__ = [
+    "perform_action",
+    "prepare_compute_action",
+    "run_action",
+    "sequential_overlap_f_b",
+]

@@ -43,7 +43,7 @@ modules therefore looks like this::
 
     def forward(self, h):
         h = call_if_present(self.tok_embeddings, h)  # tokens -> hidden on stage 0
-        for layer in self.layers.values():           # only this stage's layers
+        for layer in self.layers.values():  # only this stage's layers
             h = layer(h)
         h = call_if_present(self.norm, h)
         return call_if_present(self.output, h)
@@ -97,7 +97,9 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 # ---------------------------------------------------------------------------
 
 
-def call_if_present(module: Callable[..., Any] | None, x: Any, *args: Any, **kwargs: Any) -> Any:
+def call_if_present(
+    module: Callable[..., Any] | None, x: Any, *args: Any, **kwargs: Any
+) -> Any:
     """Call ``module(x, *args, **kwargs)``, or return ``x`` unchanged when the
     stage split removed ``module`` (it is ``None`` in the stage model).
 
@@ -162,9 +164,15 @@ def _describe_keys(keys: Sequence[str]) -> str:
     return f"children {shown}" + (", ..." if len(keys) > 12 else "")
 
 
-def _unknown_name_error(model: nn.Module, fqn: str, parts: Sequence[str], depth: int, at: nn.Module) -> ValueError:
+def _unknown_name_error(
+    model: nn.Module, fqn: str, parts: Sequence[str], depth: int, at: nn.Module
+) -> ValueError:
     prefix = ".".join(parts[:depth])
-    where = f"{prefix!r} ({type(at).__name__})" if prefix else f"the model ({type(model).__name__})"
+    where = (
+        f"{prefix!r} ({type(at).__name__})"
+        if prefix
+        else f"the model ({type(model).__name__})"
+    )
     msg = f"{fqn!r} names no submodule, parameter or buffer of {type(model).__name__}"
     if at._modules.get(parts[depth], 0) is None:
         msg += f": {'.'.join(parts[: depth + 1])!r} was removed from the model (moved into a stage by move=True?)"
@@ -179,16 +187,22 @@ def _unknown_name_error(model: nn.Module, fqn: str, parts: Sequence[str], depth:
 
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
+        raise TypeError(
+            f"model must be an nn.Module, got {type(model).__name__} {model!r}"
+        )
 
 
 def _resolve(model: nn.Module, fqn: Any) -> _Item:
     """Find the object named ``fqn`` by walking the module tree along the name
     (cost proportional to the depth of the name, not to the model)."""
     if not isinstance(fqn, str):
-        raise TypeError(f"module names must be strings, got {type(fqn).__name__} {fqn!r}")
+        raise TypeError(
+            f"module names must be strings, got {type(fqn).__name__} {fqn!r}"
+        )
     if fqn == "":
-        raise ValueError("the empty name means the whole model; a stage must name parts of it")
+        raise ValueError(
+            "the empty name means the whole model; a stage must name parts of it"
+        )
     parts = tuple(fqn.split("."))
     mod = model
     for depth, part in enumerate(parts):
@@ -214,11 +228,18 @@ def _resolve_stage(model: nn.Module, module_names: Any, stage_desc: str) -> list
     if isinstance(module_names, (str, bytes)) or not isinstance(module_names, Iterable):
         raise TypeError(
             f"{stage_desc}: module names must be a sequence of strings, got {type(module_names).__name__} "
-            f"{module_names!r}" + (f" (did you mean [{module_names!r}]?)" if isinstance(module_names, str) else "")
+            f"{module_names!r}"
+            + (
+                f" (did you mean [{module_names!r}]?)"
+                if isinstance(module_names, str)
+                else ""
+            )
         )
     names = list(module_names)
     if not names:
-        raise ValueError(f"{stage_desc} is empty: every stage must name at least one module")
+        raise ValueError(
+            f"{stage_desc} is empty: every stage must name at least one module"
+        )
     items = [_resolve(model, n) for n in names]
     module_paths = {it.parts for it in items if it.kind == "module"}
     kept: list[_Item] = []
@@ -283,13 +304,17 @@ def _state_aliases(model: nn.Module) -> dict[int, list[str]]:
 
 
 def _check_coverage(
-    model: nn.Module, owners: dict[tuple[str, ...], list[tuple[int, _Item]]], allow_uncovered: bool
+    model: nn.Module,
+    owners: dict[tuple[str, ...], list[tuple[int, _Item]]],
+    allow_uncovered: bool,
 ) -> None:
     """Every tensor in some stage (unless ``allow_uncovered``); a warning for each tensor tied across stages."""
 
     def covering_stages(fqn: str) -> set[int]:
         parts = tuple(fqn.split("."))
-        return {s for i in range(1, len(parts) + 1) for s, _ in owners.get(parts[:i], ())}
+        return {
+            s for i in range(1, len(parts) + 1) for s, _ in owners.get(parts[:i], ())
+        }
 
     uncovered: list[str] = []
     for names in _state_aliases(model).values():
@@ -299,7 +324,8 @@ def _check_coverage(
             uncovered.extend(names)
         elif len(all_stages) > 1:
             where = ", ".join(
-                f"{n!r} (stage {sorted(st)})" if st else f"{n!r} (no stage)" for n, st in stage_sets.items()
+                f"{n!r} (stage {sorted(st)})" if st else f"{n!r} (no stage)"
+                for n, st in stage_sets.items()
             )
             warnings.warn(
                 f"a tensor is shared across pipeline stages {sorted(all_stages)}: {where}. The split does not keep "
@@ -328,7 +354,10 @@ def _shallow_module_copy(orig: nn.Module) -> nn.Module:
     own (empty) parameter/buffer/module dicts and its own hook dicts."""
     new = copy.copy(orig)
     d = new.__dict__
-    fresh = {name: type(getattr(orig, name))() for name in ("_parameters", "_buffers", "_modules")}
+    fresh = {
+        name: type(getattr(orig, name))()
+        for name in ("_parameters", "_buffers", "_modules")
+    }
     for key, value in d.items():
         # hook tables, _non_persistent_buffers_set, ...: the stage gets its own
         if key not in fresh and isinstance(value, (dict, set, list)):
@@ -370,7 +399,9 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
                 child_path = path + (key,)
                 it = whole.get(child_path)
                 if it is not None:
-                    new._modules[key] = take(child, orig, "_modules", key, it.replicable)
+                    new._modules[key] = take(
+                        child, orig, "_modules", key, it.replicable
+                    )
                 else:
                     new._modules[key] = build(child_path, child)
             elif is_container:
@@ -382,7 +413,9 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
                 new._modules[key] = None
         for key, p in orig._parameters.items():
             kept = key in keep_tensors and p is not None
-            new._parameters[key] = take(p, orig, "_parameters", key, False) if kept else None
+            new._parameters[key] = (
+                take(p, orig, "_parameters", key, False) if kept else None
+            )
         for key, b in orig._buffers.items():
             if b is None:
                 new._buffers[key] = None
@@ -406,7 +439,9 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
     return stage
 
 
-def build_stage_module(model: nn.Module, module_names: Sequence[str], *, move: bool = False) -> nn.Module:
+def build_stage_module(
+    model: nn.Module, module_names: Sequence[str], *, move: bool = False
+) -> nn.Module:
     """Build a stage model that holds exactly the named parts of ``model``.
 
     Args:
@@ -442,7 +477,9 @@ def build_stage_module(model: nn.Module, module_names: Sequence[str], *, move: b
     return _build_stage(model, items, move)
 
 
-def split_module(model: nn.Module, module_names: Sequence[str], *, move: bool = False) -> nn.Module:
+def split_module(
+    model: nn.Module, module_names: Sequence[str], *, move: bool = False
+) -> nn.Module:
     """Deprecated name of :func:`build_stage_module` (it clashed with ``torch.fx.passes.split_module``)."""
     warnings.warn(
         "stage_split.split_module is deprecated and will be removed: use stage_split.build_stage_module "
@@ -486,15 +523,20 @@ def build_stage_modules(
         ValueError: a check above fails, or a stage id is out of range.
     """
     _check_model(model)
-    if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(module_names_per_stage, Sequence):
+    if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(
+        module_names_per_stage, Sequence
+    ):
         raise TypeError(
             "module_names_per_stage must be a sequence with one sequence of FQNs per stage, got "
             f"{type(module_names_per_stage).__name__}"
         )
     if not module_names_per_stage:
-        raise ValueError("module_names_per_stage is empty: a pipeline needs at least one stage")
+        raise ValueError(
+            "module_names_per_stage is empty: a pipeline needs at least one stage"
+        )
     items = [
-        _resolve_stage(model, names, f"stage {s}") for s, names in enumerate(module_names_per_stage)
+        _resolve_stage(model, names, f"stage {s}")
+        for s, names in enumerate(module_names_per_stage)
     ]
     for s in stage_ids:
         if not 0 <= s < len(items):
@@ -510,7 +552,9 @@ def build_stage_modules(
 
 def _check_names(arg: str, value: Any) -> list[str]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(f"{arg} must be a sequence of module names, got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"{arg} must be a sequence of module names, got {type(value).__name__} {value!r}"
+        )
     names = list(value)
     for n in names:
         if not isinstance(n, str) or not n:
@@ -529,7 +573,11 @@ def _check_no_shared_module(named: Sequence[tuple[str, str]]) -> None:
             if long[: len(short)] != short:
                 continue
             where = f"{a!r} ({arg_a}) and {b!r} ({arg_b})"
-            relation = "name the same module" if pa == pb else "overlap (one module contains the other)"
+            relation = (
+                "name the same module"
+                if pa == pb
+                else "overlap (one module contains the other)"
+            )
             raise ValueError(
                 f"{where} {relation}: every module must belong to one place in the pipeline (input modules, "
                 "one layer, output modules, or replicated parameter-free modules)"
@@ -537,7 +585,12 @@ def _check_no_shared_module(named: Sequence[tuple[str, str]]) -> None:
 
 
 def _check_cost(arg: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"{arg} must be a finite number >= 0, got {value!r}")
     return float(value)
 
@@ -600,7 +653,9 @@ def _min_max_partition(costs: Sequence[float], num_parts: int) -> list[int]:
     for k in range(num_parts, 0, -1):
         i = nxt[k][i]
         if i < 0:  # pragma: no cover - the first pass guarantees feasibility
-            raise AssertionError("internal error: no partition within the optimal bound")
+            raise AssertionError(
+                "internal error: no partition within the optimal bound"
+            )
         bounds.append(i)
     return bounds
 
@@ -615,7 +670,11 @@ def _partition_units(
     outputs: list[str],
 ) -> list[tuple[float, list[str]]]:
     """The checked units a partition is made of: (cost, FQNs) of the inputs, each layer, the outputs."""
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+    if (
+        isinstance(num_layers, bool)
+        or not isinstance(num_layers, int)
+        or num_layers < 0
+    ):
         raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
     in_cost = _check_cost("input_weight", input_weight)
     out_cost = _check_cost("output_weight", output_weight)
@@ -624,9 +683,13 @@ def _partition_units(
     else:
         costs = [_check_cost(f"layer_costs[{i}]", c) for i, c in enumerate(layer_costs)]
         if len(costs) != num_layers:
-            raise ValueError(f"layer_costs has {len(costs)} entries for {num_layers} layers")
+            raise ValueError(
+                f"layer_costs has {len(costs)} entries for {num_layers} layers"
+            )
     if not isinstance(layers_prefix, str) or not layers_prefix:
-        raise TypeError(f"layers_prefix must be a non-empty string, got {layers_prefix!r}")
+        raise TypeError(
+            f"layers_prefix must be a non-empty string, got {layers_prefix!r}"
+        )
     units: list[tuple[float, list[str]]] = []
     if inputs:
         units.append((in_cost, inputs))
@@ -689,19 +752,32 @@ def generate_module_names_per_stage(
         >>> generate_module_names_per_stage(2, 4)
         [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
     """
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+    if (
+        isinstance(num_stages, bool)
+        or not isinstance(num_stages, int)
+        or num_stages < 1
+    ):
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     inputs = _check_names("input_modules", input_modules)
     outputs = _check_names("output_modules", output_modules)
     replicated = _check_names("replicated_modules", replicated_modules)
-    units = _partition_units(num_layers, input_weight, output_weight, layer_costs, layers_prefix, inputs, outputs)
+    units = _partition_units(
+        num_layers,
+        input_weight,
+        output_weight,
+        layer_costs,
+        layers_prefix,
+        inputs,
+        outputs,
+    )
     _check_no_shared_module(
         [("input_modules", n) for n in inputs]
         + [("output_modules", n) for n in outputs]
         + [("replicated_modules", n) for n in replicated]
         # the layers themselves are distinct and disjoint; their container
         # stands for all of them in the overlap check
-        + [(f"the layers {layers_prefix}.0..{num_layers - 1}", layers_prefix)] * (num_layers > 0)
+        + [(f"the layers {layers_prefix}.0..{num_layers - 1}", layers_prefix)]
+        * (num_layers > 0)
     )
     if num_stages > len(units):
         raise ValueError(
@@ -713,7 +789,9 @@ def generate_module_names_per_stage(
     bounds = _min_max_partition([c for c, _ in units], num_stages)
     result = []
     for s in range(num_stages):
-        names = [n for _, unit_names in units[bounds[s] : bounds[s + 1]] for n in unit_names]
+        names = [
+            n for _, unit_names in units[bounds[s] : bounds[s + 1]] for n in unit_names
+        ]
         result.append(names + [n for n in replicated if n not in names])
     return result
 
@@ -752,14 +830,18 @@ def resolve_schedule_class(schedule: type | str) -> type:
             return schedules.get_schedule_class(name)
         except ValueError as e:
             raise ValueError(f"unknown pipeline schedule {schedule!r}: {e}") from None
-    raise TypeError(f"schedule must be a schedule class or name, got {type(schedule).__name__} {schedule!r}")
+    raise TypeError(
+        f"schedule must be a schedule class or name, got {type(schedule).__name__} {schedule!r}"
+    )
 
 
 def _is_v_schedule(cls: type) -> bool:
     from torch.distributed.pipelining import schedules
 
     v_classes = tuple(
-        getattr(schedules, n) for n in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") if hasattr(schedules, n)
+        getattr(schedules, n)
+        for n in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+        if hasattr(schedules, n)
     )
     return issubclass(cls, v_classes)
 
@@ -772,7 +854,9 @@ def _style(style: Any) -> str:
     return "v" if _is_v_schedule(resolve_schedule_class(style)) else "loop"
 
 
-def stage_ids_this_rank(pp_rank: int, pp_size: int, num_stages: int, style: str | type = "loop") -> tuple[int, ...]:
+def stage_ids_this_rank(
+    pp_rank: int, pp_size: int, num_stages: int, style: str | type = "loop"
+) -> tuple[int, ...]:
     """The stage ids a pipeline rank runs.
 
     Args:
@@ -799,11 +883,17 @@ def stage_ids_this_rank(pp_rank: int, pp_size: int, num_stages: int, style: str 
         >>> stage_ids_this_rank(1, 4, 8, "ScheduleDualPipeV")
         (1, 6)
     """
-    for arg, v in (("pp_rank", pp_rank), ("pp_size", pp_size), ("num_stages", num_stages)):
+    for arg, v in (
+        ("pp_rank", pp_rank),
+        ("pp_size", pp_size),
+        ("num_stages", num_stages),
+    ):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{arg} must be an int, got {v!r}")
     if pp_size < 1 or num_stages < 1:
-        raise ValueError(f"pp_size and num_stages must be >= 1, got {pp_size} and {num_stages}")
+        raise ValueError(
+            f"pp_size and num_stages must be >= 1, got {pp_size} and {num_stages}"
+        )
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank {pp_rank} is out of range for pp_size {pp_size}")
     if num_stages % pp_size != 0:
@@ -854,7 +944,9 @@ def pipeline_group(pp_mesh_or_group: Any) -> tuple[dist.ProcessGroup, int, int]:
     if isinstance(pp_mesh_or_group, dist.ProcessGroup):
         rank = dist.get_rank(pp_mesh_or_group)
         if rank < 0:
-            raise ValueError("this process is not a member of the given pipeline process group")
+            raise ValueError(
+                "this process is not a member of the given pipeline process group"
+            )
         return pp_mesh_or_group, rank, dist.get_world_size(pp_mesh_or_group)
     raise TypeError(
         f"pp_mesh_or_group must be a 1-D DeviceMesh or a ProcessGroup, got {type(pp_mesh_or_group).__name__}"
@@ -865,7 +957,9 @@ def _check_placement(cls: type, module_names_per_stage: Any, pp_size: int) -> in
     """The number of stages, checked against the schedule class and the pipeline size."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-    if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(module_names_per_stage, Sequence):
+    if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(
+        module_names_per_stage, Sequence
+    ):
         raise TypeError(
             "module_names_per_stage must be a sequence with one sequence of FQNs per stage, got "
             f"{type(module_names_per_stage).__name__}"
@@ -879,15 +973,25 @@ def _check_placement(cls: type, module_names_per_stage: Any, pp_size: int) -> in
     return num_stages
 
 
-def _check_stage_kwargs(stage_kwargs: dict[str, Any], model: nn.Module, num_stages: int, device: Any, group: Any) -> None:
+def _check_stage_kwargs(
+    stage_kwargs: dict[str, Any],
+    model: nn.Module,
+    num_stages: int,
+    device: Any,
+    group: Any,
+) -> None:
     """``stage_kwargs`` are further ``PipelineStage`` arguments, none of those the split sets itself."""
     from torch.distributed.pipelining import PipelineStage
 
     for reserved in ("group", "submodule", "stage_index", "num_stages", "device"):
         if reserved in stage_kwargs:
-            raise TypeError(f"pipeline_module_split sets {reserved!r} itself; do not pass it in stage_kwargs")
+            raise TypeError(
+                f"pipeline_module_split sets {reserved!r} itself; do not pass it in stage_kwargs"
+            )
     try:
-        inspect.signature(PipelineStage).bind(model, 0, num_stages, device, group=group, **stage_kwargs)
+        inspect.signature(PipelineStage).bind(
+            model, 0, num_stages, device, group=group, **stage_kwargs
+        )
     except TypeError as e:
         raise TypeError(f"stage_kwargs do not fit PipelineStage: {e}") from None
 
@@ -947,9 +1051,18 @@ def pipeline_module_split(
     num_stages = _check_placement(cls, module_names_per_stage, pp_size)
     _check_stage_kwargs(stage_kwargs, model, num_stages, device, group)
     stage_ids = stage_ids_this_rank(pp_rank, pp_size, num_stages, cls)
-    parts = build_stage_modules(model, module_names_per_stage, stage_ids, move=move, allow_uncovered=allow_uncovered)
+    parts = build_stage_modules(
+        model,
+        module_names_per_stage,
+        stage_ids,
+        move=move,
+        allow_uncovered=allow_uncovered,
+    )
     if prepare_part is not None:
-        parts = [prepare_part(part, stage_id, num_stages) for part, stage_id in zip(parts, stage_ids)]
+        parts = [
+            prepare_part(part, stage_id, num_stages)
+            for part, stage_id in zip(parts, stage_ids)
+        ]
     stages = [
         PipelineStage(part, stage_id, num_stages, device, group=group, **stage_kwargs)
         for part, stage_id in zip(parts, stage_ids)

@@ -51,7 +51,9 @@ def _best(fn, repeat: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", default="1e6,16e6,64e6", help="comma-separated parameter sizes")
+    parser.add_argument(
+        "--params", default="1e6,16e6,64e6", help="comma-separated parameter sizes"
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
@@ -59,21 +61,29 @@ def main() -> None:
     torch_pipelining_ext.unpatch()
     stock_clear, stock_scale = _stage_methods()
     torch_pipelining_ext.patch()
-    status = {r.name: r.status.value for r in torch_pipelining_ext.patch_report()}["scale_grads_per_step"]
+    status = {r.name: r.status.value for r in torch_pipelining_ext.patch_report()}[
+        "scale_grads_per_step"
+    ]
     fixed_clear, fixed_scale = _stage_methods()
     n = args.microbatches
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeat}, {n} microbatches; "
         f"patch scale_grads_per_step: {status}"
     )
-    print(f"{'params':>10} {'stock ms':>9} {'fixed ms':>9} {'adamw ms':>9} {'(fixed-stock)/adamw':>20}")
+    print(
+        f"{'params':>10} {'stock ms':>9} {'fixed ms':>9} {'adamw ms':>9} {'(fixed-stock)/adamw':>20}"
+    )
     last = None
     for size in (int(float(s)) for s in args.params.split(",")):
         param = torch.nn.Parameter(torch.randn(size))
         param.grad = torch.randn(size)
         # the attributes the two methods use, for one stage holding one parameter
         stage = types.SimpleNamespace(
-            submod=torch.nn.Module(), has_backward=True, fwd_cache={}, output_chunks=[], args_recv_info={}
+            submod=torch.nn.Module(),
+            has_backward=True,
+            fwd_cache={},
+            output_chunks=[],
+            args_recv_info={},
         )
         stage.submod.p = param
         optimizer = torch.optim.AdamW([param], foreach=True)
@@ -91,10 +101,14 @@ def main() -> None:
         patched = _best(fixed, args.repeat)
         adamw = _best(optimizer.step, args.repeat)
         ratio = (patched - stock) / adamw
-        print(f"{size:>10} {stock * 1e3:>9.2f} {patched * 1e3:>9.2f} {adamw * 1e3:>9.2f} {ratio:>20.2f}")
+        print(
+            f"{size:>10} {stock * 1e3:>9.2f} {patched * 1e3:>9.2f} {adamw * 1e3:>9.2f} {ratio:>20.2f}"
+        )
         last = (size, ratio, size * param.element_size())
     size, ratio, extra = last
-    print(f"bench_scale_grads params={size} overhead_vs_adamw={ratio:.2f} extra_bytes={extra}")
+    print(
+        f"bench_scale_grads params={size} overhead_vs_adamw={ratio:.2f} extra_bytes={extra}"
+    )
 
 
 if __name__ == "__main__":

@@ -70,7 +70,9 @@ UPSTREAM_MODULES = (
 ENV_PREFIXES = ("TORCH_PIPELINING_EXT_", "TORCH_PIPELINING_")
 _UPSTREAM = dict(UPSTREAM_MODULES)
 _LEFTOVERS = re.compile(r"torch_pipelining_ext|TORCH_PIPELINING_EXT")
-_FROM_IMPORT = re.compile(r"^(\s*)from (torch_pipelining_ext[\w.]*) import (.+)$", re.M)
+_FROM_IMPORT = re.compile(
+    r"^(\s*)from (torch_pipelining_ext[\w.]*) import (.+)$", re.MULTILINE
+)
 
 
 def _relative_import(match: re.Match[str]) -> str:
@@ -80,7 +82,9 @@ def _relative_import(match: re.Match[str]) -> str:
     upstream = _UPSTREAM.get(f"{module}.{child.strip()}")
     if upstream is not None:
         alias = alias.strip() or child.strip()  # the name the module's code uses
-        return f"{indent}from . import {upstream}" + (f" as {alias}" if alias != upstream else "")
+        return f"{indent}from . import {upstream}" + (
+            f" as {alias}" if alias != upstream else ""
+        )
     if module in _UPSTREAM:
         return f"{indent}from .{_UPSTREAM[module]} import {names}"
     return match.group(0)  # left for the leftover check
@@ -89,24 +93,40 @@ def _relative_import(match: re.Match[str]) -> str:
 def _upstream_names(text: str) -> str:
     text = _FROM_IMPORT.sub(_relative_import, text)
     for module, upstream in UPSTREAM_MODULES:  # longest first
-        text = re.sub(rf"\b{re.escape(module)}\b", f"torch.distributed.pipelining.{upstream}", text)
+        text = re.sub(
+            rf"\b{re.escape(module)}\b",
+            f"torch.distributed.pipelining.{upstream}",
+            text,
+        )
     return text.replace(*ENV_PREFIXES)
 
 
 def _drop_upstream_paragraph(text: str) -> str:
     """Drop the module docstring's paragraph that says where the code goes upstream."""
     tree = ast.parse(text)
-    if not (tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant)):
+    if not (
+        tree.body
+        and isinstance(tree.body[0], ast.Expr)
+        and isinstance(tree.body[0].value, ast.Constant)
+    ):
         return text
     doc = tree.body[0]
     lines = text.splitlines(keepends=True)
     start, end = doc.lineno - 1, doc.end_lineno
     part = "".join(lines[start:end])
-    part = re.sub(r"\n\nUpstream (?:file|files|target)s?:.*?(?=\n\n|\n?\"\"\")", "", part, count=1, flags=re.S)
+    part = re.sub(
+        r"\n\nUpstream (?:file|files|target)s?:.*?(?=\n\n|\n?\"\"\")",
+        "",
+        part,
+        count=1,
+        flags=re.DOTALL,
+    )
     return "".join(lines[:start]) + part + "".join(lines[end:])
 
 
-def upstream_source(text: str, where: str, substitute: tuple[tuple[str, str], ...] = ()) -> str:
+def upstream_source(
+    text: str, where: str, substitute: tuple[tuple[str, str], ...] = ()
+) -> str:
     """A package module's text as the upstream file (see the rule above).
 
     ``substitute`` lists exact substitutions, each of which must match once,
@@ -116,12 +136,20 @@ def upstream_source(text: str, where: str, substitute: tuple[tuple[str, str], ..
     text = _drop_upstream_paragraph(text)
     for old, new in substitute:
         if text.count(old) != 1:
-            raise ValueError(f"{where}: substitution {old[:60]!r} matches {text.count(old)} times, expected once")
+            raise ValueError(
+                f"{where}: substitution {old[:60]!r} matches {text.count(old)} times, expected once"
+            )
         text = text.replace(old, new)
     text = _upstream_names(text)
-    left = [f"{where}: {line.strip()}" for line in text.splitlines() if _LEFTOVERS.search(line)]
+    left = [
+        f"{where}: {line.strip()}"
+        for line in text.splitlines()
+        if _LEFTOVERS.search(line)
+    ]
     if left:
-        raise ValueError("the upstream file still names the package:\n" + "\n".join(left))
+        raise ValueError(
+            "the upstream file still names the package:\n" + "\n".join(left)
+        )
     compile(text, where, "exec")
     return text
 
@@ -140,7 +168,9 @@ class NewModule:
     substitute: tuple[tuple[str, str], ...] = ()
 
     def source(self) -> str:
-        return upstream_source((PACKAGE / self.module).read_text(), self.module, self.substitute)
+        return upstream_source(
+            (PACKAGE / self.module).read_text(), self.module, self.substitute
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +191,19 @@ class SpliceFunction:
     def source(self) -> str:
         text = (PACKAGE / self.module).read_text()
         tree = ast.parse(text)
-        nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == self.function]
+        nodes = [
+            n
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef) and n.name == self.function
+        ]
         if len(nodes) != 1:
             raise ValueError(f"{self.module}: expected one function {self.function!r}")
         node = nodes[0]
         lines = text.splitlines(keepends=True)
         start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-        text = upstream_source("".join(lines[start : node.end_lineno]), f"{self.module}:{self.function}")
+        text = upstream_source(
+            "".join(lines[start : node.end_lineno]), f"{self.module}:{self.function}"
+        )
         return re.sub(rf"\b{self.alias}\.", "", text) if self.alias else text
 
     def apply(self, files: dict[str, str]) -> None:
@@ -222,18 +258,25 @@ SERIES: tuple[Patch, ...] = (
         "0005-compute-comms-reduce-grad",
         (
             HandWritten("validate.diff"),
-            SpliceFunction("schedules.py", "_compute_comms.py", "_add_missing_reduce_grad", "_add_reduce_grad", "_schedules"),
+            SpliceFunction(
+                "schedules.py",
+                "_compute_comms.py",
+                "_add_missing_reduce_grad",
+                "_add_reduce_grad",
+                "_schedules",
+            ),
         ),
     ),
     Patch(
         "0006-stage-split",
-        (
-            NewModule("stage_split.py", "stage_split.py"),
-        ),
+        (NewModule("stage_split.py", "stage_split.py"),),
     ),
     Patch("0007-runtime-per-action-functions", (HandWritten("patch.diff"),)),
     Patch("0008-runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
-    Patch("0009-overlap-f-b-ep-overlap", (*_overlap_modules(), HandWritten("schedules.diff"))),
+    Patch(
+        "0009-overlap-f-b-ep-overlap",
+        (*_overlap_modules(), HandWritten("schedules.diff")),
+    ),
 )
 
 
@@ -253,14 +296,26 @@ def _apply_hunks(files: dict[str, str], diff: Path) -> None:
         (root / PIPELINING).mkdir(parents=True)
         for name, text in files.items():
             (root / PIPELINING / name).write_text(text)
-        done = subprocess.run(["git", "apply", "--whitespace=nowarn", str(diff)], cwd=root, capture_output=True, text=True)
+        done = subprocess.run(
+            ["git", "apply", "--whitespace=nowarn", str(diff)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
-            raise RuntimeError(f"{diff.relative_to(REPO)} does not apply: {done.stderr.strip()}")
+            raise RuntimeError(
+                f"{diff.relative_to(REPO)} does not apply: {done.stderr.strip()}"
+            )
         files.clear()
         files.update(_read_tree(root))
 
 
-_GIT_ENV = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
+_GIT_ENV = {
+    **os.environ,
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "LC_ALL": "C",
+}
 
 
 def _file_diff(name: str, old: str | None, new: str) -> str:
@@ -272,16 +327,30 @@ def _file_diff(name: str, old: str | None, new: str) -> str:
                 (Path(tmp) / side / path).parent.mkdir(parents=True, exist_ok=True)
                 (Path(tmp) / side / path).write_text(text)
         done = subprocess.run(
-            ["git", "diff", "--no-index", "--no-prefix", "--no-color", "--no-ext-diff", "--diff-algorithm=myers",
-             "/dev/null" if old is None else f"a/{path}", f"b/{path}"],
-            cwd=tmp, capture_output=True, text=True, env=_GIT_ENV,
+            [
+                "git",
+                "diff",
+                "--no-index",
+                "--no-prefix",
+                "--no-color",
+                "--no-ext-diff",
+                "--diff-algorithm=myers",
+                "/dev/null" if old is None else f"a/{path}",
+                f"b/{path}",
+            ],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            env=_GIT_ENV,
         )
     if done.returncode not in (0, 1):
         raise RuntimeError(f"git diff failed: {done.stderr.strip()}")
     if "\\ No newline at end of file" in done.stdout:
         raise ValueError(f"{name}: a file must end with a newline")
     # (against /dev/null, git names the new file twice on the first line)
-    return done.stdout.replace(f"diff --git b/{path} b/{path}\n", f"diff --git a/{path} b/{path}\n", 1)
+    return done.stdout.replace(
+        f"diff --git b/{path} b/{path}\n", f"diff --git a/{path} b/{path}\n", 1
+    )
 
 
 def patch_text(before: dict[str, str], after: dict[str, str]) -> str:
@@ -335,13 +404,27 @@ def torch_base(torch_dir: str | None) -> dict[str, str] | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with the committed patches, write nothing")
-    parser.add_argument("--torch-dir", help="a directory holding torch/distributed/pipelining of torch 2.15.0")
-    parser.add_argument("--new-files-only", action="store_true", help="check only the new files of each patch (no torch needed)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with the committed patches, write nothing",
+    )
+    parser.add_argument(
+        "--torch-dir",
+        help="a directory holding torch/distributed/pipelining of torch 2.15.0",
+    )
+    parser.add_argument(
+        "--new-files-only",
+        action="store_true",
+        help="check only the new files of each patch (no torch needed)",
+    )
     args = parser.parse_args()
     base = None if args.new_files_only else torch_base(args.torch_dir)
     if base is None and not args.new_files_only:
-        print(f"make_series: needs torch {TORCH_VERSION}.x (installed, or --torch-dir); or --new-files-only", file=sys.stderr)
+        print(
+            f"make_series: needs torch {TORCH_VERSION}.x (installed, or --torch-dir); or --new-files-only",
+            file=sys.stderr,
+        )
         return 2
     patches = generate(base)
     stale = []
@@ -357,7 +440,10 @@ def main() -> int:
             target.write_text(text)
             print(f"wrote {target.relative_to(REPO)}")
     if stale:
-        print("stale (run python tools/upstream/make_series.py): " + ", ".join(stale), file=sys.stderr)
+        print(
+            "stale (run python tools/upstream/make_series.py): " + ", ".join(stale),
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -33,12 +33,19 @@ def _probe_backward_counter() -> tuple[str, str]:
     """Is the schedule's backward counter already thread safe with ``record_backward``?"""
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-
-    if hasattr(getattr(_PipelineScheduleRuntime, "backward_counter", None), "record_backward"):
+    if hasattr(
+        getattr(_PipelineScheduleRuntime, "backward_counter", None), "record_backward"
+    ):
         return AlreadyUpstream, "backward_counter has record_backward"
     if hasattr(_PipelineScheduleRuntime, "register_custom_function"):
-        return PatchNeeded, "schedule.backward_counter is a plain Counter: += from two threads loses counts"
-    return PatchNeeded, "no backward_counter on the schedule for custom functions to share"
+        return (
+            PatchNeeded,
+            "schedule.backward_counter is a plain Counter: += from two threads loses counts",
+        )
+    return (
+        PatchNeeded,
+        "no backward_counter on the schedule for custom functions to share",
+    )
 
 
 # --- _fsdp_stage.py ---
@@ -50,17 +57,24 @@ def _probe_backward_params() -> tuple[str, str]:
 
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-
     fn = _PipelineStageBase.backward_maybe_with_nosync
     params = list(inspect.signature(fn).parameters)
     if params[:3] != ["self", "backward_type", "bwd_kwargs"]:
         raise RuntimeError(f"unrecognised backward_maybe_with_nosync{tuple(params)}")
     names = _code_names(fn.__code__)
     if "parameters" not in names:
-        raise RuntimeError("backward_maybe_with_nosync no longer reads submod.parameters()")
+        raise RuntimeError(
+            "backward_maybe_with_nosync no longer reads submod.parameters()"
+        )
     if "unshard" in names:
-        return AlreadyUpstream, "backward_maybe_with_nosync unshards FSDP modules before the split backward"
-    return PatchNeeded, "split backward takes submod.parameters() before FSDP's pre-backward unshard"
+        return (
+            AlreadyUpstream,
+            "backward_maybe_with_nosync unshards FSDP modules before the split backward",
+        )
+    return (
+        PatchNeeded,
+        "split backward takes submod.parameters() before FSDP's pre-backward unshard",
+    )
 
 
 def _code_names(code: Any) -> set[str]:
@@ -90,7 +104,6 @@ def _probe_self_p2p() -> tuple[str, str]:
     those ops to the backend?"""
     from torch.distributed.pipelining import schedules
 
-
     fn = schedules._batch_p2p
     issued: list[Any] = []
     fake_dist = types.SimpleNamespace(
@@ -100,12 +113,22 @@ def _probe_self_p2p() -> tuple[str, str]:
         get_rank=lambda *args, **kwargs: 0,
     )
     isolated = types.FunctionType(
-        fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__
+        fn.__code__,
+        {**fn.__globals__, "dist": fake_dist},
+        fn.__name__,
+        fn.__defaults__,
+        fn.__closure__,
     )
     isolated([_ProbeOp("isend", 0), _ProbeOp("irecv", 0)])
     if not issued:
-        return AlreadyUpstream, "_batch_p2p keeps sends to the own rank away from the backend"
-    return PatchNeeded, "_batch_p2p hands sends to the own rank to the backend (gloo: 'Pair is not connected')"
+        return (
+            AlreadyUpstream,
+            "_batch_p2p keeps sends to the own rank away from the backend",
+        )
+    return (
+        PatchNeeded,
+        "_batch_p2p hands sends to the own rank to the backend (gloo: 'Pair is not connected')",
+    )
 
 
 class _RecordedP2POp:
@@ -113,7 +136,14 @@ class _RecordedP2POp:
 
     recorded: list[tuple[torch.dtype, Any]]
 
-    def __init__(self, op: Any, tensor: torch.Tensor, *args: Any, group_peer: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        op: Any,
+        tensor: torch.Tensor,
+        *args: Any,
+        group_peer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self.recorded.append((tensor.dtype, group_peer))
 
 
@@ -150,11 +180,17 @@ def _recorded_handshake() -> list[tuple[torch.dtype, Any]] | None:
     recorder = type("_Recorder", (_RecordedP2POp,), {"recorded": []})
     fake_dist = types.SimpleNamespace(P2POp=recorder, isend="isend", irecv="irecv")
     isolated = types.FunctionType(
-        fn.__code__, {**fn.__globals__, "dist": fake_dist}, fn.__name__, fn.__defaults__, fn.__closure__
+        fn.__code__,
+        {**fn.__globals__, "dist": fake_dist},
+        fn.__name__,
+        fn.__defaults__,
+        fn.__closure__,
     )
     isolated(_ProbeStage())
     if not recorder.recorded:
-        raise RuntimeError("_get_init_p2p_neighbors_ops built no P2P ops for a middle stage")
+        raise RuntimeError(
+            "_get_init_p2p_neighbors_ops built no P2P ops for a middle stage"
+        )
     return recorder.recorded
 
 
@@ -173,7 +209,10 @@ def _probe_init_p2p_handshake() -> tuple[str, str]:
     if any(peer == stage.group_rank for _, peer in recorded):
         problems.append("sends to its own rank")
     if not problems:
-        return AlreadyUpstream, "handshake uses one dtype and skips same-rank neighbours"
+        return (
+            AlreadyUpstream,
+            "handshake uses one dtype and skips same-rank neighbours",
+        )
     return PatchNeeded, f"stage init handshake {' and '.join(problems)}; gloo aborts"
 
 
@@ -183,12 +222,17 @@ def _probe_init_p2p_handshake() -> tuple[str, str]:
 def _probe_scale_grads() -> tuple[str, str]:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-
-    for name, expected in (("scale_grads", ["self", "grad_scale_factor"]), ("clear_runtime_states", ["self"])):
+    for name, expected in (
+        ("scale_grads", ["self", "grad_scale_factor"]),
+        ("clear_runtime_states", ["self"]),
+    ):
         params = list(inspect.signature(getattr(_PipelineStageBase, name)).parameters)
         if params != expected:
             raise RuntimeError(f"unrecognised _PipelineStageBase.{name}{tuple(params)}")
-    return PatchNeeded, "scale_grads also divides the gradients carried over from earlier steps"
+    return (
+        PatchNeeded,
+        "scale_grads also divides the gradients carried over from earlier steps",
+    )
 
 
 # --- _schedule_runtime.py ---
@@ -198,42 +242,70 @@ def _probe_action_functions() -> tuple[str, str]:
     """Probe of ``runtime_action_functions``: the step loop (torch's, or ours on 2.9) must dispatch the map."""
     from torch_pipelining_ext import _schedule_runtime  # local: see _table.py
 
-
     runtime = _schedules._PipelineScheduleRuntime
     if not callable(getattr(runtime, "register_custom_function", None)):
-        raise AttributeError("_PipelineScheduleRuntime.register_custom_function is missing")
+        raise AttributeError(
+            "_PipelineScheduleRuntime.register_custom_function is missing"
+        )
     loop = inspect.unwrap(runtime._step_microbatches)
     if _schedule_runtime._FUNCTION_MAP not in inspect.getsource(loop):
-        raise RuntimeError("_PipelineScheduleRuntime._step_microbatches does not look up custom functions")
-    return PatchNeeded, "plain actions bypass the custom-function map: they and OVERLAP_F_B's sub-actions would run different code"
+        raise RuntimeError(
+            "_PipelineScheduleRuntime._step_microbatches does not look up custom functions"
+        )
+    return (
+        PatchNeeded,
+        "plain actions bypass the custom-function map: they and OVERLAP_F_B's sub-actions would run different code",
+    )
 
 
 def _probe_custom_functions() -> tuple[str, str]:
 
     runtime = _schedules._PipelineScheduleRuntime
-    if hasattr(runtime, "register_custom_function") and hasattr(_schedules, "_PipelineContext"):
-        return AlreadyUpstream, "_PipelineScheduleRuntime.register_custom_function and _PipelineContext exist"
+    if hasattr(runtime, "register_custom_function") and hasattr(
+        _schedules, "_PipelineContext"
+    ):
+        return (
+            AlreadyUpstream,
+            "_PipelineScheduleRuntime.register_custom_function and _PipelineContext exist",
+        )
     for name in ("_step_microbatches", "_prepare_schedule_with_comms"):
         if not hasattr(runtime, name):
             raise RuntimeError(f"_PipelineScheduleRuntime has no {name}")
-    return PatchNeeded, "no register_custom_function / _PipelineContext on _PipelineScheduleRuntime"
+    return (
+        PatchNeeded,
+        "no register_custom_function / _PipelineContext on _PipelineScheduleRuntime",
+    )
 
 
 def _probe_step_loop() -> tuple[str, str]:
     from torch_pipelining_ext import _compat_29  # local: see _table.py
 
-
     runtime = _schedules._PipelineScheduleRuntime
-    upstream_register = getattr(runtime, "register_custom_function", _compat_29.register_custom_function)
-    if upstream_register is not _compat_29.register_custom_function:  # not the one installed from this module
+    upstream_register = getattr(
+        runtime, "register_custom_function", _compat_29.register_custom_function
+    )
+    if (
+        upstream_register is not _compat_29.register_custom_function
+    ):  # not the one installed from this module
         return AlreadyUpstream, "torch's step loop dispatches custom functions"
-    init_params = list(inspect.signature(_schedules.PipelineScheduleMulti._initialize_stages).parameters)
+    init_params = list(
+        inspect.signature(
+            _schedules.PipelineScheduleMulti._initialize_stages
+        ).parameters
+    )
     if init_params != ["self", "args", "kwargs"]:
-        raise RuntimeError(f"unrecognised PipelineScheduleMulti._initialize_stages{tuple(init_params)}")
+        raise RuntimeError(
+            f"unrecognised PipelineScheduleMulti._initialize_stages{tuple(init_params)}"
+        )
     loop_params = list(inspect.signature(runtime._step_microbatches).parameters)
     if loop_params != ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses"]:
-        raise RuntimeError(f"unrecognised _PipelineScheduleRuntime._step_microbatches{tuple(loop_params)}")
-    return PatchNeeded, "torch's step loop has no custom functions and scales grads only after FULL_BACKWARD"
+        raise RuntimeError(
+            f"unrecognised _PipelineScheduleRuntime._step_microbatches{tuple(loop_params)}"
+        )
+    return (
+        PatchNeeded,
+        "torch's step loop has no custom functions and scales grads only after FULL_BACKWARD",
+    )
 
 
 def _probe_overlap_lowering() -> tuple[str, str]:
@@ -241,8 +313,20 @@ def _probe_overlap_lowering() -> tuple[str, str]:
 
     A, F, B = _schedules._Action, _schedules.FORWARD, _schedules.FULL_BACKWARD
     overlap = A(-1, _schedules.OVERLAP_F_B, None, (A(0, F, 1), A(1, B, 0)))
-    compute = {0: [A(0, F, 0), A(1, F, 0), overlap, A(1, F, 1), A(1, B, 1), A(0, B, 0), A(0, B, 1)]}
-    lowered = _schedules._add_send_recv(compute, stage_to_rank=lambda s: 0, num_stages=2)
+    compute = {
+        0: [
+            A(0, F, 0),
+            A(1, F, 0),
+            overlap,
+            A(1, F, 1),
+            A(1, B, 1),
+            A(0, B, 0),
+            A(0, B, 1),
+        ]
+    }
+    lowered = _schedules._add_send_recv(
+        compute, stage_to_rank=lambda s: 0, num_stages=2
+    )
     if any(a.computation_type == _schedules.OVERLAP_F_B for a in lowered[0]):
         return AlreadyUpstream, "_add_send_recv keeps OVERLAP_F_B"
     return PatchNeeded, "_add_send_recv flattens OVERLAP_F_B into its sub-actions"
@@ -252,7 +336,10 @@ def _probe_step_context() -> tuple[str, str]:
 
     loop = _schedules._PipelineScheduleRuntime._step_microbatches
     inspect.signature(loop).bind(None)  # raises if the loop needs other arguments
-    return PatchNeeded, "_PipelineContext carries no return_outputs / loss_kwargs, errors do not name the rank"
+    return (
+        PatchNeeded,
+        "_PipelineContext carries no return_outputs / loss_kwargs, errors do not name the rank",
+    )
 
 
 def _probe_compute_comms_reduce_grad() -> tuple[str, str]:
@@ -263,22 +350,31 @@ def _probe_compute_comms_reduce_grad() -> tuple[str, str]:
     """
     from torch_pipelining_ext import _pipeline_context  # local: see _table.py
 
-
     if _pipeline_context._reduce_grad_type() is None:
-        return AlreadyUpstream, "not applicable: torch has no REDUCE_GRAD action, the last backward reduces"
+        return (
+            AlreadyUpstream,
+            "not applicable: torch has no REDUCE_GRAD action, the last backward reduces",
+        )
     method = _schedules._PipelineScheduleRuntime._prepare_schedule_with_comms
     params = list(inspect.signature(method).parameters)
     if params != ["self", "actions", "format"]:
-        raise RuntimeError(f"unrecognised _PipelineScheduleRuntime._prepare_schedule_with_comms{tuple(params)}")
+        raise RuntimeError(
+            f"unrecognised _PipelineScheduleRuntime._prepare_schedule_with_comms{tuple(params)}"
+        )
     branch = _compute_comms_branch(method)
     calls = {
-        node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        node.func.attr
+        if isinstance(node.func, ast.Attribute)
+        else getattr(node.func, "id", "")
         for node in ast.walk(ast.Module(body=branch, type_ignores=[]))
         if isinstance(node, ast.Call)
     }
     if any("reduce_grad" in name for name in calls):
         return AlreadyUpstream, "compute_comms schedules get REDUCE_GRAD"
-    return PatchNeeded, "a compute_comms schedule without REDUCE_GRAD never reduces or scales gradients"
+    return (
+        PatchNeeded,
+        "a compute_comms schedule without REDUCE_GRAD never reduces or scales gradients",
+    )
 
 
 def _compute_comms_branch(method: Callable[..., Any]) -> list[ast.stmt]:
@@ -291,14 +387,18 @@ def _compute_comms_branch(method: Callable[..., Any]) -> list[ast.stmt]:
             consts = {n.value for n in operands if isinstance(n, ast.Constant)}
             if names == {"format"} and consts == {"compute_comms"}:
                 return node.body
-    raise RuntimeError("_prepare_schedule_with_comms has no `if format == \"compute_comms\"` branch")
+    raise RuntimeError(
+        '_prepare_schedule_with_comms has no `if format == "compute_comms"` branch'
+    )
 
 
 # --- _split_backward.py ---
 
 
 def _split_backward(
-    loss_of: Callable[[torch.Tensor], torch.Tensor], params: list[Parameter], extra_inputs: tuple[Any, ...] = ()
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    params: list[Parameter],
+    extra_inputs: tuple[Any, ...] = (),
 ) -> tuple[torch.Tensor, ...]:
     """The weight gradients that torch's split backward computes for ``loss_of(x)``."""
     from torch.distributed.pipelining import _backward
@@ -306,12 +406,16 @@ def _split_backward(
     x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).reshape(2, 3).requires_grad_()
     for p in params:
         p.grad = None
-    _, groups = _backward.stage_backward_input([loss_of(x)], None, [x, *extra_inputs], iter(params))
+    _, groups = _backward.stage_backward_input(
+        [loss_of(x)], None, [x, *extra_inputs], iter(params)
+    )
     _backward.stage_backward_weight(iter(params), groups)
     return tuple(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)
 
 
-def _reference(loss_of: Callable[[torch.Tensor], torch.Tensor], params: list[Parameter]) -> tuple[torch.Tensor, ...]:
+def _reference(
+    loss_of: Callable[[torch.Tensor], torch.Tensor], params: list[Parameter]
+) -> tuple[torch.Tensor, ...]:
     x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).reshape(2, 3).requires_grad_()
     return torch.autograd.grad(loss_of(x), params)
 
@@ -324,19 +428,25 @@ class _TwoOutputs(torch.autograd.Function):
     """``(x @ w, 2 * x @ w)``: one autograd node with two outputs of one shape."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(x, w)
         y = x @ w
         return y, 2 * y
 
     @staticmethod
-    def backward(ctx: Any, g0: torch.Tensor, g1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(
+        ctx: Any, g0: torch.Tensor, g1: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, w = ctx.saved_tensors
         g = g0 + 2 * g1
         return g @ w.T, x.T @ g
 
 
-def _weight_grad_cases() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], list[Parameter]]]:
+def _weight_grad_cases() -> dict[
+    str, tuple[Callable[[torch.Tensor], torch.Tensor], list[Parameter]]
+]:
     w = _param([0.4, -0.2, 0.1], [0.7, 0.3, -0.5], [0.2, 0.6, 0.9])
     w1 = _param([0.3, -0.8, 0.5], [0.1, 0.4, -0.6], [0.9, 0.2, 0.7])
     v = _param([0.5, -0.3, 0.2], [0.8, 0.1, -0.4], [-0.6, 0.7, 0.3])
@@ -362,11 +472,17 @@ def _probe_stage_backward_weight() -> tuple[str, str]:
             except RuntimeError as e:
                 wrong.append(f"{case} ({type(e).__name__})")
                 continue
-            if not all(torch.allclose(g, r) for g, r in zip(got, _reference(loss_of, params), strict=True)):
+            if not all(
+                torch.allclose(g, r)
+                for g, r in zip(got, _reference(loss_of, params), strict=True)
+            ):
                 wrong.append(f"{case} (wrong gradient)")
     if wrong:
         return PatchNeeded, "stage_backward_weight is wrong for " + ", ".join(wrong)
-    return AlreadyUpstream, "stage_backward_weight is right for shared weights and multi-output intermediates"
+    return (
+        AlreadyUpstream,
+        "stage_backward_weight is right for shared weights and multi-output intermediates",
+    )
 
 
 def _probe_stage_backward_input() -> tuple[str, str]:
@@ -374,11 +490,16 @@ def _probe_stage_backward_input() -> tuple[str, str]:
 
     w = _param([0.4, -0.2, 0.1], [0.7, 0.3, -0.5], [0.2, 0.6, 0.9])
     with torch.enable_grad():
-        _split_backward(lambda x: (x @ w).sum(), [w])  # raises where the internals changed: patch skipped
+        _split_backward(
+            lambda x: (x @ w).sum(), [w]
+        )  # raises where the internals changed: patch skipped
         try:
             _split_backward(lambda x: (x @ w).sum(), [w], extra_inputs=(object(),))
         except (AttributeError, TypeError) as e:
-            return PatchNeeded, f"stage_backward_input raises on a non-tensor stage input ({type(e).__name__}: {e})"
+            return (
+                PatchNeeded,
+                f"stage_backward_input raises on a non-tensor stage input ({type(e).__name__}: {e})",
+            )
     return AlreadyUpstream, "stage_backward_input skips non-tensor stage inputs"
 
 
@@ -390,10 +511,18 @@ def _probe_overlap() -> tuple[str, str]:
 
     s = _schedules
     runtime = s._PipelineScheduleRuntime
-    for name in ("OVERLAP_F_B", "FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
+    for name in (
+        "OVERLAP_F_B",
+        "FORWARD",
+        "FULL_BACKWARD",
+        "BACKWARD_INPUT",
+        "BACKWARD_WEIGHT",
+    ):
         getattr(s, name)
     if not callable(getattr(runtime, "register_custom_function", None)):
-        raise AttributeError("_PipelineScheduleRuntime.register_custom_function is missing")
+        raise AttributeError(
+            "_PipelineScheduleRuntime.register_custom_function is missing"
+        )
     fork_rng_params = inspect.signature(torch.random.fork_rng).parameters
     for name in ("devices", "enabled", "device_type"):
         if name not in fork_rng_params:
@@ -409,7 +538,6 @@ def _upstream_probe() -> tuple[str, str]:
     import importlib.util
 
     import torch.distributed.pipelining as pipelining
-
 
     if not hasattr(pipelining, "PipelineStage"):
         raise RuntimeError("torch.distributed.pipelining has no PipelineStage")

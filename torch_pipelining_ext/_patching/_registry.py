@@ -108,7 +108,11 @@ class Target:
         else:
             *path, name = self.attr.split(".")
         for part in path:
-            owner = owner[part] if isinstance(owner, MutableMapping) else getattr(owner, part)
+            owner = (
+                owner[part]
+                if isinstance(owner, MutableMapping)
+                else getattr(owner, part)
+            )
         return owner, name
 
     def _get(self) -> Any:
@@ -191,7 +195,12 @@ class _PatchRegistry:
             raise ValueError(f"duplicate patch names in {names}")
         self._lock = threading.RLock()
         self._records: dict[str, PatchRecord] = {
-            p.name: PatchRecord(p.name, PatchStatus.NOT_APPLIED, "patch() not called", self._target_names(p))
+            p.name: PatchRecord(
+                p.name,
+                PatchStatus.NOT_APPLIED,
+                "patch() not called",
+                self._target_names(p),
+            )
             for p in self._patches
         }
 
@@ -200,7 +209,9 @@ class _PatchRegistry:
         return tuple(t.qualname for t in p.targets)
 
     def _record(self, p: Patch, status: PatchStatus, reason: str) -> None:
-        self._records[p.name] = PatchRecord(p.name, status, reason, self._target_names(p))
+        self._records[p.name] = PatchRecord(
+            p.name, status, reason, self._target_names(p)
+        )
 
     def is_applied(self, name: str) -> bool:
         return self._records[name].status is PatchStatus.APPLIED
@@ -231,23 +242,37 @@ class _PatchRegistry:
 
     def _apply_one(self, p: Patch, environ: MutableMapping[str, str]) -> None:
         if p.env_disable and environ.get(p.env_disable, "") not in ("", "0"):
-            self._record(p, PatchStatus.DISABLED, f"disabled by {p.env_disable}={environ[p.env_disable]}")
+            self._record(
+                p,
+                PatchStatus.DISABLED,
+                f"disabled by {p.env_disable}={environ[p.env_disable]}",
+            )
             return
         for dep in p.requires:
             dep_status = self._records[dep].status
             if dep_status not in (PatchStatus.APPLIED, PatchStatus.UPSTREAM):
-                self._record(p, PatchStatus.SKIPPED, f"requires patch {dep!r}, which is {dep_status.value}")
+                self._record(
+                    p,
+                    PatchStatus.SKIPPED,
+                    f"requires patch {dep!r}, which is {dep_status.value}",
+                )
                 return
         try:
             verdict, reason = p.probe()
-        except Exception as e:  # noqa: BLE001 - an unrecognised torch must never break import
-            self._record(p, PatchStatus.SKIPPED, f"probe did not recognise this torch: {type(e).__name__}: {e}")
+        except Exception as e:
+            self._record(
+                p,
+                PatchStatus.SKIPPED,
+                f"probe did not recognise this torch: {type(e).__name__}: {e}",
+            )
             return
         if verdict == AlreadyUpstream:
             self._record(p, PatchStatus.UPSTREAM, reason)
             return
         if verdict != PatchNeeded:
-            self._record(p, PatchStatus.SKIPPED, f"probe returned unknown verdict {verdict!r}")
+            self._record(
+                p, PatchStatus.SKIPPED, f"probe returned unknown verdict {verdict!r}"
+            )
             return
         saved: list[tuple[Target, Any]] = []
         try:
@@ -256,10 +281,14 @@ class _PatchRegistry:
                 replacement = t.make(None if original is _MISSING else original)
                 t._set(replacement)
                 saved.append((t, original))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             for t, original in reversed(saved):
                 t._set(original)
-            self._record(p, PatchStatus.FAILED, f"applying raised {type(e).__name__}: {e}; rolled back")
+            self._record(
+                p,
+                PatchStatus.FAILED,
+                f"applying raised {type(e).__name__}: {e}; rolled back",
+            )
             return
         p._saved = saved
         self._record(p, PatchStatus.APPLIED, reason)
@@ -275,7 +304,11 @@ class _PatchRegistry:
                 for t, original in reversed(p._saved):
                     t._set(original)
                 p._saved = []
-                self._record(p, PatchStatus.NOT_APPLIED, "unpatch() restored the original objects")
+                self._record(
+                    p,
+                    PatchStatus.NOT_APPLIED,
+                    "unpatch() restored the original objects",
+                )
 
     def report(self) -> list[PatchRecord]:
         with self._lock:

@@ -79,7 +79,13 @@ def _new(module: str, cls: str) -> Callable[[Any], Any]:
 # (legacy-path) stage handshake.  Each probe decides.
 _RUNTIME = "_PipelineScheduleRuntime"
 _STAGE_BASE = "_PipelineStageBase"
-_RUNTIME_STATE_NAMES = ("_comp_type_to_function_map", "fwd_recv_ops", "bwd_recv_ops", "unshard_ops", "unsharded_stages")
+_RUNTIME_STATE_NAMES = (
+    "_comp_type_to_function_map",
+    "fwd_recv_ops",
+    "bwd_recv_ops",
+    "unshard_ops",
+    "unsharded_stages",
+)
 
 
 def _schedule_runtime_patches() -> list[Patch]:
@@ -91,8 +97,11 @@ def _transport_patches() -> list[Patch]:
         Patch(
             name="stage_init_handshake",
             targets=(
-                Target(_STAGE, "_PipelineStageBase._get_init_p2p_neighbors_ops",
-                       make=_wrap("_gloo_p2p", "_make_get_init_p2p_neighbors_ops")),
+                Target(
+                    _STAGE,
+                    "_PipelineStageBase._get_init_p2p_neighbors_ops",
+                    make=_wrap("_gloo_p2p", "_make_get_init_p2p_neighbors_ops"),
+                ),
             ),
             probe=_probe("_probe_init_p2p_handshake"),
             description="stage init handshake: float32 tensors, no send to the own rank (gloo)",
@@ -100,7 +109,11 @@ def _transport_patches() -> list[Patch]:
         ),
         Patch(
             name="p2p_to_own_rank",
-            targets=(Target(_SCHEDULES, "_batch_p2p", make=_wrap("_gloo_p2p", "_make_batch_p2p")),),
+            targets=(
+                Target(
+                    _SCHEDULES, "_batch_p2p", make=_wrap("_gloo_p2p", "_make_batch_p2p")
+                ),
+            ),
             probe=_probe("_probe_self_p2p"),
             description="a P2P batch's sends to the own rank are copied into its receives (gloo)",
             upstream="schedules.py _batch_p2p (PipelineScheduleMulti loop with adjacent stages on one rank)",
@@ -108,7 +121,11 @@ def _transport_patches() -> list[Patch]:
         Patch(
             name="schedule_backward_counter",
             targets=(
-                Target(_SCHEDULES, f"{_RUNTIME}.backward_counter", make=_new("_backward_counter", "_BackwardCounterAttribute")),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}.backward_counter",
+                    make=_new("_backward_counter", "_BackwardCounterAttribute"),
+                ),
             ),
             probe=_probe("_probe_backward_counter"),
             description="schedule.backward_counter: Counter-compatible, thread-safe record_backward()",
@@ -119,7 +136,9 @@ def _transport_patches() -> list[Patch]:
 
 def _lazy_state(name: str) -> Target:
     def make(original: object) -> object:
-        return _obj("_compat_29", "_LazyScheduleAttribute")(name, _obj("_compat_29", "_RUNTIME_STATE")[name])
+        return _obj("_compat_29", "_LazyScheduleAttribute")(
+            name, _obj("_compat_29", "_RUNTIME_STATE")[name]
+        )
 
     return Target(_SCHEDULES, f"{_RUNTIME}.{name}", make=make)
 
@@ -129,10 +148,21 @@ def _compat_29_patches() -> list[Patch]:
         Patch(
             name="runtime_custom_functions",
             targets=(
-                Target(_SCHEDULES, "_PipelineContext", make=_install("_pipeline_context", "_PipelineContext")),
-                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function",
-                       make=_install("_compat_29", "register_custom_function")),
-                Target(_SCHEDULES, f"{_RUNTIME}._assert_unsharded", make=_install("_compat_29", "_assert_unsharded")),
+                Target(
+                    _SCHEDULES,
+                    "_PipelineContext",
+                    make=_install("_pipeline_context", "_PipelineContext"),
+                ),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}.register_custom_function",
+                    make=_install("_compat_29", "register_custom_function"),
+                ),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}._assert_unsharded",
+                    make=_install("_compat_29", "_assert_unsharded"),
+                ),
                 # fwd_recv_ops, bwd_recv_ops, unshard_ops, unsharded_stages, _comp_type_to_function_map
                 *(_lazy_state(name) for name in _RUNTIME_STATE_NAMES),
             ),
@@ -143,8 +173,11 @@ def _compat_29_patches() -> list[Patch]:
         Patch(
             name="runtime_step_loop",
             targets=(
-                Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches",
-                       make=_install("_compat_29", "_runtime_step_microbatches")),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}._step_microbatches",
+                    make=_install("_compat_29", "_runtime_step_microbatches"),
+                ),
             ),
             probe=_probe("_probe_step_loop"),
             description="step loop that dispatches custom functions and runs every action through run_action",
@@ -153,7 +186,13 @@ def _compat_29_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_keep_overlap_f_b",
-            targets=(Target(_SCHEDULES, "_add_send_recv", make=_install("_compat_29", "_add_send_recv")),),
+            targets=(
+                Target(
+                    _SCHEDULES,
+                    "_add_send_recv",
+                    make=_install("_compat_29", "_add_send_recv"),
+                ),
+            ),
             probe=_probe("_probe_overlap_lowering"),
             description="lowering keeps OVERLAP_F_B actions (sends of both sub-actions follow it)",
             upstream="schedules.py _add_send_recv (2.10 cycle)",
@@ -166,7 +205,13 @@ def _runtime_patches() -> list[Patch]:
     return [
         Patch(
             name="runtime_step_context",
-            targets=(Target(_SCHEDULES, f"{_RUNTIME}._step_microbatches", make=_wrap("_step_context", "_make_step_context")),),
+            targets=(
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}._step_microbatches",
+                    make=_wrap("_step_context", "_make_step_context"),
+                ),
+            ),
             probe=_probe("_probe_step_context"),
             description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches / _PipelineContext",
@@ -177,29 +222,60 @@ def _runtime_patches() -> list[Patch]:
             name="runtime_action_functions",
             targets=(
                 # every schedule's custom-function map starts with perform_action for each customizable type
-                Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map",
-                       make=_new("_schedule_runtime", "_FunctionMapWithDefaults")),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}._comp_type_to_function_map",
+                    make=_new("_schedule_runtime", "_FunctionMapWithDefaults"),
+                ),
                 # registering a function over a default one replaces it without a warning
-                Target(_SCHEDULES, f"{_RUNTIME}.register_custom_function",
-                       make=_wrap("_schedule_runtime", "_make_register_custom_function")),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}.register_custom_function",
+                    make=_wrap("_schedule_runtime", "_make_register_custom_function"),
+                ),
                 # the per-action methods of upstream patches 0007 and 0008
-                Target(_SCHEDULES, f"{_RUNTIME}._local_stages", make=_install("_schedule_runtime", "stage_index_to_stage")),
-                Target(_SCHEDULES, f"{_RUNTIME}.perform_action", make=_install("_schedule_runtime", "_perform_action_method")),
-                Target(_SCHEDULES, f"{_RUNTIME}.prepare_compute_action",
-                       make=_install("_schedule_runtime", "_prepare_compute_action_method")),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}._local_stages",
+                    make=_install("_schedule_runtime", "stage_index_to_stage"),
+                ),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}.perform_action",
+                    make=_install("_schedule_runtime", "_perform_action_method"),
+                ),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}.prepare_compute_action",
+                    make=_install(
+                        "_schedule_runtime", "_prepare_compute_action_method"
+                    ),
+                ),
             ),
             probe=_probe("_probe_action_functions"),
             description="every compute, UNSHARD, RESHARD and gradient-reduction action runs perform_action "
             "(plain or inside OVERLAP_F_B: one implementation)",
             upstream="schedules.py _PipelineScheduleRuntime._step_microbatches: _perform_action as per-action functions",
             # perform_action reads the step's return_outputs/loss_kwargs; on torch 2.9 our loop dispatches the map
-            requires=("runtime_custom_functions", "runtime_step_loop", "runtime_step_context"),
+            requires=(
+                "runtime_custom_functions",
+                "runtime_step_loop",
+                "runtime_step_context",
+            ),
         ),
         Patch(
             name="scale_grads_per_step",
             targets=(
-                Target(_STAGE, f"{_STAGE_BASE}.clear_runtime_states", make=_wrap("_grad_scaling", "_make_clear_runtime_states")),
-                Target(_STAGE, f"{_STAGE_BASE}.scale_grads", make=_wrap("_grad_scaling", "_make_scale_grads")),
+                Target(
+                    _STAGE,
+                    f"{_STAGE_BASE}.clear_runtime_states",
+                    make=_wrap("_grad_scaling", "_make_clear_runtime_states"),
+                ),
+                Target(
+                    _STAGE,
+                    f"{_STAGE_BASE}.scale_grads",
+                    make=_wrap("_grad_scaling", "_make_scale_grads"),
+                ),
             ),
             probe=_probe("_probe_scale_grads"),
             description="scale_grads scales only the step's gradients (accumulation over steps)",
@@ -209,7 +285,11 @@ def _runtime_patches() -> list[Patch]:
         Patch(
             name="compute_comms_reduce_grad",
             targets=(
-                Target(_SCHEDULES, f"{_RUNTIME}._prepare_schedule_with_comms", make=_wrap("_compute_comms", "_make_prepare_comms")),
+                Target(
+                    _SCHEDULES,
+                    f"{_RUNTIME}._prepare_schedule_with_comms",
+                    make=_wrap("_compute_comms", "_make_prepare_comms"),
+                ),
             ),
             probe=_probe("_probe_compute_comms_reduce_grad"),
             description="compute_comms schedules get REDUCE_GRAD after each stage's last backward",
@@ -224,8 +304,11 @@ def _fsdp_stage_patches() -> list[Patch]:
         Patch(
             name="fsdp_split_backward_params",
             targets=(
-                Target(_STAGE, "_PipelineStageBase.backward_maybe_with_nosync",
-                       make=_wrap("_fsdp_stage", "_make_backward_maybe_with_nosync")),
+                Target(
+                    _STAGE,
+                    "_PipelineStageBase.backward_maybe_with_nosync",
+                    make=_wrap("_fsdp_stage", "_make_backward_maybe_with_nosync"),
+                ),
             ),
             probe=_probe("_probe_backward_params"),
             description="split (I/W) backward of nested fully_shard stages uses the unsharded parameters",
@@ -250,7 +333,9 @@ def _split_backward_patches() -> list[Patch]:
 
     wrappers: dict[Any, object] = {}
 
-    def input_(original: object) -> object:  # one wrapper for both names of the function
+    def input_(
+        original: object,
+    ) -> object:  # one wrapper for both names of the function
         if original not in wrappers:
             wrappers[original] = sb("_make_stage_backward_input")(original)
         return wrappers[original]
@@ -288,11 +373,23 @@ def _overlap_patch() -> Patch:
         targets=(
             # the runtime's default map, with the overlap handler for OVERLAP_F_B (registering
             # another OVERLAP_F_B function, the opt-out, replaces it without a warning)
-            Target(_SCHEDULES, f"{_RUNTIME}._comp_type_to_function_map", make=_new("overlap._install", "_FunctionMapWithOverlap")),
+            Target(
+                _SCHEDULES,
+                f"{_RUNTIME}._comp_type_to_function_map",
+                make=_new("overlap._install", "_FunctionMapWithOverlap"),
+            ),
             # checkpoint recomputation on the backward thread draws the sequential handler's random numbers
-            Target("torch.random", "fork_rng", make=_wrap("overlap._install", "_make_fork_rng")),
+            Target(
+                "torch.random",
+                "fork_rng",
+                make=_wrap("overlap._install", "_make_fork_rng"),
+            ),
             # the stage method of upstream patch 0001 that the handler calls
-            Target(_STAGE, f"{_STAGE_BASE}._unshard_fsdp_modules", make=_install("_fsdp_stage", "unshard_stage")),
+            Target(
+                _STAGE,
+                f"{_STAGE_BASE}._unshard_fsdp_modules",
+                make=_install("_fsdp_stage", "unshard_stage"),
+            ),
         ),
         probe=_probe("_probe_overlap"),
         description="OVERLAP_F_B runs forward and backward concurrently; ep_overlap marks coordinate EP comm "

@@ -39,7 +39,11 @@ _REFERENCE_RTOL = 1e-4
 # ---------------------------------------------------------------------------
 
 
-def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: dict[str, str] | None) -> None:
+def validate(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    environ: dict[str, str] | None,
+) -> None:
     """Exit with status 2 and a message saying what to change when ``args`` cannot run."""
     environ = dict(os.environ) if environ is None else environ
 
@@ -68,13 +72,22 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, environ:
     if args.layers < min_layers:
         error(
             f"--layers {args.layers} cannot fill the {stages} stages of ScheduleDualPipeV on --pp {args.pp} ranks"
-            + (" with an MoE layer after DeepSeek-V3's dense first layer" if args.model == "deepseek_v3" else "")
+            + (
+                " with an MoE layer after DeepSeek-V3's dense first layer"
+                if args.model == "deepseek_v3"
+                else ""
+            )
             + f"; use at least --layers {min_layers}"
         )
     if args.microbatches < stages:
-        error(f"ScheduleDualPipeV needs at least as many microbatches as stages ({stages}); got --microbatches "
-              f"{args.microbatches}")
-    if harness.under_torchrun(environ) and int(environ["WORLD_SIZE"]) != args.pp * args.ep:
+        error(
+            f"ScheduleDualPipeV needs at least as many microbatches as stages ({stages}); got --microbatches "
+            f"{args.microbatches}"
+        )
+    if (
+        harness.under_torchrun(environ)
+        and int(environ["WORLD_SIZE"]) != args.pp * args.ep
+    ):
         error(
             f"torchrun started {environ['WORLD_SIZE']} processes but --pp {args.pp} x --ep {args.ep} = "
             f"{args.pp * args.ep}; start {args.pp * args.ep} (torchrun --nproc-per-node ...) or change --pp/--ep"
@@ -86,7 +99,9 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, environ:
         try:
             os.makedirs(args.trace, exist_ok=True)
         except OSError as e:
-            error(f"--trace {args.trace!r}: cannot create the directory ({e.strerror}); pass a writable path")
+            error(
+                f"--trace {args.trace!r}: cannot create the directory ({e.strerror}); pass a writable path"
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -110,16 +125,24 @@ class Report:
         self.args, self.rank, self.runs = args, rank, runs
         parts = runs["overlap"].parts
         if args.comm_latency_ms is None:
-            self.latency_s = harness.calibrate_link_latency(parts, tokens_per_microbatch, top_k)
+            self.latency_s = harness.calibrate_link_latency(
+                parts, tokens_per_microbatch, top_k
+            )
             how = "= one MoE layer's local expert compute, forward, one microbatch: measured at start-up"
         else:
             self.latency_s = args.comm_latency_ms / 1e3
-            how = "--comm-latency-ms" if args.comm_latency_ms else "--comm-latency-ms 0: loopback only"
+            how = (
+                "--comm-latency-ms"
+                if args.comm_latency_ms
+                else "--comm-latency-ms 0: loopback only"
+            )
         self.link = harness.SimulatedLink(self.latency_s)
         self._default_transport = hf.set_expert_parallel_transport(self.link)
         self.n_all_to_all = harness.all_to_alls_per_step(parts, args.microbatches)
         self.step_s: dict[str, list[float]] = {m: [] for m in runs}
-        self.comm_s: list[float] = []  # per step, in the sequential run (mean over ranks)
+        self.comm_s: list[
+            float
+        ] = []  # per step, in the sequential run (mean over ranks)
         self.local_losses: dict[str, list[list[torch.Tensor]]] = {m: [] for m in runs}
         self.global_loss: dict[str, list[float]] = {m: [] for m in runs}
         self.identical_steps: list[bool] = []
@@ -137,8 +160,12 @@ class Report:
                 flush=True,
             )
             for i, stage in enumerate(names):
-                print(f"  stage {i}: {', '.join(n for n in stage if not n.endswith('rotary_emb'))}")
-            print(f"simulated link: {self.latency_s * 1e3:.2f} ms per token all-to-all, forward and backward ({how})")
+                print(
+                    f"  stage {i}: {', '.join(n for n in stage if not n.endswith('rotary_emb'))}"
+                )
+            print(
+                f"simulated link: {self.latency_s * 1e3:.2f} ms per token all-to-all, forward and backward ({how})"
+            )
             if world > cores:
                 print(
                     f"note: {world} ranks on {cores} CPU cores: while one rank waits on the link another computes on "
@@ -151,7 +178,9 @@ class Report:
         """Time one step of ``mode`` (slowest rank); profile it if it is the last and --trace is set."""
         trace = self.args.trace is not None and step == self.args.steps - 1
         prof = _profiler() if trace else contextlib.nullcontext()
-        comm = self.link.measuring() if mode == "sequential" else contextlib.nullcontext()
+        comm = (
+            self.link.measuring() if mode == "sequential" else contextlib.nullcontext()
+        )
         dist.barrier()
         t0 = time.perf_counter()
         with prof, comm:
@@ -164,17 +193,29 @@ class Report:
             dist.all_reduce(c)
             self.comm_s.append(c.item() / dist.get_world_size())
         if trace:
-            prof.export_chrome_trace(os.path.join(self.args.trace, f"trace_{mode}_rank{self.rank}.json"))
+            prof.export_chrome_trace(
+                os.path.join(self.args.trace, f"trace_{mode}_rank{self.rank}.json")
+            )
 
     def losses(self, mode: str, step: int, losses: list[torch.Tensor]) -> None:
         self.local_losses[mode].append(losses)
-        total = torch.stack(losses).sum().double() if losses else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(total)  # the last stages' losses of the EP ranks average to the global batch's loss
+        total = (
+            torch.stack(losses).sum().double()
+            if losses
+            else torch.zeros((), dtype=torch.float64)
+        )
+        dist.all_reduce(
+            total
+        )  # the last stages' losses of the EP ranks average to the global batch's loss
         self.global_loss[mode].append(total.item() / self.args.ep)
 
     def print_step(self, step: int) -> None:
         a, b = self.local_losses["overlap"][step], self.local_losses["sequential"][step]
-        self.identical_steps.append(harness.all_ranks(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))))
+        self.identical_steps.append(
+            harness.all_ranks(
+                len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+            )
+        )
         if self.rank == 0:
             differ = "" if self.identical_steps[-1] else "  LOSSES DIFFER"
             print(
@@ -184,9 +225,15 @@ class Report:
                 flush=True,
             )
 
-    def params_identical(self, parts_a: list[torch.nn.Module], parts_b: list[torch.nn.Module]) -> None:
+    def params_identical(
+        self, parts_a: list[torch.nn.Module], parts_b: list[torch.nn.Module]
+    ) -> None:
         self.params_equal = harness.all_ranks(
-            all(torch.equal(x, y) for a, b in zip(parts_a, parts_b) for x, y in zip(a.parameters(), b.parameters()))
+            all(
+                torch.equal(x, y)
+                for a, b in zip(parts_a, parts_b)
+                for x, y in zip(a.parameters(), b.parameters())
+            )
         )
 
     def reference(self, losses: list[float]) -> None:
@@ -194,20 +241,34 @@ class Report:
 
     def summary(self) -> dict[str, Any]:
         """The measured numbers (rank 0: with the reference)."""
-        skip = 1 if self.args.steps > 1 else 0  # the first step also runs shape inference
+        skip = (
+            1 if self.args.steps > 1 else 0
+        )  # the first step also runs shape inference
         t_o = statistics.median(self.step_s["overlap"][skip:])
         t_s = statistics.median(self.step_s["sequential"][skip:])
         simulated = self.n_all_to_all * self.latency_s
         comm = statistics.median(self.comm_s[skip:])
         ref = self.reference_losses
-        diff = max(abs(a - b) for a, b in zip(self.global_loss["overlap"], ref)) if ref else math.nan
+        diff = (
+            max(abs(a - b) for a, b in zip(self.global_loss["overlap"], ref))
+            if ref
+            else math.nan
+        )
         return dict(
-            overlap_s=t_o, sequential_s=t_s, ratio=t_o / t_s, comm_s=comm, simulated_s=simulated,
+            overlap_s=t_o,
+            sequential_s=t_s,
+            ratio=t_o / t_s,
+            comm_s=comm,
+            simulated_s=simulated,
             hidden_fraction=(t_s - t_o) / comm if comm > 0 else math.nan,
-            losses_identical=all(self.identical_steps), params_identical=self.params_equal,
-            reference_max_diff=diff, reference_ok=bool(ref) and diff <= _REFERENCE_RTOL * max(1.0, abs(ref[-1])),
+            losses_identical=all(self.identical_steps),
+            params_identical=self.params_equal,
+            reference_max_diff=diff,
+            reference_ok=bool(ref) and diff <= _REFERENCE_RTOL * max(1.0, abs(ref[-1])),
             latency_ms=self.latency_s * 1e3,
-            medians_of=f"step {skip + 1}" if skip + 1 == self.args.steps else f"steps {skip + 1}-{self.args.steps}",
+            medians_of=f"step {skip + 1}"
+            if skip + 1 == self.args.steps
+            else f"steps {skip + 1}-{self.args.steps}",
         )
 
     def finish(self) -> int:
@@ -216,7 +277,11 @@ class Report:
         if self.rank == 0:
             r = self.summary()
             self._print_table(r)
-            status[0] = 0 if r["losses_identical"] and r["params_identical"] and r["reference_ok"] else 1
+            status[0] = (
+                0
+                if r["losses_identical"] and r["params_identical"] and r["reference_ok"]
+                else 1
+            )
         dist.broadcast(status, src=0)
         hf.set_expert_parallel_transport(self._default_transport)
         if self.args.trace is not None:
@@ -228,14 +293,28 @@ class Report:
         fl = {m: f"{self.global_loss[m][-1]:.6f}" for m in self.runs}
         rows = [
             ("", "overlapped", "sequential", "reference"),
-            (f"final loss (step {n})", fl["overlap"], fl["sequential"], f"{self.reference_losses[-1]:.6f}"),
-            (f"step time ({r['medians_of']}, median)", f"{r['overlap_s'] * 1e3:.1f} ms",
-             f"{r['sequential_s'] * 1e3:.1f} ms", "-"),
+            (
+                f"final loss (step {n})",
+                fl["overlap"],
+                fl["sequential"],
+                f"{self.reference_losses[-1]:.6f}",
+            ),
+            (
+                f"step time ({r['medians_of']}, median)",
+                f"{r['overlap_s'] * 1e3:.1f} ms",
+                f"{r['sequential_s'] * 1e3:.1f} ms",
+                "-",
+            ),
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         print()
         for row in rows:
-            print("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)).rstrip())
+            print(
+                "  ".join(
+                    c.ljust(widths[i]) if i == 0 else c.rjust(widths[i])
+                    for i, c in enumerate(row)
+                ).rstrip()
+            )
         print()
         print(f"time overlapped / sequential: {r['ratio']:.2f} (slowest rank per step)")
         if r["comm_s"] > 0:
@@ -246,7 +325,9 @@ class Report:
                 "link, the rest loopback and waiting for the other EP rank)"
             )
         if r["simulated_s"] == 0:
-            print("note: no simulated link (--comm-latency-ms 0): loopback all-to-alls leave little to hide")
+            print(
+                "note: no simulated link (--comm-latency-ms 0): loopback all-to-alls leave little to hide"
+            )
         yes = {True: "yes", False: "NO"}
         print(
             f"losses identical: {yes[r['losses_identical']]} (torch.equal, every microbatch loss of every rank, "
@@ -262,21 +343,30 @@ class Report:
         """Every rank extracts the phases of its traces, rank 0 draws them all (works across nodes)."""
         from torch_pipelining_ext.demo import _timeline
 
-        files = [os.path.join(self.args.trace, f"trace_{mode}_rank{self.rank}.json") for mode in self.runs]
-        phases = {os.path.basename(f): _timeline.phases_from_chrome_trace(f) for f in files}
+        files = [
+            os.path.join(self.args.trace, f"trace_{mode}_rank{self.rank}.json")
+            for mode in self.runs
+        ]
+        phases = {
+            os.path.basename(f): _timeline.phases_from_chrome_trace(f) for f in files
+        }
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, phases)
         if self.rank != 0:
             return
         world = self.args.pp * self.args.ep
-        print(f"trace: {self.args.trace}/trace_{{overlap,sequential}}_rank{{0..{world - 1}}}.json (last step)")
+        print(
+            f"trace: {self.args.trace}/trace_{{overlap,sequential}}_rank{{0..{world - 1}}}.json (last step)"
+        )
         merged = {name: ph for g in gathered for name, ph in g.items()}
         png = os.path.join(self.args.trace, "timeline.png")
         title = f"tiny {self.args.model}, PP={self.args.pp} x EP={self.args.ep}, ScheduleDualPipeV, last step"
         try:
             _timeline.plot_timeline(merged, png, title=title)
         except ImportError:
-            print("note: no timeline.png: matplotlib is not installed (pip install 'torch_pipelining_ext[plot]')")
+            print(
+                "note: no timeline.png: matplotlib is not installed (pip install 'torch_pipelining_ext[plot]')"
+            )
         else:
             print(f"timeline: {png}", flush=True)
 
@@ -292,7 +382,10 @@ def _profiler() -> Any:
     from torch.profiler import profile, ProfilerActivity
 
     # profile_all_threads: the OVERLAP_F_B worker thread's ranges too
-    return profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    return profile(
+        activities=[ProfilerActivity.CPU],
+        experimental_config=_ExperimentalConfig(profile_all_threads=True),
+    )
 
 
 def _name_sequential_sub_actions(schedule: Any) -> None:
@@ -304,7 +397,9 @@ def _name_sequential_sub_actions(schedule: Any) -> None:
 
     def named(action: Any, ctx: Any) -> None:
         for sub in action.sub_actions or ():
-            side = "forward" if sub.computation_type == schedules.FORWARD else "backward"
+            side = (
+                "forward" if sub.computation_type == schedules.FORWARD else "backward"
+            )
             with record_function(f"OVERLAP_F_B {side} {sub}"):
                 run_action(sub, ctx)
 

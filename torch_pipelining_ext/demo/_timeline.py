@@ -62,7 +62,9 @@ def _union(intervals: Iterable[Interval], gap: float = 0.0) -> list[Interval]:
     return [(s, e) for s, e in out]
 
 
-def _subtract(intervals: Sequence[Interval], holes: Sequence[Interval]) -> list[Interval]:
+def _subtract(
+    intervals: Sequence[Interval], holes: Sequence[Interval]
+) -> list[Interval]:
     out = []
     for s, e in intervals:
         cur = s
@@ -77,7 +79,9 @@ def _subtract(intervals: Sequence[Interval], holes: Sequence[Interval]) -> list[
     return out
 
 
-def _clip(merged: Sequence[Interval], starts: Sequence[float], s: float, e: float) -> list[Interval]:
+def _clip(
+    merged: Sequence[Interval], starts: Sequence[float], s: float, e: float
+) -> list[Interval]:
     """The parts of the sorted, disjoint ``merged`` intervals inside ``[s, e]``."""
     i = max(bisect.bisect_right(starts, s) - 1, 0)
     out = []
@@ -111,7 +115,9 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
         µs of the trace's clock.
     """
     with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        events = [
+            e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e
+        ]
     ranges = [e for e in events if e.get("cat") == "user_annotation"]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
 
@@ -123,8 +129,13 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
     for e in ranges:
         m = _SUB_ACTION.match(e["name"])
         if m:
-            subs.append(("F" if m.group(1) == "forward" else "B", m.group(2), e["tid"], iv(e)))
-    covered = {tid: _Index([s for _, _, t, s in subs if t == tid]) for tid in {t for _, _, t, _ in subs}}
+            subs.append(
+                ("F" if m.group(1) == "forward" else "B", m.group(2), e["tid"], iv(e))
+            )
+    covered = {
+        tid: _Index([s for _, _, t, s in subs if t == tid])
+        for tid in {t for _, _, t, _ in subs}
+    }
     for e in ranges:
         m = _PP_ACTION.match(e["name"])
         if not m:
@@ -134,7 +145,9 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
         idx = covered.get(e["tid"])
         if idx is not None and any(x <= a and b <= y for x, y in idx.clip(a, b)):
             continue
-        subs.append(("F" if m.group(2) == "F" else "B", e["name"][3:], e["tid"], (a, b)))
+        subs.append(
+            ("F" if m.group(2) == "F" else "B", e["name"][3:], e["tid"], (a, b))
+        )
 
     ops_by_tid: dict[Any, list[Interval]] = {}
     comm_by_tid: dict[Any, list[Interval]] = {}
@@ -167,7 +180,9 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
         )
     overlap_actions = sorted(iv(e) for e in ranges if _OVERLAP_ACTION.match(e["name"]))
     # The step: from the first to the last range of the runtime/optimizer.
-    all_iv = [iv(e) for e in ranges if e["tid"] in caller_tids] or [iv(e) for e in events]
+    all_iv = [iv(e) for e in ranges if e["tid"] in caller_tids] or [
+        iv(e) for e in events
+    ]
     return {
         "t0": min(a for a, _ in all_iv) if all_iv else 0.0,
         "t1": max(b for _, b in all_iv) if all_iv else 0.0,
@@ -179,7 +194,9 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
 _TRACE_NAME = re.compile(r"trace_(?P<mode>[a-z]+)_rank(?P<rank>\d+)\.json$")
 
 
-def plot_timeline(phases: dict[str, dict[str, Any]], path: str, *, title: str = "") -> None:
+def plot_timeline(
+    phases: dict[str, dict[str, Any]], path: str, *, title: str = ""
+) -> None:
     """Draw the phases of several traces into one PNG.
 
     Args:
@@ -204,7 +221,8 @@ def plot_timeline(phases: dict[str, dict[str, Any]], path: str, *, title: str = 
         raise ValueError("no trace_<mode>_rank<r>.json phases to draw")
     n_ranks = max(len(v) for v in by_mode.values())
     durations = {
-        m: (max(p["t1"] for p in v.values()) - min(p["t0"] for p in v.values())) / 1e3 for m, v in by_mode.items()
+        m: (max(p["t1"] for p in v.values()) - min(p["t0"] for p in v.values())) / 1e3
+        for m, v in by_mode.items()
     }
     xmax = max(durations.values())
 
@@ -220,32 +238,54 @@ def plot_timeline(phases: dict[str, dict[str, Any]], path: str, *, title: str = 
             base = 2 * r
 
             def bars(intervals: Iterable[Interval]) -> list[tuple[float, float]]:
-                return [((a - t0) / 1e3, (b - a) / 1e3) for a, b in intervals]  # noqa: B023
+                return [((a - t0) / 1e3, (b - a) / 1e3) for a, b in intervals]
 
-            ax.broken_barh(bars(ph["overlap_actions"]), (base - 0.45, 1.9), facecolors=colors["overlap"], zorder=0)
+            ax.broken_barh(
+                bars(ph["overlap_actions"]),
+                (base - 0.45, 1.9),
+                facecolors=colors["overlap"],
+                zorder=0,
+            )
             for lane, yy in (("F", base), ("B", base + 1)):
                 spans = [sp for sp in ph["spans"] if sp["lane"] == lane]
                 frames = bars((sp["start"], sp["end"]) for sp in spans)
                 ax.broken_barh(
-                    frames, (yy - 0.34, 0.68), facecolors="none", edgecolors=colors[lane], linewidth=0.8, zorder=1
+                    frames,
+                    (yy - 0.34, 0.68),
+                    facecolors="none",
+                    edgecolors=colors[lane],
+                    linewidth=0.8,
+                    zorder=1,
                 )
                 compute = bars(iv for sp in spans for iv in sp["compute"])
-                ax.broken_barh(compute, (yy - 0.3, 0.6), facecolors=colors[lane], zorder=2)
+                ax.broken_barh(
+                    compute, (yy - 0.3, 0.6), facecolors=colors[lane], zorder=2
+                )
                 comm = bars(iv for sp in spans for iv in sp["comm"])
-                ax.broken_barh(comm, (yy - 0.3, 0.6), facecolors=colors["comm"], zorder=3)
+                ax.broken_barh(
+                    comm, (yy - 0.3, 0.6), facecolors=colors["comm"], zorder=3
+                )
             labels += [f"rank {r} forward", f"rank {r} backward"]
         ax.set_yticks(range(2 * n_ranks))
         ax.set_yticklabels(labels)
         ax.set_ylim(2 * n_ranks - 0.5, -0.5)
         ax.set_xlim(0, xmax * 1.01)
         ax.grid(axis="x", alpha=0.3)
-        ax.set_title(f"{mode} OVERLAP_F_B: profiled step {durations[mode]:.0f} ms", loc="left", fontsize=11)
+        ax.set_title(
+            f"{mode} OVERLAP_F_B: profiled step {durations[mode]:.0f} ms",
+            loc="left",
+            fontsize=11,
+        )
     axes[-1].set_xlabel("time since the start of the step (ms)")
     handles = [
         Patch(color=colors["F"], label="forward compute"),
         Patch(color=colors["B"], label="backward compute"),
         Patch(color=colors["comm"], label="expert-parallel all-to-all"),
-        Patch(facecolor="white", edgecolor="grey", label="sub-action span (white: no operator running)"),
+        Patch(
+            facecolor="white",
+            edgecolor="grey",
+            label="sub-action span (white: no operator running)",
+        ),
         Patch(color=colors["overlap"], label="OVERLAP_F_B action"),
     ]
     if title:

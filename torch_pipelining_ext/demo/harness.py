@@ -72,12 +72,16 @@ def fused_experts_problem() -> str | None:
     return None
 
 
-def launch(args: argparse.Namespace, fn: Callable[[argparse.Namespace, int], Any]) -> Any:
+def launch(
+    args: argparse.Namespace, fn: Callable[[argparse.Namespace, int], Any]
+) -> Any:
     """Run ``fn(args, rank)`` on every rank (torchrun's, or ``pp * ep`` local
     processes, gloo); returns what it returned on rank 0 (under torchrun: on
     this rank)."""
     if under_torchrun(os.environ):
-        return _rank_entry(int(os.environ["RANK"]), args, fn, "env://", int(os.environ["WORLD_SIZE"]))
+        return _rank_entry(
+            int(os.environ["RANK"]), args, fn, "env://", int(os.environ["WORLD_SIZE"])
+        )
     import torch.multiprocessing as mp
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -88,7 +92,10 @@ def launch(args: argparse.Namespace, fn: Callable[[argparse.Namespace, int], Any
     queue = mp.get_context(method).SimpleQueue()
     world = args.pp * args.ep
     mp.start_processes(
-        _spawned, args=(args, fn, f"tcp://127.0.0.1:{port}", world, queue), nprocs=world, start_method=method
+        _spawned,
+        args=(args, fn, f"tcp://127.0.0.1:{port}", world, queue),
+        nprocs=world,
+        start_method=method,
     )
     if queue.empty():
         raise RuntimeError("rank 0 finished without a result")
@@ -103,7 +110,13 @@ def _spawned(rank: int, args, fn, init_method: str, world: int, queue) -> None:
 
 def _rank_entry(rank: int, args, fn, init_method: str, world: int) -> Any:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=_PG_TIMEOUT)
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=_PG_TIMEOUT,
+    )
     try:
         return fn(args, rank)
     finally:
@@ -115,14 +128,20 @@ def _rank_entry(rank: int, args, fn, init_method: str, world: int) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def calibrate_link_latency(parts: list[torch.nn.Module], tokens_per_microbatch: int, top_k: int) -> float:
+def calibrate_link_latency(
+    parts: list[torch.nn.Module], tokens_per_microbatch: int, top_k: int
+) -> float:
     """Seconds one MoE layer's local experts compute on one microbatch
     (forward; each rank receives ``tokens * top_k`` slots, spread evenly
     over the experts): the fastest of a few repeats, the mean over all ranks."""
     module, shard = hf.expert_parallel_shards(parts)[0]
     per_expert = max(1, tokens_per_microbatch * top_k // shard.num_experts)
     counts = torch.full((shard.size, shard.local), per_expert)
-    tokens = torch.randn(int(counts.sum()), module.gate_up_proj.shape[-1], dtype=module.gate_up_proj.dtype)
+    tokens = torch.randn(
+        int(counts.sum()),
+        module.gate_up_proj.shape[-1],
+        dtype=module.gate_up_proj.dtype,
+    )
     times = []
     with torch.no_grad():
         for i in range(_CALIBRATION_REPEATS + 3):
@@ -184,7 +203,9 @@ class SimulatedLink(hf.ExpertParallelTransport):
         with self._timed():
             super().counts(output, input, group)
 
-    def tokens(self, output, input, output_split_sizes, input_split_sizes, group) -> None:
+    def tokens(
+        self, output, input, output_split_sizes, input_split_sizes, group
+    ) -> None:
         with self._timed():
             super().tokens(output, input, output_split_sizes, input_split_sizes, group)
             if self.latency_s:
@@ -200,5 +221,3 @@ def all_ranks(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-

@@ -52,24 +52,53 @@ def build_parser() -> argparse.ArgumentParser:
         "ScheduleDualPipeV; compare with the sequential OVERLAP_F_B and with the unsplit model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--pp", type=int, default=1, help="pipeline ranks (each holds 2 stages of the V)")
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (also data parallel)")
-    p.add_argument("--model", choices=MODELS, default="qwen3_moe", help="transformers model type")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers")
-    p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (divisible by --ep)")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step and EP rank")
-    p.add_argument("--steps", type=int, default=6, help="training steps (each run in both modes)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument(
-        "--comm-latency-ms", type=float, default=None, metavar="L",
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline ranks (each holds 2 stages of the V)",
+    )
+    p.add_argument(
+        "--ep", type=int, default=2, help="expert-parallel ranks (also data parallel)"
+    )
+    p.add_argument(
+        "--model", choices=MODELS, default="qwen3_moe", help="transformers model type"
+    )
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=8,
+        help="routed experts per MoE layer (divisible by --ep)",
+    )
+    p.add_argument(
+        "--microbatches", type=int, default=8, help="microbatches per step and EP rank"
+    )
+    p.add_argument(
+        "--steps", type=int, default=6, help="training steps (each run in both modes)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights and the data"
+    )
+    p.add_argument(
+        "--comm-latency-ms",
+        type=float,
+        default=None,
+        metavar="L",
         help="simulated link: L ms per token all-to-all, forward and backward (default: one layer's local "
         "expert compute, measured at start-up; 0: loopback only)",
     )
-    p.add_argument("--trace", metavar="DIR", help="profile the last step of both runs: Chrome traces per rank")
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="profile the last step of both runs: Chrome traces per rank",
+    )
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None, environ: dict[str, str] | None = None
+) -> argparse.Namespace:
     """Parse and validate; bad input exits with status 2 before any process starts."""
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -82,17 +111,34 @@ def tiny_moe_config(args: argparse.Namespace):
     import transformers
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=args.layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN, num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ_LEN,
+        num_experts_per_tok=2,
     )
     if args.model == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=args.experts, moe_intermediate_size=512)
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=args.experts, moe_intermediate_size=512
+        )
     if args.model == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=args.experts)
     return transformers.DeepseekV3Config(  # first layer dense, one shared expert, group-limited routing
-        **common, moe_intermediate_size=512, n_routed_experts=args.experts, n_shared_experts=1, n_group=2,
-        topk_group=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=32,
+        **common,
+        moe_intermediate_size=512,
+        n_routed_experts=args.experts,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=32,
     )
 
 
@@ -101,7 +147,9 @@ def global_batch(args: argparse.Namespace, step: int) -> torch.Tensor:
     permutation of the vocabulary from a random first token, which the model learns."""
     gen = torch.Generator().manual_seed(args.seed * 1000 + step)
     perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(args.seed))
-    ids = torch.empty(args.ep * args.microbatches * MICROBATCH_SIZE, SEQ_LEN, dtype=torch.long)
+    ids = torch.empty(
+        args.ep * args.microbatches * MICROBATCH_SIZE, SEQ_LEN, dtype=torch.long
+    )
     ids[:, 0] = torch.randint(0, VOCAB, (ids.shape[0],), generator=gen)
     for t in range(1, SEQ_LEN):
         ids[:, t] = perm[ids[:, t - 1]]
@@ -111,27 +159,54 @@ def global_batch(args: argparse.Namespace, step: int) -> torch.Tensor:
 class Pipeline:
     """This rank's stages of ``model`` (PP x EP), their schedule and optimizer."""
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, names: list[list[str]], args, *, overlap: bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mesh: DeviceMesh,
+        names: list[list[str]],
+        args,
+        *,
+        overlap: bool,
+    ):
         self.ep_group = mesh["ep"].get_group()
         # every MoE layer keeps E / ep experts; all-to-alls inside ep_overlap regions
-        self.stages, self.parts = hf.pipeline_hf_causal_lm(model, mesh, ScheduleDualPipeV, "cpu", names)
-        self.loss_fn = hf.CausalLMLoss()  # EP ranks' losses average to HF's loss of the global batch
-        self.schedule = ScheduleDualPipeV(
-            self.stages, n_microbatches=args.microbatches, loss_fn=self.loss_fn, scale_grads=False
+        self.stages, self.parts = hf.pipeline_hf_causal_lm(
+            model, mesh, ScheduleDualPipeV, "cpu", names
         )
-        if not overlap:  # what stock torch does: the two sub-actions one after the other
+        self.loss_fn = (
+            hf.CausalLMLoss()
+        )  # EP ranks' losses average to HF's loss of the global batch
+        self.schedule = ScheduleDualPipeV(
+            self.stages,
+            n_microbatches=args.microbatches,
+            loss_fn=self.loss_fn,
+            scale_grads=False,
+        )
+        if (
+            not overlap
+        ):  # what stock torch does: the two sub-actions one after the other
             self.schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
-        self.optimizer = torch.optim.SGD([p for part in self.parts for p in part.parameters()], lr=LR, momentum=0.9)
+        self.optimizer = torch.optim.SGD(
+            [p for part in self.parts for p in part.parameters()], lr=LR, momentum=0.9
+        )
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
 
     def train_step(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """One step on this EP rank's ``ids``; returns the microbatch losses (last stage)."""
         self.optimizer.zero_grad()
-        self.loss_fn.set_labels(ids, group=self.ep_group)  # EP ranks see different tokens
+        self.loss_fn.set_labels(
+            ids, group=self.ep_group
+        )  # EP ranks see different tokens
         losses: list[torch.Tensor] = []
-        self.schedule.step(*((ids,) if self.has_first else ()), target=ids if self.has_last else None, losses=losses)
-        hf.reduce_expert_parallel_gradients(self.parts, self.ep_group)  # replicated: average over EP; experts: / ep
+        self.schedule.step(
+            *((ids,) if self.has_first else ()),
+            target=ids if self.has_last else None,
+            losses=losses,
+        )
+        hf.reduce_expert_parallel_gradients(
+            self.parts, self.ep_group
+        )  # replicated: average over EP; experts: / ep
         self.optimizer.step()
         return [loss.detach() for loss in losses]
 
@@ -146,14 +221,23 @@ def train(args: argparse.Namespace, rank: int) -> int:
     config = tiny_moe_config(args)
     model = transformers.AutoModelForCausalLM.from_config(config)  # no download
     # 2 stages per pipeline rank (the V); embedding and head cost little here
-    names = hf.hf_module_names_per_stage(model, 2 * args.pp, input_weight=0.25, output_weight=0.5)
-    runs = {mode: Pipeline(model, mesh, names, args, overlap=mode == "overlap") for mode in ("overlap", "sequential")}
+    names = hf.hf_module_names_per_stage(
+        model, 2 * args.pp, input_weight=0.25, output_weight=0.5
+    )
+    runs = {
+        mode: Pipeline(model, mesh, names, args, overlap=mode == "overlap")
+        for mode in ("overlap", "sequential")
+    }
     # calibrates the simulated link, prints the header
-    report = _report.Report(args, rank, runs, names, MICROBATCH_SIZE * SEQ_LEN, config.num_experts_per_tok)
+    report = _report.Report(
+        args, rank, runs, names, MICROBATCH_SIZE * SEQ_LEN, config.num_experts_per_tok
+    )
 
     for step in range(args.steps):
         ids = global_batch(args, step).chunk(args.ep)[ep_rank]
-        order = list(runs) if step % 2 == 0 else list(reversed(runs))  # drift hits both modes alike
+        order = (
+            list(runs) if step % 2 == 0 else list(reversed(runs))
+        )  # drift hits both modes alike
         for mode in order:
             with report.timed(mode, step):
                 losses = runs[mode].train_step(ids)

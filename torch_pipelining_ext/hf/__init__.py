@@ -31,13 +31,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any, Callable, TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
-from torch_pipelining_ext.hf import _build, _checkpoint, _compat, _config, _costs, _expert_parallel, _selfcheck, _training
-from torch_pipelining_ext.hf._expert_parallel import ExpertParallelTransport, ExpertShard
+from torch_pipelining_ext.hf import (
+    _build,
+    _checkpoint,
+    _compat,
+    _config,
+    _costs,
+    _expert_parallel,
+    _selfcheck,
+    _training,
+)
+from torch_pipelining_ext.hf._expert_parallel import (
+    ExpertParallelTransport,
+    ExpertShard,
+)
 from torch_pipelining_ext.hf._layout import detect_layout
 from torch_pipelining_ext.hf._stage import HFCausalLMStage
 from torch_pipelining_ext.hf._training import CausalLMLoss
@@ -132,7 +145,12 @@ def hf_module_names_per_stage(
         output_weight: cost of the norm and head, in layers of cost 1.
     """
     return _costs.module_names_per_stage(
-        model, detect_layout(model), num_stages, layer_costs, input_weight, output_weight
+        model,
+        detect_layout(model),
+        num_stages,
+        layer_costs,
+        input_weight,
+        output_weight,
     )
 
 
@@ -220,7 +238,9 @@ def pipeline_hf_causal_lm(
         ep_group=ep_group,
         stage_kwargs=stage_kwargs,
     )
-    return _build.build_stages(model, pp_mesh_or_group, schedule, device, module_names_per_stage, options)
+    return _build.build_stages(
+        model, pp_mesh_or_group, schedule, device, module_names_per_stage, options
+    )
 
 
 def load_stage_weights(
@@ -270,7 +290,9 @@ def self_check(config: Any) -> float:
 # ---------------------------------------------------------------------------
 
 
-def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGroup | None = None) -> None:
+def sync_tied_gradients(
+    parts: Sequence[HFCausalLMStage], group: dist.ProcessGroup | None = None
+) -> None:
     """Make the gradient of every weight tied across stages the full one.
 
     A weight shared by modules of different stages (GPT-2's token embedding
@@ -287,7 +309,9 @@ def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGro
     _training.sync_tied_gradients(parts, group)
 
 
-def reduce_expert_parallel_gradients(parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup) -> None:
+def reduce_expert_parallel_gradients(
+    parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup
+) -> None:
     """Average the gradients of the parameters replicated over the
     expert-parallel group (everything but the sharded experts) over its
     ranks, and divide the experts' by its size; after the step, before the
@@ -303,7 +327,9 @@ def reduce_expert_parallel_gradients(parts: Sequence[HFCausalLMStage], ep_group:
     _training.reduce_expert_parallel_gradients(parts, ep_group)
 
 
-def fully_shard_replicated(parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any) -> None:
+def fully_shard_replicated(
+    parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any
+) -> None:
     """FSDP2 (``fully_shard``) over the data-parallel ``mesh`` for the
     parameters replicated over it, the sharded experts left out.
 
@@ -329,7 +355,9 @@ def has_fused_experts() -> bool:
     return _compat.has_fused_experts()
 
 
-def set_expert_parallel_transport(transport: ExpertParallelTransport | None) -> ExpertParallelTransport:
+def set_expert_parallel_transport(
+    transport: ExpertParallelTransport | None,
+) -> ExpertParallelTransport:
     """Install ``transport`` for every expert-parallel all-to-all of this
     process (``None``: the default, :func:`torch.distributed.all_to_all_single`);
     returns the transport it replaces, to restore it.
@@ -341,9 +369,14 @@ def set_expert_parallel_transport(transport: ExpertParallelTransport | None) -> 
     Example::
 
         class Counting(hf.ExpertParallelTransport):
-            def tokens(self, output, input, output_split_sizes, input_split_sizes, group):
+            def tokens(
+                self, output, input, output_split_sizes, input_split_sizes, group
+            ):
                 self.calls += 1
-                super().tokens(output, input, output_split_sizes, input_split_sizes, group)
+                super().tokens(
+                    output, input, output_split_sizes, input_split_sizes, group
+                )
+
 
         previous = hf.set_expert_parallel_transport(Counting())
         try:
@@ -354,14 +387,18 @@ def set_expert_parallel_transport(transport: ExpertParallelTransport | None) -> 
     return _expert_parallel.set_transport(transport)
 
 
-def expert_parallel_shards(parts: Sequence[nn.Module]) -> list[tuple[nn.Module, ExpertShard]]:
+def expert_parallel_shards(
+    parts: Sequence[nn.Module],
+) -> list[tuple[nn.Module, ExpertShard]]:
     """Every experts module of ``parts`` that expert parallelism sharded, with
     its :class:`ExpertShard` (this rank's experts ``[start, stop)`` of
     ``num_experts``, ``local`` of them, over a group of ``size`` ranks)."""
     return _expert_parallel.sharded_experts(parts)
 
 
-def run_local_experts(module: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def run_local_experts(
+    module: nn.Module, tokens: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """What a sharded experts ``module`` computes between dispatch and
     combine: its local experts on the ``tokens`` it received, grouped by
     source rank, then local expert (``counts``: rows per [source rank, local

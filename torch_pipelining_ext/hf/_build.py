@@ -47,9 +47,13 @@ def _parameters_on_meta(dtype: torch.dtype | None):
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
         if param is None or param.is_meta:
-            return None  # already meta: keep the object (ties are re-registrations of it)
+            return (
+                None  # already meta: keep the object (ties are re-registrations of it)
+            )
         cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
-        return nn.Parameter(param.to(device="meta", dtype=cast), requires_grad=param.requires_grad)
+        return nn.Parameter(
+            param.to(device="meta", dtype=cast), requires_grad=param.requires_grad
+        )
 
     handle = register_module_parameter_registration_hook(to_meta)
     try:
@@ -62,12 +66,16 @@ def build_on_meta(config: Any, dtype: torch.dtype | None) -> nn.Module:
     """See :func:`torch_pipelining_ext.hf.meta_causal_lm`."""
     transformers = _compat.require_transformers()
     if not isinstance(config, transformers.PretrainedConfig):
-        raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a transformers PretrainedConfig, got {type(config).__name__}"
+        )
     if _compat.builds_buffers_on_meta():
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
         if dtype is not None:
-            for old, places in tensor_slots(model).values():  # parameters only: buffers keep their dtype
+            for old, places in tensor_slots(
+                model
+            ).values():  # parameters only: buffers keep their dtype
                 if isinstance(old, nn.Parameter) and old.is_floating_point():
                     replace(places, old.to(dtype), old)
         return model
@@ -95,25 +103,43 @@ def build_stages(
         model = build_on_meta(model, options.dtype)
     schedule_cls = stage_split.resolve_schedule_class(schedule)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
+        raise TypeError(
+            f"model must be an nn.Module, got {type(model).__name__} {model!r}"
+        )
     layout = detect_layout(model)
     check_trainable(model, layout)
     _config.check_checkpointing_schedule(options.activation_checkpointing, schedule_cls)
     model_type = getattr(model.config, "model_type", None)
-    if options.verify or (options.verify is None and model_type not in VERIFIED_MODEL_TYPES):
+    if options.verify or (
+        options.verify is None and model_type not in VERIFIED_MODEL_TYPES
+    ):
         check_stages_match(model.config)
     _, _, pp_size = stage_split.pipeline_group(pp_mesh_or_group)
     if names is None:
-        n = options.num_stages if options.num_stages is not None else _config.default_num_stages(schedule_cls, pp_size)
-        names = module_names_per_stage(model, layout, n, options.layer_costs, input_weight=1, output_weight=1)
+        n = (
+            options.num_stages
+            if options.num_stages is not None
+            else _config.default_num_stages(schedule_cls, pp_size)
+        )
+        names = module_names_per_stage(
+            model, layout, n, options.layer_costs, input_weight=1, output_weight=1
+        )
     elif options.num_stages is not None and options.num_stages != len(names):
-        raise ValueError(f"num_stages={options.num_stages} but {len(names)} stage lists were given")
+        raise ValueError(
+            f"num_stages={options.num_stages} but {len(names)} stage lists were given"
+        )
     on_meta = any(t.is_meta for t in model.parameters())
     _check_weights_source(on_meta, options)
     device = as_device(device)
     factory = StageFactory(model, layout, on_meta, device, options, ep_group)
     stages, parts = stage_split.pipeline_module_split(
-        model, pp_mesh_or_group, schedule_cls, device, names, prepare_part=factory, **options.stage_kwargs
+        model,
+        pp_mesh_or_group,
+        schedule_cls,
+        device,
+        names,
+        prepare_part=factory,
+        **options.stage_kwargs,
     )
     _place_weights(parts, on_meta, device, options)
     return stages, parts
@@ -121,7 +147,11 @@ def build_stages(
 
 def as_device(device: torch.device | str | int) -> torch.device:
     """``device`` as a ``torch.device`` (an int is a CUDA device index)."""
-    return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return (
+        torch.device(device)
+        if not isinstance(device, int)
+        else torch.device("cuda", device)
+    )
 
 
 def _check_weights_source(on_meta: bool, options: _config.StageOptions) -> None:
@@ -131,14 +161,23 @@ def _check_weights_source(on_meta: bool, options: _config.StageOptions) -> None:
             "to initialise them"
         )
     if options.checkpoint is not None:
-        checkpoint_entries(options.checkpoint)  # fail on a bad path before building anything
+        checkpoint_entries(
+            options.checkpoint
+        )  # fail on a bad path before building anything
 
 
-def _place_weights(parts: list[HFCausalLMStage], on_meta: bool, device: torch.device, options: _config.StageOptions) -> None:
+def _place_weights(
+    parts: list[HFCausalLMStage],
+    on_meta: bool,
+    device: torch.device,
+    options: _config.StageOptions,
+) -> None:
     """Load the stages' weights from the checkpoint, or move real ones to ``device``
     (initialised ones are there already)."""
     if options.checkpoint is not None:
         load_stage_weights(parts, options.checkpoint, device, options.dtype)
     elif not on_meta:
         for part in parts:
-            part.to(device=device, dtype=options.dtype) if options.dtype is not None else part.to(device)
+            part.to(
+                device=device, dtype=options.dtype
+            ) if options.dtype is not None else part.to(device)

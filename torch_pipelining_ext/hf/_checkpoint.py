@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from torch_pipelining_ext.hf import _compat
-from torch_pipelining_ext.hf._loading import checkpoint_entries, CheckpointKeys, read_tensors, rows, summarize_keys
+from torch_pipelining_ext.hf._loading import (
+    checkpoint_entries,
+    CheckpointKeys,
+    read_tensors,
+    rows,
+    summarize_keys,
+)
 from torch_pipelining_ext.hf._factory import state_keys
 from torch_pipelining_ext.hf._stage import HFCausalLMStage
 from torch_pipelining_ext.hf._tensors import replace, tensor_slots
@@ -49,7 +55,9 @@ class _LoadPlan:
             out.append(f"not in the model {summarize_keys(self.unexpected)}")
         if self.mismatched:
             more = "; ..." if len(self.mismatched) > 5 else ""
-            out.append(f"shape mismatches ({len(self.mismatched)}): {'; '.join(self.mismatched[:5])}{more}")
+            out.append(
+                f"shape mismatches ({len(self.mismatched)}): {'; '.join(self.mismatched[:5])}{more}"
+            )
         if self.unsupported:
             out.append(
                 f"conversions per-stage loading cannot do ({len(self.unsupported)}): {'; '.join(self.unsupported[:3])}"
@@ -63,14 +71,20 @@ class _LoadPlan:
 
 
 def load_stage_weights(
-    parts: Sequence[HFCausalLMStage], checkpoint: str | os.PathLike, device: torch.device, dtype: torch.dtype | None
+    parts: Sequence[HFCausalLMStage],
+    checkpoint: str | os.PathLike,
+    device: torch.device,
+    dtype: torch.dtype | None,
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.load_stage_weights`."""
     if not parts or not all(isinstance(p, HFCausalLMStage) for p in parts):
         raise TypeError("parts must be a non-empty sequence of HFCausalLMStage modules")
     first = parts[0]
     keys = CheckpointKeys(
-        checkpoint_entries(checkpoint), first._full_state_keys, first._layout.base + ".", first._checkpoint_conversions
+        checkpoint_entries(checkpoint),
+        first._full_state_keys,
+        first._layout.base + ".",
+        first._checkpoint_conversions,
     )
     for part in parts:
         if part._init_weights_fn is not None and any(b.is_meta for b in part.buffers()):
@@ -78,7 +92,9 @@ def load_stage_weights(
     plan = _plan(parts, keys)
     problems = plan.problems()
     if problems:
-        raise ValueError(f"cannot load {checkpoint}: " + "; ".join(problems) + ". Nothing was loaded")
+        raise ValueError(
+            f"cannot load {checkpoint}: " + "; ".join(problems) + ". Nothing was loaded"
+        )
     requests = _read_and_swap(plan, device, dtype)
     logger.info(
         "loaded %d tensors (%.1f MiB) of stages %s from %s",
@@ -92,7 +108,9 @@ def load_stage_weights(
 def _plan(parts: Sequence[HFCausalLMStage], keys: CheckpointKeys) -> _LoadPlan:
     aliases = {n: names for names, _, _ in parts[0].tied_groups for n in names}
     ignore = [re.compile(p) for p in parts[0]._ignore_unexpected]
-    plan = _LoadPlan(unexpected=[k for k in keys.unmatched if not any(p.search(k) for p in ignore)])
+    plan = _LoadPlan(
+        unexpected=[k for k in keys.unmatched if not any(p.search(k) for p in ignore)]
+    )
     for part in parts:
         persistent = state_keys(part)
         for old, places in tensor_slots(part).values():
@@ -102,7 +120,9 @@ def _plan(parts: Sequence[HFCausalLMStage], keys: CheckpointKeys) -> _LoadPlan:
                     plan.meta_left.append(places[0][3])
                 plan.tensors.append((old, places, None))
                 continue
-            key = next((a for f in fqns for a in aliases.get(f, (f,)) if keys.has(a)), None)
+            key = next(
+                (a for f in fqns for a in aliases.get(f, (f,)) if keys.has(a)), None
+            )
             if key is None:
                 plan.missing.extend(fqns)
                 continue
@@ -119,7 +139,9 @@ def _plan(parts: Sequence[HFCausalLMStage], keys: CheckpointKeys) -> _LoadPlan:
     return plan
 
 
-def _read_and_swap(plan: _LoadPlan, device: torch.device, dtype: torch.dtype | None) -> list:
+def _read_and_swap(
+    plan: _LoadPlan, device: torch.device, dtype: torch.dtype | None
+) -> list:
     """Read every planned tensor into new storage, then swap them all in;
     returns the read requests."""
     loaded = []
@@ -155,21 +177,32 @@ def _reads_for(
         entry = keys.entries[keys.direct[key]]
         if sliced:
             if entry.shape[1:] != shape[1:] or entry.shape[0] < stop:
-                return [], ("shape", f"checkpoint {list(entry.shape)} vs model experts {start}:{stop} of shape {list(shape)}")
+                return [], (
+                    "shape",
+                    f"checkpoint {list(entry.shape)} vs model experts {start}:{stop} of shape {list(shape)}",
+                )
             entry = rows(entry, start, stop)
         if entry.shape != shape:
-            return [], ("shape", f"checkpoint {list(entry.shape)} vs model {list(shape)}")
+            return [], (
+                "shape",
+                f"checkpoint {list(entry.shape)} vs model {list(shape)}",
+            )
         return [(entry, None)], None
     ops = keys.ops[key]
     if ops not in CheckpointKeys.SUPPORTED_OPS:
-        return [], ("unsupported", ' then '.join(ops))
+        return [], ("unsupported", " then ".join(ops))
     pieces = {(p.expert, p.part): p for p in keys.pieces[key]}
     num_parts = 1 + max(p.part for p in pieces.values())
     first = start
     last = stop if sliced else shape[0] + start
     if last - first != shape[0]:
         return [], ("shape", f"model holds {shape[0]} experts, expected {last - first}")
-    absent = [f"{key}[expert {e}, source {k}]" for e in range(first, last) for k in range(num_parts) if (e, k) not in pieces]
+    absent = [
+        f"{key}[expert {e}, source {k}]"
+        for e in range(first, last)
+        for k in range(num_parts)
+        if (e, k) not in pieces
+    ]
     if absent:
         return [], ("missing", absent)
     reads = []
@@ -177,13 +210,27 @@ def _reads_for(
     for k in range(num_parts):
         offsets.append(offsets[-1] + pieces[(first, k)].entry.shape[0])
     if num_parts > 1 and offsets[-1] != shape[1]:
-        return [], ("shape", f"{num_parts} stored parts of {offsets[-1]} rows vs model {list(shape)}")
+        return [], (
+            "shape",
+            f"{num_parts} stored parts of {offsets[-1]} rows vs model {list(shape)}",
+        )
     for e in range(first, last):
         for k in range(num_parts):
             entry = pieces[(e, k)].entry
-            index = (e - first,) if num_parts == 1 else (e - first, slice(offsets[k], offsets[k + 1]))
-            want = shape[1:] if num_parts == 1 else (offsets[k + 1] - offsets[k], *shape[2:])
+            index = (
+                (e - first,)
+                if num_parts == 1
+                else (e - first, slice(offsets[k], offsets[k + 1]))
+            )
+            want = (
+                shape[1:]
+                if num_parts == 1
+                else (offsets[k + 1] - offsets[k], *shape[2:])
+            )
             if entry.shape != tuple(want):
-                return [], ("shape", f"expert {e}: checkpoint {list(entry.shape)} vs model slice {list(want)}")
+                return [], (
+                    "shape",
+                    f"expert {e}: checkpoint {list(entry.shape)} vs model slice {list(want)}",
+                )
             reads.append((entry, index))
     return reads, None

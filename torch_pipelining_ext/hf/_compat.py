@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -73,7 +74,9 @@ def _parameters(fn: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def attention_mask(kind: str, config: Any, h: torch.Tensor, position_ids: torch.Tensor) -> Any:
+def attention_mask(
+    kind: str, config: Any, h: torch.Tensor, position_ids: torch.Tensor
+) -> Any:
     """The mask Hugging Face's own base-model forward builds for layers of
     attention type ``kind``, for a batch without padding or cache."""
     builder = _mask_builders().get(kind)
@@ -106,7 +109,11 @@ def layer_kind(config: Any, layer: nn.Module, index: int) -> str:
     kind = getattr(layer, "attention_type", None)
     if kind is not None:
         return kind
-    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+    return (
+        "sliding_attention"
+        if getattr(config, "sliding_window", None) is not None
+        else "full_attention"
+    )
 
 
 def rotary_takes_layer_type(rotary: nn.Module) -> bool:
@@ -152,7 +159,9 @@ def builds_buffers_on_meta() -> bool:
     return hasattr(PreTrainedModel, "named_non_persistent_buffers")
 
 
-def restore_buffers(init_weights: Callable, part: nn.Module, device: torch.device) -> None:
+def restore_buffers(
+    init_weights: Callable, part: nn.Module, device: torch.device
+) -> None:
     """Give every meta buffer of ``part`` (a split piece of a model) its
     value, with the model's own ``_init_weights`` (``init_weights``).
 
@@ -218,5 +227,7 @@ def describe_ops(converter: Any) -> tuple[str, ...]:
     out = []
     for op in converter.operations:
         dim = getattr(op, "dim", None)
-        out.append(f"{type(op).__name__}(dim={dim})" if dim is not None else type(op).__name__)
+        out.append(
+            f"{type(op).__name__}(dim={dim})" if dim is not None else type(op).__name__
+        )
     return tuple(out)

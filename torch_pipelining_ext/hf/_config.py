@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
-
 
 
 __all__: list[str] = []
@@ -36,7 +36,11 @@ class StageOptions:
     stage_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-_SPLIT_BACKWARD_SCHEDULES = ("ScheduleDualPipeV", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble")
+_SPLIT_BACKWARD_SCHEDULES = (
+    "ScheduleDualPipeV",
+    "ScheduleZBVZeroBubble",
+    "ScheduleInterleavedZeroBubble",
+)
 
 
 def check_checkpointing_schedule(mode: Any, schedule_cls: type) -> None:
@@ -59,13 +63,19 @@ def pp_and_ep(mesh_or_group: Any, ep_group: Any) -> tuple[Any, Any]:
     if isinstance(mesh_or_group, DeviceMesh) and mesh_or_group.ndim == 2:
         names = mesh_or_group.mesh_dim_names or ()
         if set(names) != {"pp", "ep"}:
-            raise ValueError(f"a 2-D mesh must have the dimensions ('pp', 'ep'), got {names}")
+            raise ValueError(
+                f"a 2-D mesh must have the dimensions ('pp', 'ep'), got {names}"
+            )
         if ep_group is not None:
-            raise ValueError("ep_group given twice: as the 'ep' dimension of the mesh and as ep_group")
+            raise ValueError(
+                "ep_group given twice: as the 'ep' dimension of the mesh and as ep_group"
+            )
         return mesh_or_group["pp"], mesh_or_group["ep"].get_group()
     if isinstance(ep_group, DeviceMesh):
         if ep_group.ndim != 1:
-            raise ValueError(f"ep_group must be a 1-D mesh, got {ep_group.ndim} dimensions")
+            raise ValueError(
+                f"ep_group must be a 1-D mesh, got {ep_group.ndim} dimensions"
+            )
         ep_group = ep_group.get_group()
     return mesh_or_group, ep_group
 

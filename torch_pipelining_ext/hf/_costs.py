@@ -24,7 +24,10 @@ def layer_costs(model: nn.Module, layout: DecoderLayout) -> list[float]:
     """The parameters a token goes through in each layer (for MoE layers
     only ``top_k`` of the routed experts), relative to the cheapest layer."""
     top_k = getattr(model.config, "num_experts_per_tok", None)
-    costs = [_layer_cost(layer, model.config, top_k) for layer in model.get_submodule(layout.layers_prefix)]
+    costs = [
+        _layer_cost(layer, model.config, top_k)
+        for layer in model.get_submodule(layout.layers_prefix)
+    ]
     low = min((c for c in costs if c > 0), default=1.0)
     return [c / low for c in costs]
 
@@ -35,14 +38,20 @@ def _layer_cost(layer: nn.Module, config: Any, top_k: int | None) -> float:
     for name, mod in layer.named_modules():
         if name.rsplit(".", 1)[-1] != "experts" or not top_k:
             continue
-        num_experts = len(mod) if isinstance(mod, nn.ModuleList) else _num_fused_experts(mod, config)
+        num_experts = (
+            len(mod)
+            if isinstance(mod, nn.ModuleList)
+            else _num_fused_experts(mod, config)
+        )
         if not num_experts:
             continue
         share = min(1.0, top_k / num_experts)
         for p in mod.parameters():
             expert_params.add(id(p))
             total += p.numel() * share
-    return total + sum(p.numel() for p in layer.parameters() if id(p) not in expert_params)
+    return total + sum(
+        p.numel() for p in layer.parameters() if id(p) not in expert_params
+    )
 
 
 def _num_fused_experts(experts: nn.Module, config: Any) -> int:
@@ -50,7 +59,14 @@ def _num_fused_experts(experts: nn.Module, config: Any) -> int:
     module's or the config's expert count, checked against its parameters."""
     n = getattr(experts, "num_experts", None)
     if not isinstance(n, int):
-        n = next((getattr(config, a) for a in _NUM_EXPERTS_ATTRS if isinstance(getattr(config, a, None), int)), 0)
+        n = next(
+            (
+                getattr(config, a)
+                for a in _NUM_EXPERTS_ATTRS
+                if isinstance(getattr(config, a, None), int)
+            ),
+            0,
+        )
     params = list(experts.parameters(recurse=False))
     if n and params and all(p.dim() >= 2 and p.shape[0] == n for p in params):
         return n
@@ -69,7 +85,9 @@ def module_names_per_stage(
     (``"auto"``: :func:`layer_costs`)."""
     if isinstance(costs, str):
         if costs != "auto":
-            raise ValueError(f"layer_costs must be 'auto', None or a sequence of numbers, got {costs!r}")
+            raise ValueError(
+                f"layer_costs must be 'auto', None or a sequence of numbers, got {costs!r}"
+            )
         costs = layer_costs(model, layout)
     return stage_split.generate_module_names_per_stage(
         num_stages,

@@ -66,7 +66,9 @@ class ExpertParallelTransport:
     with :func:`torch.distributed.all_to_all_single`; subclass it and install
     it with :func:`torch_pipelining_ext.hf.set_expert_parallel_transport`."""
 
-    def counts(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def counts(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
         """Exchange the per-expert slot counts (equal splits, one block per rank)."""
         dist.all_to_all_single(output, input, group=group)
 
@@ -80,7 +82,9 @@ class ExpertParallelTransport:
     ) -> None:
         """Exchange token rows (dispatch or combine, forward or backward) with
         the given split sizes; ``input`` is contiguous."""
-        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+        dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group
+        )
 
 
 class _TransportSlot:
@@ -96,13 +100,21 @@ _slot = _TransportSlot()
 def set_transport(transport: ExpertParallelTransport | None) -> ExpertParallelTransport:
     """Install ``transport`` (``None``: the default); returns the one it replaces."""
     if transport is not None and not isinstance(transport, ExpertParallelTransport):
-        raise TypeError(f"transport must be an ExpertParallelTransport or None, got {type(transport).__name__}")
+        raise TypeError(
+            f"transport must be an ExpertParallelTransport or None, got {type(transport).__name__}"
+        )
     previous = _slot.transport
     _slot.transport = transport if transport is not None else ExpertParallelTransport()
     return previous
 
 
-def _exchange(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> None:
+def _exchange(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+) -> None:
     _slot.transport.tokens(out, x.contiguous(), out_splits, in_splits, group)
 
 
@@ -110,7 +122,9 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with split sizes; its backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+    ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         _exchange(out, x, out_splits, in_splits, group)
@@ -157,7 +171,12 @@ def fused_experts_problem(module: nn.Module, hidden_size: int) -> str | None:
     if set(params) != {"gate_up_proj", "down_proj"}:
         return f"parameters {sorted(params)}, expected exactly gate_up_proj and down_proj (no biases)"
     gate_up, down = params["gate_up_proj"], params["down_proj"]
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[2] != hidden_size or down.shape[1] != hidden_size:
+    if (
+        gate_up.dim() != 3
+        or down.dim() != 3
+        or gate_up.shape[2] != hidden_size
+        or down.shape[1] != hidden_size
+    ):
         return f"gate_up_proj {list(gate_up.shape)} / down_proj {list(down.shape)} are not [E, 2I, H] / [E, H, I]"
     if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2]:
         return f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} do not match"
@@ -169,7 +188,9 @@ def fused_experts_problem(module: nn.Module, hidden_size: int) -> str | None:
     return None
 
 
-def shard_experts(part: nn.Module, group: Any, config: Any, layers_prefix: str) -> list[str]:
+def shard_experts(
+    part: nn.Module, group: Any, config: Any, layers_prefix: str
+) -> list[str]:
     """Give every fused experts module of ``part`` this rank's experts and
     the expert-parallel forward; returns their FQNs.  Records each sharded
     parameter's expert range in ``part.expert_ranges`` (what the loader
@@ -177,21 +198,29 @@ def shard_experts(part: nn.Module, group: Any, config: Any, layers_prefix: str) 
     hidden_size = config.hidden_size
     done = []
     for fqn, module in list(part.named_modules()):
-        if fqn.rsplit(".", 1)[-1] != "experts" or not fqn.startswith(layers_prefix + "."):
+        if fqn.rsplit(".", 1)[-1] != "experts" or not fqn.startswith(
+            layers_prefix + "."
+        ):
             continue
         if isinstance(module, nn.ModuleList):
             raise ValueError(
                 f"{fqn} holds its experts as separate modules (transformers 4.x): expert parallelism needs the fused "
                 "experts of transformers 5.x"
             )
-        problem = fused_experts_problem(module, hidden_size) or formula_problem(module, config)
+        problem = fused_experts_problem(module, hidden_size) or formula_problem(
+            module, config
+        )
         if problem is not None:
-            raise ValueError(f"{fqn} ({type(module).__name__}) cannot be expert-parallel: {problem}")
+            raise ValueError(
+                f"{fqn} ({type(module).__name__}) cannot be expert-parallel: {problem}"
+            )
         shard = ExpertShard(fqn, group, module.gate_up_proj.shape[0])
         for name in ("gate_up_proj", "down_proj"):
             old = getattr(module, name)
             if old.is_meta:
-                new = torch.empty((shard.local, *old.shape[1:]), dtype=old.dtype, device="meta")
+                new = torch.empty(
+                    (shard.local, *old.shape[1:]), dtype=old.dtype, device="meta"
+                )
             else:
                 new = old.detach()[shard.start : shard.stop].clone()
             setattr(module, name, nn.Parameter(new, requires_grad=old.requires_grad))
@@ -199,27 +228,47 @@ def shard_experts(part: nn.Module, group: Any, config: Any, layers_prefix: str) 
         module._expert_shard = shard
         module.forward = types.MethodType(_expert_parallel_forward, module)
         done.append(fqn)
-    logger.debug("expert-parallel experts %s: rank %d of %d", done, dist.get_rank(group), dist.get_world_size(group))
+    logger.debug(
+        "expert-parallel experts %s: rank %d of %d",
+        done,
+        dist.get_rank(group),
+        dist.get_world_size(group),
+    )
     return done
 
 
-def _slots(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _slots(
+    top_k_index: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order of the token-expert slots sorted by expert, token of each
     sorted slot, slots per expert)."""
     flat = top_k_index.reshape(-1)
     order = flat.argsort(stable=True)
-    return order, order // top_k_index.shape[-1], torch.bincount(flat, minlength=num_experts)
+    return (
+        order,
+        order // top_k_index.shape[-1],
+        torch.bincount(flat, minlength=num_experts),
+    )
 
 
 def _add_slots(
-    hidden_states: torch.Tensor, out: torch.Tensor, order: torch.Tensor, token_of_slot: torch.Tensor, top_k_weights
+    hidden_states: torch.Tensor,
+    out: torch.Tensor,
+    order: torch.Tensor,
+    token_of_slot: torch.Tensor,
+    top_k_weights,
 ) -> torch.Tensor:
     weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(hidden_states).index_add(0, token_of_slot, weighted.to(hidden_states.dtype))
+    return torch.zeros_like(hidden_states).index_add(
+        0, token_of_slot, weighted.to(hidden_states.dtype)
+    )
 
 
 def _expert_parallel_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """See ``[Note: HF expert parallelism]``."""
     shard: ExpertShard = self._expert_shard
@@ -237,7 +286,9 @@ def _expert_parallel_forward(
 
     out = local_experts(self, received, recv_counts)
 
-    back = ep_overlap.combine_end(_AllToAll.apply(ep_overlap.combine_begin(out), send, recv, shard.group))
+    back = ep_overlap.combine_end(
+        _AllToAll.apply(ep_overlap.combine_begin(out), send, recv, shard.group)
+    )
     return _add_slots(hidden_states, back, order, token_of_slot, top_k_weights)
 
 
@@ -272,15 +323,23 @@ def formula_problem(module: nn.Module, config: Any) -> str | None:
             hf_logging.set_verbosity(verbosity)
         with torch.no_grad():
             order, token_of_slot, counts = _slots(idx, num_experts)
-            out = local_experts(tiny, h.index_select(0, token_of_slot), counts.view(1, num_experts))
+            out = local_experts(
+                tiny, h.index_select(0, token_of_slot), counts.view(1, num_experts)
+            )
             got = _add_slots(h, out, order, token_of_slot, w)
         diff = (got - want).abs().max().item()
         ok = torch.allclose(got, want, rtol=1e-4, atol=1e-5)
-        _formula_checked[cls] = None if ok else f"its forward computes something else (max |difference| {diff:.3g})"
+        _formula_checked[cls] = (
+            None
+            if ok
+            else f"its forward computes something else (max |difference| {diff:.3g})"
+        )
     return _formula_checked[cls]
 
 
-def local_experts(module: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def local_experts(
+    module: nn.Module, tokens: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """The local experts on ``tokens`` (grouped by source rank, then local
     expert; ``counts`` [sources, local experts]), in the same order."""
     local = counts.shape[1]
@@ -304,4 +363,9 @@ def is_expert_parameter(part: nn.Module, fqn: str) -> bool:
 
 def sharded_experts(parts: Any) -> list[tuple[nn.Module, ExpertShard]]:
     """Every experts module of ``parts`` that :func:`shard_experts` sharded, with its shard."""
-    return [(m, m._expert_shard) for part in parts for m in part.modules() if hasattr(m, "_expert_shard")]
+    return [
+        (m, m._expert_shard)
+        for part in parts
+        for m in part.modules()
+        if hasattr(m, "_expert_shard")
+    ]

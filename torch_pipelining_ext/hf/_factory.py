@@ -32,7 +32,11 @@ def tied_groups(model: nn.Module) -> list[TiedGroup]:
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
         tensors[id(p)] = p
-    return [(tuple(names), tensors[i].shape, tensors[i].dtype) for i, names in by_id.items() if len(names) > 1]
+    return [
+        (tuple(names), tensors[i].shape, tensors[i].dtype)
+        for i, names in by_id.items()
+        if len(names) > 1
+    ]
 
 
 def state_keys(model: nn.Module) -> frozenset[str]:
@@ -68,8 +72,14 @@ class StageFactory:
         self.config = model.config
         self.tied_groups = tied_groups(model)
         self.full_state_keys = state_keys(model)
-        self.ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-        self.conversions = _compat.conversion_mapping(model) if options.checkpoint is not None else None
+        self.ignore_unexpected = list(
+            getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+        )
+        self.conversions = (
+            _compat.conversion_mapping(model)
+            if options.checkpoint is not None
+            else None
+        )
 
     def __call__(self, part: nn.Module, stage_id: int, num_stages: int) -> nn.Module:
         if self.options.checkpoint is None and self.on_meta:

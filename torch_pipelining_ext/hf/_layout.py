@@ -80,7 +80,11 @@ class DecoderLayout:
 
     @property
     def input_modules(self) -> list[str]:
-        return [self.fqn(n) for n in (self.embed, self.pos_embed, self.embed_dropout) if n is not None]
+        return [
+            self.fqn(n)
+            for n in (self.embed, self.pos_embed, self.embed_dropout)
+            if n is not None
+        ]
 
     @property
     def output_modules(self) -> list[str]:
@@ -105,7 +109,9 @@ def _child_name(parent: nn.Module, child: nn.Module | None) -> str | None:
 
 
 def _is_rotary(name: str, module: nn.Module) -> bool:
-    return not _owns_parameters(module) and ("rotary" in name.lower() or "inv_freq" in module._buffers)
+    return not _owns_parameters(module) and (
+        "rotary" in name.lower() or "inv_freq" in module._buffers
+    )
 
 
 def _unsupported(model: nn.Module, what: str) -> ValueError:
@@ -131,34 +137,49 @@ def _base_model(model: nn.Module) -> tuple[str, nn.Module]:
         # PreTrainedModel is the base model
         from transformers import PreTrainedModel
 
-        found = [(n, m) for n, m in model._modules.items() if isinstance(m, PreTrainedModel)]
+        found = [
+            (n, m) for n, m in model._modules.items() if isinstance(m, PreTrainedModel)
+        ]
         if len(found) == 1:
             return found[0]
     if base is None:
         raise _unsupported(
-            model, f"it has no base model submodule (base_model_prefix is {prefix!r}, children {list(model._modules)})"
+            model,
+            f"it has no base model submodule (base_model_prefix is {prefix!r}, children {list(model._modules)})",
         )
     return prefix, base
 
 
 def _head_name(model: nn.Module) -> str:
-    plan = getattr(model, "_pp_plan", None) or getattr(type(model), "_pp_plan", None) or {}
+    plan = (
+        getattr(model, "_pp_plan", None) or getattr(type(model), "_pp_plan", None) or {}
+    )
     for name, (_, outputs) in plan.items():
-        if list(outputs) == ["logits"] and isinstance(model._modules.get(name), nn.Module):
+        if list(outputs) == ["logits"] and isinstance(
+            model._modules.get(name), nn.Module
+        ):
             return name
     getter = getattr(model, "get_output_embeddings", None)
     name = _child_name(model, getter() if callable(getter) else None)
     if name is None:
-        raise _unsupported(model, "no output head found (no '_pp_plan' entry producing logits, no output embeddings)")
+        raise _unsupported(
+            model,
+            "no output head found (no '_pp_plan' entry producing logits, no output embeddings)",
+        )
     return name
 
 
-def _from_pp_plan(model: nn.Module, base_name: str, base: nn.Module, plan: dict) -> DecoderLayout:
+def _from_pp_plan(
+    model: nn.Module, base_name: str, base: nn.Module, plan: dict
+) -> DecoderLayout:
     embed = layers = norm = None
     for name, (inputs, outputs) in plan.items():
         module = base._modules.get(name)
         if module is None:
-            raise _unsupported(model, f"base_model_pp_plan names {name!r}, which {base_name!r} does not have")
+            raise _unsupported(
+                model,
+                f"base_model_pp_plan names {name!r}, which {base_name!r} does not have",
+            )
         if list(inputs) == ["input_ids"]:
             embed = name
         elif isinstance(module, nn.ModuleList):
@@ -168,7 +189,9 @@ def _from_pp_plan(model: nn.Module, base_name: str, base: nn.Module, plan: dict)
     found = (("token embedding", embed), ("layer list", layers), ("final norm", norm))
     missing = [what for what, v in found if v is None]
     if missing:
-        raise _unsupported(model, f"base_model_pp_plan {plan} has no {', no '.join(missing)}")
+        raise _unsupported(
+            model, f"base_model_pp_plan {plan} has no {', no '.join(missing)}"
+        )
     rotaries = []
     for name, module in base._modules.items():
         if name in plan or module is None:
@@ -176,7 +199,10 @@ def _from_pp_plan(model: nn.Module, base_name: str, base: nn.Module, plan: dict)
         if _is_rotary(name, module):
             rotaries.append(name)
         elif _owns_parameters(module):
-            raise _unsupported(model, f"{base_name}.{name} holds parameters but is not in base_model_pp_plan")
+            raise _unsupported(
+                model,
+                f"{base_name}.{name} holds parameters but is not in base_model_pp_plan",
+            )
     return DecoderLayout(
         base=base_name,
         embed=embed,
@@ -195,8 +221,14 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
     getter = getattr(model, "get_input_embeddings", None)
     embed = _child_name(base, getter() if callable(getter) else None)
     if embed is None:
-        raise _unsupported(model, f"no token embedding found among the children of {base_name!r}")
-    lists = [n for n, m in base._modules.items() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
+        raise _unsupported(
+            model, f"no token embedding found among the children of {base_name!r}"
+        )
+    lists = [
+        n
+        for n, m in base._modules.items()
+        if isinstance(m, nn.ModuleList) and len(m) == num_layers
+    ]
     if len(lists) != 1:
         raise _unsupported(
             model,
@@ -214,7 +246,9 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
             continue
         if isinstance(module, nn.Embedding):
             if pos_embed is not None:
-                raise _unsupported(model, f"two position embeddings {pos_embed!r} and {name!r}")
+                raise _unsupported(
+                    model, f"two position embeddings {pos_embed!r} and {name!r}"
+                )
             pos_embed = name
         elif isinstance(module, nn.Dropout):
             dropout = name
@@ -222,7 +256,8 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
             rotaries.append(name)
         elif _owns_parameters(module):
             raise _unsupported(
-                model, f"{base_name}.{name} ({type(module).__name__}) before the layers is not understood"
+                model,
+                f"{base_name}.{name} ({type(module).__name__}) before the layers is not understood",
             )
     for name in after:
         module = base._modules[name]
@@ -234,7 +269,8 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
             norms.append(name)
     if len(norms) != 1:
         raise _unsupported(
-            model, f"expected one final norm after {base_name}.{layers}, found {norms or 'none'}"
+            model,
+            f"expected one final norm after {base_name}.{layers}, found {norms or 'none'}",
         )
     return DecoderLayout(
         base=base_name,
@@ -255,13 +291,26 @@ def detect_layout(model: nn.Module) -> DecoderLayout:
     ``ValueError`` naming what is missing."""
     config = getattr(model, "config", None)
     if config is None:
-        raise _unsupported(model, "it has no .config (not a transformers PreTrainedModel?)")
+        raise _unsupported(
+            model, "it has no .config (not a transformers PreTrainedModel?)"
+        )
     base_name, base = _base_model(model)
     plan = getattr(config, "base_model_pp_plan", None)
-    layout = _from_pp_plan(model, base_name, base, plan) if plan else _detected(model, base_name, base)
+    layout = (
+        _from_pp_plan(model, base_name, base, plan)
+        if plan
+        else _detected(model, base_name, base)
+    )
     for name, module in model._modules.items():
-        if name not in (layout.base, layout.head) and module is not None and _owns_parameters(module):
-            raise _unsupported(model, f"{name!r} holds parameters and is neither the base model nor the head")
+        if (
+            name not in (layout.base, layout.head)
+            and module is not None
+            and _owns_parameters(module)
+        ):
+            raise _unsupported(
+                model,
+                f"{name!r} holds parameters and is neither the base model nor the head",
+            )
     if any(p is not None for p in model._parameters.values()):
         raise _unsupported(model, f"parameters on the root ({list(model._parameters)})")
     logger.debug("%s layout (%s): %s", type(model).__name__, layout.source, layout)

@@ -62,7 +62,9 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{file} is not a safetensors file (shorter than its 8-byte header length)")
+            raise ValueError(
+                f"{file} is not a safetensors file (shorter than its 8-byte header length)"
+            )
         (n,) = struct.unpack("<Q", raw)
         if n > 100 * 1024 * 1024:
             raise ValueError(f"{file} is not a safetensors file (header length {n})")
@@ -74,9 +76,13 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
             continue
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
-            raise ValueError(f"{file}: tensor {key!r} has dtype {info['dtype']}, which this torch cannot hold")
+            raise ValueError(
+                f"{file}: tensor {key!r} has dtype {info['dtype']}, which this torch cannot hold"
+            )
         start, end = info["data_offsets"]
-        out[key] = TensorEntry(file, dtype, tuple(info["shape"]), data_start + start, end - start)
+        out[key] = TensorEntry(
+            file, dtype, tuple(info["shape"]), data_start + start, end - start
+        )
     return out
 
 
@@ -95,7 +101,9 @@ def checkpoint_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
             path = path / SINGLE_FILE
         else:
             found = sorted(p.name for p in path.iterdir())[:10]
-            raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE} (it has {found})")
+            raise FileNotFoundError(
+                f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE} (it has {found})"
+            )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if path.name.endswith(".json"):
@@ -104,12 +112,17 @@ def checkpoint_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
             raise ValueError(f"{path} has no 'weight_map'")
         entries: dict[str, TensorEntry] = {}
         for file in sorted(set(weight_map.values())):
-            for key, entry in read_header(path.parent / file).items():
-                if weight_map.get(key) == file:
-                    entries[key] = entry
+            header = read_header(path.parent / file)
+            entries.update(
+                (key, entry)
+                for key, entry in header.items()
+                if weight_map.get(key) == file
+            )
         listed_only = sorted(set(weight_map) - set(entries))
         if listed_only:
-            raise ValueError(f"{path} lists tensors its files do not hold: {listed_only[:10]}")
+            raise ValueError(
+                f"{path} lists tensors its files do not hold: {listed_only[:10]}"
+            )
         return entries
     return read_header(path)
 
@@ -126,7 +139,9 @@ def read_tensor(f, entry: TensorEntry, out: torch.Tensor) -> None:
     while done < entry.nbytes:
         n = f.readinto(view[done:])
         if not n:
-            raise OSError(f"{entry.file}: file ends inside a tensor (read {done} of {entry.nbytes} bytes)")
+            raise OSError(
+                f"{entry.file}: file ends inside a tensor (read {done} of {entry.nbytes} bytes)"
+            )
         done += n
 
 
@@ -140,17 +155,34 @@ def read_tensors(requests: list[tuple[TensorEntry, torch.Tensor]]) -> None:
         items.sort(key=lambda it: it[0].offset)
         with open(file, "rb", buffering=0) as f:
             for entry, out in items:
-                if out.dtype != entry.dtype or out.device.type != "cpu" or not out.is_contiguous():
-                    raise AssertionError("internal error: read destination must be a contiguous CPU tensor")
+                if (
+                    out.dtype != entry.dtype
+                    or out.device.type != "cpu"
+                    or not out.is_contiguous()
+                ):
+                    raise AssertionError(
+                        "internal error: read destination must be a contiguous CPU tensor"
+                    )
                 read_tensor(f, entry, out)
-        logger.debug("read %d tensors (%d bytes) from %s", len(items), sum(e.nbytes for e, _ in items), file)
+        logger.debug(
+            "read %d tensors (%d bytes) from %s",
+            len(items),
+            sum(e.nbytes for e, _ in items),
+            file,
+        )
 
 
 def rows(entry: TensorEntry, start: int, stop: int) -> TensorEntry:
     """The rows ``start:stop`` (first dimension) of a stored tensor: a
     contiguous byte range of the same file."""
     per_row = entry.nbytes // entry.shape[0]
-    return TensorEntry(entry.file, entry.dtype, (stop - start, *entry.shape[1:]), entry.offset + start * per_row, (stop - start) * per_row)
+    return TensorEntry(
+        entry.file,
+        entry.dtype,
+        (stop - start, *entry.shape[1:]),
+        entry.offset + start * per_row,
+        (stop - start) * per_row,
+    )
 
 
 def summarize_keys(keys: list[str], first: int = 5, patterns: int = 5) -> str:
@@ -166,7 +198,9 @@ def summarize_keys(keys: list[str], first: int = 5, patterns: int = 5) -> str:
     common = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:patterns]
     shown = ", ".join(map(repr, keys[:first]))
     pats = ", ".join(f"{p!r} x{n}" for p, n in common)
-    more = f" and {len(counts) - patterns} more patterns" if len(counts) > patterns else ""
+    more = (
+        f" and {len(counts) - patterns} more patterns" if len(counts) > patterns else ""
+    )
     return f"({len(keys)}): {shown}, ...; patterns: {pats}{more}"
 
 
@@ -196,9 +230,18 @@ class CheckpointKeys:
     tensor then fills its slice of the fused parameter directly.
     """
 
-    SUPPORTED_OPS = (("MergeModulelist(dim=0)",), ("MergeModulelist(dim=0)", "Concatenate(dim=1)"))
+    SUPPORTED_OPS = (
+        ("MergeModulelist(dim=0)",),
+        ("MergeModulelist(dim=0)", "Concatenate(dim=1)"),
+    )
 
-    def __init__(self, entries: dict[str, TensorEntry], model_keys: frozenset[str], prefix: str, conversions) -> None:
+    def __init__(
+        self,
+        entries: dict[str, TensorEntry],
+        model_keys: frozenset[str],
+        prefix: str,
+        conversions,
+    ) -> None:
         from torch_pipelining_ext.hf._compat import describe_ops
 
         self.entries = entries
@@ -231,10 +274,14 @@ class CheckpointKeys:
                     continue
                 found = in_model(target)
                 index = conv.source_patterns.index(pattern)
-                originals = getattr(conv, "_original_source_patterns", conv.source_patterns)
+                originals = getattr(
+                    conv, "_original_source_patterns", conv.source_patterns
+                )
                 number = _expert_number(originals[index], renamed)
                 if found is not None and number is not None:
-                    self.pieces.setdefault(found, []).append(Piece(key, entry, number, index))
+                    self.pieces.setdefault(found, []).append(
+                        Piece(key, entry, number, index)
+                    )
                     self.ops[found] = describe_ops(conv)
                     matched = True
                 break  # at most one converter applies to a key, as in transformers

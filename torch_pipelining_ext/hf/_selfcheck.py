@@ -75,17 +75,26 @@ def tiny_config(config: Any) -> Any:
         if isinstance(values.get(name), int):
             values[name] = value
     if isinstance(values.get("num_key_value_heads"), int):
-        values["num_key_value_heads"] = 2 if config.num_key_value_heads < config.num_attention_heads else 4
+        values["num_key_value_heads"] = (
+            2 if config.num_key_value_heads < config.num_attention_heads else 4
+        )
     for name in _EXPERTS:
         experts = values.get(name)
         if isinstance(experts, int) and experts > 0:
             experts = values[name] = min(experts, 8)
             if isinstance(values.get("num_experts_per_tok"), int):
-                values["num_experts_per_tok"] = min(values["num_experts_per_tok"], 2, experts)
+                values["num_experts_per_tok"] = min(
+                    values["num_experts_per_tok"], 2, experts
+                )
             if isinstance(values.get("n_group"), int) and values["n_group"] > 1:
                 values["n_group"] = 2 if experts % 2 == 0 else 1
-                values["topk_group"] = min(values.get("topk_group") or 1, values["n_group"])
-    if isinstance(values.get("n_shared_experts"), int) and values["n_shared_experts"] > 1:
+                values["topk_group"] = min(
+                    values.get("topk_group") or 1, values["n_group"]
+                )
+    if (
+        isinstance(values.get("n_shared_experts"), int)
+        and values["n_shared_experts"] > 1
+    ):
         values["n_shared_experts"] = 1
     if isinstance(values.get("sliding_window"), int) and values["sliding_window"] > 0:
         values["sliding_window"] = min(values["sliding_window"], SEQ // 2)
@@ -108,7 +117,12 @@ def _shrink_layers(values: dict, config: Any) -> None:
     if types:
         while keep < len(types) and set(types[:keep]) != set(types):
             keep += 1
-    for name in ("first_k_dense_replace", "max_window_layers", "full_attention_interval", "decoder_sparse_step"):
+    for name in (
+        "first_k_dense_replace",
+        "max_window_layers",
+        "full_attention_interval",
+        "decoder_sparse_step",
+    ):
         value = getattr(config, name, None)
         if isinstance(value, int) and 0 < value < n:
             keep = max(keep, value + 1)
@@ -136,7 +150,7 @@ def check_stages_match(config: Any) -> float:
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
             ids = torch.randint(0, cfg.vocab_size, (2, SEQ))
-    except Exception as e:  # noqa: BLE001 - any failure means nothing was verified
+    except Exception as e:
         raise ValueError(
             f"model type {model_type!r} is not verified for pipeline stages and the self-check could not build a "
             f"tiny model of it ({type(e).__name__}: {e}); its stages cannot be checked, so they are refused"
@@ -152,7 +166,12 @@ def check_stages_match(config: Any) -> float:
             f"config of this type (max |logit difference| {diff:.3g}, logits up to {scale:.3g}); its forward does "
             "something the stage forward does not, so it is refused (verified types need no check)"
         )
-    logger.debug("self-check of %r: %d layers, max |diff| %.3g", model_type, cfg.num_hidden_layers, diff)
+    logger.debug(
+        "self-check of %r: %d layers, max |diff| %.3g",
+        model_type,
+        cfg.num_hidden_layers,
+        diff,
+    )
     return diff
 
 
@@ -161,10 +180,14 @@ def _chain_stages(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     stages), run one after the other in this process."""
     layout = detect_layout(model)
     n = max(2, min(4, layout.num_layers))
-    names = module_names_per_stage(model, layout, n, None, input_weight=1, output_weight=1)
+    names = module_names_per_stage(
+        model, layout, n, None, input_weight=1, output_weight=1
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ties split across stages
-        parts = [stage_split.build_stage_module(model, stage_names) for stage_names in names]
+        parts = [
+            stage_split.build_stage_module(model, stage_names) for stage_names in names
+        ]
     h = ids
     for i, part in enumerate(parts):
         h = HFCausalLMStage(part, layout, i, n)(h)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -80,7 +81,9 @@ class HFCausalLMStage(nn.Module):
     ) -> None:
         super().__init__()
         if any(p is not None for p in part._parameters.values()):
-            raise ValueError(f"{type(part).__name__} holds parameters on its root; they cannot be placed")
+            raise ValueError(
+                f"{type(part).__name__} holds parameters on its root; they cannot be placed"
+            )
         for name, child in part._modules.items():
             if child is not None:
                 self.add_module(name, child)
@@ -99,7 +102,9 @@ class HFCausalLMStage(nn.Module):
         self._layer_args: dict[type, frozenset[str]] = {}
         self._checkpoint_context: Any = None  # set by set_activation_checkpointing
         base = part._modules.get(layout.base)
-        self._embedding_normalizer = _compat.embedding_normalizer(base) if base is not None else None
+        self._embedding_normalizer = (
+            _compat.embedding_normalizer(base) if base is not None else None
+        )
         self._check_placement()
 
     @property
@@ -119,9 +124,13 @@ class HFCausalLMStage(nn.Module):
         container = self._base_child(self._layout.layers)
         if container is None:
             return []
-        return [(int(name), m) for name, m in container._modules.items() if m is not None]
+        return [
+            (int(name), m) for name, m in container._modules.items() if m is not None
+        ]
 
-    def set_activation_checkpointing(self, mode: str | Callable | Sequence | None) -> None:
+    def set_activation_checkpointing(
+        self, mode: str | Callable | Sequence | None
+    ) -> None:
         """Recompute each decoder layer in backward (non-reentrant
         ``torch.utils.checkpoint``).
 
@@ -134,10 +143,14 @@ class HFCausalLMStage(nn.Module):
         """
         if mode is None or mode == "full":
             self._checkpoint_context = mode
-        elif callable(mode) or (isinstance(mode, Sequence) and not isinstance(mode, str)):
+        elif callable(mode) or (
+            isinstance(mode, Sequence) and not isinstance(mode, str)
+        ):
             from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-            self._checkpoint_context = functools.partial(create_selective_checkpoint_contexts, mode)
+            self._checkpoint_context = functools.partial(
+                create_selective_checkpoint_contexts, mode
+            )
         else:
             raise ValueError(
                 f"activation_checkpointing must be None, 'full', a policy function or a sequence of ops, got {mode!r}"
@@ -148,13 +161,17 @@ class HFCausalLMStage(nn.Module):
         where = f"stage {self.stage_index} of {self.num_stages}"
         rules = [(lay.fqn(lay.embed), self._base_child(lay.embed), "first")]
         if lay.pos_embed is not None:
-            rules.append((lay.fqn(lay.pos_embed), self._base_child(lay.pos_embed), "first"))
+            rules.append(
+                (lay.fqn(lay.pos_embed), self._base_child(lay.pos_embed), "first")
+            )
         rules.append((lay.fqn(lay.norm), self._base_child(lay.norm), "last"))
         rules.append((lay.head, self._modules.get(lay.head), "last"))
         for fqn, module, role in rules:
             wanted = self.is_first if role == "first" else self.is_last
             if wanted and module is None:
-                raise ValueError(f"{where} must hold {fqn!r}: the stage forward needs it there")
+                raise ValueError(
+                    f"{where} must hold {fqn!r}: the stage forward needs it there"
+                )
             if not wanted and module is not None:
                 raise ValueError(
                     f"{where} holds {fqn!r}, which only the {role} stage can run "
@@ -167,7 +184,9 @@ class HFCausalLMStage(nn.Module):
                     "(it holds no parameters)"
                 )
 
-    def _call_layer(self, index: int, layer: nn.Module, h: torch.Tensor, available: dict[str, Any]) -> torch.Tensor:
+    def _call_layer(
+        self, index: int, layer: nn.Module, h: torch.Tensor, available: dict[str, Any]
+    ) -> torch.Tensor:
         names = self._layer_args.get(type(layer))
         if names is None:
             names = frozenset(inspect.signature(layer.forward).parameters)
@@ -179,11 +198,17 @@ class HFCausalLMStage(nn.Module):
         else:
             from torch.utils.checkpoint import checkpoint
 
-            extra = {} if self._checkpoint_context == "full" else {"context_fn": self._checkpoint_context}
+            extra = (
+                {}
+                if self._checkpoint_context == "full"
+                else {"context_fn": self._checkpoint_context}
+            )
             out = checkpoint(layer, h, use_reentrant=False, **kwargs, **extra)
         return out[0] if isinstance(out, tuple) else out
 
-    def _position_embeddings(self, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict:
+    def _position_embeddings(
+        self, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]
+    ) -> dict:
         """Rotary tables by attention type: ``{kind: {argument name: table}}``."""
         tables: dict[str, dict[str, Any]] = {kind: {} for kind in kinds}
         for name in self._layout.rotaries:
@@ -194,7 +219,11 @@ class HFCausalLMStage(nn.Module):
                 continue
             # Gemma3 on 4.57: ``rotary_emb`` (global) and ``rotary_emb_local``
             suffix = name.removeprefix("rotary_emb").strip("_")
-            keys = [f"position_embeddings_{suffix}"] if suffix else ["position_embeddings", "position_embeddings_global"]
+            keys = (
+                [f"position_embeddings_{suffix}"]
+                if suffix
+                else ["position_embeddings", "position_embeddings_global"]
+            )
             table = rotary(h, position_ids)
             for kind in kinds:
                 tables[kind].update(dict.fromkeys(keys, table))
@@ -205,7 +234,9 @@ class HFCausalLMStage(nn.Module):
         lay = self._layout
         if self.is_first:
             if x.is_floating_point():
-                raise TypeError(f"the first stage takes token ids, got a {x.dtype} tensor")
+                raise TypeError(
+                    f"the first stage takes token ids, got a {x.dtype} tensor"
+                )
             h = self._base_child(lay.embed)(x)
             if self._embedding_normalizer is not None:
                 # in the embeddings' dtype, as the model's own forward rounds it
@@ -221,9 +252,15 @@ class HFCausalLMStage(nn.Module):
                 h = self._base_child(lay.embed_dropout)(h)
         layers = self._layers()
         if layers:
-            kinds = {index: _compat.layer_kind(self.config, layer, index) for index, layer in layers}
+            kinds = {
+                index: _compat.layer_kind(self.config, layer, index)
+                for index, layer in layers
+            }
             tables = self._position_embeddings(h, position_ids, set(kinds.values()))
-            masks = {k: _compat.attention_mask(k, self.config, h, position_ids) for k in set(kinds.values())}
+            masks = {
+                k: _compat.attention_mask(k, self.config, h, position_ids)
+                for k in set(kinds.values())
+            }
             available: dict[str, Any] = dict(
                 position_ids=position_ids,
                 cache_position=cache_position,

@@ -40,12 +40,16 @@ def replace(places: list[Place], new: torch.Tensor, old: torch.Tensor) -> None:
         getattr(mod, table)[key] = new
 
 
-def init_weights(hf_part: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+def init_weights(
+    hf_part: nn.Module, device: torch.device, dtype: torch.dtype | None
+) -> None:
     """Materialise meta tensors of a split HF model on ``device`` and run the
     model's own ``_init_weights`` on every submodule."""
     for old, places in tensor_slots(hf_part).values():
         if old.is_meta:
-            target = dtype if dtype is not None and old.is_floating_point() else old.dtype
+            target = (
+                dtype if dtype is not None and old.is_floating_point() else old.dtype
+            )
             replace(places, torch.empty(old.shape, dtype=target, device=device), old)
         elif old.device != device:
             replace(places, old.to(device), old)

@@ -45,17 +45,21 @@ class CausalLMLoss:
     Example::
 
         loss_fn = CausalLMLoss()
-        schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn, scale_grads=False)
+        schedule = Schedule1F1B(
+            stage, n_microbatches=4, loss_fn=loss_fn, scale_grads=False
+        )
         loss_fn.set_labels(labels)
         schedule.step(input_ids, target=labels, losses=losses)
-        step_loss = torch.stack(losses).sum()   # == model(input_ids, labels=labels).loss
+        step_loss = torch.stack(losses).sum()  # == model(input_ids, labels=labels).loss
     """
 
     def __init__(self, ignore_index: int = -100) -> None:
         self.ignore_index = ignore_index
         self.num_items_in_batch: int | None = None
 
-    def set_labels(self, labels: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    def set_labels(
+        self, labels: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> None:
         """Count the predicted tokens of the step's whole batch.
 
         With ``group`` (the expert-parallel group, whose ranks train on
@@ -73,17 +77,23 @@ class CausalLMLoss:
             count = count.to(group_device(group))
             dist.all_reduce(count, group=group)
             if int(count) == 0:
-                raise ValueError(f"labels hold no token to predict on any rank (all but the first are {self.ignore_index})")
+                raise ValueError(
+                    f"labels hold no token to predict on any rank (all but the first are {self.ignore_index})"
+                )
             self.num_items_in_batch = int(count) / dist.get_world_size(group)
             return
         n = int(count)
         if n == 0:
-            raise ValueError(f"labels hold no token to predict (all but the first are {self.ignore_index})")
+            raise ValueError(
+                f"labels hold no token to predict (all but the first are {self.ignore_index})"
+            )
         self.num_items_in_batch = n
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.num_items_in_batch is None:
-            raise RuntimeError("CausalLMLoss: call set_labels(labels) with the whole batch's labels before the step")
+            raise RuntimeError(
+                "CausalLMLoss: call set_labels(labels) with the whole batch's labels before the step"
+            )
         shifted = nn.functional.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
         loss = nn.functional.cross_entropy(
             logits.float().flatten(0, -2),
@@ -94,7 +104,9 @@ class CausalLMLoss:
         return loss / self.num_items_in_batch
 
 
-def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGroup | None = None) -> None:
+def sync_tied_gradients(
+    parts: Sequence[HFCausalLMStage], group: dist.ProcessGroup | None = None
+) -> None:
     """See :func:`torch_pipelining_ext.hf.sync_tied_gradients`."""
     if not parts:
         return
@@ -127,13 +139,18 @@ def sync_tied_gradients(parts: Sequence[HFCausalLMStage], group: dist.ProcessGro
                 p.grad.copy_(total)
 
 
-def reduce_expert_parallel_gradients(parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup) -> None:
+def reduce_expert_parallel_gradients(
+    parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup
+) -> None:
     """See :func:`torch_pipelining_ext.hf.reduce_expert_parallel_gradients`."""
     import torch.distributed as dist
 
     # every rank of the group holds the same stages: the same parameters in the same order
     params = [
-        p for part in parts for name, p in part.named_parameters() if not is_expert_parameter(part, name)
+        p
+        for part in parts
+        for name, p in part.named_parameters()
+        if not is_expert_parameter(part, name)
     ]
     if not params:
         return
@@ -142,7 +159,12 @@ def reduce_expert_parallel_gradients(parts: Sequence[HFCausalLMStage], ep_group:
         for name, p in part.named_parameters():
             if p.grad is not None and is_expert_parameter(part, name):
                 p.grad.div_(size)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    flat = torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+            for p in params
+        ]
+    )
     dist.all_reduce(flat, group=ep_group)
     flat.div_(size)
     offset = 0
@@ -155,13 +177,17 @@ def reduce_expert_parallel_gradients(parts: Sequence[HFCausalLMStage], ep_group:
             p.grad.copy_(total)
 
 
-def fully_shard_replicated(parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any) -> None:
+def fully_shard_replicated(
+    parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any
+) -> None:
     """See :func:`torch_pipelining_ext.hf.fully_shard_replicated`."""
     from torch.distributed.fsdp import fully_shard
 
     size = mesh.size()
     for part in parts:
-        experts = [p for name, p in part.named_parameters() if is_expert_parameter(part, name)]
+        experts = [
+            p for name, p in part.named_parameters() if is_expert_parameter(part, name)
+        ]
         fully_shard(part, mesh=mesh, ignored_params=set(experts), **fsdp_kwargs)
         for p in experts:
             p.register_hook(lambda grad: grad / size)

@@ -66,7 +66,11 @@ from torch.utils.hooks import RemovableHandle
 from torch_pipelining_ext.overlap import _marks as _ep_marks
 from torch_pipelining_ext.overlap import _turns as _ep_turns
 from torch_pipelining_ext.overlap._marks import _Boundary
-from torch_pipelining_ext.overlap._turns import CommWaitTimeoutError, DEFAULT_WAIT_TIMEOUT_S, TIMEOUT_ENV  # noqa: F401
+from torch_pipelining_ext.overlap._turns import (
+    CommWaitTimeoutError,
+    DEFAULT_WAIT_TIMEOUT_S,
+    TIMEOUT_ENV,
+)
 
 
 __all__ = [
@@ -153,7 +157,9 @@ def observe_actions(observer: ActionObserver) -> Iterator[ActionObserver]:
         TypeError: ``observer`` is not an :class:`ActionObserver`.
     """
     if not isinstance(observer, ActionObserver):
-        raise TypeError(f"observe_actions: expected an ActionObserver, got {type(observer).__name__}")
+        raise TypeError(
+            f"observe_actions: expected an ActionObserver, got {type(observer).__name__}"
+        )
     previous = _ep_turns._set_observer(observer)
     try:
         yield observer

@@ -116,7 +116,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from torch_pipelining_ext.overlap import _marks as _ep_marks
 from torch_pipelining_ext.overlap import _turns as _ep_turns
-from torch_pipelining_ext.overlap._turns import _CommCoordinator, _get_timeout, _ObservedCoordinator, _Side, _wait_arg
+from torch_pipelining_ext.overlap._turns import (
+    _CommCoordinator,
+    _get_timeout,
+    _ObservedCoordinator,
+    _Side,
+    _wait_arg,
+)
 
 
 if TYPE_CHECKING:
@@ -223,12 +229,22 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     pair = _forward_and_backward(action)
     state = _state(schedule)
     stages = schedule._local_stages()
-    stage_pair = None if pair is None else tuple(action.sub_actions[i].stage_index for i in pair)
-    if pair is None or _same_fsdp_stage(stages, action) or stage_pair in state.unmarked_pairs:
-        logger.debug("[rank %s] %s: sub-actions run one after the other", global_rank, action)
+    stage_pair = (
+        None if pair is None else tuple(action.sub_actions[i].stage_index for i in pair)
+    )
+    if (
+        pair is None
+        or _same_fsdp_stage(stages, action)
+        or stage_pair in state.unmarked_pairs
+    ):
+        logger.debug(
+            "[rank %s] %s: sub-actions run one after the other", global_rank, action
+        )
         _run_sequentially(schedule, action, ctx, pair)
         return
-    logger.debug("[rank %s] %s: forward and backward run concurrently", global_rank, action)
+    logger.debug(
+        "[rank %s] %s: forward and backward run concurrently", global_rank, action
+    )
 
     # In schedule order, on this thread: recv waits, FSDP checks, the backward
     # counter, the loss.
@@ -265,7 +281,9 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         state.unmarked_pairs.add(stage_pair)
 
 
-def _run_sequentially(schedule: Any, action: _Action, ctx: Any, pair: tuple[int, int] | None) -> None:
+def _run_sequentially(
+    schedule: Any, action: _Action, ctx: Any, pair: tuple[int, int] | None
+) -> None:
     """The sub-actions one after the other; a forward-backward pair's computes report to the observer, if set."""
     observer = _ep_turns._observer  # see ep_overlap.observe_actions
     for i, sub_action in enumerate(action.sub_actions):
@@ -273,7 +291,9 @@ def _run_sequentially(schedule: Any, action: _Action, ctx: Any, pair: tuple[int,
             schedule.perform_action(sub_action, ctx)
         else:
             side = _Side.FORWARD if i == pair[0] else _Side.BACKWARD
-            _observed(observer, side, schedule.prepare_compute_action(sub_action, ctx))()
+            _observed(
+                observer, side, schedule.prepare_compute_action(sub_action, ctx)
+            )()
 
 
 def _same_fsdp_stage(stages: dict[int, Any], action: _Action) -> bool:
@@ -302,7 +322,9 @@ class _ThreadState:
     """The calling thread's state that the worker thread must run under."""
 
     grad_enabled: bool
-    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of enabled autocast
+    autocast: tuple[
+        tuple[str, torch.dtype], ...
+    ]  # (device type, dtype) of enabled autocast
     autocast_cache: bool
     device_index: int | None  # current accelerator device
     profiling: bool
@@ -319,7 +341,9 @@ class _ThreadState:
             device_index = torch.accelerator.current_device_index()
             device_types.append(torch.accelerator.current_accelerator().type)
         autocast = tuple(
-            (dt, torch.get_autocast_dtype(dt)) for dt in device_types if torch.is_autocast_enabled(dt)
+            (dt, torch.get_autocast_dtype(dt))
+            for dt in device_types
+            if torch.is_autocast_enabled(dt)
         )
         return _ThreadState(
             grad_enabled=torch.is_grad_enabled(),
@@ -329,7 +353,10 @@ class _ThreadState:
             profiling=torch.autograd.profiler._is_profiler_enabled,
             num_threads=torch.get_num_threads(),
             context=contextvars.copy_context(),
-            registered=tuple((apply, capture()) for capture, apply in list(_ep_marks._thread_state_hooks.values())),
+            registered=tuple(
+                (apply, capture())
+                for capture, apply in list(_ep_marks._thread_state_hooks.values())
+            ),
         )
 
     @contextlib.contextmanager
@@ -341,7 +368,11 @@ class _ThreadState:
                 torch.set_num_threads(self.num_threads)
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device_type, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+                stack.enter_context(
+                    torch.autocast(
+                        device_type, dtype=dtype, cache_enabled=self.autocast_cache
+                    )
+                )
             for apply, value in self.registered:
                 stack.enter_context(apply(value))
             yield
@@ -394,7 +425,10 @@ class _BackwardWorker:
     def close_after_step(self, owner: str) -> None:
         """Close and join the thread at the end of a step (``owner``'s); log if it is stuck."""
         if self.stuck or not self.close(_wait_arg(_get_timeout())):
-            logger.error("the OVERLAP_F_B backward thread of %s is stuck; it is left behind", owner)
+            logger.error(
+                "the OVERLAP_F_B backward thread of %s is stuck; it is left behind",
+                owner,
+            )
 
     @property
     def alive(self) -> bool:
@@ -431,7 +465,9 @@ def _run_overlapped(
     """
     timeout = _get_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
-    coordinator, forward, backward = _coordinated(global_rank, action, timeout, forward, backward)
+    coordinator, forward, backward = _coordinated(
+        global_rank, action, timeout, forward, backward
+    )
     failures: list[tuple[_Side, BaseException]] = []
     failures_lock = threading.Lock()
 
@@ -443,7 +479,11 @@ def _run_overlapped(
     def run(side: _Side, compute: Callable[[], None]) -> None:
         with contextlib.ExitStack() as stack:
             if state.profiling:
-                stack.enter_context(record_function(f"OVERLAP_F_B {side.thread_name} {sub_actions[side]}"))
+                stack.enter_context(
+                    record_function(
+                        f"OVERLAP_F_B {side.thread_name} {sub_actions[side]}"
+                    )
+                )
             if streams is not None:
                 stack.enter_context(streams.current(side))
             stack.enter_context(_ep_marks.bound(coordinator, side))
@@ -458,7 +498,7 @@ def _run_overlapped(
         # reaches the caller at once instead of the thread's excepthook.
         try:
             state.context.run(run_backward)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+        except BaseException as e:
             fail(_Side.BACKWARD, e)
 
     own_worker = worker is None
@@ -470,7 +510,7 @@ def _run_overlapped(
     backward_done = worker.submit(backward_task)
     try:
         run(_Side.FORWARD, forward)
-    except BaseException as e:  # noqa: BLE001 - re-raised below, once the backward has finished
+    except BaseException as e:
         fail(_Side.FORWARD, e)
     finally:
         # Always waited for, even on KeyboardInterrupt: no work outlives the action.
@@ -494,7 +534,11 @@ def _run_overlapped(
 
 
 def _coordinated(
-    global_rank: int, action: str, timeout: float, forward: Callable[[], None], backward: Callable[[], None]
+    global_rank: int,
+    action: str,
+    timeout: float,
+    forward: Callable[[], None],
+    backward: Callable[[], None],
 ) -> tuple[_CommCoordinator, Callable[[], None], Callable[[], None]]:
     """The action's coordinator and its two computes; they report to the observer, if one is set.
 
@@ -503,12 +547,24 @@ def _coordinated(
     """
     observer = _ep_turns._observer
     if observer is None:
-        return _CommCoordinator(rank=global_rank, action=action, timeout=timeout), forward, backward
-    coordinator = _ObservedCoordinator(observer, rank=global_rank, action=action, timeout=timeout)
-    return coordinator, _observed(observer, _Side.FORWARD, forward), _observed(observer, _Side.BACKWARD, backward)
+        return (
+            _CommCoordinator(rank=global_rank, action=action, timeout=timeout),
+            forward,
+            backward,
+        )
+    coordinator = _ObservedCoordinator(
+        observer, rank=global_rank, action=action, timeout=timeout
+    )
+    return (
+        coordinator,
+        _observed(observer, _Side.FORWARD, forward),
+        _observed(observer, _Side.BACKWARD, backward),
+    )
 
 
-def _observed(observer: Any, side: _Side, compute: Callable[[], None]) -> Callable[[], None]:
+def _observed(
+    observer: Any, side: _Side, compute: Callable[[], None]
+) -> Callable[[], None]:
     """``compute``, reporting its start and end to ``observer``."""
 
     def observed() -> None:
@@ -521,7 +577,11 @@ def _observed(observer: Any, side: _Side, compute: Callable[[], None]) -> Callab
     return observed
 
 
-def _reraise(where: str, sub_actions: tuple[str, str], failures: list[tuple[_Side, BaseException]]) -> None:
+def _reraise(
+    where: str,
+    sub_actions: tuple[str, str],
+    failures: list[tuple[_Side, BaseException]],
+) -> None:
     """Raise the first failure of an overlapped action, naming ``where`` and the sub-action (and a second one)."""
     side, error = failures[0]
     if not isinstance(error, Exception):
@@ -589,7 +649,9 @@ class _StreamPlan:
     ) -> _StreamPlan | None:
         """The plan for this action, or None on CPU."""
         device = getattr(stages[fwd.stage_index], "device", None)
-        device = None if device is None else torch.device(device)  # a stage may hold "cuda:0" as given
+        device = (
+            None if device is None else torch.device(device)
+        )  # a stage may hold "cuda:0" as given
         if device is None or device.type == "cpu" or not _accelerator_available():
             return None
         if torch.accelerator.current_accelerator().type != device.type:
@@ -598,7 +660,13 @@ class _StreamPlan:
             state.stage_streams = {idx: torch.Stream(device=device) for idx in stages}
         stage_streams = state.stage_streams
         caller = torch.accelerator.current_stream(device)
-        return cls(caller, stage_streams, fwd.stage_index, bwd.stage_index, torch.accelerator.set_stream)
+        return cls(
+            caller,
+            stage_streams,
+            fwd.stage_index,
+            bwd.stage_index,
+            torch.accelerator.set_stream,
+        )
 
     def start(self) -> None:
         """Both side streams wait for the work queued on the caller's stream."""
@@ -619,7 +687,9 @@ class _StreamPlan:
         for s in self.side_streams:
             self.caller.wait_stream(s)
 
-    def record_handoffs(self, stages: dict[int, Any], fwd: _Action, bwd: _Action) -> None:
+    def record_handoffs(
+        self, stages: dict[int, Any], fwd: _Action, bwd: _Action
+    ) -> None:
         """``record_stream`` the tensors handed to a local neighbouring stage on that stage's stream."""
         handoffs = (
             (fwd.stage_index + 1, "args_recv_info", fwd.microbatch_index),

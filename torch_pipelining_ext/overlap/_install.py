@@ -43,7 +43,9 @@ def _patch_applied() -> bool:
     """Whether the ``overlap_f_b`` patch is applied now (a schedule built before ``unpatch()`` keeps its map)."""
     from torch.distributed.pipelining import schedules
 
-    descriptor = inspect.getattr_static(schedules._PipelineScheduleRuntime, _schedule_runtime._FUNCTION_MAP, None)
+    descriptor = inspect.getattr_static(
+        schedules._PipelineScheduleRuntime, _schedule_runtime._FUNCTION_MAP, None
+    )
     return isinstance(descriptor, _FunctionMapWithOverlap)
 
 
@@ -73,14 +75,21 @@ class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
     """
 
     def overlap_function(self) -> Callable[..., None]:
-        return default_overlap_f_b if overlap_enabled() else _schedule_runtime.sequential_overlap_f_b
+        return (
+            default_overlap_f_b
+            if overlap_enabled()
+            else _schedule_runtime.sequential_overlap_f_b
+        )
 
     def is_default(self, computation_type: Any, function: Any) -> bool:
         # the OVERLAP_F_B default depends on the environment when the map was made
         from torch.distributed.pipelining import schedules
 
         if computation_type == schedules.OVERLAP_F_B:
-            return function is default_overlap_f_b or function is _schedule_runtime.sequential_overlap_f_b
+            return (
+                function is default_overlap_f_b
+                or function is _schedule_runtime.sequential_overlap_f_b
+            )
         return super().is_default(computation_type, function)
 
 
@@ -89,12 +98,18 @@ def _rng_devices(devices: Any, device_type: str | None) -> _RNGDevices:
     if device_type == "meta":
         return _RNGDevices(None, ())
     if device_type is None:
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        accelerator = (
+            torch.accelerator.current_accelerator()
+            if hasattr(torch, "accelerator")
+            else None
+        )
         device_type = accelerator.type if accelerator is not None else "cuda"
     module = torch.get_device_module(device_type)
     if devices is None:
         devices = range(module.device_count())
-    indices = tuple(d if isinstance(d, int) else (torch.device(d).index or 0) for d in devices)
+    indices = tuple(
+        d if isinstance(d, int) else (torch.device(d).index or 0) for d in devices
+    )
     return _RNGDevices(device_type, indices)
 
 
@@ -117,7 +132,9 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
             return
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        devices = _rng_devices(bound.arguments.get("devices"), bound.arguments.get("device_type"))
+        devices = _rng_devices(
+            bound.arguments.get("devices"), bound.arguments.get("device_type")
+        )
         preserve = bool(bound.arguments.get("enabled", True))
         with binding.coordinator.rng_window(binding.side, devices, preserve):
             with original(*args, **kwargs):

@@ -74,7 +74,9 @@ def _unregister_backward(binding: _Binding) -> None:
 def _engine_thread_binding() -> _Binding | None:
     """The binding of an autograd-engine device thread running an overlapped backward."""
     if not isinstance(threading.current_thread(), threading._DummyThread):
-        return None  # a Python thread that is not bound: not inside an overlapped action
+        return (
+            None  # a Python thread that is not bound: not inside an overlapped action
+        )
     if torch._C._current_graph_task_id() == -1:
         return None
     with _active_lock:
@@ -125,7 +127,9 @@ class _MarkBackward(torch.autograd.Function):
     """Identity whose backward passes the mirrored boundary."""
 
     @staticmethod
-    def forward(ctx: Any, boundary: _Boundary, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, boundary: _Boundary, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.boundary = boundary
         return tuple(t.view_as(t) for t in tensors)
 
@@ -138,7 +142,9 @@ class _MarkBackward(torch.autograd.Function):
             if boundary.opens:  # *_begin: its backward ends the region
                 binding.coordinator.close(binding.side, where)
             else:
-                binding.coordinator.open(binding.side, where, f"{boundary.phase} backward")
+                binding.coordinator.open(
+                    binding.side, where, f"{boundary.phase} backward"
+                )
         return (None, *grads)
 
 
@@ -146,10 +152,16 @@ def mark(boundary: _Boundary, tensors: tuple[Any, ...]) -> Any:
     """Pass ``boundary`` with ``tensors``: the body of the public marks."""
     binding = _current_binding()
     if binding is not None and boundary.opens:
-        binding.coordinator.open(binding.side, boundary.describe(backward=False), boundary.phase)
+        binding.coordinator.open(
+            binding.side, boundary.describe(backward=False), boundary.phase
+        )
     out: Any = tensors
     if torch.is_grad_enabled():
-        idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        idx = [
+            i
+            for i, t in enumerate(tensors)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         if idx:
             marked = _MarkBackward.apply(boundary, *(tensors[i] for i in idx))
             out = list(tensors)
@@ -185,7 +197,9 @@ class _MarkedMethod:
     it to the copy.
     """
 
-    def __init__(self, fn: Callable[..., Any], begin: _Boundary, end: _Boundary) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], begin: _Boundary, end: _Boundary
+    ) -> None:
         self.fn = fn
         self.begin = begin
         self.end = end
@@ -229,10 +243,14 @@ def _dispatcher_candidates(target: object) -> Iterator[tuple[str, object]]:
             yield f"{fqn}.{attr}" if fqn else attr, value
 
 
-def wrap_dispatch_combine(target: nn.Module | object, dispatch: str, combine: str) -> list[str]:
+def wrap_dispatch_combine(
+    target: nn.Module | object, dispatch: str, combine: str
+) -> list[str]:
     """The body of ``ep_overlap.wrap_dispatch_combine``."""
     if dispatch == combine:
-        raise ValueError(f"wrap_dispatch_combine: dispatch and combine must be different methods, both are {dispatch!r}")
+        raise ValueError(
+            f"wrap_dispatch_combine: dispatch and combine must be different methods, both are {dispatch!r}"
+        )
     wrapped: list[str] = []
     seen: set[int] = set()
     for name, obj in _dispatcher_candidates(target):
@@ -264,9 +282,9 @@ def wrap_dispatch_combine(target: nn.Module | object, dispatch: str, combine: st
 
 
 # handle id -> (capture, apply); an OrderedDict, as RemovableHandle holds a weak reference to it
-_thread_state_hooks: OrderedDict[int, tuple[Callable[[], Any], Callable[[Any], AbstractContextManager[Any]]]] = (
-    OrderedDict()
-)
+_thread_state_hooks: OrderedDict[
+    int, tuple[Callable[[], Any], Callable[[Any], AbstractContextManager[Any]]]
+] = OrderedDict()
 
 
 def register_thread_state(

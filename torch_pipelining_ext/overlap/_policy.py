@@ -10,7 +10,13 @@ ones, so the two cannot drift apart.  See [Note: the hand-over policy].
 from __future__ import annotations
 
 
-__all__ = ["HAND_OVER_MIN_REGION_S", "hands_over", "may_compute_on", "may_open", "may_start"]
+__all__ = [
+    "HAND_OVER_MIN_REGION_S",
+    "hands_over",
+    "may_compute_on",
+    "may_open",
+    "may_start",
+]
 
 # [Note: the hand-over policy]
 # The backward side has the first turn to communicate; turns alternate and a
@@ -45,6 +51,8 @@ def hands_over(region_s: float, min_region_s: float = HAND_OVER_MIN_REGION_S) ->
     return region_s >= min_region_s
 
 
-def may_compute_on(other_regions: int, other_regions_at_hand_over: int, other_done: bool) -> bool:
+def may_compute_on(
+    other_regions: int, other_regions_at_hand_over: int, other_done: bool
+) -> bool:
     """Whether a side that handed over may compute on: the other side opened a region since (or is done)."""
     return other_done or other_regions > other_regions_at_hand_over

@@ -77,7 +77,8 @@ class _RNGDevices(NamedTuple):
         """Whether the generators moved on from ``start``."""
         now = self.capture()
         return not torch.equal(now.cpu, start.cpu) or any(
-            not torch.equal(a, b) for a, b in zip(now.device_states, start.device_states)
+            not torch.equal(a, b)
+            for a, b in zip(now.device_states, start.device_states)
         )
 
 
@@ -103,16 +104,22 @@ class _RNGWindows:
     def __init__(self, side: int, other: int) -> None:
         self.side, self.other = side, other
         self.state = _RNGWindowState.CLOSED
-        self.depths: list[int] = []  # the side's region depth when each open window began
+        self.depths: list[
+            int
+        ] = []  # the side's region depth when each open window began
         self._devices = _RNGDevices(None, ())
-        self._saved: dict[int, _RNGState] = {}  # the states of the side that does not own them
+        self._saved: dict[
+            int, _RNGState
+        ] = {}  # the states of the side that does not own them
 
     @property
     def is_open(self) -> bool:
         return bool(self.depths)
 
     def owner(self) -> int:
-        return self.other if self.state is not _RNGWindowState.WINDOW_OWNER else self.side
+        return (
+            self.other if self.state is not _RNGWindowState.WINDOW_OWNER else self.side
+        )
 
     def begin(self, devices: _RNGDevices, region_depth: int) -> bool:
         """Open a window at ``region_depth``; the outermost one takes the generators. True if outermost."""
@@ -143,7 +150,9 @@ class _RNGWindows:
         saved = self._saved.pop(side, None)
         if saved is not None:
             self._devices.install(saved)
-        self.state = _RNGWindowState.WINDOW_OWNER if side == self.side else _RNGWindowState.OTHER
+        self.state = (
+            _RNGWindowState.WINDOW_OWNER if side == self.side else _RNGWindowState.OTHER
+        )
         logger.debug("ep_overlap: random-number generators handed to side %d", side)
 
     def saved_state_of_other(self) -> _RNGState | None:

@@ -31,7 +31,9 @@ __all__ = ["CommWaitTimeoutError", "DEFAULT_WAIT_TIMEOUT_S", "TIMEOUT_ENV"]
 
 TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
 DEFAULT_WAIT_TIMEOUT_S = 600.0
-_HAND_OVER_MIN_REGION_S = _policy.HAND_OVER_MIN_REGION_S  # see [Note: the hand-over policy]
+_HAND_OVER_MIN_REGION_S = (
+    _policy.HAND_OVER_MIN_REGION_S
+)  # see [Note: the hand-over policy]
 _timeout_s: float | None = None  # set_wait_timeout(); None: environment or default
 _observer: Any = None  # observe_actions(); None: nothing is timed
 
@@ -43,16 +45,22 @@ class CommWaitTimeoutError(RuntimeError):
 def _check_timeout(value: object, source: str) -> float:
     """``value`` as a timeout in seconds: a positive number, ``math.inf`` for no limit."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{source}: the timeout must be a number of seconds, got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"{source}: the timeout must be a number of seconds, got {type(value).__name__} {value!r}"
+        )
     seconds = float(value)
     if math.isnan(seconds) or seconds <= 0:
-        raise ValueError(f"{source}: the timeout must be a positive number of seconds (inf: no limit), got {value!r}")
+        raise ValueError(
+            f"{source}: the timeout must be a positive number of seconds (inf: no limit), got {value!r}"
+        )
     return seconds
 
 
 def _set_timeout(seconds: float | None) -> None:
     global _timeout_s
-    _timeout_s = None if seconds is None else _check_timeout(seconds, "set_wait_timeout")
+    _timeout_s = (
+        None if seconds is None else _check_timeout(seconds, "set_wait_timeout")
+    )
 
 
 def _get_timeout() -> float:
@@ -64,7 +72,9 @@ def _get_timeout() -> float:
     try:
         value = float(env)
     except ValueError:
-        raise ValueError(f"${TIMEOUT_ENV}={env!r} is not a number of seconds (inf: no limit)") from None
+        raise ValueError(
+            f"${TIMEOUT_ENV}={env!r} is not a number of seconds (inf: no limit)"
+        ) from None
     try:
         return _check_timeout(value, f"${TIMEOUT_ENV}={env!r}")
     except ValueError as e:
@@ -175,7 +185,9 @@ class _CommCoordinator:
         self._wait_timeout = _wait_arg(timeout)
         self._clock = clock
         self._hand_over_min_region_s = (
-            _HAND_OVER_MIN_REGION_S if hand_over_min_region_s is None else hand_over_min_region_s
+            _HAND_OVER_MIN_REGION_S
+            if hand_over_min_region_s is None
+            else hand_over_min_region_s
         )
         self._cond = threading.Condition(threading.Lock())
         self._state = _CoordinatorState.RUNNING
@@ -197,8 +209,14 @@ class _CommCoordinator:
             self._wait(
                 side,
                 where,
-                lambda: self._stopped
-                or _policy.may_start(self._turn == side, other.regions, other.state is _TurnState.DONE),
+                lambda: (
+                    self._stopped
+                    or _policy.may_start(
+                        self._turn == side,
+                        other.regions,
+                        other.state is _TurnState.DONE,
+                    )
+                ),
                 f"for the {side.other.thread_name} thread to start communicating before computing",
             )
             self._sides[side].state = _TurnState.COMPUTING
@@ -213,14 +231,23 @@ class _CommCoordinator:
                 if self._sides[side.other].waiting:
                     self._cond.notify_all()  # may have parked this side (inside an RNG window)
                 return
-            self._wait(side, where, lambda: self._may_open(side), "for its turn to communicate")
+            self._wait(
+                side, where, lambda: self._may_open(side), "for its turn to communicate"
+            )
             if self._stopped:
                 return
-            me.state, me.depth, me.where, me.opened_at = _TurnState.COMMUNICATING, 1, where, self._clock()
+            me.state, me.depth, me.where, me.opened_at = (
+                _TurnState.COMMUNICATING,
+                1,
+                where,
+                self._clock(),
+            )
             me.regions += 1
             self._cond.notify_all()  # the other side may compute now
         if torch.autograd.profiler._is_profiler_enabled:
-            rf = record_function(f"ep_overlap::{phase} communication ({side.thread_name} thread)")
+            rf = record_function(
+                f"ep_overlap::{phase} communication ({side.thread_name} thread)"
+            )
             rf.__enter__()
             me.profiler_range = rf
 
@@ -238,13 +265,21 @@ class _CommCoordinator:
             me.depth -= 1
             if me.depth == 0:
                 self._release(side, _TurnState.COMPUTING)
-                if _policy.hands_over(self._clock() - me.opened_at, self._hand_over_min_region_s):
+                if _policy.hands_over(
+                    self._clock() - me.opened_at, self._hand_over_min_region_s
+                ):
                     at_hand_over = other.regions
                     self._wait(
                         side,
                         where,
-                        lambda: self._stopped
-                        or _policy.may_compute_on(other.regions, at_hand_over, other.state is _TurnState.DONE),
+                        lambda: (
+                            self._stopped
+                            or _policy.may_compute_on(
+                                other.regions,
+                                at_hand_over,
+                                other.state is _TurnState.DONE,
+                            )
+                        ),
                         f"for the {side.other.thread_name} thread to start communicating before computing on",
                     )
             if not self._in_comm(side):
@@ -266,7 +301,9 @@ class _CommCoordinator:
             self._cond.notify_all()
 
     @contextmanager
-    def rng_window(self, side: _Side, devices: _RNGDevices, preserve: bool) -> Iterator[None]:
+    def rng_window(
+        self, side: _Side, devices: _RNGDevices, preserve: bool
+    ) -> Iterator[None]:
         """A recomputation of ``side`` (inside ``torch.random.fork_rng``); see the RNG note.
 
         Args:
@@ -289,18 +326,28 @@ class _CommCoordinator:
                     f"for the {other.thread_name} thread to pause before the recomputation draws random numbers",
                 )
             self._rng.begin(devices, self._sides[side].depth)
-            start = None if preserve or not outermost else self._rng.saved_state_of_other()
+            start = (
+                None if preserve or not outermost else self._rng.saved_state_of_other()
+            )
         failed = False
         try:
             yield
         except BaseException as e:
             # non-reentrant checkpoint ends a recomputation early with an exception
-            early_stop = getattr(sys.modules.get("torch.utils.checkpoint"), "_StopRecomputationError", ())
+            early_stop = getattr(
+                sys.modules.get("torch.utils.checkpoint"), "_StopRecomputationError", ()
+            )
             failed = not isinstance(e, early_stop)
             raise
         finally:
             with self._cond:
-                drew = outermost and start is not None and not failed and not self._stopped and self._rng.drew_since(start)
+                drew = (
+                    outermost
+                    and start is not None
+                    and not failed
+                    and not self._stopped
+                    and self._rng.drew_since(start)
+                )
                 self._rng.end()
                 # whether this side counts as parked depends on its innermost window
                 self._cond.notify_all()
@@ -327,7 +374,9 @@ class _CommCoordinator:
 
     def _may_open(self, side: _Side) -> bool:
         other = self._sides[side.other]
-        return self._stopped or _policy.may_open(self._turn == side, other.depth > 0, other.state is _TurnState.DONE)
+        return self._stopped or _policy.may_open(
+            self._turn == side, other.depth > 0, other.state is _TurnState.DONE
+        )
 
     def _release(self, side: _Side, state: _TurnState) -> None:
         """``side`` leaves its outermost region for ``state``; the turn passes to the other side."""
@@ -340,7 +389,9 @@ class _CommCoordinator:
 
     def _in_comm(self, side: _Side) -> bool:
         """Inside a communication region opened after this side's innermost RNG window began."""
-        base = self._rng.depths[-1] if side == self._rng.side and self._rng.is_open else 0
+        base = (
+            self._rng.depths[-1] if side == self._rng.side and self._rng.is_open else 0
+        )
         return self._sides[side].depth > base
 
     def _parked(self, side: _Side) -> bool:
@@ -356,13 +407,20 @@ class _CommCoordinator:
         self._wait(
             side,
             where,
-            lambda: self._stopped or not self._rng.is_open or self._rng.owner() == side or self._parked(other),
+            lambda: (
+                self._stopped
+                or not self._rng.is_open
+                or self._rng.owner() == side
+                or self._parked(other)
+            ),
             f"for the {other.thread_name} thread to pause drawing random numbers",
         )
         if not self._stopped:
             self._rng.hand_to(side)
 
-    def _wait(self, side: _Side, where: str, predicate: Callable[[], bool], what: str) -> bool:
+    def _wait(
+        self, side: _Side, where: str, predicate: Callable[[], bool], what: str
+    ) -> bool:
         """Wait (lock held) until ``predicate``; True if this had to block."""
         if predicate():
             return False
@@ -405,7 +463,9 @@ class _ObservedCoordinator(_CommCoordinator):
         super().__init__(*args, **kwargs)
         self._observer = observer
 
-    def _timed(self, name: str, side: _Side, transition: Callable[..., None], *args: Any) -> None:
+    def _timed(
+        self, name: str, side: _Side, transition: Callable[..., None], *args: Any
+    ) -> None:
         call = time.perf_counter()
         try:
             transition(side, *args)

@@ -13,9 +13,15 @@ The schedule is always torch's own: a schedule object (any torch schedule
 class, built by :func:`build_schedule` with placeholder stages or your real
 one), a ``pipeline_order`` dict or a CSV in torch's format.  Example::
 
-    from torch_pipelining_ext.sim import StageCost, simulate_schedule, write_chrome_trace
+    from torch_pipelining_ext.sim import (
+        StageCost,
+        simulate_schedule,
+        write_chrome_trace,
+    )
 
-    cost = StageCost(forward=(1.0, 0.3, 1.0), backward_input=(1.0, 0.3, 1.0), backward_weight=1.5)
+    cost = StageCost(
+        forward=(1.0, 0.3, 1.0), backward_input=(1.0, 0.3, 1.0), backward_weight=1.5
+    )
     result = simulate_schedule("DualPipeV", pp=4, n_microbatches=16, costs=cost)
     print(result.summary())
     write_chrome_trace(result, "predicted.json")
@@ -38,9 +44,24 @@ from torch_pipelining_ext.sim._costs import (
     layer_costs,
     stage_costs_from_layers,
 )
-from torch_pipelining_ext.sim._engine import ActionRecord, RankSummary, SimulationResult, overlap_pair, run_simulation
-from torch_pipelining_ext.sim._schedule import build_schedule, kind, order_from_csv, schedule_order
-from torch_pipelining_ext.sim._timeline import chrome_trace, plot_timeline, write_chrome_trace
+from torch_pipelining_ext.sim._engine import (
+    ActionRecord,
+    RankSummary,
+    SimulationResult,
+    overlap_pair,
+    run_simulation,
+)
+from torch_pipelining_ext.sim._schedule import (
+    build_schedule,
+    kind,
+    order_from_csv,
+    schedule_order,
+)
+from torch_pipelining_ext.sim._timeline import (
+    chrome_trace,
+    plot_timeline,
+    write_chrome_trace,
+)
 
 
 __all__ = [
@@ -113,6 +134,7 @@ def simulate_schedule(
     **schedule_kwargs: Any,
 ) -> SimulationResult:
     """Build torch's ``schedule`` for ``pp`` ranks (see :func:`build_schedule`) and simulate it."""
-    sched = build_schedule(schedule, pp, n_microbatches, stages_per_rank, **schedule_kwargs)
+    sched = build_schedule(
+        schedule, pp, n_microbatches, stages_per_rank, **schedule_kwargs
+    )
     return simulate(sched, costs, link=link, overlap=overlap)
-

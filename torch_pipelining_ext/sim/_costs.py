@@ -33,7 +33,11 @@ Segments = tuple[float, ...]
 
 def _as_segments(value: float | Sequence[float], name: str) -> Segments:
     """``value`` as alternating compute/communication times: ``(c0, r1, c1, ..., rn, cn)``."""
-    seg = (float(value),) if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+    seg = (
+        (float(value),)
+        if isinstance(value, (int, float))
+        else tuple(float(v) for v in value)
+    )
     if len(seg) % 2 != 1:
         raise ValueError(
             f"{name} must be one compute time or an odd-length sequence (compute, comm, compute, ...), got {seg}"
@@ -76,13 +80,23 @@ class StageCost:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "forward", _as_segments(self.forward, "forward"))
-        set_(self, "backward_input", _as_segments(self.backward_input, "backward_input"))
+        set_(
+            self, "backward_input", _as_segments(self.backward_input, "backward_input")
+        )
         if self.backward_weight < 0 or not math.isfinite(self.backward_weight):
-            raise ValueError(f"backward_weight must be finite and >= 0, got {self.backward_weight}")
+            raise ValueError(
+                f"backward_weight must be finite and >= 0, got {self.backward_weight}"
+            )
         if self.full_backward is None:
-            set_(self, "full_backward", _merge_weight(self.backward_input, self.backward_weight))
+            set_(
+                self,
+                "full_backward",
+                _merge_weight(self.backward_input, self.backward_weight),
+            )
         else:
-            set_(self, "full_backward", _as_segments(self.full_backward, "full_backward"))
+            set_(
+                self, "full_backward", _as_segments(self.full_backward, "full_backward")
+            )
 
     def segments(self, computation: str) -> Segments:
         """The segments of one action: ``computation`` is ``"F"``, ``"I"``, ``"W"`` or ``"B"``."""
@@ -186,7 +200,10 @@ class LayerCost:
 def _layer_segments(layer: LayerCost, compute: float, backward: bool) -> list[float]:
     if not layer.has_comm:
         return [compute]
-    attn, experts = compute * (1 - layer.expert_fraction), compute * layer.expert_fraction
+    attn, experts = (
+        compute * (1 - layer.expert_fraction),
+        compute * layer.expert_fraction,
+    )
     if backward:
         return [0.0, layer.combine, experts, layer.dispatch, attn]
     return [attn, layer.dispatch, experts, layer.combine, 0.0]
@@ -217,20 +234,33 @@ def stage_costs_from_layers(
         last_extra: compute added to the last stage (norm, head and loss).
     """
     if sum(layers_per_stage) != len(layers):
-        raise ValueError(f"layers_per_stage {list(layers_per_stage)} does not sum to {len(layers)} layers")
+        raise ValueError(
+            f"layers_per_stage {list(layers_per_stage)} does not sum to {len(layers)} layers"
+        )
     out: list[StageCost] = []
     start = 0
     n = len(layers_per_stage)
     for s, count in enumerate(layers_per_stage):
         mine = layers[start : start + count]
         start += count
-        extras = [e for e, on in ((first_extra, s == 0), (last_extra, s == n - 1)) if on and e is not None]
+        extras = [
+            e
+            for e, on in ((first_extra, s == 0), (last_extra, s == n - 1))
+            if on and e is not None
+        ]
         fwd = [_layer_segments(layer, layer.forward, False) for layer in mine]
         # backward runs the layers in reverse order
-        bwd = [_layer_segments(layer, layer.backward_input, True) for layer in reversed(mine)]
+        bwd = [
+            _layer_segments(layer, layer.backward_input, True)
+            for layer in reversed(mine)
+        ]
         weight = sum(layer.backward_weight for layer in mine)
         act = sum(layer.activation_bytes for layer in mine)
-        send = mine[-1].output_bytes if mine else (layers[start - 1].output_bytes if start else 0.0)
+        send = (
+            mine[-1].output_bytes
+            if mine
+            else (layers[start - 1].output_bytes if start else 0.0)
+        )
         for e in extras:
             fwd.append([e.total("F")])
             bwd.insert(0, [e.total("I")])
@@ -330,14 +360,25 @@ class ModelShape:
     @staticmethod
     def from_hf_config(config: Any) -> ModelShape:
         """The shape of a ``transformers`` config, or of a dict of its fields (``config.json``)."""
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
-            lambda k, d=None: getattr(config, k, d)
+        get = (
+            (lambda k, d=None: config.get(k, d))
+            if isinstance(config, Mapping)
+            else (lambda k, d=None: getattr(config, k, d))
         )
         hidden = int(get("hidden_size") or get("n_embd"))
         heads = int(get("num_attention_heads") or get("n_head"))
-        n_experts = int(get("n_routed_experts") or get("num_local_experts") or get("num_experts") or 0)
-        if get("kv_lora_rank"):  # multi-head latent attention: the query/key head is nope + rope
-            head_dim = int(get("qk_nope_head_dim") or 0) + int(get("qk_rope_head_dim") or 0)
+        n_experts = int(
+            get("n_routed_experts")
+            or get("num_local_experts")
+            or get("num_experts")
+            or 0
+        )
+        if get(
+            "kv_lora_rank"
+        ):  # multi-head latent attention: the query/key head is nope + rope
+            head_dim = int(get("qk_nope_head_dim") or 0) + int(
+                get("qk_rope_head_dim") or 0
+            )
         else:
             head_dim = get("head_dim") or hidden // heads
         return ModelShape(
@@ -346,17 +387,23 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
-            intermediate_size=int(get("intermediate_size") or get("n_inner") or 4 * hidden),
+            intermediate_size=int(
+                get("intermediate_size") or get("n_inner") or 4 * hidden
+            ),
             vocab_size=int(get("vocab_size")),
             num_experts=n_experts,
             top_k=int(get("num_experts_per_tok") or 0) if n_experts else 0,
-            moe_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size") or 0)
+            moe_intermediate_size=int(
+                get("moe_intermediate_size") or get("intermediate_size") or 0
+            )
             if n_experts
             else 0,
             shared_experts=int(get("n_shared_experts") or 0),
             first_dense_layers=int(get("first_k_dense_replace") or 0)
             + (len(get("mlp_only_layers") or ()) if n_experts else 0),
-            moe_layer_freq=int(get("moe_layer_freq") or get("decoder_sparse_step") or 1),
+            moe_layer_freq=int(
+                get("moe_layer_freq") or get("decoder_sparse_step") or 1
+            ),
             q_lora_rank=int(get("q_lora_rank") or 0),
             kv_lora_rank=int(get("kv_lora_rank") or 0),
             qk_rope_head_dim=int(get("qk_rope_head_dim") or 0),
@@ -365,16 +412,24 @@ class ModelShape:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` has routed experts."""
-        return self.num_experts > 0 and index >= self.first_dense_layers and (index % self.moe_layer_freq) == 0
+        return (
+            self.num_experts > 0
+            and index >= self.first_dense_layers
+            and (index % self.moe_layer_freq) == 0
+        )
 
     def attention_params(self) -> float:
         """Parameters of one layer's attention."""
         h = self.hidden_size
         if self.kv_lora_rank:
-            q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * self.head_dim if self.q_lora_rank else (
-                h * self.num_heads * self.head_dim
+            q = (
+                h * self.q_lora_rank + self.q_lora_rank * self.num_heads * self.head_dim
+                if self.q_lora_rank
+                else (h * self.num_heads * self.head_dim)
             )
-            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.num_heads * (
+            kv = h * (
+                self.kv_lora_rank + self.qk_rope_head_dim
+            ) + self.kv_lora_rank * self.num_heads * (
                 self.head_dim - self.qk_rope_head_dim + self.v_head_dim
             )
             return q + kv + self.num_heads * self.v_head_dim * h
@@ -383,12 +438,20 @@ class ModelShape:
     def mlp_active_params(self, index: int) -> float:
         """Parameters of layer ``index``'s MLP that one token uses (routed top-k and shared experts)."""
         if self.is_moe_layer(index):
-            return 3 * self.hidden_size * self.moe_intermediate_size * (self.top_k + self.shared_experts)
+            return (
+                3
+                * self.hidden_size
+                * self.moe_intermediate_size
+                * (self.top_k + self.shared_experts)
+            )
         return 3 * self.hidden_size * self.intermediate_size
 
     def active_params(self) -> float:
         """Active parameters per token (embedding and head counted once each)."""
-        layers = sum(self.attention_params() + self.mlp_active_params(i) for i in range(self.num_layers))
+        layers = sum(
+            self.attention_params() + self.mlp_active_params(i)
+            for i in range(self.num_layers)
+        )
         return layers + 2 * self.vocab_size * self.hidden_size
 
 
@@ -418,10 +481,18 @@ def layer_costs(
     """
     flops_per_s = hardware.bf16_tflops * 1e12 * hardware.achieved_fraction
     h = shape.hidden_size
-    attn_core = 2 * tokens * seq_len * shape.num_heads * shape.head_dim  # QK^T and PV, causal half of 2*2*...
+    attn_core = (
+        2 * tokens * seq_len * shape.num_heads * shape.head_dim
+    )  # QK^T and PV, causal half of 2*2*...
     if ep > 1:
-        bw = hardware.intra_node_a2a_gbps if ep <= hardware.gpus_per_node else hardware.inter_node_a2a_gbps
-        a2a_bytes = tokens * shape.top_k * h * (a2a_dtype_bytes or dtype_bytes) * (ep - 1) / ep
+        bw = (
+            hardware.intra_node_a2a_gbps
+            if ep <= hardware.gpus_per_node
+            else hardware.inter_node_a2a_gbps
+        )
+        a2a_bytes = (
+            tokens * shape.top_k * h * (a2a_dtype_bytes or dtype_bytes) * (ep - 1) / ep
+        )
         a2a = hardware.a2a_latency + a2a_bytes / (bw * 1e9)
     else:
         a2a = 0.0
@@ -469,14 +540,19 @@ def even_layer_split(n_layers: int, n_stages: int) -> list[int]:
     """Layers per stage, as even as possible: the first stage holds the embedding, the last the head,
     so the remainder goes to the middle stages."""
     base, extra = divmod(n_layers, n_stages)
-    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - (n_stages - 1) / 2)))
+    order = sorted(
+        range(n_stages),
+        key=lambda s: (s in (0, n_stages - 1), abs(s - (n_stages - 1) / 2)),
+    )
     out = [base] * n_stages
     for s in order[:extra]:
         out[s] += 1
     return out
 
 
-def stage_params(shape: ModelShape, layers_per_stage: Sequence[int], ep: int) -> list[tuple[float, float]]:
+def stage_params(
+    shape: ModelShape, layers_per_stage: Sequence[int], ep: int
+) -> list[tuple[float, float]]:
     """(dense, expert) parameters each stage holds on one GPU; experts are sharded over ``ep``."""
     out, start = [], 0
     for s, count in enumerate(layers_per_stage):
@@ -484,8 +560,19 @@ def stage_params(shape: ModelShape, layers_per_stage: Sequence[int], ep: int) ->
         for i in range(start, start + count):
             dense += shape.attention_params()
             if shape.is_moe_layer(i):
-                dense += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.shared_experts
-                experts += 3 * shape.hidden_size * shape.moe_intermediate_size * shape.num_experts / ep
+                dense += (
+                    3
+                    * shape.hidden_size
+                    * shape.moe_intermediate_size
+                    * shape.shared_experts
+                )
+                experts += (
+                    3
+                    * shape.hidden_size
+                    * shape.moe_intermediate_size
+                    * shape.num_experts
+                    / ep
+                )
             else:
                 dense += 3 * shape.hidden_size * shape.intermediate_size
         if s == 0 or s == len(layers_per_stage) - 1:
@@ -495,7 +582,9 @@ def stage_params(shape: ModelShape, layers_per_stage: Sequence[int], ep: int) ->
     return out
 
 
-def static_memory_bytes(params: Sequence[tuple[float, float]], dp: int, ep: int) -> float:
+def static_memory_bytes(
+    params: Sequence[tuple[float, float]], dp: int, ep: int
+) -> float:
     """Bytes one GPU keeps for the (dense, expert) parameters of its stages, activations aside.
 
     bf16 weights and fp32 gradients; fp32 master weights and Adam moments

@@ -19,8 +19,15 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch_pipelining_ext.overlap._policy import hands_over, may_compute_on, may_open, may_start
-from torch_pipelining_ext.overlap._turns import _Side as Side  # the coordinator's two sides
+from torch_pipelining_ext.overlap._policy import (
+    hands_over,
+    may_compute_on,
+    may_open,
+    may_start,
+)
+from torch_pipelining_ext.overlap._turns import (
+    _Side as Side,
+)  # the coordinator's two sides
 from torch_pipelining_ext.sim._costs import LinkCost, OverlapModel, Segments, StageCost
 from torch_pipelining_ext.sim._schedule import kind
 
@@ -79,7 +86,9 @@ class SimulationResult:
     peak_live_activations: dict[int, int]  # stage -> most microbatches alive at once
     records: list[ActionRecord]
     stage_to_rank: dict[int, int]
-    transfers: list[tuple[str, int, int, float, float]]  # (what, src rank, dst rank, start, arrival)
+    transfers: list[
+        tuple[str, int, int, float, float]
+    ]  # (what, src rank, dst rank, start, arrival)
 
     @property
     def bubble_fraction(self) -> float:
@@ -98,7 +107,9 @@ class SimulationResult:
 
     def summary(self) -> str:
         """A few lines for a person: the step time and each rank's totals."""
-        lines = [f"predicted step time {self.step_time:.6g} s, mean bubble {self.bubble_fraction:.1%}"]
+        lines = [
+            f"predicted step time {self.step_time:.6g} s, mean bubble {self.bubble_fraction:.1%}"
+        ]
         for r in self.ranks:
             lines.append(
                 f"  rank {r.rank}: busy {r.busy:.6g} s, bubble {r.bubble_fraction:.1%}, "
@@ -149,15 +160,15 @@ class _Pair:
         self.model = model
         self.t = 0.0
         self.turn = Side.BACKWARD  # the coordinator's first turn
-        self.pos = {s: 0 for s in Side}
-        self.running: dict[Side, tuple[str, float] | None] = {s: None for s in Side}
-        self.free_since = {s: 0.0 for s in Side}
-        self.regions = {s: 0 for s in Side}
-        self.started = {s: False for s in Side}
-        self.done = {s: False for s in Side}
-        self.end_time = {s: 0.0 for s in Side}
+        self.pos = dict.fromkeys(Side, 0)
+        self.running: dict[Side, tuple[str, float] | None] = dict.fromkeys(Side)
+        self.free_since = dict.fromkeys(Side, 0.0)
+        self.regions = dict.fromkeys(Side, 0)
+        self.started = dict.fromkeys(Side, False)
+        self.done = dict.fromkeys(Side, False)
+        self.end_time = dict.fromkeys(Side, 0.0)
         # the other side's regions when this side handed over (None: computes freely)
-        self.handed_over_at: dict[Side, int | None] = {s: None for s in Side}
+        self.handed_over_at: dict[Side, int | None] = dict.fromkeys(Side)
         self.out: list[tuple[Side, float, float, str]] = []
 
     def _running(self, side: Side, what: str) -> bool:
@@ -176,7 +187,9 @@ class _Pair:
         dur = self.segs[side][self.pos[side]]
         if self.pos[side] % 2 == 0:  # compute
             at = self.handed_over_at[side]
-            if at is not None and not may_compute_on(self.regions[other], at, self.done[other]):
+            if at is not None and not may_compute_on(
+                self.regions[other], at, self.done[other]
+            ):
                 return False
             if self._running(other, "compute"):
                 return False
@@ -186,7 +199,9 @@ class _Pair:
             if dur > 0:
                 self.out.append((side, begin, begin + dur, "compute"))
         else:  # communication region
-            if not may_open(self.turn == side, self._running(other, "comm"), self.done[other]):
+            if not may_open(
+                self.turn == side, self._running(other, "comm"), self.done[other]
+            ):
                 return False
             self.regions[side] += 1
             self.running[side] = ("comm", t + dur)
@@ -200,14 +215,24 @@ class _Pair:
         while progress:
             progress = False
             for side in (Side.BACKWARD, Side.FORWARD):
-                if self.running[side] is None and not self.done[side] and self._try_start(side):
+                if (
+                    self.running[side] is None
+                    and not self.done[side]
+                    and self._try_start(side)
+                ):
                     progress = True
 
     def finish_next(self) -> None:
         """Advance to the end of the running segment that ends first (the backward side's on a tie)."""
-        busy = [(self.running[s][1], s) for s in (Side.BACKWARD, Side.FORWARD) if self.running[s] is not None]
+        busy = [
+            (self.running[s][1], s)
+            for s in (Side.BACKWARD, Side.FORWARD)
+            if self.running[s] is not None
+        ]
         if not busy:  # cannot happen under the policy; guard against a silent hang
-            raise RuntimeError(f"OVERLAP_F_B model stalled at t={self.t}: positions {self.pos}, regions {self.regions}")
+            raise RuntimeError(
+                f"OVERLAP_F_B model stalled at t={self.t}: positions {self.pos}, regions {self.regions}"
+            )
         self.t, side = min(busy, key=lambda x: (x[0], x[1] != Side.BACKWARD))
         what, _ = self.running[side]  # type: ignore[misc]
         dur = self.segs[side][self.pos[side]]
@@ -256,14 +281,23 @@ class _Simulation:
         self.stage_to_rank = dict(stage_to_rank)
         self.n_stages = len(self.stage_to_rank)
         if len(costs) != self.n_stages:
-            raise ValueError(f"got costs for {len(costs)} stages, the schedule has {self.n_stages}")
+            raise ValueError(
+                f"got costs for {len(costs)} stages, the schedule has {self.n_stages}"
+            )
         self.costs = costs
         self.link = link
         self.overlap = overlap
-        self.ranks = {r: _RankState(r, [a for a in acts if a is not None]) for r, acts in sorted(order.items())}
-        self.end: dict[tuple[int, str, int], float] = {}  # (stage, F/I/B/W, mb) -> end time
+        self.ranks = {
+            r: _RankState(r, [a for a in acts if a is not None])
+            for r, acts in sorted(order.items())
+        }
+        self.end: dict[
+            tuple[int, str, int], float
+        ] = {}  # (stage, F/I/B/W, mb) -> end time
         self.start: dict[tuple[int, str, int], float] = {}
-        self.posted_send: dict[tuple[str, int, int], float] = {}  # (F/B, receiving stage, mb)
+        self.posted_send: dict[
+            tuple[str, int, int], float
+        ] = {}  # (F/B, receiving stage, mb)
         self.posted_recv: dict[tuple[str, int, int], float] = {}
         self.transfers: list[tuple[str, int, int, float, float]] = []
         self.records: list[ActionRecord] = []
@@ -274,7 +308,9 @@ class _Simulation:
     def _arrival(self, direction: str, stage: int, mb: int) -> float:
         key = (direction, stage, mb)
         if key not in self.posted_send or key not in self.posted_recv:
-            raise _Blocked(f"{'activation' if direction == 'F' else 'gradient'} of microbatch {mb} for stage {stage}")
+            raise _Blocked(
+                f"{'activation' if direction == 'F' else 'gradient'} of microbatch {mb} for stage {stage}"
+            )
         begin = max(self.posted_send[key], self.posted_recv[key])
         src = stage - 1 if direction == "F" else stage + 1
         nbytes = self.costs[src].send_bytes
@@ -313,7 +349,16 @@ class _Simulation:
 
     # -- running actions ----------------------------------------------------
 
-    def _record(self, rank: int, a: Any, start: float, end: float, intervals: list, lane: int = 0, ov: bool = False):
+    def _record(
+        self,
+        rank: int,
+        a: Any,
+        start: float,
+        end: float,
+        intervals: list,
+        lane: int = 0,
+        ov: bool = False,
+    ):
         comp = kind(a)
         key = (a.stage_index, comp, a.microbatch_index)
         if key in self.end:
@@ -321,7 +366,18 @@ class _Simulation:
         self.start[key] = start
         self.end[key] = end
         self.records.append(
-            ActionRecord(rank, str(a), a.stage_index, comp, a.microbatch_index, start, end, tuple(intervals), lane, ov)
+            ActionRecord(
+                rank,
+                str(a),
+                a.stage_index,
+                comp,
+                a.microbatch_index,
+                start,
+                end,
+                tuple(intervals),
+                lane,
+                ov,
+            )
         )
 
     def _rollback(self, n_records: int) -> None:
@@ -353,8 +409,10 @@ class _Simulation:
             st.time = self._plain(st.rank, a, max(st.time, ready))
         elif ctype in _SENDS:
             direction = _SENDS[ctype]
-            comp_done = self._produced((a.stage_index, "F", a.microbatch_index)) if direction == "F" else (
-                self._backward_done(a.stage_index, a.microbatch_index)
+            comp_done = (
+                self._produced((a.stage_index, "F", a.microbatch_index))
+                if direction == "F"
+                else (self._backward_done(a.stage_index, a.microbatch_index))
             )
             dst = a.stage_index + 1 if direction == "F" else a.stage_index - 1
             st.time = max(st.time, comp_done) + self.link.post_overhead
@@ -363,7 +421,9 @@ class _Simulation:
         elif ctype in _RECVS:
             st.time += self.link.post_overhead
             st.posting += self.link.post_overhead
-            self.posted_recv[(_RECVS[ctype], a.stage_index, a.microbatch_index)] = st.time
+            self.posted_recv[(_RECVS[ctype], a.stage_index, a.microbatch_index)] = (
+                st.time
+            )
         elif ctype in _WAIT_SENDS:
             # the send is complete once its transfer has arrived
             direction = _WAIT_SENDS[ctype]
@@ -377,7 +437,12 @@ class _Simulation:
         kinds = [kind(s) for s in subs]
         fwd_i = next((i for i, k in enumerate(kinds) if k == "F"), None)
         bwd_i = next((i for i, k in enumerate(kinds) if k in ("B", "I")), None)
-        concurrent = self.overlap.enabled and len(subs) == 2 and fwd_i is not None and bwd_i is not None
+        concurrent = (
+            self.overlap.enabled
+            and len(subs) == 2
+            and fwd_i is not None
+            and bwd_i is not None
+        )
         if concurrent:
             f, b = subs[fwd_i], subs[bwd_i]
             pair = (f.stage_index, b.stage_index)
@@ -430,7 +495,9 @@ class _Simulation:
                     try:
                         self.step_rank(st)
                     except _Blocked as e:
-                        stuck.append(f"rank {st.rank} at action {st.actions[st.pos]} waits for {e}")
+                        stuck.append(
+                            f"rank {st.rank} at action {st.actions[st.pos]} waits for {e}"
+                        )
                 raise RuntimeError("simulated schedule deadlocks: " + "; ".join(stuck))
         for key, arrive in self._transfer_list():
             self.transfers.append(key + arrive)
@@ -440,9 +507,12 @@ class _Simulation:
             src = stage - 1 if direction == "F" else stage + 1
             begin = max(self.posted_send.get((direction, stage, mb), recv_t), recv_t)
             what = f"{direction}{mb} {src}->{stage}"
-            yield (what, self.stage_to_rank[src], self.stage_to_rank[stage]), (
-                begin,
-                begin + self.link.time(self.costs[src].send_bytes),
+            yield (
+                (what, self.stage_to_rank[src], self.stage_to_rank[stage]),
+                (
+                    begin,
+                    begin + self.link.time(self.costs[src].send_bytes),
+                ),
             )
 
 
@@ -513,11 +583,15 @@ def _summarise(sim: _Simulation) -> SimulationResult:
             peak = max(peak, live)
         peak_live[stage] = peak
         nbytes = sim.costs[stage].activation_bytes
-        rank_events[sim.stage_to_rank[stage]].extend((t, d * nbytes) for t, d in events[stage])
+        rank_events[sim.stage_to_rank[stage]].extend(
+            (t, d * nbytes) for t, d in events[stage]
+        )
     ranks: list[RankSummary] = []
     for rank in sorted(sim.ranks):
         recs = by_rank.get(rank, [])
-        compute = _union([(s, e) for r in recs for s, e, k in r.intervals if k == "compute"])
+        compute = _union(
+            [(s, e) for r in recs for s, e, k in r.intervals if k == "compute"]
+        )
         comm = _union([(s, e) for r in recs for s, e, k in r.intervals if k == "comm"])
         busy = _length(compute)
         exposed = _minus(comm, compute)
@@ -531,7 +605,15 @@ def _summarise(sim: _Simulation) -> SimulationResult:
         bubble = max(0.0, step - busy - exposed - posting)
         ranks.append(
             RankSummary(
-                rank, busy, exposed, hidden, posting, bubble, bubble / step if step else 0.0, action_sum, peak_mem
+                rank,
+                busy,
+                exposed,
+                hidden,
+                posting,
+                bubble,
+                bubble / step if step else 0.0,
+                action_sum,
+                peak_mem,
             )
         )
     return SimulationResult(

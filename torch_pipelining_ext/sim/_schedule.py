@@ -39,7 +39,10 @@ _KIND = {
         ("UNSHARD", "UNSHARD"),
         ("RESHARD", "RESHARD"),
         ("REDUCE_GRAD", "REDUCE_GRAD"),
-        ("WAIT_SEND_F", "WAIT_SEND_F"),  # newer torch: block until an earlier send has completed
+        (
+            "WAIT_SEND_F",
+            "WAIT_SEND_F",
+        ),  # newer torch: block until an earlier send has completed
         ("WAIT_SEND_B", "WAIT_SEND_B"),
         ("WAIT_REDUCE_GRAD", "WAIT_REDUCE_GRAD"),
     )
@@ -66,7 +69,9 @@ def kind(action: Any) -> str:
 class _PlaceholderStage:
     """What a schedule's constructor reads from its stages, and nothing else."""
 
-    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int) -> None:
+    def __init__(
+        self, stage_index: int, num_stages: int, group_size: int, group_rank: int
+    ) -> None:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group_size = group_size
@@ -88,7 +93,11 @@ def _is_single(cls: type) -> bool:
 
 
 def build_schedule(
-    schedule: str | type, pp: int, n_microbatches: int, stages_per_rank: int | None = None, **kwargs: Any
+    schedule: str | type,
+    pp: int,
+    n_microbatches: int,
+    stages_per_rank: int | None = None,
+    **kwargs: Any,
 ) -> Any:
     """Build torch's schedule ``schedule`` for ``pp`` ranks with placeholder stages (rank 0's view).
 
@@ -101,11 +110,17 @@ def build_schedule(
         kwargs: passed to the constructor (e.g. ``defer_pp_recv``).
     """
     cls = _schedule_class(schedule)
-    loss_fn = kwargs.pop("loss_fn", lambda output, target: output)  # a schedule with a loss has a backward
+    loss_fn = kwargs.pop(
+        "loss_fn", lambda output, target: output
+    )  # a schedule with a loss has a backward
     if _is_single(cls):
         if stages_per_rank not in (None, 1):
-            raise ValueError(f"{cls.__name__} runs one stage per rank, got stages_per_rank={stages_per_rank}")
-        return cls(_PlaceholderStage(0, pp, pp, 0), n_microbatches, loss_fn=loss_fn, **kwargs)
+            raise ValueError(
+                f"{cls.__name__} runs one stage per rank, got stages_per_rank={stages_per_rank}"
+            )
+        return cls(
+            _PlaceholderStage(0, pp, pp, 0), n_microbatches, loss_fn=loss_fn, **kwargs
+        )
     v = 2 if stages_per_rank is None else stages_per_rank
     n = pp * v
     # rank 0's stage ids in loop order; the constructor computes every rank's
@@ -121,40 +136,66 @@ def _infer_stage_to_rank(order: Mapping[int, Sequence[Any]]) -> dict[int, int]:
             if a is None:
                 continue
             for sub in a.sub_actions or (a,):
-                if kind(sub) in ("RECV_F", "RECV_B", "SEND_F", "SEND_B") and sub.stage_index in out:
+                if (
+                    kind(sub) in ("RECV_F", "RECV_B", "SEND_F", "SEND_B")
+                    and sub.stage_index in out
+                ):
                     continue
                 prev = out.setdefault(sub.stage_index, rank)
                 if prev != rank and sub.is_compute_op:
-                    raise ValueError(f"stage {sub.stage_index} has compute actions on ranks {prev} and {rank}")
+                    raise ValueError(
+                        f"stage {sub.stage_index} has compute actions on ranks {prev} and {rank}"
+                    )
     if sorted(out) != list(range(len(out))):
         raise ValueError(f"the schedule's stages are not 0..N-1: {sorted(out)}")
     return out
 
 
 def _has_comms(order: Mapping[int, Sequence[Any]]) -> bool:
-    return any(a is not None and not a.is_compute_op for acts in order.values() for a in acts)
+    return any(
+        a is not None and not a.is_compute_op for acts in order.values() for a in acts
+    )
 
 
-def _lower_compute_only(order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]) -> Order:
+def _lower_compute_only(
+    order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]
+) -> Order:
     """Add torch's send/recv actions to a compute-only order (``_add_send_recv``)."""
     add_send_recv = getattr(_schedules, "_add_send_recv", None)
     if add_send_recv is None:
-        raise RuntimeError("this torch has no schedules._add_send_recv to lower a compute-only schedule")
-    compute = {r: list(acts) for r, acts in order.items() if any(a is not None for a in acts)}
-    return add_send_recv(compute, stage_to_rank=lambda s: stage_to_rank[s], num_stages=len(stage_to_rank))
+        raise RuntimeError(
+            "this torch has no schedules._add_send_recv to lower a compute-only schedule"
+        )
+    compute = {
+        r: list(acts) for r, acts in order.items() if any(a is not None for a in acts)
+    }
+    return add_send_recv(
+        compute, stage_to_rank=lambda s: stage_to_rank[s], num_stages=len(stage_to_rank)
+    )
 
 
-def _validate(order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int], what: str) -> None:
+def _validate(
+    order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int], what: str
+) -> None:
     """Check a compute-only order with torch's ``_validate_schedule`` (where this torch has it)."""
     validate = getattr(_schedules, "_validate_schedule", None)
     if validate is None:
         return
-    mbs = [a.microbatch_index for acts in order.values() for a in acts if a is not None and a.microbatch_index is not None]
+    mbs = [
+        a.microbatch_index
+        for acts in order.values()
+        for a in acts
+        if a is not None and a.microbatch_index is not None
+    ]
     try:
-        validate(dict(order), len(order), len(stage_to_rank), max(mbs) + 1 if mbs else 0)
+        validate(
+            dict(order), len(order), len(stage_to_rank), max(mbs) + 1 if mbs else 0
+        )
     except AssertionError as e:
         first = str(e).strip().splitlines()[0]
-        raise ValueError(f"{what} is not a valid schedule on this torch ({first}); nothing was simulated") from e
+        raise ValueError(
+            f"{what} is not a valid schedule on this torch ({first}); nothing was simulated"
+        ) from e
 
 
 def schedule_order(schedule: Any) -> tuple[Order, dict[int, int]]:
@@ -184,16 +225,27 @@ def schedule_order(schedule: Any) -> tuple[Order, dict[int, int]]:
         )
     compute = copy.copy(compute)
     stage_to_rank = dict(mapping) if mapping else _infer_stage_to_rank(compute)
-    _validate(compute, stage_to_rank, f"the pipeline_order that {type(schedule).__name__} generates")
+    _validate(
+        compute,
+        stage_to_rank,
+        f"the pipeline_order that {type(schedule).__name__} generates",
+    )
     return _lower_compute_only(compute, stage_to_rank), stage_to_rank
 
 
-def order_from_csv(path: str | os.PathLike, format: str = "compute_only") -> tuple[Order, dict[int, int]]:
+def order_from_csv(
+    path: str | os.PathLike, format: str = "compute_only"
+) -> tuple[Order, dict[int, int]]:
     """Read a schedule CSV in torch's format (one row per rank, one action per cell)."""
     if format not in ("compute_only", "compute_comms"):
-        raise ValueError(f'format must be "compute_only" or "compute_comms", got {format!r}')
+        raise ValueError(
+            f'format must be "compute_only" or "compute_comms", got {format!r}'
+        )
     with open(path, newline="") as f:
-        order = {rank: [_schedules._Action.from_str(s) for s in row] for rank, row in enumerate(csv.reader(f))}
+        order = {
+            rank: [_schedules._Action.from_str(s) for s in row]
+            for rank, row in enumerate(csv.reader(f))
+        }
     if format == "compute_comms":
         order = {r: [a for a in acts if a is not None] for r, acts in order.items()}
         return order, _infer_stage_to_rank(order)

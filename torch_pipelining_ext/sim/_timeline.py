@@ -15,20 +15,36 @@ from typing import Any
 from torch_pipelining_ext.sim._engine import SimulationResult
 
 
-
 def _lane(rec: Any) -> int:
     if rec.overlapped:
         return rec.lane
     return 0 if rec.computation == "F" else 1
 
 
-def chrome_trace(result: SimulationResult, *, title: str = "predicted") -> dict[str, Any]:
+def chrome_trace(
+    result: SimulationResult, *, title: str = "predicted"
+) -> dict[str, Any]:
     """The trace events (microseconds): one process per rank, a forward and a backward thread."""
     events: list[dict[str, Any]] = []
     for rank in sorted({r.rank for r in result.ranks}):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} ({title})"}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": rank,
+                "args": {"name": f"rank {rank} ({title})"},
+            }
+        )
         for tid, name in ((0, "forward"), (1, "backward")):
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"name": name},
+                }
+            )
     for rec in result.records:
         tid = _lane(rec)
         events.append(
@@ -45,18 +61,33 @@ def chrome_trace(result: SimulationResult, *, title: str = "predicted") -> dict[
         for s, e, kind in rec.intervals:
             if kind == "comm":
                 events.append(
-                    {"ph": "X", "name": "ep all-to-all", "pid": rec.rank, "tid": tid, "ts": s * 1e6, "dur": (e - s) * 1e6}
+                    {
+                        "ph": "X",
+                        "name": "ep all-to-all",
+                        "pid": rec.rank,
+                        "tid": tid,
+                        "ts": s * 1e6,
+                        "dur": (e - s) * 1e6,
+                    }
                 )
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"kind": "simulated prediction"}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"kind": "simulated prediction"},
+    }
 
 
-def write_chrome_trace(result: SimulationResult, path: str | os.PathLike, *, title: str = "predicted") -> None:
+def write_chrome_trace(
+    result: SimulationResult, path: str | os.PathLike, *, title: str = "predicted"
+) -> None:
     """Write :func:`chrome_trace` of ``result`` to ``path`` as JSON."""
     with open(path, "w") as f:
         json.dump(chrome_trace(result, title=title), f)
 
 
-def plot_timeline(result: SimulationResult, path: str | os.PathLike, *, title: str = "") -> None:
+def plot_timeline(
+    result: SimulationResult, path: str | os.PathLike, *, title: str = ""
+) -> None:
     """Draw the predicted step into a PNG (needs matplotlib: the ``plot`` extra)."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -73,14 +104,29 @@ def plot_timeline(result: SimulationResult, path: str | os.PathLike, *, title: s
     for rank in ranks:
         base = 2 * ranks.index(rank)
         spans = pairs.get(rank, [])
-        ax.broken_barh([(s * scale, (e - s) * scale) for s, e in spans], (base - 0.45, 1.9),
-                       facecolors=colors["overlap"], zorder=0)
+        ax.broken_barh(
+            [(s * scale, (e - s) * scale) for s, e in spans],
+            (base - 0.45, 1.9),
+            facecolors=colors["overlap"],
+            zorder=0,
+        )
     for rec in result.records:
         y = 2 * ranks.index(rec.rank) + _lane(rec)
         color = colors["F"] if rec.computation == "F" else colors["B"]
-        comp = [(s * scale, (e - s) * scale) for s, e, k in rec.intervals if k == "compute"]
-        comm = [(s * scale, (e - s) * scale) for s, e, k in rec.intervals if k == "comm"]
-        ax.broken_barh(comp, (y - 0.3, 0.6), facecolors=color, edgecolors="white", linewidth=0.3, zorder=2)
+        comp = [
+            (s * scale, (e - s) * scale) for s, e, k in rec.intervals if k == "compute"
+        ]
+        comm = [
+            (s * scale, (e - s) * scale) for s, e, k in rec.intervals if k == "comm"
+        ]
+        ax.broken_barh(
+            comp,
+            (y - 0.3, 0.6),
+            facecolors=color,
+            edgecolors="white",
+            linewidth=0.3,
+            zorder=2,
+        )
         ax.broken_barh(comm, (y - 0.3, 0.6), facecolors=colors["comm"], zorder=3)
     labels = [f"rank {r} {lane}" for r in ranks for lane in ("forward", "backward")]
     ax.set_yticks(range(2 * len(ranks)))
@@ -90,8 +136,10 @@ def plot_timeline(result: SimulationResult, path: str | os.PathLike, *, title: s
     ax.grid(axis="x", alpha=0.3)
     ax.set_xlabel(f"time since the start of the step ({unit})")
     ax.set_title(
-        title or f"predicted step {result.step_time * scale:.4g} {unit} (simulation, not a measurement)",
-        loc="left", fontsize=11,
+        title
+        or f"predicted step {result.step_time * scale:.4g} {unit} (simulation, not a measurement)",
+        loc="left",
+        fontsize=11,
     )
     handles = [
         Patch(color=colors["F"], label="forward compute"),

@@ -32,7 +32,11 @@ from torch_pipelining_ext.sim import (
     stage_costs_from_layers,
     write_chrome_trace,
 )
-from torch_pipelining_ext.sim._costs import even_layer_split, stage_params, static_memory_bytes
+from torch_pipelining_ext.sim._costs import (
+    even_layer_split,
+    stage_params,
+    static_memory_bytes,
+)
 
 
 __all__ = ["MODEL_PRESETS", "Candidate", "main", "plan"]
@@ -42,15 +46,36 @@ logger = logging.getLogger(__name__)
 # Fields of the public config.json files (Hugging Face Hub).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": dict(
-        num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
-        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
-        num_experts_per_tok=8, first_k_dense_replace=3, moe_layer_freq=1, vocab_size=129280,
+        num_hidden_layers=61,
+        hidden_size=7168,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        moe_layer_freq=1,
+        vocab_size=129280,
     ),
     "qwen3-235b-a22b": dict(
-        num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
-        intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
-        decoder_sparse_step=1, vocab_size=151936,
+        num_hidden_layers=94,
+        hidden_size=4096,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        vocab_size=151936,
     ),
 }
 
@@ -128,33 +153,69 @@ def plan(
     rows: list[Candidate] = []
     for label in schedules:
         name, v = _SCHEDULES[label]
-        grid = _configurations(shape, v, gpus, global_batch, pps, eps, microbatches, name == "DualPipeV")
+        grid = _configurations(
+            shape, v, gpus, global_batch, pps, eps, microbatches, name == "DualPipeV"
+        )
         for pp, dp, ep, m in grid:
             tokens = global_batch // (dp * m) * seq_len
             layers, embed, head = layer_costs(
-                shape, hardware, tokens=tokens, seq_len=seq_len, ep=ep, a2a_dtype_bytes=a2a_bytes, recompute=recompute
+                shape,
+                hardware,
+                tokens=tokens,
+                seq_len=seq_len,
+                ep=ep,
+                a2a_dtype_bytes=a2a_bytes,
+                recompute=recompute,
             )
             split = even_layer_split(shape.num_layers, pp * v)
-            costs = stage_costs_from_layers(layers, split, first_extra=embed, last_extra=head)
+            costs = stage_costs_from_layers(
+                layers, split, first_extra=embed, last_extra=head
+            )
             link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
             params = stage_params(shape, split, ep)
             for overlap in (True, False) if name == "DualPipeV" else (None,):
                 try:
                     result = simulate_schedule(
-                        name, pp, m, costs, stages_per_rank=v, link=link, overlap=OverlapModel(enabled=bool(overlap))
+                        name,
+                        pp,
+                        m,
+                        costs,
+                        stages_per_rank=v,
+                        link=link,
+                        overlap=OverlapModel(enabled=bool(overlap)),
                     )
-                except ValueError as e:  # torch's constructor refuses this (PP, microbatches)
+                except (
+                    ValueError
+                ) as e:  # torch's constructor refuses this (PP, microbatches)
                     logger.debug("skipping %s pp=%d m=%d: %s", label, pp, m, e)
                     break
                 mem = max(
-                    static_memory_bytes([params[s] for s, r in result.stage_to_rank.items() if r == rank], dp, ep)
+                    static_memory_bytes(
+                        [
+                            params[s]
+                            for s, r in result.stage_to_rank.items()
+                            if r == rank
+                        ],
+                        dp,
+                        ep,
+                    )
                     + result.ranks[rank].peak_activation_bytes
                     for rank in range(pp)
                 )
                 rows.append(
                     Candidate(
-                        label, pp, v, m, ep, overlap, result.step_time, result.bubble_fraction,
-                        result.exposed_comm, mem, mem <= memory_limit, result,
+                        label,
+                        pp,
+                        v,
+                        m,
+                        ep,
+                        overlap,
+                        result.step_time,
+                        result.bubble_fraction,
+                        result.exposed_comm,
+                        mem,
+                        mem <= memory_limit,
+                        result,
                     )
                 )
     rows.sort(key=lambda c: (not c.fits, c.step_time))
@@ -175,20 +236,57 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--config", help="a Hugging Face config.json (dense or MoE)")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--preset", choices=sorted(HARDWARE_PRESETS), default="H100")
-    p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a hardware field, e.g. achieved_fraction=0.35 (repeatable)")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a hardware field, e.g. achieved_fraction=0.35 (repeatable)",
+    )
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 64 per DP rank of the smallest PP)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per step (default: 64 per DP rank of the smallest PP)",
+    )
     p.add_argument("--pp", default="4,8,16", help="comma-separated PP degrees")
-    p.add_argument("--ep", default=None, help="comma-separated EP degrees (default: 1 for dense, 8,16,32,64 for MoE)")
-    p.add_argument("--microbatches", default=None, help="comma-separated counts (default: stages and 2x stages)")
-    p.add_argument("--schedules", default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV",
-                   help=f"comma-separated, of {', '.join(_SCHEDULES)}")
-    p.add_argument("--memory-limit-gib", type=float, default=None, help="default: 90%% of the preset's HBM")
-    p.add_argument("--a2a-bytes", type=int, default=2, help="bytes per element of the all-to-alls (1: FP8 dispatch)")
-    p.add_argument("--recompute", action="store_true", help="full activation checkpointing")
+    p.add_argument(
+        "--ep",
+        default=None,
+        help="comma-separated EP degrees (default: 1 for dense, 8,16,32,64 for MoE)",
+    )
+    p.add_argument(
+        "--microbatches",
+        default=None,
+        help="comma-separated counts (default: stages and 2x stages)",
+    )
+    p.add_argument(
+        "--schedules",
+        default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV",
+        help=f"comma-separated, of {', '.join(_SCHEDULES)}",
+    )
+    p.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        default=None,
+        help="default: 90%% of the preset's HBM",
+    )
+    p.add_argument(
+        "--a2a-bytes",
+        type=int,
+        default=2,
+        help="bytes per element of the all-to-alls (1: FP8 dispatch)",
+    )
+    p.add_argument(
+        "--recompute", action="store_true", help="full activation checkpointing"
+    )
     p.add_argument("--top", type=int, default=10)
-    p.add_argument("--trace", metavar="DIR", help="write the best candidate's timeline (best.json, best.png)")
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="write the best candidate's timeline (best.json, best.png)",
+    )
     p.add_argument("--quiet", action="store_true", help="print nothing (for tests)")
     return p
 
@@ -205,23 +303,44 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
     shape = ModelShape.from_hf_config(config)
     unknown = [x for x in args.schedules.split(",") if x not in _SCHEDULES]
     if unknown:
-        parser.error(f"--schedules: unknown {', '.join(unknown)} (known: {', '.join(_SCHEDULES)})")
+        parser.error(
+            f"--schedules: unknown {', '.join(unknown)} (known: {', '.join(_SCHEDULES)})"
+        )
     overrides = {}
     preset = HARDWARE_PRESETS[args.preset]
     for item in args.override:
         key, _, value = item.partition("=")
         if key not in {f.name for f in dataclasses.fields(preset)} or key == "name":
-            parser.error(f"--override {item}: not a hardware field ({', '.join(f.name for f in dataclasses.fields(preset))})")
+            parser.error(
+                f"--override {item}: not a hardware field ({', '.join(f.name for f in dataclasses.fields(preset))})"
+            )
         overrides[key] = type(getattr(preset, key))(value)
     hardware = HARDWARE_PRESETS[args.preset].with_overrides(**overrides)
     pps = _ints(args.pp)
-    eps = _ints(args.ep) if args.ep else ([1] if not shape.num_experts else [8, 16, 32, 64])
+    eps = (
+        _ints(args.ep)
+        if args.ep
+        else ([1] if not shape.num_experts else [8, 16, 32, 64])
+    )
     global_batch = args.global_batch or 64 * (args.gpus // min(pps))
-    limit = (args.memory_limit_gib * 2**30) if args.memory_limit_gib else 0.9 * hardware.hbm_bytes
+    limit = (
+        (args.memory_limit_gib * 2**30)
+        if args.memory_limit_gib
+        else 0.9 * hardware.hbm_bytes
+    )
     rows = plan(
-        shape, hardware, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch, pps=pps, eps=eps,
+        shape,
+        hardware,
+        gpus=args.gpus,
+        seq_len=args.seq_len,
+        global_batch=global_batch,
+        pps=pps,
+        eps=eps,
         microbatches=_ints(args.microbatches) if args.microbatches else None,
-        schedules=args.schedules.split(","), memory_limit=limit, a2a_bytes=args.a2a_bytes, recompute=args.recompute,
+        schedules=args.schedules.split(","),
+        memory_limit=limit,
+        a2a_bytes=args.a2a_bytes,
+        recompute=args.recompute,
     )
     out = (lambda *a: None) if args.quiet else print
     out(
@@ -229,22 +348,34 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         f"({hardware.bf16_tflops:g} TFLOP/s x {hardware.achieved_fraction:g}), seq {args.seq_len}, "
         f"global batch {global_batch} sequences, memory limit {limit / 2**30:.0f} GiB"
     )
-    out(f"{'schedule':<16}{'pp':>4}{'v':>3}{'mb':>5}{'ep':>5} {'overlap':<8}{'step s':>10}{'bubble':>8}"
-        f"{'exp.comm s':>11}{'mem GiB':>9}  fits")
+    out(
+        f"{'schedule':<16}{'pp':>4}{'v':>3}{'mb':>5}{'ep':>5} {'overlap':<8}{'step s':>10}{'bubble':>8}"
+        f"{'exp.comm s':>11}{'mem GiB':>9}  fits"
+    )
     for c in rows[: args.top]:
         ov = "-" if c.overlap is None else ("on" if c.overlap else "off")
-        out(f"{c.schedule:<16}{c.pp:>4}{c.stages_per_rank:>3}{c.microbatches:>5}{c.ep:>5} {ov:<8}{c.step_time:>10.3f}"
-            f"{c.bubble:>8.1%}{c.exposed_comm:>11.3f}{c.memory_bytes / 2**30:>9.1f}  {'yes' if c.fits else 'no'}")
+        out(
+            f"{c.schedule:<16}{c.pp:>4}{c.stages_per_rank:>3}{c.microbatches:>5}{c.ep:>5} {ov:<8}{c.step_time:>10.3f}"
+            f"{c.bubble:>8.1%}{c.exposed_comm:>11.3f}{c.memory_bytes / 2**30:>9.1f}  {'yes' if c.fits else 'no'}"
+        )
     if not rows:
-        out("no candidate: check that --gpus is divisible by PP x EP and --global-batch by DP x microbatches")
+        out(
+            "no candidate: check that --gpus is divisible by PP x EP and --global-batch by DP x microbatches"
+        )
     if args.trace and rows:
         os.makedirs(args.trace, exist_ok=True)
         best = rows[0]
-        write_chrome_trace(best.result, os.path.join(args.trace, "best.json"), title=f"{best.schedule} predicted")
+        write_chrome_trace(
+            best.result,
+            os.path.join(args.trace, "best.json"),
+            title=f"{best.schedule} predicted",
+        )
         try:
             plot_timeline(best.result, os.path.join(args.trace, "best.png"))
         except ImportError:
-            out("matplotlib is not installed: wrote best.json only (pip install .[plot])")
+            out(
+                "matplotlib is not installed: wrote best.json only (pip install .[plot])"
+            )
     return rows
 
 

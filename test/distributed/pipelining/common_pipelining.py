@@ -134,7 +134,9 @@ class PipelineMultiProcTest(MultiProcContinuousTest):
             cls._spawn_processes(cls.world_size)
 
 
-def nccl_variant(test_class: type[PipelineMultiProcTest], name: str | None = None) -> type[PipelineMultiProcTest]:
+def nccl_variant(
+    test_class: type[PipelineMultiProcTest], name: str | None = None
+) -> type[PipelineMultiProcTest]:
     """The NCCL variant of a gloo test class: the same tests, one GPU per rank.
 
     ``requires_nccl()`` skips the class without NCCL (no rank is spawned), and
@@ -153,7 +155,9 @@ def nccl_variant(test_class: type[PipelineMultiProcTest], name: str | None = Non
     }
     for attr in dir(test_class):
         if attr.startswith("test"):
-            namespace[attr] = skip_if_lt_x_gpu(test_class.world_size)(getattr(test_class, attr))
+            namespace[attr] = skip_if_lt_x_gpu(test_class.world_size)(
+                getattr(test_class, attr)
+            )
     return requires_nccl()(type(name, (test_class,), namespace))
 
 
@@ -164,7 +168,9 @@ def nccl_decorators(n_gpus: int) -> list[Callable[[Any], Any]]:
     ``@parametrize("backend", ["gloo", subtest("nccl", decorators=nccl_decorators(4))])``."""
     return [
         requires_nccl(),
-        skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < n_gpus, f"Need at least {n_gpus} CUDA devices"),
+        skip_but_pass_in_sandcastle_if(
+            torch.cuda.device_count() < n_gpus, f"Need at least {n_gpus} CUDA devices"
+        ),
     ]
 
 
@@ -185,19 +191,27 @@ def check_on_all_ranks(
     error: Exception | None = None
     try:
         check()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+    except Exception as e:
         error = e
     failed = torch.tensor([int(error is not None)], device=device)
     dist.all_reduce(failed, group=group)
     if not failed.item():
         return
     errors: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    dist.all_gather_object(
+        errors,
+        None if error is None else f"{type(error).__name__}: {error}",
+        group=group,
+    )
     if error is not None:
         raise error
     raise AssertionError(
         "the check failed on other ranks:\n"
-        + "\n".join(f"rank {rank}: {message}" for rank, message in enumerate(errors) if message is not None)
+        + "\n".join(
+            f"rank {rank}: {message}"
+            for rank, message in enumerate(errors)
+            if message is not None
+        )
     )
 
 
@@ -251,7 +265,9 @@ def random_batch(seed: int, rows: int, dim: int) -> tuple[torch.Tensor, torch.Te
     return x, torch.randn(rows, dim, generator=gen)
 
 
-def random_tokens(seed: int, rows: int, seq_len: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_tokens(
+    seed: int, rows: int, seq_len: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and labels ``[rows, seq_len]`` of a language model, drawn from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (rows, seq_len), generator=gen)

@@ -34,7 +34,16 @@ HF_FAMILIES = (
     "gemma3_text",
     "qwen3_next",
 )
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe", "olmoe", "glm4_moe", "qwen3_next")
+MOE_FAMILIES = (
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "gpt_oss",
+    "qwen2_moe",
+    "olmoe",
+    "glm4_moe",
+    "qwen3_next",
+)
 WINDOW = 4
 
 
@@ -51,18 +60,32 @@ def tiny_hf_config(family: str, num_layers: int = 3, vocab_size: int = 64, **ove
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    alternating = [
+        "sliding_attention" if i % 2 == 0 else "full_attention"
+        for i in range(num_layers)
+    ]
     if family == "llama":
         cls, kw = tf.LlamaConfig, {}
     elif family == "qwen2":
         cls, kw = tf.Qwen2Config, {}
     elif family == "qwen2_sliding":
         # layers from max_window_layers on use the sliding window
-        cls, kw = tf.Qwen2Config, dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+        cls, kw = (
+            tf.Qwen2Config,
+            dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+        )
     elif family == "qwen3":
         cls, kw = tf.Qwen3Config, dict(head_dim=8)
     elif family == "qwen3_moe":
-        cls, kw = tf.Qwen3MoeConfig, dict(head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+        cls, kw = (
+            tf.Qwen3MoeConfig,
+            dict(
+                head_dim=8,
+                moe_intermediate_size=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+            ),
+        )
     elif family == "mixtral":
         cls, kw = tf.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)
     elif family == "deepseek_v3":
@@ -101,7 +124,10 @@ def tiny_hf_config(family: str, num_layers: int = 3, vocab_size: int = 64, **ove
     elif family == "mistral":
         cls, kw = tf.MistralConfig, dict(sliding_window=WINDOW)
     elif family == "phi3":
-        cls, kw = tf.Phi3Config, dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cls, kw = (
+            tf.Phi3Config,
+            dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        )
     elif family == "olmo2":
         cls, kw = tf.Olmo2Config, dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif family == "gpt_oss":
@@ -116,9 +142,23 @@ def tiny_hf_config(family: str, num_layers: int = 3, vocab_size: int = 64, **ove
         )
     elif family == "qwen2_moe":
         cls = tf.Qwen2MoeConfig
-        kw = dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+        kw = dict(
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
     elif family == "olmoe":
-        cls, kw = tf.OlmoeConfig, dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cls, kw = (
+            tf.OlmoeConfig,
+            dict(
+                num_experts=4,
+                num_experts_per_tok=2,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+        )
     elif family == "glm4_moe":
         cls = tf.Glm4MoeConfig
         kw = dict(
@@ -133,15 +173,28 @@ def tiny_hf_config(family: str, num_layers: int = 3, vocab_size: int = 64, **ove
         )
     elif family == "gemma2":
         cls = tf.Gemma2Config
-        kw = dict(head_dim=8, sliding_window=WINDOW, layer_types=alternating, query_pre_attn_scalar=8)
+        kw = dict(
+            head_dim=8,
+            sliding_window=WINDOW,
+            layer_types=alternating,
+            query_pre_attn_scalar=8,
+        )
     elif family == "gemma3_text":
         cls = tf.Gemma3TextConfig
-        kw = dict(head_dim=8, sliding_window=WINDOW, layer_types=alternating, query_pre_attn_scalar=8)
+        kw = dict(
+            head_dim=8,
+            sliding_window=WINDOW,
+            layer_types=alternating,
+            query_pre_attn_scalar=8,
+        )
     elif family == "qwen3_next":
         cls = tf.Qwen3NextConfig
         kw = dict(
             head_dim=8,
-            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+            layer_types=[
+                "linear_attention" if i % 2 == 0 else "full_attention"
+                for i in range(num_layers)
+            ],
             linear_num_value_heads=4,
             linear_num_key_heads=2,
             linear_key_head_dim=8,

@@ -38,7 +38,7 @@ class MLPStage(nn.Module):
 # None (``call_if_present``), a container holds only the stage's layers under
 # their original keys, so the same forward runs the whole model and any stage.
 
-from torch_pipelining_ext.stage_split import call_if_present  # noqa: E402
+from torch_pipelining_ext.stage_split import call_if_present
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -48,8 +48,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
-def _rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def _rope_tables(
+    head_dim: int, seq_len: int, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    )
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -65,9 +69,13 @@ class ToyAttention(nn.Module):
         self.wv = nn.Linear(dim, dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         cos, sin = rope  # required: a stage missing its rotary tables fails loudly
-        q, k, v = (w(x).unflatten(-1, (self.n_heads, -1)) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).unflatten(-1, (self.n_heads, -1)) for w in (self.wq, self.wk, self.wv)
+        )
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
@@ -95,7 +103,9 @@ class ToyMoE(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = nn.ModuleList(ToyFeedForward(dim, hidden) for _ in range(n_experts))
+        self.experts = nn.ModuleList(
+            ToyFeedForward(dim, hidden) for _ in range(n_experts)
+        )
         self.shared_expert = ToyFeedForward(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,21 +115,36 @@ class ToyMoE(nn.Module):
         for e, expert in enumerate(self.experts):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             if rows.numel():
-                out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+                out = out.index_add(
+                    0, rows, expert(flat[rows]) * weights[rows, slot, None]
+                )
         return out.view_as(x)
 
 
 class ToyBlock(nn.Module):
     """Pre-norm transformer block; dense or MoE feed-forward."""
 
-    def __init__(self, dim: int, n_heads: int, moe: bool = False, n_experts: int = 4, top_k: int = 2) -> None:
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        moe: bool = False,
+        n_experts: int = 4,
+        top_k: int = 2,
+    ) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim)
         self.attention = ToyAttention(dim, n_heads)
         self.ffn_norm = nn.RMSNorm(dim)
-        self.feed_forward = ToyMoE(dim, 2 * dim, n_experts, top_k) if moe else ToyFeedForward(dim, 2 * dim)
+        self.feed_forward = (
+            ToyMoE(dim, 2 * dim, n_experts, top_k)
+            if moe
+            else ToyFeedForward(dim, 2 * dim)
+        )
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -151,9 +176,16 @@ class ToyLLM(nn.Module):
     ) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
-        blocks = [ToyBlock(dim, n_heads, moe=i in moe_layers, n_experts=n_experts, top_k=top_k) for i in range(n_layers)]
+        blocks = [
+            ToyBlock(
+                dim, n_heads, moe=i in moe_layers, n_experts=n_experts, top_k=top_k
+            )
+            for i in range(n_layers)
+        ]
         if container == "dict":
-            self.layers: nn.Module = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+            self.layers: nn.Module = nn.ModuleDict(
+                {str(i): b for i, b in enumerate(blocks)}
+            )
         elif container == "list":
             self.layers = nn.ModuleList(blocks)
         else:
@@ -176,7 +208,9 @@ class ToyLLM(nn.Module):
 
 def toy_moe_llm(n_layers: int = 6, n_dense: int = 2, **kwargs) -> ToyLLM:
     """A :class:`ToyLLM` with ``n_dense`` dense layers followed by MoE layers."""
-    return ToyLLM(n_layers=n_layers, moe_layers=tuple(range(n_dense, n_layers)), **kwargs)
+    return ToyLLM(
+        n_layers=n_layers, moe_layers=tuple(range(n_dense, n_layers)), **kwargs
+    )
 
 
 class ToyRotaryEmbedding(nn.Module):
@@ -185,11 +219,16 @@ class ToyRotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        inv_freq = 1.0 / theta ** (
+            torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.outer(torch.arange(h.shape[1], dtype=torch.float32, device=h.device), self.inv_freq)
+        angles = torch.outer(
+            torch.arange(h.shape[1], dtype=torch.float32, device=h.device),
+            self.inv_freq,
+        )
         return angles.cos(), angles.sin()
 
 
@@ -215,7 +254,9 @@ class NestedToyLLM(nn.Module):
     """LLM laid out like Hugging Face decoders: ``model.embed_tokens``,
     ``model.layers.N``, ``model.norm``, ``model.rotary_emb`` and ``lm_head``."""
 
-    def __init__(self, vocab_size: int = 32, dim: int = 16, n_layers: int = 4, n_heads: int = 2) -> None:
+    def __init__(
+        self, vocab_size: int = 32, dim: int = 16, n_layers: int = 4, n_heads: int = 2
+    ) -> None:
         super().__init__()
         self.model = ToyDecoder(vocab_size, dim, n_layers, n_heads)
         self.lm_head = nn.Linear(dim, vocab_size, bias=False)
@@ -319,9 +360,13 @@ class MoEModelArgs:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            raise ValueError(
+                f"dim={self.dim} is not divisible by n_heads={self.n_heads}"
+            )
         if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+            raise ValueError(
+                f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}"
+            )
 
     @property
     def n_layers(self) -> int:
@@ -338,7 +383,11 @@ class _EPAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+        ctx: Any,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
@@ -349,7 +398,9 @@ class _EPAllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        dist.all_to_all_single(
+            grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group
+        )
         return grad_in, None, None, None
 
 
@@ -374,7 +425,11 @@ class EPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = self.wqkv(x).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.wqkv(x)
+            .view(b, s, 3, self.n_heads, d // self.n_heads)
+            .permute(2, 0, 3, 1, 4)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, d))
 
@@ -402,24 +457,33 @@ class EPMoE(nn.Module):
     model built from the same seed.
     """
 
-    def __init__(self, args: MoEModelArgs, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, args: MoEModelArgs, ep_group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self._ep = _EPGroupRef(ep_group)
         ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         if args.n_experts % ep_size:
-            raise ValueError(f"n_experts={args.n_experts} is not divisible by the EP group size {ep_size}")
+            raise ValueError(
+                f"n_experts={args.n_experts} is not divisible by the EP group size {ep_size}"
+            )
         self.n_experts = args.n_experts
         self.n_local = args.n_experts // ep_size
         self.top_k = args.top_k
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
         self.shared_expert = (
-            EPFeedForward(args.dim, args.moe_hidden * args.n_shared_experts) if args.n_shared_experts else None
+            EPFeedForward(args.dim, args.moe_hidden * args.n_shared_experts)
+            if args.n_shared_experts
+            else None
         )
         # Every rank draws all experts' weights (same random stream as the
         # unsharded model) and keeps its own.
         w1 = torch.randn(args.n_experts, args.dim, 2 * args.moe_hidden) * args.dim**-0.5
-        w2 = torch.randn(args.n_experts, args.moe_hidden, args.dim) * args.moe_hidden**-0.5
+        w2 = (
+            torch.randn(args.n_experts, args.moe_hidden, args.dim)
+            * args.moe_hidden**-0.5
+        )
         local = slice(ep_rank * self.n_local, (ep_rank + 1) * self.n_local)
         self.w1 = nn.Parameter(w1[local].clone())
         self.w2 = nn.Parameter(w2[local].clone())
@@ -460,7 +524,9 @@ class EPMoE(nn.Module):
         recv = recv_counts.sum(dim=1).tolist()
         return _EPAllToAll.apply(routed, recv, send, group), recv_counts, (send, recv)
 
-    def combine(self, expert_out: torch.Tensor, splits: tuple[list[int], list[int]] | None) -> torch.Tensor:
+    def combine(
+        self, expert_out: torch.Tensor, splits: tuple[list[int], list[int]] | None
+    ) -> torch.Tensor:
         """Send the expert outputs back to the ranks their tokens came from (reverses :meth:`dispatch`)."""
         group = self.ep_group
         if group is None:
@@ -493,20 +559,28 @@ class EPMoE(nn.Module):
         order = flat.argsort(stable=True)
         token_of_slot = order // self.top_k
         counts = torch.bincount(flat, minlength=self.n_experts)
-        received, recv_counts, splits = self.dispatch(tokens.index_select(0, token_of_slot), counts)
+        received, recv_counts, splits = self.dispatch(
+            tokens.index_select(0, token_of_slot), counts
+        )
         expert_out = self.experts(received, recv_counts)
         back = self.combine(expert_out, splits)
-        routed = torch.zeros_like(tokens).index_add(0, token_of_slot, back * weights.flatten()[order].unsqueeze(-1))
+        routed = torch.zeros_like(tokens).index_add(
+            0, token_of_slot, back * weights.flatten()[order].unsqueeze(-1)
+        )
         return (routed + shared).view(b, s, d)
 
 
 class EPBlock(nn.Module):
-    def __init__(self, args: MoEModelArgs, moe: bool, ep_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, args: MoEModelArgs, moe: bool, ep_group: dist.ProcessGroup | None
+    ) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim)
         self.attention = EPAttention(args)
         self.ffn_norm = nn.RMSNorm(args.dim)
-        self.ffn: nn.Module = EPMoE(args, ep_group) if moe else EPFeedForward(args.dim, args.dense_hidden)
+        self.ffn: nn.Module = (
+            EPMoE(args, ep_group) if moe else EPFeedForward(args.dim, args.dense_hidden)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -521,12 +595,17 @@ class MoETransformer(nn.Module):
         ep_group: the expert-parallel process group; None for all experts local.
     """
 
-    def __init__(self, args: MoEModelArgs, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, args: MoEModelArgs, ep_group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): EPBlock(args, i >= args.n_dense_layers, ep_group) for i in range(args.n_layers)}
+            {
+                str(i): EPBlock(args, i >= args.n_dense_layers, ep_group)
+                for i in range(args.n_layers)
+            }
         )
         self.norm = nn.RMSNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)

@@ -17,7 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import _backward, PipelineStage, ScheduleZBVZeroBubble, stage as stage_module
+from torch.distributed.pipelining import (
+    _backward,
+    PipelineStage,
+    ScheduleZBVZeroBubble,
+    stage as stage_module,
+)
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -34,7 +39,9 @@ def _stock(patch: str, attr: str) -> Callable[..., Any] | None:
     (p,) = (p for p in _REGISTRY.patches() if p.name == patch)
     if _REGISTRY.status(patch) is not torch_pipelining_ext.PatchStatus.APPLIED:
         return None
-    (original,) = (o for t, o in p._saved if t.module.endswith("._backward") and t.attr == attr)
+    (original,) = (
+        o for t, o in p._saved if t.module.endswith("._backward") and t.attr == attr
+    )
     return original
 
 
@@ -53,13 +60,17 @@ class _ScaledPair(torch.autograd.Function):
     """``(x @ w, 3 * x @ w)``: one autograd node with two outputs of one shape."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(x, w)
         y = x @ w
         return y, 3 * y
 
     @staticmethod
-    def backward(ctx: Any, g0: torch.Tensor, g1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(
+        ctx: Any, g0: torch.Tensor, g1: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, w = ctx.saved_tensors
         g = g0 + 3 * g1
         return g @ w.T, x.T @ g
@@ -80,7 +91,10 @@ class _TwoOutputNode(nn.Module):
 
 _MODULES = {"twice_on_one_path": _TwiceOnOnePath, "two_output_node": _TwoOutputNode}
 # the probe's name of each case, as its reason lists the cases it found wrong
-_PROBE_CASES = {"twice_on_one_path": "a parameter used twice on one path", "two_output_node": "an intermediate with two outputs"}
+_PROBE_CASES = {
+    "twice_on_one_path": "a parameter used twice on one path",
+    "two_output_node": "an intermediate with two outputs",
+}
 
 
 def _probe_found_wrong(patch: str, case: str) -> bool:
@@ -99,14 +113,20 @@ def _split_grads(
     module.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     loss = module(x).square().sum()
-    dinputs, groups = backward_input([loss], None, [x, *extra_inputs], module.parameters())
+    dinputs, groups = backward_input(
+        [loss], None, [x, *extra_inputs], module.parameters()
+    )
     backward_weight(module.parameters(), groups)
     return x.grad, [p.grad for p in module.parameters()]
 
 
-def _autograd_grads(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _autograd_grads(
+    module: nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     x = x.detach().requires_grad_()
-    dx, *dparams = torch.autograd.grad(module(x).square().sum(), [x, *module.parameters()])
+    dx, *dparams = torch.autograd.grad(
+        module(x).square().sum(), [x, *module.parameters()]
+    )
     return dx, dparams
 
 
@@ -114,14 +134,20 @@ class SplitBackwardTest(TestCase):
     @parametrize("case", list(_MODULES))
     def test_weight_gradients_match_autograd(self, case: str) -> None:
         # stage.py calls the names it imported from _backward.py: both are the same function
-        self.assertIs(stage_module.stage_backward_weight, _backward.stage_backward_weight)
+        self.assertIs(
+            stage_module.stage_backward_weight, _backward.stage_backward_weight
+        )
         self.assertIs(stage_module.stage_backward_input, _backward.stage_backward_input)
         torch.manual_seed(0)
         module, x = _MODULES[case](), torch.randn(3, 4)
         ref_dx, ref_dparams = _autograd_grads(module, x)
-        dx, dparams = _split_grads(module, x, _backward.stage_backward_input, _backward.stage_backward_weight)
+        dx, dparams = _split_grads(
+            module, x, _backward.stage_backward_input, _backward.stage_backward_weight
+        )
         torch.testing.assert_close(dx, ref_dx)
-        for name, got, ref in zip((n for n, _ in module.named_parameters()), dparams, ref_dparams, strict=True):
+        for name, got, ref in zip(
+            (n for n, _ in module.named_parameters()), dparams, ref_dparams, strict=True
+        ):
             torch.testing.assert_close(got, ref, msg=lambda m: f"{case} {name}: {m}")
 
         stock = _stock("split_backward_weight", "stage_backward_weight")
@@ -130,11 +156,19 @@ class SplitBackwardTest(TestCase):
             # (torch releases differ: 2.12 is wrong for one case only)
             stock_wrong = _probe_found_wrong("split_backward_weight", case)
             try:
-                _, stock_dparams = _split_grads(module, x, _backward.stage_backward_input, stock)
+                _, stock_dparams = _split_grads(
+                    module, x, _backward.stage_backward_input, stock
+                )
             except RuntimeError as e:  # stock torch raises (a multi-output node with outputs of different shapes)
-                self.assertTrue(stock_wrong, f"stock stage_backward_weight raises for {case} ({e}), but the probe said it is right")
+                self.assertTrue(
+                    stock_wrong,
+                    f"stock stage_backward_weight raises for {case} ({e}), but the probe said it is right",
+                )
                 return
-            stock_right = all(torch.allclose(g, r) for g, r in zip(stock_dparams, ref_dparams, strict=True))
+            stock_right = all(
+                torch.allclose(g, r)
+                for g, r in zip(stock_dparams, ref_dparams, strict=True)
+            )
             self.assertEqual(
                 stock_right,
                 not stock_wrong,
@@ -147,7 +181,9 @@ class SplitBackwardTest(TestCase):
         module, xs = _TwiceOnOnePath(), torch.randn(2, 3, 4)
         for x in xs:
             x = x.clone().requires_grad_()
-            _, groups = _backward.stage_backward_input([module(x).square().sum()], None, [x], module.parameters())
+            _, groups = _backward.stage_backward_input(
+                [module(x).square().sum()], None, [x], module.parameters()
+            )
             _backward.stage_backward_weight(module.parameters(), groups)
         ref = [torch.zeros_like(p) for p in module.parameters()]
         for x in xs:
@@ -161,24 +197,34 @@ class SplitBackwardTest(TestCase):
         module, x = _TwiceOnOnePath(), torch.randn(3, 4)
         module.lin.bias.requires_grad_(False)
         x = x.requires_grad_()
-        _, groups = _backward.stage_backward_input([module(x).square().sum()], None, [x], module.parameters())
+        _, groups = _backward.stage_backward_input(
+            [module(x).square().sum()], None, [x], module.parameters()
+        )
         _backward.stage_backward_weight(module.parameters(), groups)
         self.assertIsNone(module.lin.bias.grad)
-        (ref,) = torch.autograd.grad(module(x.detach()).square().sum(), [module.lin.weight])
+        (ref,) = torch.autograd.grad(
+            module(x.detach()).square().sum(), [module.lin.weight]
+        )
         torch.testing.assert_close(module.lin.weight.grad, ref)
 
     def test_non_tensor_stage_input(self) -> None:
         try:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            mask: Any = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cpu")
-        except Exception:  # noqa: BLE001 - any object that is not a tensor shows the bug
+            mask: Any = create_block_mask(
+                lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cpu"
+            )
+        except Exception:
             mask = object()
         torch.manual_seed(0)
         module, x = nn.Linear(4, 4), torch.randn(3, 4)
         ref_dx, ref_dparams = _autograd_grads(module, x)
         dx, dparams = _split_grads(
-            module, x, _backward.stage_backward_input, _backward.stage_backward_weight, extra_inputs=(mask,)
+            module,
+            x,
+            _backward.stage_backward_input,
+            _backward.stage_backward_weight,
+            extra_inputs=(mask,),
         )
         torch.testing.assert_close(dx, ref_dx)
         for got, ref in zip(dparams, ref_dparams, strict=True):
@@ -187,7 +233,13 @@ class SplitBackwardTest(TestCase):
         stock = _stock("split_backward_non_tensor_inputs", "stage_backward_input")
         if stock is not None:
             with self.assertRaisesRegex(AttributeError, "requires_grad"):
-                _split_grads(module, x, stock, _backward.stage_backward_weight, extra_inputs=(mask,))
+                _split_grads(
+                    module,
+                    x,
+                    stock,
+                    _backward.stage_backward_weight,
+                    extra_inputs=(mask,),
+                )
 
 
 class _Mask:
@@ -223,7 +275,10 @@ class SplitBackwardScheduleTest(TestCase):
         torch.manual_seed(0)
         reference = nn.Sequential(_TiedStage(), _TiedStage())
         parts = [copy.deepcopy(m) for m in reference]
-        stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate(parts)]
+        stages = [
+            PipelineStage(part, i, 2, torch.device("cpu"))
+            for i, part in enumerate(parts)
+        ]
         schedule = ScheduleZBVZeroBubble(stages, 2, loss_fn=nn.functional.mse_loss)
         mask = _Mask()
         gen = torch.Generator().manual_seed(0)
@@ -240,7 +295,9 @@ class SplitBackwardScheduleTest(TestCase):
             torch.testing.assert_close(losses, ref_losses)
             for i, (part, ref) in enumerate(zip(parts, reference)):
                 for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
-                    torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}")
+                    torch.testing.assert_close(
+                        p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}"
+                    )
 
 
 instantiate_parametrized_tests(SplitBackwardTest)

@@ -20,7 +20,10 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_pipelining_ext
-from torch_pipelining_ext._backward_counter import _BackwardCounterAttribute, BackwardCounter
+from torch_pipelining_ext._backward_counter import (
+    _BackwardCounterAttribute,
+    BackwardCounter,
+)
 
 
 _TIMEOUT_S = 30.0
@@ -52,7 +55,9 @@ class _TwoThreadCounter(BackwardCounter):
         count = super().__getitem__(stage_idx)
         self._arrive()
         with self._arrival:
-            if not self._arrival.wait_for(lambda: len(self._arrived) >= 2, timeout=_TIMEOUT_S):
+            if not self._arrival.wait_for(
+                lambda: len(self._arrived) >= 2, timeout=_TIMEOUT_S
+            ):
                 raise RuntimeError(
                     f"{threading.current_thread().name} read the count of stage {stage_idx} and waited "
                     f"{_TIMEOUT_S} s for the other thread to arrive (arrived: {sorted(self._arrived)})"
@@ -99,7 +104,9 @@ class BackwardCounterTest(TestCase):
     def test_record_backward_past_last_raises(self) -> None:
         c = BackwardCounter(n_microbatches=1)
         self.assertTrue(c.record_backward(2))
-        with self.assertRaisesRegex(RuntimeError, "stage 2 ran backward 2 times in one step.*reset"):
+        with self.assertRaisesRegex(
+            RuntimeError, "stage 2 ran backward 2 times in one step.*reset"
+        ):
             c.record_backward(2)
 
     def test_record_backward_needs_n_microbatches(self) -> None:
@@ -110,7 +117,9 @@ class BackwardCounterTest(TestCase):
         c = BackwardCounter(n_microbatches=2)
         for step in range(3):
             c.reset() if step % 2 else c.clear()
-            self.assertEqual([c.record_backward(7), c.record_backward(7)], [False, True])
+            self.assertEqual(
+                [c.record_backward(7), c.record_backward(7)], [False, True]
+            )
 
     def test_record_backward_is_thread_safe(self) -> None:
         # Two threads count the last two backwards of one stage.  Each thread,
@@ -126,10 +135,12 @@ class BackwardCounterTest(TestCase):
         def work() -> None:
             try:
                 results[threading.current_thread().name] = c.record_backward(0)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
+            except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=work, name=f"counting-{i}") for i in range(2)]
+        threads = [
+            threading.Thread(target=work, name=f"counting-{i}") for i in range(2)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -137,11 +148,18 @@ class BackwardCounterTest(TestCase):
             self.assertFalse(t.is_alive(), f"{t.name} did not finish")
         self.assertEqual(errors, [])
         self.assertEqual(dict(c), {0: 2})
-        self.assertEqual(sorted(results.values()), [False, True])  # exactly one saw the last backward
+        self.assertEqual(
+            sorted(results.values()), [False, True]
+        )  # exactly one saw the last backward
 
     def test_copy_and_pickle_keep_n_microbatches(self) -> None:
         c = BackwardCounter({1: 2}, n_microbatches=4)
-        for other in (c.copy(), copy.copy(c), copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+        for other in (
+            c.copy(),
+            copy.copy(c),
+            copy.deepcopy(c),
+            pickle.loads(pickle.dumps(c)),
+        ):
             self.assertIsInstance(other, BackwardCounter)
             self.assertEqual(other, c)
             self.assertEqual(other.n_microbatches, 4)
@@ -186,19 +204,30 @@ class BackwardCounterAttributeTest(TestCase):
         a, b = _Schedule(1), _Schedule(3)
         a.backward_counter[0] += 1
         self.assertEqual(b.backward_counter[0], 0)
-        self.assertEqual((a.backward_counter.n_microbatches, b.backward_counter.n_microbatches), (1, 3))
+        self.assertEqual(
+            (a.backward_counter.n_microbatches, b.backward_counter.n_microbatches),
+            (1, 3),
+        )
 
     def test_installed_on_pipeline_schedule_runtime(self) -> None:
         self.assertIn(
             torch_pipelining_ext.PatchStatus.APPLIED,
-            {r.status for r in torch_pipelining_ext.patch_report() if r.name == "schedule_backward_counter"},
+            {
+                r.status
+                for r in torch_pipelining_ext.patch_report()
+                if r.name == "schedule_backward_counter"
+            },
         )
-        self.assertIsInstance(_PipelineScheduleRuntime.__dict__["backward_counter"], _BackwardCounterAttribute)
-        schedule = _PipelineScheduleRuntime.__new__(_PipelineScheduleRuntime)  # no stages needed
+        self.assertIsInstance(
+            _PipelineScheduleRuntime.__dict__["backward_counter"],
+            _BackwardCounterAttribute,
+        )
+        schedule = _PipelineScheduleRuntime.__new__(
+            _PipelineScheduleRuntime
+        )  # no stages needed
         schedule._n_microbatches = 2
         self.assertIsInstance(schedule.backward_counter, BackwardCounter)
         self.assertEqual(schedule.backward_counter.n_microbatches, 2)
-
 
 
 if __name__ == "__main__":

@@ -32,22 +32,44 @@ import torch_pipelining_ext  # noqa: F401
 from torch_pipelining_ext.demo import harness, train
 
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_REPO = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 _TIMEOUT_S = 300
 _NO_FUSED = harness.fused_experts_problem()
 # small enough for a few seconds per step on 2 CPU cores
-_SHORT = ["--steps", "2", "--layers", "2", "--microbatches", "2", "--comm-latency-ms", "0.5"]
+_SHORT = [
+    "--steps",
+    "2",
+    "--layers",
+    "2",
+    "--microbatches",
+    "2",
+    "--comm-latency-ms",
+    "0.5",
+]
 
 
 def _run_demo(*flags: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(var, None)  # not under torchrun: the demo starts its ranks
     return subprocess.run(
         [sys.executable, "-m", "torch_pipelining_ext.demo", *flags],
-        cwd=_REPO, env=env, capture_output=True, text=True, timeout=_TIMEOUT_S,
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT_S,
     )
 
 
@@ -57,10 +79,14 @@ class DemoRunTest(TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             proc = _run_demo(*_SHORT, "--trace", tmp)
             out = proc.stdout
-            self.assertEqual(proc.returncode, 0, msg=f"stdout:\n{out}\nstderr:\n{proc.stderr}")
+            self.assertEqual(
+                proc.returncode, 0, msg=f"stdout:\n{out}\nstderr:\n{proc.stderr}"
+            )
             self.assertIn("2 stages on 2 gloo ranks: PP=1 x EP=2", out)
             self.assertIn("simulated link: 0.50 ms per token all-to-all", out)
-            self.assertRegex(out, r"(?m)^step  1/2  loss \d+\.\d+  step time: overlapped +\d+\.\d ms")
+            self.assertRegex(
+                out, r"(?m)^step  1/2  loss \d+\.\d+  step time: overlapped +\d+\.\d ms"
+            )
             self.assertNotIn("LOSSES DIFFER", out)
             # the table: overlapped == sequential to the printed digits, the reference within float rounding
             final = re.search(r"(?m)^final loss \(step 2\) +(\S+) +(\S+) +(\S+)$", out)
@@ -70,13 +96,21 @@ class DemoRunTest(TestCase):
             self.assertAlmostEqual(overlapped, reference, delta=1e-4 * abs(reference))
             self.assertRegex(out, r"time overlapped / sequential: \d+\.\d\d")
             # 2 layers x 2 microbatches x 4 token all-to-alls per step and rank
-            self.assertRegex(out, r"communication hidden: -?\d+\.\d\d = .* 16 x 0\.50 ms = 8 ms of simulated link")
+            self.assertRegex(
+                out,
+                r"communication hidden: -?\d+\.\d\d = .* 16 x 0\.50 ms = 8 ms of simulated link",
+            )
             self.assertIn("losses identical: yes (torch.equal", out)
             self.assertIn("weights after step 2 identical: yes", out)
             self.assertIn("(float rounding)", out)
             for mode in ("overlap", "sequential"):
                 for rank in (0, 1):
-                    self.assertTrue(os.path.getsize(os.path.join(tmp, f"trace_{mode}_rank{rank}.json")) > 0)
+                    self.assertTrue(
+                        os.path.getsize(
+                            os.path.join(tmp, f"trace_{mode}_rank{rank}.json")
+                        )
+                        > 0
+                    )
             with open(os.path.join(tmp, "timeline.png"), "rb") as f:
                 self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
@@ -88,7 +122,18 @@ class DemoRunTest(TestCase):
             return [x * 1.01 for x in real(model, args)]
 
         with mock.patch.object(train, "reference_losses", off), _quiet_fds():
-            status = train.main(["--steps", "1", "--layers", "2", "--microbatches", "2", "--comm-latency-ms", "0"])
+            status = train.main(
+                [
+                    "--steps",
+                    "1",
+                    "--layers",
+                    "2",
+                    "--microbatches",
+                    "2",
+                    "--comm-latency-ms",
+                    "0",
+                ]
+            )
         self.assertEqual(status, 1)
 
 
@@ -115,11 +160,17 @@ class DemoArgumentsTest(TestCase):
 
     def _error(self, argv: list[str], environ: dict[str, str] | None = None) -> str:
         stderr = io.StringIO()
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        }
         env.update(environ or {})
         with (
             mock.patch.dict(os.environ, env, clear=True),
-            mock.patch.object(harness, "launch", side_effect=AssertionError("launched")) as launch,
+            mock.patch.object(
+                harness, "launch", side_effect=AssertionError("launched")
+            ) as launch,
             contextlib.redirect_stderr(stderr),
             self.assertRaises(SystemExit) as cm,
         ):
@@ -130,7 +181,9 @@ class DemoArgumentsTest(TestCase):
 
     def test_without_fused_experts(self) -> None:
         # transformers 4.x holds experts as separate modules: the demo says what to install
-        with mock.patch("torch_pipelining_ext.hf.has_fused_experts", return_value=False):
+        with mock.patch(
+            "torch_pipelining_ext.hf.has_fused_experts", return_value=False
+        ):
             msg = self._error([])
         self.assertIn("the demo needs transformers 5.x (fused experts", msg)
         self.assertIn("pip install 'transformers>=5,<6'", msg)
@@ -138,34 +191,61 @@ class DemoArgumentsTest(TestCase):
     @unittest.skipIf(_NO_FUSED is not None, _NO_FUSED or "")
     def test_defaults(self) -> None:
         args = train.parse_args([], environ={})
-        self.assertEqual((args.pp, args.ep, args.model, args.comm_latency_ms), (1, 2, "qwen3_moe", None))
+        self.assertEqual(
+            (args.pp, args.ep, args.model, args.comm_latency_ms),
+            (1, 2, "qwen3_moe", None),
+        )
 
     @unittest.skipIf(_NO_FUSED is not None, _NO_FUSED or "")
     def test_bad_arguments(self) -> None:
         for argv, want in (
             (["--experts", "5"], "--experts 5 is not divisible by --ep 2"),
             (["--experts", "5"], "use e.g. --experts 4"),
-            (["--pp", "2", "--layers", "3"], "--layers 3 cannot fill the 4 stages of ScheduleDualPipeV"),
+            (
+                ["--pp", "2", "--layers", "3"],
+                "--layers 3 cannot fill the 4 stages of ScheduleDualPipeV",
+            ),
             (["--model", "deepseek_v3", "--layers", "2"], "use at least --layers 3"),
-            (["--pp", "2", "--microbatches", "3"], "needs at least as many microbatches as stages (4)"),
+            (
+                ["--pp", "2", "--microbatches", "3"],
+                "needs at least as many microbatches as stages (4)",
+            ),
             (["--model", "llama"], "invalid choice: 'llama'"),
         ):
             self.assertIn(want, self._error(argv))
-        for flag in ("--pp", "--ep", "--layers", "--experts", "--microbatches", "--steps"):
+        for flag in (
+            "--pp",
+            "--ep",
+            "--layers",
+            "--experts",
+            "--microbatches",
+            "--steps",
+        ):
             self.assertIn(f"{flag} must be at least 1, got 0", self._error([flag, "0"]))
         msg = self._error([], {"RANK": "0", "WORLD_SIZE": "3"})
         self.assertIn("torchrun started 3 processes but --pp 1 x --ep 2 = 2", msg)
         with tempfile.NamedTemporaryFile() as f:
-            self.assertIn("cannot create the directory", self._error(["--trace", os.path.join(f.name, "sub")]))
+            self.assertIn(
+                "cannot create the directory",
+                self._error(["--trace", os.path.join(f.name, "sub")]),
+            )
 
     @unittest.skipIf(_NO_FUSED is not None, _NO_FUSED or "")
     def test_comm_latency_bounds(self) -> None:
         # inf would reach time.sleep, 1e12 hang; nan compares false with everything
         for value in ("inf", "-inf", "nan", "1e12", "1000.5", "-0.5"):
             msg = self._error([f"--comm-latency-ms={value}"])
-            self.assertIn("--comm-latency-ms must be a number of milliseconds >= 0 and <= 1000", msg)
+            self.assertIn(
+                "--comm-latency-ms must be a number of milliseconds >= 0 and <= 1000",
+                msg,
+            )
         for value in ("0", "0.25", "1000"):
-            self.assertEqual(train.parse_args(["--comm-latency-ms", value], environ={}).comm_latency_ms, float(value))
+            self.assertEqual(
+                train.parse_args(
+                    ["--comm-latency-ms", value], environ={}
+                ).comm_latency_ms,
+                float(value),
+            )
 
     def test_entry_point_exit_status(self) -> None:
         # the real command line, in a fresh interpreter

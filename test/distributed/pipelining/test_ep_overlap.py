@@ -35,7 +35,7 @@ from torch.testing._internal.common_utils import (
 )
 from torch.utils.checkpoint import checkpoint
 
-import torch_pipelining_ext  # noqa: F401
+import torch_pipelining_ext
 from torch_pipelining_ext import overlap as ep_overlap
 from torch_pipelining_ext.overlap._handler import _run_overlapped, _StreamPlan
 from torch_pipelining_ext.overlap import _marks as _ep_marks
@@ -102,9 +102,16 @@ class Jitter(torch.autograd.Function):
 
 
 class ToyMoELayer(nn.Module):
-    def __init__(self, name: str, comm: FakeComm, jitter: float = 0.0, random_ops: bool = False) -> None:
+    def __init__(
+        self, name: str, comm: FakeComm, jitter: float = 0.0, random_ops: bool = False
+    ) -> None:
         super().__init__()
-        self.name, self.comm, self.jitter, self.random_ops = name, comm, jitter, random_ops
+        self.name, self.comm, self.jitter, self.random_ops = (
+            name,
+            comm,
+            jitter,
+            random_ops,
+        )
         self.pre = nn.Linear(DIM, DIM)
         self.expert = nn.Linear(DIM, DIM)
 
@@ -137,10 +144,19 @@ class ToyStage(nn.Module):
     checkpointed layers), "reentrant", or "no_rng" (full, without RNG state preservation)."""
 
     def __init__(
-        self, prefix: str, n_layers: int, comm: FakeComm, jitter: float = 0.0, ac: str = "", random_ops: bool = False
+        self,
+        prefix: str,
+        n_layers: int,
+        comm: FakeComm,
+        jitter: float = 0.0,
+        ac: str = "",
+        random_ops: bool = False,
     ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(ToyMoELayer(f"{prefix}{i}", comm, jitter, random_ops) for i in range(n_layers))
+        self.layers = nn.ModuleList(
+            ToyMoELayer(f"{prefix}{i}", comm, jitter, random_ops)
+            for i in range(n_layers)
+        )
         self.head = nn.Linear(DIM, DIM)
         self.ac = ac
 
@@ -149,7 +165,9 @@ class ToyStage(nn.Module):
             if ac == "full":
                 x = checkpoint(layer, x, use_reentrant=False)
             elif ac == "selective":
-                x = checkpoint(layer, x, use_reentrant=False, context_fn=_selective_context)
+                x = checkpoint(
+                    layer, x, use_reentrant=False, context_fn=_selective_context
+                )
             elif ac == "reentrant":
                 x = checkpoint(layer, x, use_reentrant=True)
             elif ac == "no_rng":
@@ -167,11 +185,18 @@ class ToyStage(nn.Module):
 
 
 def _selective_context():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
 
     def policy(ctx, op, *args, **kwargs):
         # save matmul outputs, recompute the rest (including the communication)
-        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+        return (
+            CheckpointPolicy.MUST_SAVE
+            if op == torch.ops.aten.addmm.default
+            else CheckpointPolicy.PREFER_RECOMPUTE
+        )
 
     return create_selective_checkpoint_contexts(policy)
 
@@ -179,7 +204,11 @@ def _selective_context():
 def expected_order(fwd: str, n_fwd: int, bwd: str, n_bwd: int) -> list[str]:
     """Strict alternation, backward side first, then whatever one side has left."""
     f = [f"{fwd}{i}.{p}.fwd" for i in range(n_fwd) for p in ("dispatch", "combine")]
-    b = [f"{bwd}{i}.{p}.bwd" for i in reversed(range(n_bwd)) for p in ("combine", "dispatch")]
+    b = [
+        f"{bwd}{i}.{p}.bwd"
+        for i in reversed(range(n_bwd))
+        for p in ("combine", "dispatch")
+    ]
     order = []
     for i in range(max(len(f), len(b))):
         order += b[i : i + 1] + f[i : i + 1]
@@ -200,8 +229,12 @@ class PairRun:
     ) -> None:
         torch.manual_seed(0)
         self.comm = FakeComm(jitter=comm_jitter)
-        self.fwd_stage = ToyStage("F", n_fwd, self.comm, jitter, ac=ac, random_ops=random_ops)
-        self.bwd_stage = ToyStage("B", n_bwd, self.comm, jitter, ac=ac, random_ops=random_ops)
+        self.fwd_stage = ToyStage(
+            "F", n_fwd, self.comm, jitter, ac=ac, random_ops=random_ops
+        )
+        self.bwd_stage = ToyStage(
+            "B", n_bwd, self.comm, jitter, ac=ac, random_ops=random_ops
+        )
         self.x_fwd = torch.randn(4, DIM, requires_grad=True)
         self.x_bwd = torch.randn(4, DIM, requires_grad=True)
         self.loss = self.bwd_stage(self.x_bwd).square().sum()
@@ -215,13 +248,24 @@ class PairRun:
     def backward(self) -> None:
         self.loss.backward()
 
-    def run(self, timeout: float = TIMEOUT, rank: int = 0, action: str = "0F0;1B0", **kw) -> _CommCoordinator:
-        return _run_overlapped(self.forward, self.backward, global_rank=rank, action=action, timeout=timeout, **kw)
+    def run(
+        self, timeout: float = TIMEOUT, rank: int = 0, action: str = "0F0;1B0", **kw
+    ) -> _CommCoordinator:
+        return _run_overlapped(
+            self.forward,
+            self.backward,
+            global_rank=rank,
+            action=action,
+            timeout=timeout,
+            **kw,
+        )
 
 
 class CoordinatorTest(TestCase):
     def assert_no_threads_left(self) -> None:
-        left = [t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")]
+        left = [
+            t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")
+        ]
         self.assertEqual(left, [])
 
     @parametrize("n_fwd", [0, 1, 3])
@@ -252,7 +296,9 @@ class CoordinatorTest(TestCase):
         ref.forward()
         ref.backward()
         torch.testing.assert_close(run.out, ref.out, rtol=0, atol=0)
-        for p, q in zip(run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True):
+        for p, q in zip(
+            run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True
+        ):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
         torch.testing.assert_close(run.x_bwd.grad, ref.x_bwd.grad, rtol=0, atol=0)
 
@@ -274,11 +320,15 @@ class CoordinatorTest(TestCase):
 
         def hook(tag: str) -> None:
             # fail in the failing side's second collective
-            if tag == ("F1.dispatch.fwd" if failing_side == "forward" else "B1.combine.bwd"):
+            if tag == (
+                "F1.dispatch.fwd" if failing_side == "forward" else "B1.combine.bwd"
+            ):
                 raise ValueError(f"boom in {tag}")
 
         run.comm.hook = hook
-        with self.assertRaisesRegex(RuntimeError, rf"rank 3, action 2F1;3B0: the {failing_side} sub-action") as cm:
+        with self.assertRaisesRegex(
+            RuntimeError, rf"rank 3, action 2F1;3B0: the {failing_side} sub-action"
+        ) as cm:
             run.run(rank=3, action="2F1;3B0")
         self.assertIsInstance(cm.exception.__cause__, ValueError)
         self.assertIn("boom", str(cm.exception))
@@ -298,14 +348,20 @@ class CoordinatorTest(TestCase):
 
         def hook(tag: str) -> None:
             if tag == stuck_tag:
-                release.wait(10.0)  # hangs inside its region until the other side timed out
+                release.wait(
+                    10.0
+                )  # hangs inside its region until the other side timed out
 
         run.comm.hook = hook
         # The backward side's first region (B0.combine) comes first, then the
         # forward side's first (F0.dispatch): whichever is stuck in its first
         # region, the other side times out at its next boundary.
         waiter = "backward" if stuck_side == "forward" else "forward"
-        boundary = "dispatch_end (backward" if waiter == "backward" else "dispatch_begin (forward)"
+        boundary = (
+            "dispatch_end (backward"
+            if waiter == "backward"
+            else "dispatch_begin (forward)"
+        )
 
         # the stuck side is released once the waiting side has timed out
         waiting_fn = run.backward if waiter == "backward" else run.forward
@@ -352,7 +408,7 @@ class CoordinatorTest(TestCase):
         def run_pair(run: PairRun) -> None:
             try:
                 run.run(timeout=10.0)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 errors.append(e)
 
         threads = [threading.Thread(target=run_pair, args=(r,)) for r in (a, b)]
@@ -367,7 +423,9 @@ class CoordinatorTest(TestCase):
 
     @parametrize("ac", ["full", "selective"])
     def test_activation_checkpointing(self, ac: str) -> None:
-        if ac == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+        if ac == "selective" and not hasattr(
+            torch.utils.checkpoint, "create_selective_checkpoint_contexts"
+        ):
             self.skipTest("selective activation checkpointing needs a newer torch")
         logs = []
         for seed in range(2):
@@ -382,7 +440,9 @@ class CoordinatorTest(TestCase):
         ref = PairRun(2, 2, ac=ac)
         ref.forward()
         ref.backward()
-        for p, q in zip(run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True):
+        for p, q in zip(
+            run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True
+        ):
             torch.testing.assert_close(p.grad, q.grad)
         torch.testing.assert_close(run.x_bwd.grad, ref.x_bwd.grad)
 
@@ -394,9 +454,10 @@ class CoordinatorTest(TestCase):
             coordinator.open(_Side.FORWARD, "inner", "dispatch")  # nested: no wait
             coordinator.close(_Side.FORWARD, "inner")
             coordinator.close(_Side.FORWARD, "outer")
-            coordinator.close(_Side.FORWARD, "stray")  # a close without an open is ignored
+            coordinator.close(
+                _Side.FORWARD, "stray"
+            )  # a close without an open is ignored
             self.assertEqual(coordinator.regions_opened(_Side.FORWARD), 1)
-
 
     def test_compute_is_handed_over(self) -> None:
         # Whenever one side computes, the other is communicating, parked in the
@@ -429,8 +490,15 @@ class CoordinatorTest(TestCase):
         with unittest.mock.patch.object(_ep_turns, "_HAND_OVER_MIN_REGION_S", 0.0):
             run.run()
         self.assertEqual(run.comm.violations, [])
-        self.assertEqual(sorted(collections.Counter(side for side, _, _ in seen).items()), [(_Side.FORWARD, 6), (_Side.BACKWARD, 6)])
-        both_computing = [(side, state) for side, state, waiting in seen if state is _TurnState.COMPUTING and not waiting]
+        self.assertEqual(
+            sorted(collections.Counter(side for side, _, _ in seen).items()),
+            [(_Side.FORWARD, 6), (_Side.BACKWARD, 6)],
+        )
+        both_computing = [
+            (side, state)
+            for side, state, waiting in seen
+            if state is _TurnState.COMPUTING and not waiting
+        ]
         self.assertEqual(both_computing, [])
 
     def test_long_regions_are_handed_over(self) -> None:
@@ -438,10 +506,19 @@ class CoordinatorTest(TestCase):
         # makes the closing side wait for the other side's next region; here
         # the other side never comes, so the wait times out.
         now = [0.0]
-        coordinator = _CommCoordinator(rank=0, action="a", timeout=0.05, clock=lambda: now[0], hand_over_min_region_s=1.0)
+        coordinator = _CommCoordinator(
+            rank=0,
+            action="a",
+            timeout=0.05,
+            clock=lambda: now[0],
+            hand_over_min_region_s=1.0,
+        )
         coordinator.open(_Side.BACKWARD, "b", "combine")
         now[0] += 1.0
-        with self.assertRaisesRegex(CommWaitTimeoutError, "at b for the forward thread to start communicating before computing on"):
+        with self.assertRaisesRegex(
+            CommWaitTimeoutError,
+            "at b for the forward thread to start communicating before computing on",
+        ):
             coordinator.close(_Side.BACKWARD, "b")
 
     def test_short_regions_are_not_handed_over(self) -> None:
@@ -449,12 +526,22 @@ class CoordinatorTest(TestCase):
         # do not make the closing side wait for the other one (the turns still
         # alternate).
         now = [0.0]
-        coordinator = _CommCoordinator(rank=0, action="a", timeout=0.05, clock=lambda: now[0], hand_over_min_region_s=1.0)
+        coordinator = _CommCoordinator(
+            rank=0,
+            action="a",
+            timeout=0.05,
+            clock=lambda: now[0],
+            hand_over_min_region_s=1.0,
+        )
         coordinator.open(_Side.BACKWARD, "b", "combine")
         now[0] += 0.999
         coordinator.close(_Side.BACKWARD, "b")  # would wait and time out if handed over
-        with self.assertRaisesRegex(CommWaitTimeoutError, "at b2 for its turn to communicate"):
-            coordinator.open(_Side.BACKWARD, "b2", "combine")  # not its turn: the forward side's
+        with self.assertRaisesRegex(
+            CommWaitTimeoutError, "at b2 for its turn to communicate"
+        ):
+            coordinator.open(
+                _Side.BACKWARD, "b2", "combine"
+            )  # not its turn: the forward side's
 
 
 def _record_other_side(seen: list[tuple[_Side, _TurnState, bool]]) -> None:
@@ -470,11 +557,15 @@ class RandomNumbersTest(TestCase):
 
     def assert_pair_matches_sequential(self, run: PairRun, ref: PairRun) -> None:
         torch.testing.assert_close(run.out, ref.out, rtol=0, atol=0)
-        for p, q in zip(run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True):
+        for p, q in zip(
+            run.bwd_stage.parameters(), ref.bwd_stage.parameters(), strict=True
+        ):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
         torch.testing.assert_close(run.x_bwd.grad, ref.x_bwd.grad, rtol=0, atol=0)
 
-    def run_both(self, seed: int, **kwargs) -> tuple[PairRun, torch.Tensor, PairRun, torch.Tensor]:
+    def run_both(
+        self, seed: int, **kwargs
+    ) -> tuple[PairRun, torch.Tensor, PairRun, torch.Tensor]:
         random.seed(seed)  # the timing jitter
         run = PairRun(2, 2, jitter=0.002, comm_jitter=0.001, random_ops=True, **kwargs)
         run.run()
@@ -486,7 +577,9 @@ class RandomNumbersTest(TestCase):
 
     @parametrize("ac", ["", "full", "selective", "nested", "reentrant"])
     def test_random_ops_match_sequential(self, ac: str) -> None:
-        if ac == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+        if ac == "selective" and not hasattr(
+            torch.utils.checkpoint, "create_selective_checkpoint_contexts"
+        ):
             self.skipTest("selective activation checkpointing needs a newer torch")
         for seed in range(3):
             run, state, ref, ref_state = self.run_both(seed, ac=ac)
@@ -502,12 +595,17 @@ class RandomNumbersTest(TestCase):
             run, state, ref_run, ref_state = self.run_both(seed, ac="full")
             self.assertEqual(run.comm.violations, [])
             logs.append(run.comm.log)
-            self.assertEqual(logs[-1], logs[0])  # the same collectives in the same order, every time
+            self.assertEqual(
+                logs[-1], logs[0]
+            )  # the same collectives in the same order, every time
             self.assert_pair_matches_sequential(run, ref_run)
             torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
     def test_recomputation_without_rng_preservation_that_draws_raises(self) -> None:
-        with self.assertRaisesRegex(RuntimeError, "rank 0, action 0F0;1B0: the backward sub-action .*preserve_rng_state"):
+        with self.assertRaisesRegex(
+            RuntimeError,
+            "rank 0, action 0F0;1B0: the backward sub-action .*preserve_rng_state",
+        ):
             PairRun(1, 1, ac="no_rng", random_ops=True).run()
 
     def test_recomputation_without_rng_preservation_that_draws_nothing(self) -> None:
@@ -545,19 +643,30 @@ class RandomNumbersTest(TestCase):
 
         drawn = {}
         torch.manual_seed(5)
-        with unittest.mock.patch.object(_CommCoordinator, "start", late_forward_start), unittest.mock.patch.object(
-            _CommCoordinator, "_wait", noting_wait
+        with (
+            unittest.mock.patch.object(_CommCoordinator, "start", late_forward_start),
+            unittest.mock.patch.object(_CommCoordinator, "_wait", noting_wait),
         ):
             # a hang would end in CommWaitTimeoutError, raised here
-            _run_overlapped(lambda: drawn.setdefault("forward", torch.rand(2)), backward, global_rank=0, action="a", timeout=TIMEOUT)
+            _run_overlapped(
+                lambda: drawn.setdefault("forward", torch.rand(2)),
+                backward,
+                global_rank=0,
+                action="a",
+                timeout=TIMEOUT,
+            )
         self.assertTrue(backward_waits.is_set())
-        torch.testing.assert_close(drawn["forward"], torch.manual_seed(5) and torch.rand(2), rtol=0, atol=0)
+        torch.testing.assert_close(
+            drawn["forward"], torch.manual_seed(5) and torch.rand(2), rtol=0, atol=0
+        )
 
     def test_fork_rng_elsewhere_is_the_original(self) -> None:
         torch.manual_seed(3)
         with torch.random.fork_rng():
             torch.rand(3)
-        torch.testing.assert_close(torch.rand(3), torch.manual_seed(3) and torch.rand(3), rtol=0, atol=0)
+        torch.testing.assert_close(
+            torch.rand(3), torch.manual_seed(3) and torch.rand(3), rtol=0, atol=0
+        )
 
 
 class FailureTest(TestCase):
@@ -568,14 +677,20 @@ class FailureTest(TestCase):
         handle = ep_overlap.register_thread_state(lambda: "mesh", apply)
         try:
             run = PairRun(2, 2)
-            with self.assertRaisesRegex(RuntimeError, r"^rank 0, action 0F0;1B0: the backward sub-action .* failed: OSError: cannot apply mesh") as cm:
+            with self.assertRaisesRegex(
+                RuntimeError,
+                r"^rank 0, action 0F0;1B0: the backward sub-action .* failed: OSError: cannot apply mesh",
+            ) as cm:
                 run.run(timeout=60.0)
             self.assertIsInstance(cm.exception.__cause__, OSError)
             # at once: the forward side was released, it did not time out waiting for the backward one
             self.assertNotIn("then the", str(cm.exception))
         finally:
             handle.remove()
-        self.assertEqual([t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")], [])
+        self.assertEqual(
+            [t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")],
+            [],
+        )
 
     @parametrize("failing_side", ["forward", "backward"])
     def test_first_line_names_the_root_cause(self, failing_side: str) -> None:
@@ -586,13 +701,26 @@ class FailureTest(TestCase):
                 raise RuntimeError("[Stage 3] failed to run forward:\nargs: ...") from e
 
         run = PairRun(1, 1)
-        fwd, bwd = (failing, run.backward) if failing_side == "forward" else (run.forward, failing)
+        fwd, bwd = (
+            (failing, run.backward)
+            if failing_side == "forward"
+            else (run.forward, failing)
+        )
         with self.assertRaises(RuntimeError) as cm:
-            _run_overlapped(fwd, bwd, global_rank=5, action="3F4;1B0", sub_actions=("3F4", "1B0"), timeout=TIMEOUT)
+            _run_overlapped(
+                fwd,
+                bwd,
+                global_rank=5,
+                action="3F4;1B0",
+                sub_actions=("3F4", "1B0"),
+                timeout=TIMEOUT,
+            )
         first_line = str(cm.exception).split("\n")[0]
         sub = "3F4" if failing_side == "forward" else "1B0"
         self.assertTrue(
-            first_line.startswith(f"rank 5, action 3F4;1B0: the {failing_side} sub-action {sub} failed: ValueError: bad routing table"),
+            first_line.startswith(
+                f"rank 5, action 3F4;1B0: the {failing_side} sub-action {sub} failed: ValueError: bad routing table"
+            ),
             first_line,
         )
         self.assertIn("[Stage 3] failed to run forward", first_line)
@@ -604,7 +732,9 @@ class TimeoutSettingTest(TestCase):
         super().tearDown()
 
     def test_set_wait_timeout(self) -> None:
-        self.assertEqual(ep_overlap.get_wait_timeout(), ep_overlap.DEFAULT_WAIT_TIMEOUT_S)
+        self.assertEqual(
+            ep_overlap.get_wait_timeout(), ep_overlap.DEFAULT_WAIT_TIMEOUT_S
+        )
         ep_overlap.set_wait_timeout(5)
         self.assertEqual(ep_overlap.get_wait_timeout(), 5.0)
         ep_overlap.set_wait_timeout(math.inf)
@@ -612,16 +742,27 @@ class TimeoutSettingTest(TestCase):
         ep_overlap.set_wait_timeout(None)
         self.assertEqual(ep_overlap.get_wait_timeout(), 600.0)
         for bad in (True, "5", [5]):
-            with self.assertRaisesRegex(TypeError, "set_wait_timeout: the timeout must be a number"):
+            with self.assertRaisesRegex(
+                TypeError, "set_wait_timeout: the timeout must be a number"
+            ):
                 ep_overlap.set_wait_timeout(bad)
         for bad in (0, -5, math.nan, -math.inf):
-            with self.assertRaisesRegex(ValueError, "set_wait_timeout: the timeout must be a positive number"):
+            with self.assertRaisesRegex(
+                ValueError, "set_wait_timeout: the timeout must be a positive number"
+            ):
                 ep_overlap.set_wait_timeout(bad)
-        self.assertEqual(ep_overlap.get_wait_timeout(), 600.0)  # a rejected value changes nothing
+        self.assertEqual(
+            ep_overlap.get_wait_timeout(), 600.0
+        )  # a rejected value changes nothing
 
     def test_environment_variable(self) -> None:
         env = ep_overlap.TIMEOUT_ENV
-        for value, expected in (("7", 7.0), (" 0.5 ", 0.5), ("inf", math.inf), ("", 600.0)):
+        for value, expected in (
+            ("7", 7.0),
+            (" 0.5 ", 0.5),
+            ("inf", math.inf),
+            ("", 600.0),
+        ):
             with unittest.mock.patch.dict(os.environ, {env: value}):
                 self.assertEqual(ep_overlap.get_wait_timeout(), expected)
         for value in ("-5", "0", "nan", "abc", "-inf"):
@@ -638,10 +779,19 @@ class TimeoutSettingTest(TestCase):
             run = PairRun(2, 2, jitter=0.001)
             run.run(timeout=None)
             self.assertEqual(run.comm.log, expected_order("F", 2, "B", 2))
-            self.assertEqual([t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")], [])
+            self.assertEqual(
+                [
+                    t.name
+                    for t in threading.enumerate()
+                    if t.name.startswith("OVERLAP_F_B")
+                ],
+                [],
+            )
 
 
-_LIBRARY_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("library_var", default="unset")
+_LIBRARY_VAR: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "library_var", default="unset"
+)
 
 
 class WorkerContextTest(TestCase):
@@ -654,9 +804,13 @@ class WorkerContextTest(TestCase):
                 seen["backward"] = _LIBRARY_VAR.get()
                 _LIBRARY_VAR.set("changed on the worker")
 
-            _run_overlapped(lambda: None, backward, global_rank=0, action="a", timeout=5.0)
+            _run_overlapped(
+                lambda: None, backward, global_rank=0, action="a", timeout=5.0
+            )
             self.assertEqual(seen["backward"], "caller")
-            self.assertEqual(_LIBRARY_VAR.get(), "caller")  # a copy: the caller's is unchanged
+            self.assertEqual(
+                _LIBRARY_VAR.get(), "caller"
+            )  # a copy: the caller's is unchanged
         finally:
             _LIBRARY_VAR.reset(token)
 
@@ -677,14 +831,26 @@ class WorkerContextTest(TestCase):
         seen = {}
         handle = ep_overlap.register_thread_state(lambda: local.mesh, apply)
         try:
-            _run_overlapped(lambda: None, lambda: seen.setdefault("mesh", getattr(local, "mesh", None)), global_rank=0, action="a", timeout=5.0)
+            _run_overlapped(
+                lambda: None,
+                lambda: seen.setdefault("mesh", getattr(local, "mesh", None)),
+                global_rank=0,
+                action="a",
+                timeout=5.0,
+            )
         finally:
             handle.remove()
         self.assertEqual(seen["mesh"], "pp x ep mesh")
         self.assertEqual(len(applied), 1)
         self.assertNotEqual(applied[0], threading.current_thread().name)
         seen.clear()
-        _run_overlapped(lambda: None, lambda: seen.setdefault("mesh", getattr(local, "mesh", None)), global_rank=0, action="a", timeout=5.0)
+        _run_overlapped(
+            lambda: None,
+            lambda: seen.setdefault("mesh", getattr(local, "mesh", None)),
+            global_rank=0,
+            action="a",
+            timeout=5.0,
+        )
         self.assertIsNone(seen["mesh"])  # removed: not carried any more
         with self.assertRaises(TypeError):
             ep_overlap.register_thread_state(None, apply)
@@ -706,10 +872,22 @@ class ThreadStateTest(TestCase):
             return fn
 
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            _run_overlapped(record("forward"), record("backward"), global_rank=0, action="a", timeout=5.0)
+            _run_overlapped(
+                record("forward"),
+                record("backward"),
+                global_rank=0,
+                action="a",
+                timeout=5.0,
+            )
         self.assertEqual(seen["forward"], (False, True, torch.bfloat16, True))
         self.assertEqual(seen["backward"], (False, True, torch.bfloat16, False))
-        _run_overlapped(record("forward"), record("backward"), global_rank=0, action="a", timeout=5.0)
+        _run_overlapped(
+            record("forward"),
+            record("backward"),
+            global_rank=0,
+            action="a",
+            timeout=5.0,
+        )
         self.assertEqual(seen["backward"][:2], (True, False))
 
     def test_profiler_ranges_of_both_threads(self) -> None:
@@ -717,18 +895,24 @@ class ThreadStateTest(TestCase):
         from torch.profiler import profile
 
         run = PairRun(1, 1)
-        with profile(experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        with profile(
+            experimental_config=_ExperimentalConfig(profile_all_threads=True)
+        ) as prof:
             run.run(action="0F1;3B0", sub_actions=("0F1", "3B0"))
         names = {e.name for e in prof.events()}
         self.assertIn("OVERLAP_F_B forward 0F1", names)
         self.assertIn("OVERLAP_F_B backward 3B0", names)
         self.assertIn("ep_overlap::dispatch communication (forward thread)", names)
-        self.assertIn("ep_overlap::combine backward communication (backward thread)", names)
+        self.assertIn(
+            "ep_overlap::combine backward communication (backward thread)", names
+        )
 
 
 class _Recorder(ep_overlap.ActionObserver):
     def __init__(self) -> None:
-        self.events: list[tuple[str, str, int, float, float]] = []  # (event, side, thread, t0, t1)
+        self.events: list[
+            tuple[str, str, int, float, float]
+        ] = []  # (event, side, thread, t0, t1)
 
     def sub_action(self, side: str, start: float, end: float) -> None:
         self.events.append(("compute", side, threading.get_ident(), start, end))
@@ -743,7 +927,10 @@ class ObserverTest(TestCase):
         with ep_overlap.observe_actions(recorder):
             coordinator = PairRun(2, 1).run()
         self.assertIs(type(coordinator), _ep_turns._ObservedCoordinator)
-        threads = {side: {e[2] for e in recorder.events if e[1] == side} for side in ("forward", "backward")}
+        threads = {
+            side: {e[2] for e in recorder.events if e[1] == side}
+            for side in ("forward", "backward")
+        }
         self.assertEqual(threads["forward"], {threading.get_ident()})
         self.assertEqual(len(threads["backward"]), 1)
         self.assertNotEqual(threads["backward"], threads["forward"])
@@ -754,10 +941,14 @@ class ObserverTest(TestCase):
             self.assertEqual(names.count("close"), 2 * regions, names)
             self.assertEqual((names[0], names[-1]), ("start", "finish"))
             self.assertEqual(names.count("compute"), 1)
-            (compute,) = [e for e in recorder.events if e[1] == side and e[0] == "compute"]
+            (compute,) = [
+                e for e in recorder.events if e[1] == side and e[0] == "compute"
+            ]
             for e in recorder.events:
                 if e[1] == side and e[0] in ("open", "close"):
-                    self.assertTrue(compute[3] <= e[3] <= e[4] <= compute[4], (compute, e))
+                    self.assertTrue(
+                        compute[3] <= e[3] <= e[4] <= compute[4], (compute, e)
+                    )
         # outside the block: the plain coordinator, nothing reported
         count = len(recorder.events)
         self.assertIs(type(PairRun(1, 1).run()), _CommCoordinator)
@@ -781,7 +972,12 @@ class MarksTest(TestCase):
     def test_noop_outside_an_action(self) -> None:
         x = torch.randn(3, DIM)
         y = torch.randn(3, DIM, requires_grad=True)
-        for mark in (ep_overlap.dispatch_begin, ep_overlap.dispatch_end, ep_overlap.combine_begin, ep_overlap.combine_end):
+        for mark in (
+            ep_overlap.dispatch_begin,
+            ep_overlap.dispatch_end,
+            ep_overlap.combine_begin,
+            ep_overlap.combine_end,
+        ):
             self.assertIs(mark(x), x)  # no grad needed: the very same object
             with torch.no_grad():
                 self.assertIs(mark(y), y)
@@ -804,7 +1000,9 @@ class MarksTest(TestCase):
         seen = []
         with _ep_marks.bound(coordinator, _Side.FORWARD):
             coordinator.open(_Side.FORWARD, "held", "dispatch")
-            t = threading.Thread(target=lambda: seen.append(ep_overlap.dispatch_begin(torch.ones(1))))
+            t = threading.Thread(
+                target=lambda: seen.append(ep_overlap.dispatch_begin(torch.ones(1)))
+            )
             t.start()
             t.join(5.0)
             coordinator.close(_Side.FORWARD, "held")
@@ -831,22 +1029,34 @@ class MarksTest(TestCase):
 
         model = nn.Sequential(MoE(), nn.ReLU(), MoE())
         self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0", "2"])
-        self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0", "2"])  # idempotent
+        self.assertEqual(
+            ep_overlap.wrap_dispatch_combine(model), ["0", "2"]
+        )  # idempotent
         x = torch.randn(2, DIM, requires_grad=True)
         out = model(x)
-        self.assertEqual(model[0].calls, [("dispatch", id(model[0])), ("combine", id(model[0]))])
+        self.assertEqual(
+            model[0].calls, [("dispatch", id(model[0])), ("combine", id(model[0]))]
+        )
         out.sum().backward()
         # the marks sit around the methods: a deep copy calls its own methods
         clone = copy.deepcopy(model)
         clone(x)
-        self.assertEqual(clone[0].calls[-2:], [("dispatch", id(clone[0])), ("combine", id(clone[0]))])
+        self.assertEqual(
+            clone[0].calls[-2:], [("dispatch", id(clone[0])), ("combine", id(clone[0]))]
+        )
         self.assertEqual(len(model[0].calls), 2)
         # inside an action, both methods are communication regions
         comm_order = []
         coordinator = _CommCoordinator(rank=0, action="a", timeout=5.0)
         orig_open, orig_close = coordinator.open, coordinator.close
-        coordinator.open = lambda side, where, phase: (comm_order.append(("open", where)), orig_open(side, where, phase))
-        coordinator.close = lambda side, where: (comm_order.append(("close", where)), orig_close(side, where))
+        coordinator.open = lambda side, where, phase: (
+            comm_order.append(("open", where)),
+            orig_open(side, where, phase),
+        )
+        coordinator.close = lambda side, where: (
+            comm_order.append(("close", where)),
+            orig_close(side, where),
+        )
         coordinator.finish(_Side.BACKWARD)  # the other side has no regions
         with _ep_marks.bound(coordinator, _Side.FORWARD):
             model[0](x)
@@ -859,10 +1069,17 @@ class MarksTest(TestCase):
                 ("close", "combine_end (forward)"),
             ],
         )
-        with self.assertRaisesRegex(ValueError, "nothing in Linear .* has both a 'dispatch' and a 'combine' method"):
+        with self.assertRaisesRegex(
+            ValueError,
+            "nothing in Linear .* has both a 'dispatch' and a 'combine' method",
+        ):
             ep_overlap.wrap_dispatch_combine(nn.Linear(2, 2))
-        with self.assertRaisesRegex(ValueError, "dispatch and combine must be different methods"):
-            ep_overlap.wrap_dispatch_combine(model, dispatch="dispatch", combine="dispatch")
+        with self.assertRaisesRegex(
+            ValueError, "dispatch and combine must be different methods"
+        ):
+            ep_overlap.wrap_dispatch_combine(
+                model, dispatch="dispatch", combine="dispatch"
+            )
         del model[0].dispatch, model[0].combine  # undo
         self.assertNotIsInstance(model[0].dispatch, _ep_marks._MarkedMethod)
 
@@ -890,14 +1107,21 @@ class MarksTest(TestCase):
                 return self.dispatcher.combine(self.w(self.dispatcher.dispatch(x)))
 
         shared = TokenDispatcher()
-        model = nn.Sequential(Experts(TokenDispatcher()), Experts(shared), Experts(shared))
-        self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0.dispatcher", "1.dispatcher"])  # shared: once
+        model = nn.Sequential(
+            Experts(TokenDispatcher()), Experts(shared), Experts(shared)
+        )
+        self.assertEqual(
+            ep_overlap.wrap_dispatch_combine(model), ["0.dispatcher", "1.dispatcher"]
+        )  # shared: once
         self.assertIsInstance(shared.dispatch, _ep_marks._MarkedMethod)
         self.assertIsInstance(model[0].dispatcher.combine, _ep_marks._MarkedMethod)
         order = []
         coordinator = _CommCoordinator(rank=0, action="a", timeout=5.0)
         orig_open = coordinator.open
-        coordinator.open = lambda side, where, phase: (order.append(where), orig_open(side, where, phase))
+        coordinator.open = lambda side, where, phase: (
+            order.append(where),
+            orig_open(side, where, phase),
+        )
         coordinator.finish(_Side.BACKWARD)
         with _ep_marks.bound(coordinator, _Side.FORWARD):
             model[0](torch.randn(2, DIM))
@@ -927,13 +1151,19 @@ class PatchTest(TestCase):
         from torch_pipelining_ext.overlap import _install as _overlap
 
         runtime = schedules._PipelineScheduleRuntime
-        self.assertIsInstance(runtime.__dict__["_comp_type_to_function_map"], _overlap._FunctionMapWithOverlap)
+        self.assertIsInstance(
+            runtime.__dict__["_comp_type_to_function_map"],
+            _overlap._FunctionMapWithOverlap,
+        )
         try:
             torch_pipelining_ext.unpatch()
             self.assertNotIsInstance(
-                runtime.__dict__.get("_comp_type_to_function_map"), _overlap._FunctionMapWithOverlap
+                runtime.__dict__.get("_comp_type_to_function_map"),
+                _overlap._FunctionMapWithOverlap,
             )
-            self.assertFalse(_overlap._patch_applied())  # schedules built before run OVERLAP_F_B sequentially
+            self.assertFalse(
+                _overlap._patch_applied()
+            )  # schedules built before run OVERLAP_F_B sequentially
         finally:
             torch_pipelining_ext.patch()
         self.assertTrue(_overlap._patch_applied())
@@ -948,17 +1178,30 @@ class PatchTest(TestCase):
         class Owner:
             _comp_type_to_function_map = _overlap._FunctionMapWithOverlap()
 
-        self.assertIs(Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.default_overlap_f_b)
-        self.assertIs(Owner()._comp_type_to_function_map[schedules.FORWARD], _schedule_runtime.perform_action)
+        self.assertIs(
+            Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B],
+            _overlap.default_overlap_f_b,
+        )
+        self.assertIs(
+            Owner()._comp_type_to_function_map[schedules.FORWARD],
+            _schedule_runtime.perform_action,
+        )
         with unittest.mock.patch.dict(os.environ, {_overlap.OVERLAP_ENV: "0"}):
             sequential = _schedule_runtime.sequential_overlap_f_b
-            self.assertIs(Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B], sequential)
+            self.assertIs(
+                Owner()._comp_type_to_function_map[schedules.OVERLAP_F_B], sequential
+            )
             owner = Owner()
             owner._comp_type_to_function_map = {}  # as upstream __init__ assigns it
-            self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], sequential)
+            self.assertIs(
+                owner._comp_type_to_function_map[schedules.OVERLAP_F_B], sequential
+            )
         owner = Owner()
         owner._comp_type_to_function_map = {}
-        self.assertIs(owner._comp_type_to_function_map[schedules.OVERLAP_F_B], _overlap.default_overlap_f_b)
+        self.assertIs(
+            owner._comp_type_to_function_map[schedules.OVERLAP_F_B],
+            _overlap.default_overlap_f_b,
+        )
 
     def test_registering_another_function_replaces_it_quietly(self) -> None:
         from torch.distributed.pipelining import schedules
@@ -976,7 +1219,9 @@ class PatchTest(TestCase):
 
         class Owner:
             _comp_type_to_function_map = _overlap._FunctionMapWithOverlap()
-            register_custom_function = _schedule_runtime._make_register_custom_function(original)
+            register_custom_function = _schedule_runtime._make_register_custom_function(
+                original
+            )
 
         owner = Owner()
         mine = lambda action, ctx: None  # noqa: E731
@@ -984,7 +1229,9 @@ class PatchTest(TestCase):
             owner.register_custom_function(ctype, mine)
             self.assertEqual(calls, [])
             self.assertIs(owner._comp_type_to_function_map[ctype], mine)
-        owner.register_custom_function(schedules.OVERLAP_F_B, mine)  # replacing a user's function still warns
+        owner.register_custom_function(
+            schedules.OVERLAP_F_B, mine
+        )  # replacing a user's function still warns
         self.assertEqual(calls, ["warned"])
 
 
@@ -993,7 +1240,9 @@ class FakeStream:
         self.name, self.log = name, log
 
     def wait_stream(self, other: FakeStream) -> None:
-        self.log.append((threading.current_thread().name, f"{self.name} waits {other.name}"))
+        self.log.append(
+            (threading.current_thread().name, f"{self.name} waits {other.name}")
+        )
 
 
 class StreamPlanTest(TestCase):
@@ -1003,7 +1252,9 @@ class StreamPlanTest(TestCase):
         current = threading.local()
         caller = FakeStream("caller", log)
         stage_streams = {0: FakeStream("s0", log), 3: FakeStream("s3", log)}
-        plan = _StreamPlan(caller, stage_streams, 0, 3, set_stream=lambda s: setattr(current, "s", s))
+        plan = _StreamPlan(
+            caller, stage_streams, 0, 3, set_stream=lambda s: setattr(current, "s", s)
+        )
         seen = {}
 
         def compute(side: str):
@@ -1015,7 +1266,14 @@ class StreamPlanTest(TestCase):
             return fn
 
         try:
-            _run_overlapped(compute("forward"), compute("backward"), global_rank=0, action="a", streams=plan, timeout=5.0)
+            _run_overlapped(
+                compute("forward"),
+                compute("backward"),
+                global_rank=0,
+                action="a",
+                streams=plan,
+                timeout=5.0,
+            )
         except RuntimeError:
             self.assertNotEqual(failing, "none")
         self.assertEqual(seen, {"forward": "s0", "backward": "s3"})
@@ -1028,11 +1286,23 @@ class StreamPlanTest(TestCase):
     def test_no_plan_on_cpu_whatever_the_device_is_given_as(self) -> None:
         from types import SimpleNamespace
 
-        from torch.distributed.pipelining.schedules import _Action, BACKWARD_INPUT, FORWARD
+        from torch.distributed.pipelining.schedules import (
+            _Action,
+            BACKWARD_INPUT,
+            FORWARD,
+        )
 
-        for device in ("cpu", torch.device("cpu")):  # PipelineStage keeps the device as it was given
-            stages = {0: SimpleNamespace(device=device), 3: SimpleNamespace(device=device)}
-            plan = _StreamPlan.for_action(object(), stages, _Action(0, FORWARD, 1), _Action(3, BACKWARD_INPUT, 0))
+        for device in (
+            "cpu",
+            torch.device("cpu"),
+        ):  # PipelineStage keeps the device as it was given
+            stages = {
+                0: SimpleNamespace(device=device),
+                3: SimpleNamespace(device=device),
+            }
+            plan = _StreamPlan.for_action(
+                object(), stages, _Action(0, FORWARD, 1), _Action(3, BACKWARD_INPUT, 0)
+            )
             self.assertIsNone(plan)
 
 

@@ -33,13 +33,19 @@ import torch
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_REPO = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 _SCRIPT = os.path.join(_REPO, "tools", "gpu_check.sh")
-_NO_GPU_DEVICE = shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl")
+_NO_GPU_DEVICE = shutil.which("nvidia-smi") is None and not os.path.exists(
+    "/dev/nvidiactl"
+)
 
 
 def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(_REPO, "tools", "gpu_check.py"))
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", os.path.join(_REPO, "tools", "gpu_check.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -51,10 +57,20 @@ gpu_check = _load_gpu_check()
 def _run_script(env_update: dict[str, str]) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.update(env_update)
-    return subprocess.run(["bash", _SCRIPT], cwd=_REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", _SCRIPT],
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@unittest.skipIf(torch.cuda.is_available(), "CUDA is available here: the GPU check would run for real")
+@unittest.skipIf(
+    torch.cuda.is_available(),
+    "CUDA is available here: the GPU check would run for real",
+)
 class GpuCheckWithoutCudaTest(TestCase):
     @unittest.skipUnless(_NO_GPU_DEVICE, "this machine has an NVIDIA driver")
     def test_script_without_gpu_fails_before_the_venv(self) -> None:
@@ -68,7 +84,9 @@ class GpuCheckWithoutCudaTest(TestCase):
 
     def test_script_with_cpu_only_torch(self) -> None:
         # past the device probe, this interpreter's torch cannot use CUDA
-        proc = _run_script({"GPU_CHECK_SKIP_DEVICE_PROBE": "1", "GPU_CHECK_PYTHON": sys.executable})
+        proc = _run_script(
+            {"GPU_CHECK_SKIP_DEVICE_PROBE": "1", "GPU_CHECK_PYTHON": sys.executable}
+        )
         self.assertEqual(proc.returncode, 3, proc.stderr)
         self.assertIn("gpu_check: torch ", proc.stderr)
         self.assertRegex(proc.stderr, r"CPU-only build|sees no GPU")
@@ -112,7 +130,9 @@ SPIN = "at::cuda::(anonymous namespace)::spin_kernel(long)"
 class DeviceOverlapTest(TestCase):
     def test_fraction_of_standin_time_under_other_streams_compute(self) -> None:
         events = [
-            _kernel("gemm", 7, 0.0, 10.0),  # the step's first kernel: stream 7 is the caller's
+            _kernel(
+                "gemm", 7, 0.0, 10.0
+            ),  # the step's first kernel: stream 7 is the caller's
             _kernel(SPIN, 7, 10.0, 10.0),  # outside the actions: not counted
             # an action: the backward side (stream 14) communicates first, the forward side computes
             _kernel(SPIN, 14, 20.0, 10.0),
@@ -120,9 +140,22 @@ class DeviceOverlapTest(TestCase):
             _kernel(SPIN, 13, 32.0, 10.0),
             _kernel("gemm", 14, 30.0, 6.0),  # hides 4 of its 10 ...
             _kernel("gemm", 14, 36.0, 2.0),  # ... and 2 more
-            _kernel("gemm", 13, 33.0, 1.0),  # same stream as the stand-in: hides nothing
-            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 20.0, "dur": 30.0},  # not a kernel
-            {"ph": "i", "cat": "kernel", "name": "marker", "ts": 25.0},  # not a complete event
+            _kernel(
+                "gemm", 13, 33.0, 1.0
+            ),  # same stream as the stand-in: hides nothing
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::mm",
+                "ts": 20.0,
+                "dur": 30.0,
+            },  # not a kernel
+            {
+                "ph": "i",
+                "cat": "kernel",
+                "name": "marker",
+                "ts": 25.0,
+            },  # not a complete event
         ]
         r = gpu_check.device_overlap(events)
         self.assertEqual(r["n_standin"], 2)
@@ -133,18 +166,30 @@ class DeviceOverlapTest(TestCase):
         self.assertEqual(r["streams"], ["13", "14", "7"])
         # every stand-in counted (the sequential control): the caller's one hides nothing
         r = gpu_check.device_overlap(events, inside_actions=False)
-        self.assertEqual((r["n_standin"], r["standin_us"], r["hidden_us"]), (3, 30.0, 14.0))
+        self.assertEqual(
+            (r["n_standin"], r["standin_us"], r["hidden_us"]), (3, 30.0, 14.0)
+        )
 
     def test_sequential_trace_hides_nothing(self) -> None:
-        events = [_kernel("gemm", 7, 0.0, 5.0), _kernel(SPIN, 7, 5.0, 5.0), _kernel("gemm", 7, 10.0, 5.0)]
-        self.assertEqual(gpu_check.device_overlap(events, inside_actions=False)["fraction"], 0.0)
+        events = [
+            _kernel("gemm", 7, 0.0, 5.0),
+            _kernel(SPIN, 7, 5.0, 5.0),
+            _kernel("gemm", 7, 10.0, 5.0),
+        ]
+        self.assertEqual(
+            gpu_check.device_overlap(events, inside_actions=False)["fraction"], 0.0
+        )
         r = gpu_check.device_overlap(events)
         self.assertEqual(r["n_standin"], 0)
         self.assertTrue(math.isnan(r["fraction"]))  # nothing to hide inside actions
         self.assertEqual(gpu_check.device_overlap([])["n_kernels"], 0)
 
     def test_stream_from_tid_without_args(self) -> None:
-        events = [_kernel("gemm", 7, 0.0, 1.0), _kernel(SPIN, 3, 1.0, 4.0), _kernel("gemm", 4, 0.0, 3.0)]
+        events = [
+            _kernel("gemm", 7, 0.0, 1.0),
+            _kernel(SPIN, 3, 1.0, 4.0),
+            _kernel("gemm", 4, 0.0, 3.0),
+        ]
         for e in events:
             del e["args"]
         self.assertAlmostEqual(gpu_check.device_overlap(events)["fraction"], 0.5)
@@ -154,8 +199,28 @@ class GpuCheckDryRunTest(TestCase):
     def test_measurement_dry_run_on_cpu(self) -> None:
         torch.set_num_threads(1)
         with tempfile.TemporaryDirectory() as tmp:
-            argv = ["--device", "cpu", "--dim", "32", "--tokens", "16", "--layers", "2", "--microbatches", "4"]
-            argv += ["--steps", "1", "--warmup", "1", "--latency-ms", "0.5", "--out", tmp]
+            argv = [
+                "--device",
+                "cpu",
+                "--dim",
+                "32",
+                "--tokens",
+                "16",
+                "--layers",
+                "2",
+                "--microbatches",
+                "4",
+            ]
+            argv += [
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--latency-ms",
+                "0.5",
+                "--out",
+                tmp,
+            ]
             out = io.StringIO()
             with contextlib.redirect_stdout(out), mock.patch.dict(os.environ):
                 rc = gpu_check.main(argv)
@@ -171,18 +236,26 @@ class GpuCheckDryRunTest(TestCase):
         def measure(args, out_dir):
             warnings.warn("a Python warning")
             sys.stderr.flush()
-            os.write(2, b"[W1130 12:00:00.000 CUDACachingAllocator.cpp:1] Warning: block freed on another stream\n")
+            os.write(
+                2,
+                b"[W1130 12:00:00.000 CUDACachingAllocator.cpp:1] Warning: block freed on another stream\n",
+            )
             os.write(2, b"plain output\n")
             return {"ok": True}
 
         err = io.StringIO()
-        with mock.patch.object(gpu_check, "measure_overlap", measure), contextlib.redirect_stderr(err):
+        with (
+            mock.patch.object(gpu_check, "measure_overlap", measure),
+            contextlib.redirect_stderr(err),
+        ):
             result, found = gpu_check._measure_with_warnings(None, "")
         self.assertEqual(result, {"ok": True})
         self.assertEqual(len(found), 2, found)
         self.assertTrue(found[0].startswith("UserWarning: a Python warning"), found)
         self.assertIn("CUDACachingAllocator", found[1])
-        self.assertEqual([w for w in found if gpu_check._ALLOCATOR_WARNING.search(w)], [found[1]])
+        self.assertEqual(
+            [w for w in found if gpu_check._ALLOCATOR_WARNING.search(w)], [found[1]]
+        )
 
 
 if __name__ == "__main__":

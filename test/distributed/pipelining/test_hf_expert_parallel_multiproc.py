@@ -26,17 +26,28 @@ import torch.distributed as dist
 from common_pipelining import load_csv
 from hf_model_registry import tiny_hf_model
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+)
 from torch.distributed.pipelining import schedules as sched
-from torch.testing._internal.common_distributed import MultiProcContinuousTest, requires_nccl
-from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest,
+    requires_nccl,
+)
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
 
 try:
-    import transformers
+    import transformers  # noqa: F401  (is transformers installed?)
 
     from torch_pipelining_ext import hf
 
@@ -46,7 +57,11 @@ except ImportError:
 
 VOCAB = 64
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
-_SCHEDULES = {"1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B, "dualpipev": ScheduleDualPipeV}
+_SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "dualpipev": ScheduleDualPipeV,
+}
 # Interleaved1F1B's order (rank 0: stages 0 and 2, rank 1: stages 1 and 3) with adjacent forward/backward
 # pairs merged into OVERLAP_F_B and full backwards only: torch allows one backward per selectively
 # checkpointed region, which DualPipeV's split (input, weight) backwards would take twice.
@@ -68,10 +83,14 @@ def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 class _Pipeline:
     """This rank's stages of ``ref`` (PP x EP), a schedule and an optimizer."""
 
-    def __init__(self, ref, mesh, schedule: str, device, *, overlap: bool = True, ac=None) -> None:
+    def __init__(
+        self, ref, mesh, schedule: str, device, *, overlap: bool = True, ac=None
+    ) -> None:
         cls = _SCHEDULES.get(schedule, ScheduleInterleaved1F1B)  # csv: loop placement
         self.device = device
-        self.stages, self.parts = hf.pipeline_hf_causal_lm(ref, mesh, cls, device, activation_checkpointing=ac)
+        self.stages, self.parts = hf.pipeline_hf_causal_lm(
+            ref, mesh, cls, device, activation_checkpointing=ac
+        )
         self.loss_fn = hf.CausalLMLoss()
         if schedule == "csv":
             self.schedule = sched._PipelineScheduleRuntime(
@@ -86,8 +105,12 @@ class _Pipeline:
                 scale_grads=False,
             )
         if not overlap:
-            self.schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
-        self.optimizer = torch.optim.SGD([p for part in self.parts for p in part.parameters()], lr=0.05)
+            self.schedule.register_custom_function(
+                sched.OVERLAP_F_B, sequential_overlap_f_b
+            )
+        self.optimizer = torch.optim.SGD(
+            [p for part in self.parts for p in part.parameters()], lr=0.05
+        )
 
     def step(self, ids, labels, ep_group) -> list[torch.Tensor]:
         self.optimizer.zero_grad()
@@ -118,16 +141,22 @@ class _HFExpertParallelTests:
         if not self._meshes:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            self._meshes["pp_ep"] = init_device_mesh(self.device_type(), (2, 2), mesh_dim_names=("pp", "ep"))
+            self._meshes["pp_ep"] = init_device_mesh(
+                self.device_type(), (2, 2), mesh_dim_names=("pp", "ep")
+            )
         mesh = self._meshes["pp_ep"]
         return mesh, mesh["ep"].get_group(), mesh["ep"].get_local_rank()
 
     def _all_ranks_ok(self, ok: bool) -> None:
         flags = [None] * self.world_size
         dist.all_gather_object(flags, ok)
-        self.assertTrue(all(flags), f"ranks {[r for r, f in enumerate(flags) if not f]} failed")
+        self.assertTrue(
+            all(flags), f"ranks {[r for r, f in enumerate(flags) if not f]} failed"
+        )
 
-    def _local(self, batch: tuple[torch.Tensor, torch.Tensor], ep_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _local(
+        self, batch: tuple[torch.Tensor, torch.Tensor], ep_rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t[4 * ep_rank : 4 * ep_rank + 4] for t in batch)
 
     @parametrize("schedule", list(_SCHEDULES))
@@ -149,8 +178,12 @@ class _HFExpertParallelTests:
             if any(s.is_last for s in pipe.stages):
                 total = torch.stack(losses).sum().detach()
                 dist.all_reduce(total, group=ep_group)
-                total /= dist.get_world_size(ep_group)  # the ranks' losses average to the global loss
-                torch.testing.assert_close(total.cpu(), ref_loss.detach(), msg=f"loss of step {step}")
+                total /= dist.get_world_size(
+                    ep_group
+                )  # the ranks' losses average to the global loss
+                torch.testing.assert_close(
+                    total.cpu(), ref_loss.detach(), msg=f"loss of step {step}"
+                )
             for part in pipe.parts:
                 for name, p in part.named_parameters():
                     want = ref_params[name].grad
@@ -159,7 +192,9 @@ class _HFExpertParallelTests:
                         start, stop = part.expert_ranges[name]
                         want = want[start:stop]
                     got = p.grad if p.grad is not None else torch.zeros_like(p)
-                    torch.testing.assert_close(got.cpu(), want, msg=f"step {step}: grad of {name}")
+                    torch.testing.assert_close(
+                        got.cpu(), want, msg=f"step {step}: grad of {name}"
+                    )
             ref_opt.step()
             pipe.optimizer.step()
 
@@ -168,41 +203,87 @@ class _HFExpertParallelTests:
     def test_overlapped_equals_sequential_bitwise(self, family, ac):
         torch.set_num_threads(1)
         mesh, ep_group, ep_rank = self._mesh()
-        policy = {"none": None, "full": "full", "selective": [torch.ops.aten.mm.default]}[ac]
+        policy = {
+            "none": None,
+            "full": "full",
+            "selective": [torch.ops.aten.mm.default],
+        }[ac]
         ref = tiny_hf_model(family, num_layers=4)
         runs = {}
         schedule = "csv" if ac == "selective" else "dualpipev"
-        for name, overlap in (("overlapped", True), ("overlapped_again", True), ("sequential", False)):
-            pipe = _Pipeline(ref, mesh, schedule, self.device, overlap=overlap, ac=policy)
+        for name, overlap in (
+            ("overlapped", True),
+            ("overlapped_again", True),
+            ("sequential", False),
+        ):
+            pipe = _Pipeline(
+                ref, mesh, schedule, self.device, overlap=overlap, ac=policy
+            )
             calls: list[tuple] = []
             real = dist.all_to_all_single
 
-            def recording(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
-                calls.append((input.dtype, tuple(input.shape), tuple(output_split_sizes or ()), tuple(input_split_sizes or ())))
-                return real(output, input, output_split_sizes, input_split_sizes, group=group, **kw)
+            def recording(
+                output,
+                input,
+                output_split_sizes=None,
+                input_split_sizes=None,
+                group=None,
+                **kw,
+            ):
+                calls.append(
+                    (
+                        input.dtype,
+                        tuple(input.shape),
+                        tuple(output_split_sizes or ()),
+                        tuple(input_split_sizes or ()),
+                    )
+                )
+                return real(
+                    output,
+                    input,
+                    output_split_sizes,
+                    input_split_sizes,
+                    group=group,
+                    **kw,
+                )
 
             out = []
             for step in range(2):
                 # recorded in the second step: the first one also runs torch's metadata inference, whose
                 # stage forwards and backwards see uninitialised tensors (routing, hence sizes, vary)
-                with mock.patch.object(dist, "all_to_all_single", recording if step == 1 else real):
-                    losses = pipe.step(*self._local(_global_batch(step), ep_rank), ep_group)
-                grads = {n: p.grad.clone() for n, p in pipe.named_parameters().items() if p.grad is not None}
+                with mock.patch.object(
+                    dist, "all_to_all_single", recording if step == 1 else real
+                ):
+                    losses = pipe.step(
+                        *self._local(_global_batch(step), ep_rank), ep_group
+                    )
+                grads = {
+                    n: p.grad.clone()
+                    for n, p in pipe.named_parameters().items()
+                    if p.grad is not None
+                }
                 out.append(([loss.detach().clone() for loss in losses], grads))
                 pipe.optimizer.step()
             runs[name] = (out, calls)
         self.assertGreater(len(runs["overlapped"][1]), 0)
         actions = pipe.schedule.pipeline_order_with_comms[pipe.stages[0].group_rank]
-        n_overlap = sum(a is not None and a.computation_type == sched.OVERLAP_F_B for a in actions)
+        n_overlap = sum(
+            a is not None and a.computation_type == sched.OVERLAP_F_B for a in actions
+        )
         self.assertGreater(n_overlap, 0)
         for name in ("overlapped_again", "sequential"):
-            for (losses_a, grads_a), (losses_b, grads_b) in zip(runs["overlapped"][0], runs[name][0]):
+            for (losses_a, grads_a), (losses_b, grads_b) in zip(
+                runs["overlapped"][0], runs[name][0]
+            ):
                 self.assertEqual(len(losses_a), len(losses_b))
                 for a, b in zip(losses_a, losses_b):
                     self.assertTrue(torch.equal(a, b), f"{name}: losses differ")
                 self.assertEqual(grads_a.keys(), grads_b.keys())
                 for key in grads_a:
-                    self.assertTrue(torch.equal(grads_a[key], grads_b[key]), f"{name}: grad of {key}")
+                    self.assertTrue(
+                        torch.equal(grads_a[key], grads_b[key]),
+                        f"{name}: grad of {key}",
+                    )
         # the all-to-alls of the overlapped run: the same sequence (kinds and sizes) when run again
         self.assertEqual(runs["overlapped"][1], runs["overlapped_again"][1])
         # and the same kinds in the same order on the other EP rank (sizes follow the data)
@@ -218,7 +299,9 @@ class _HFExpertParallelTests:
         stages, parts = hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, self.device)
         hf.fully_shard_replicated(parts, mesh["ep"])
         loss_fn = hf.CausalLMLoss()
-        schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=loss_fn, scale_grads=False)
+        schedule = Schedule1F1B(
+            stages[0], n_microbatches=4, loss_fn=loss_fn, scale_grads=False
+        )
         ref_params = dict(ref.named_parameters())
         for step in range(2):
             batch = _global_batch(step)
@@ -228,16 +311,22 @@ class _HFExpertParallelTests:
             loss_fn.set_labels(labels, group=ep_group)
             for part in parts:
                 part.zero_grad()
-            schedule.step(*((ids,) if stages[0].is_first else ()), target=labels, losses=[])
+            schedule.step(
+                *((ids,) if stages[0].is_first else ()), target=labels, losses=[]
+            )
             for part in parts:
                 for name, p in part.named_parameters():
                     want = ref_params[name].grad
                     if name in part.expert_ranges:
                         start, stop = part.expert_ranges[name]
                         self.assertNotIsInstance(p, torch.distributed.tensor.DTensor)
-                        torch.testing.assert_close(p.grad.cpu(), want[start:stop], msg=f"step {step}: {name}")
+                        torch.testing.assert_close(
+                            p.grad.cpu(), want[start:stop], msg=f"step {step}: {name}"
+                        )
                     else:
-                        torch.testing.assert_close(p.grad.full_tensor().cpu(), want, msg=f"step {step}: {name}")
+                        torch.testing.assert_close(
+                            p.grad.full_tensor().cpu(), want, msg=f"step {step}: {name}"
+                        )
 
     def test_uneven_loads(self):
         # every token routed to experts 0 and 1 (EP rank 0's): rank 1's experts get no token, rank 1 receives none
@@ -245,13 +334,19 @@ class _HFExpertParallelTests:
         mesh, ep_group, ep_rank = self._mesh()
         ref = tiny_hf_model("qwen3_moe", num_layers=4)
         for layer in ref.model.layers:
-            layer.mlp.gate.forward = types.MethodType(_first_two_experts, layer.mlp.gate)
+            layer.mlp.gate.forward = types.MethodType(
+                _first_two_experts, layer.mlp.gate
+            )
         ids = _global_batch(0)[0]
         pipe = _Pipeline(ref, mesh, "1f1b", self.device)
         ref.zero_grad()
         ref_loss = ref(input_ids=ids, labels=ids).loss
         ref_loss.backward()
-        losses = pipe.step(ids[4 * ep_rank : 4 * ep_rank + 4], ids[4 * ep_rank : 4 * ep_rank + 4], ep_group)
+        losses = pipe.step(
+            ids[4 * ep_rank : 4 * ep_rank + 4],
+            ids[4 * ep_rank : 4 * ep_rank + 4],
+            ep_group,
+        )
         if any(s.is_last for s in pipe.stages):
             total = torch.stack(losses).sum().detach()
             dist.all_reduce(total, group=ep_group)
@@ -282,23 +377,34 @@ class _HFExpertParallelTests:
                 self.counts_calls += 1
                 super().counts(output, input, group)
 
-            def tokens(self, output, input, output_split_sizes, input_split_sizes, group):
+            def tokens(
+                self, output, input, output_split_sizes, input_split_sizes, group
+            ):
                 self.well_formed.append(input.is_contiguous() and group is ep_group)
-                self.tokens_calls.append((sum(input_split_sizes), sum(output_split_sizes)))
-                super().tokens(output, input, output_split_sizes, input_split_sizes, group)
+                self.tokens_calls.append(
+                    (sum(input_split_sizes), sum(output_split_sizes))
+                )
+                super().tokens(
+                    output, input, output_split_sizes, input_split_sizes, group
+                )
 
         runs = {}
         for name in ("default", "recording"):
             pipe = _Pipeline(ref, mesh, "1f1b", self.device)
             recording = Recording()
-            previous = hf.set_expert_parallel_transport(recording if name == "recording" else None)
+            previous = hf.set_expert_parallel_transport(
+                recording if name == "recording" else None
+            )
             try:
                 pipe.step(*batches[0], ep_group)  # also runs torch's metadata inference
                 recording.counts_calls, recording.tokens_calls = 0, []
                 runs[name] = pipe.step(*batches[1], ep_group)
             finally:
                 installed = hf.set_expert_parallel_transport(previous)
-            self.assertIs(type(installed), Recording if name == "recording" else hf.ExpertParallelTransport)
+            self.assertIs(
+                type(installed),
+                Recording if name == "recording" else hf.ExpertParallelTransport,
+            )
         for a, b in zip(runs["default"], runs["recording"]):
             self.assertTrue(torch.equal(a, b))
         shards = hf.expert_parallel_shards(pipe.parts)
@@ -318,24 +424,43 @@ class _HFExpertParallelTests:
         shards = hf.expert_parallel_shards(parts)
         self.assertEqual(len(shards), 2)
         for module, shard in shards:
-            self.assertEqual((shard.size, shard.rank, shard.local), (2, ep_rank, shard.num_experts // 2))
-            self.assertEqual(parts[0].expert_ranges[f"{shard.fqn}.gate_up_proj"], (shard.start, shard.stop))
+            self.assertEqual(
+                (shard.size, shard.rank, shard.local),
+                (2, ep_rank, shard.num_experts // 2),
+            )
+            self.assertEqual(
+                parts[0].expert_ranges[f"{shard.fqn}.gate_up_proj"],
+                (shard.start, shard.stop),
+            )
             self.assertEqual(module.gate_up_proj.shape[0], shard.local)
         module, shard = shards[0]
-        counts = torch.tensor([[1, 0] + [2] * (shard.local - 2), [3, 1] + [0] * (shard.local - 2)])
-        tokens = torch.randn(int(counts.sum()), module.gate_up_proj.shape[-1], device=self.device)
+        counts = torch.tensor(
+            [[1, 0] + [2] * (shard.local - 2), [3, 1] + [0] * (shard.local - 2)]
+        )
+        tokens = torch.randn(
+            int(counts.sum()), module.gate_up_proj.shape[-1], device=self.device
+        )
         got = hf.run_local_experts(module, tokens, counts)
         # row by row: rows come grouped by source rank, then local expert
-        experts = torch.arange(shard.local).repeat(2).repeat_interleave(counts.flatten())
+        experts = (
+            torch.arange(shard.local).repeat(2).repeat_interleave(counts.flatten())
+        )
         for row, e in enumerate(experts.tolist()):
-            gate, up = torch.nn.functional.linear(tokens[row], module.gate_up_proj[e]).chunk(2, dim=-1)
-            want = torch.nn.functional.linear(module.act_fn(gate) * up, module.down_proj[e])
+            gate, up = torch.nn.functional.linear(
+                tokens[row], module.gate_up_proj[e]
+            ).chunk(2, dim=-1)
+            want = torch.nn.functional.linear(
+                module.act_fn(gate) * up, module.down_proj[e]
+            )
             torch.testing.assert_close(got[row], want)
 
     def test_experts_not_divisible_by_the_group(self):
         mesh, _, _ = self._mesh()
         ref = tiny_hf_model("qwen3_moe", num_layers=2, num_experts=3)
-        with self.assertRaisesRegex(ValueError, r"experts cannot be split over an expert-parallel group of 2 ranks"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"experts cannot be split over an expert-parallel group of 2 ranks",
+        ):
             hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, self.device)
 
     def test_experts_computing_otherwise_are_refused(self):
@@ -351,15 +476,24 @@ class _HFExpertParallelTests:
             experts = ScaledExperts(ref.config)
             experts.load_state_dict(layer.mlp.experts.state_dict())
             layer.mlp.experts = experts
-        with self.assertRaisesRegex(ValueError, r"model.layers.\d.mlp.experts \(ScaledExperts\) cannot be expert-parallel: its forward computes something else"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"model.layers.\d.mlp.experts \(ScaledExperts\) cannot be expert-parallel: its forward computes something else",
+        ):
             hf.pipeline_hf_causal_lm(ref, mesh, Schedule1F1B, self.device)
-        with self.assertRaisesRegex(ValueError, "expected exactly gate_up_proj and down_proj"):
-            hf.pipeline_hf_causal_lm(tiny_hf_model("gpt_oss", num_layers=2), mesh, Schedule1F1B, self.device)
+        with self.assertRaisesRegex(
+            ValueError, "expected exactly gate_up_proj and down_proj"
+        ):
+            hf.pipeline_hf_causal_lm(
+                tiny_hf_model("gpt_oss", num_layers=2), mesh, Schedule1F1B, self.device
+            )
 
 
 def _test_class(name: str, backend: str, device_type: str) -> type:
     """A MultiProcContinuousTest class of the tests for one backend (each with its own test methods)."""
-    body = {k: v for k, v in vars(_HFExpertParallelTests).items() if not k.startswith("__")}
+    body = {
+        k: v for k, v in vars(_HFExpertParallelTests).items() if not k.startswith("__")
+    }
     body.update(
         _meshes={},
         backend_str=classmethod(lambda cls: backend),
@@ -370,21 +504,25 @@ def _test_class(name: str, backend: str, device_type: str) -> type:
     return instantiate_parametrized_tests(type(name, (MultiProcContinuousTest,), body))
 
 
-HFExpertParallelGlooTest = unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")(
-    _test_class("HFExpertParallelGlooTest", "gloo", "cpu")
-)
+HFExpertParallelGlooTest = unittest.skipIf(
+    not HAS_FUSED, "needs transformers 5.x (fused experts)"
+)(_test_class("HFExpertParallelGlooTest", "gloo", "cpu"))
 HFExpertParallelNCCLTest = requires_nccl()(
-    unittest.skipIf(not HAS_FUSED or torch.cuda.device_count() < 4, "needs transformers 5.x and 4 GPUs")(
-        _test_class("HFExpertParallelNCCLTest", "nccl", "cuda")
-    )
+    unittest.skipIf(
+        not HAS_FUSED or torch.cuda.device_count() < 4,
+        "needs transformers 5.x and 4 GPUs",
+    )(_test_class("HFExpertParallelNCCLTest", "nccl", "cuda"))
 )
 
 
 def _first_two_experts(router, hidden_states):
     """The router's own forward, with every token sent to experts 0 and 1 (its top-2 weights kept)."""
     logits, weights, indices = type(router).forward(router, hidden_states)
-    return logits, weights, torch.arange(indices.shape[-1], device=indices.device).expand_as(indices)
-
+    return (
+        logits,
+        weights,
+        torch.arange(indices.shape[-1], device=indices.device).expand_as(indices),
+    )
 
 
 if __name__ == "__main__":

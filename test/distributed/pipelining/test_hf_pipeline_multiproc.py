@@ -24,7 +24,11 @@ from hf_model_registry import tiny_hf_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
-from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
 
@@ -67,20 +71,26 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
         """Process groups and meshes, built once per worker by every rank."""
         if not self._groups:
             self._groups["pp2"] = dist.new_group([0, 1])
-            self._groups["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+            self._groups["mesh"] = init_device_mesh(
+                "cpu", (2, 2), mesh_dim_names=("pp", "dp")
+            )
         return self._groups[name]
 
     def _shared_dir(self) -> str:
         obj = [tempfile.mkdtemp(prefix="hf_dcp_") if self.rank == 0 else None]
         dist.broadcast_object_list(obj, src=0)
-        self.addCleanup(lambda: self.rank == 0 and shutil.rmtree(obj[0], ignore_errors=True))
+        self.addCleanup(
+            lambda: self.rank == 0 and shutil.rmtree(obj[0], ignore_errors=True)
+        )
         return obj[0]
 
     def _all_ranks_ok(self, ok: bool) -> None:
         """Fail on every rank together when one rank failed (nobody left waiting)."""
         flags = [None] * self.world_size
         dist.all_gather_object(flags, ok)
-        self.assertTrue(all(flags), f"ranks {[r for r, f in enumerate(flags) if not f]} failed")
+        self.assertTrue(
+            all(flags), f"ranks {[r for r, f in enumerate(flags) if not f]} failed"
+        )
 
     # ------------------------------------------------------------------
     # Training
@@ -99,7 +109,10 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
         self.assertEqual(len(stages), 1 if schedule == "1f1b" else 2)
         loss_fn = hf.CausalLMLoss()
         sched = schedule_cls(
-            stages[0] if len(stages) == 1 else stages, n_microbatches=4, loss_fn=loss_fn, scale_grads=False
+            stages[0] if len(stages) == 1 else stages,
+            n_microbatches=4,
+            loss_fn=loss_fn,
+            scale_grads=False,
         )
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
         opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.05)
@@ -118,7 +131,11 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
             hf.sync_tied_gradients(parts, group)
             if has_last:
                 self.assertEqual(len(losses), 4)
-                torch.testing.assert_close(torch.stack(losses).sum(), ref_loss.detach(), msg=f"loss of step {step}")
+                torch.testing.assert_close(
+                    torch.stack(losses).sum(),
+                    ref_loss.detach(),
+                    msg=f"loss of step {step}",
+                )
             checked = []
             for part in parts:
                 for name, p in part.named_parameters():
@@ -126,11 +143,15 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
                     if want is None:  # an expert no token was routed to
                         self.assertIsNone(p.grad, name)
                     else:
-                        torch.testing.assert_close(p.grad, want, msg=f"step {step}: grad of {name}")
+                        torch.testing.assert_close(
+                            p.grad, want, msg=f"step {step}: grad of {name}"
+                        )
                     checked.append(name)
             gathered: list = [None, None]
             dist.all_gather_object(gathered, checked, group=group)
-            self.assertEqual(sorted(n for names in gathered for n in names), sorted(ref_params))
+            self.assertEqual(
+                sorted(n for names in gathered for n in names), sorted(ref_params)
+            )
             ref_opt.step()
             opt.step()
 
@@ -143,14 +164,26 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
         import torch.distributed.checkpoint as dcp
 
         want = tiny_hf_model(family, num_layers=4, seed=0).state_dict()
-        other = tiny_hf_model(family, num_layers=4, seed=1)  # different values everywhere
+        other = tiny_hf_model(
+            family, num_layers=4, seed=1
+        )  # different values everywhere
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # GPT-2's embedding/head tie across stages
-            _, (part,) = hf.pipeline_hf_causal_lm(other, dist.group.WORLD, Schedule1F1B, "cpu")
+            _, (part,) = hf.pipeline_hf_causal_lm(
+                other, dist.group.WORLD, Schedule1F1B, "cpu"
+            )
         sd = part.state_dict()
         self.assertTrue(sd)
-        self.assertFalse(any(torch.equal(t, want[k]) for k, t in sd.items() if t.numel() > 1 and k.endswith("weight")
-                             and "norm" not in k and "ln_" not in k))
+        self.assertFalse(
+            any(
+                torch.equal(t, want[k])
+                for k, t in sd.items()
+                if t.numel() > 1
+                and k.endswith("weight")
+                and "norm" not in k
+                and "ln_" not in k
+            )
+        )
         dcp.load(sd, checkpoint_id=ckpt)
         for key, t in part.state_dict().items():
             self.assertTrue(torch.equal(t, want[key]), f"PP=4 stage {self.rank}: {key}")
@@ -176,8 +209,12 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
                 ref = tiny_hf_model(family, num_layers=4, seed=0)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    _, (part,) = hf.pipeline_hf_causal_lm(ref, group, Schedule1F1B, "cpu")
-                if family == "llama":  # every stage replicates the parameter-free rotary module
+                    _, (part,) = hf.pipeline_hf_causal_lm(
+                        ref, group, Schedule1F1B, "cpu"
+                    )
+                if (
+                    family == "llama"
+                ):  # every stage replicates the parameter-free rotary module
                     self.assertIsNotNone(part.model.rotary_emb)
                 dcp.save(part.state_dict(), checkpoint_id=ckpt, process_group=group)
             except Exception:

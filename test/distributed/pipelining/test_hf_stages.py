@@ -34,7 +34,12 @@ try:
 
     from torch_pipelining_ext import hf
 
-    from torch_pipelining_ext.hf import _config as _hf_config, _factory as _hf_factory, _loading as _hf_loading, _stage as _hf_stage
+    from torch_pipelining_ext.hf import (
+        _config as _hf_config,
+        _factory as _hf_factory,
+        _loading as _hf_loading,
+        _stage as _hf_stage,
+    )
 
     HAS_TRANSFORMERS = True
 except ImportError:
@@ -47,7 +52,9 @@ def _check_schedule(policy, schedule: str) -> None:
     _hf_config.check_checkpointing_schedule(policy, ss.resolve_schedule_class(schedule))
 
 
-def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpointing=None) -> list:
+def _split(
+    model: nn.Module, num_stages: int, stage_ids=None, activation_checkpointing=None
+) -> list:
     """All (or ``stage_ids``) stages of ``model`` as HFCausalLMStage modules, in one process."""
     from torch_pipelining_ext.hf import _compat as _hf_compat
 
@@ -72,7 +79,9 @@ def _split(model: nn.Module, num_stages: int, stage_ids=None, activation_checkpo
     return stages
 
 
-def _chain_and_check(test: TestCase, model: nn.Module, stages: list, ids, labels) -> None:
+def _chain_and_check(
+    test: TestCase, model: nn.Module, stages: list, ids, labels
+) -> None:
     """Chained stage forwards, CausalLMLoss and every gradient equal the unsplit model's."""
     ref = model(input_ids=ids, labels=labels)
     ref.loss.backward()
@@ -124,13 +133,17 @@ class TestHFStages(TestCase):
 
     @parametrize("num_stages", [2, 4])
     @parametrize("family", HF_FAMILIES)
-    def test_stage_chain_matches_hf_forward_loss_and_gradients(self, family, num_stages):
+    def test_stage_chain_matches_hf_forward_loss_and_gradients(
+        self, family, num_stages
+    ):
         model = tiny_hf_model(family, num_layers=4)
         ids, labels = _batch()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             stages = _split(model, num_stages)
-        tie_warnings = [w for w in caught if "shared across pipeline stages" in str(w.message)]
+        tie_warnings = [
+            w for w in caught if "shared across pipeline stages" in str(w.message)
+        ]
         self.assertEqual(len(tie_warnings), 1 if _hf_factory.tied_groups(model) else 0)
         _chain_and_check(self, model, stages, ids, labels)
 
@@ -140,16 +153,24 @@ class TestHFStages(TestCase):
         from torch_pipelining_ext.hf import _compat as _hf_compat
 
         model = tiny_hf_model(family, num_layers=4)
-        kinds = [_hf_compat.layer_kind(model.config, layer, i) for i, layer in enumerate(model.model.layers)]
+        kinds = [
+            _hf_compat.layer_kind(model.config, layer, i)
+            for i, layer in enumerate(model.model.layers)
+        ]
         self.assertEqual(set(kinds), {"full_attention", "sliding_attention"})
         ids, labels = _batch()
         stages = _split(model, 2)
         _chain_and_check(self, model, stages, ids, labels)
-        with mock.patch.object(_hf_compat, "layer_kind", lambda *a: "full_attention"), torch.no_grad():
+        with (
+            mock.patch.object(_hf_compat, "layer_kind", lambda *a: "full_attention"),
+            torch.no_grad(),
+        ):
             h = ids
             for stage in stages:
                 h = stage(h)
-            self.assertGreater((h - model(input_ids=ids).logits).abs().max().item(), 1e-3)
+            self.assertGreater(
+                (h - model(input_ids=ids).logits).abs().max().item(), 1e-3
+            )
 
     @parametrize("mode", ["full", "selective"])
     def test_activation_checkpointing_gradients(self, mode):
@@ -157,14 +178,21 @@ class TestHFStages(TestCase):
         policy = "full" if mode == "full" else [torch.ops.aten.mm.default]
         stages = _split(model, 2, activation_checkpointing=policy)
         ids, labels = _batch()
-        with mock.patch("torch.utils.checkpoint.checkpoint", wraps=torch.utils.checkpoint.checkpoint) as ckpt:
+        with mock.patch(
+            "torch.utils.checkpoint.checkpoint", wraps=torch.utils.checkpoint.checkpoint
+        ) as ckpt:
             _chain_and_check(self, model, stages, ids, labels)
         self.assertEqual(ckpt.call_count, 4 * 2)  # every layer, both microbatches
-        self.assertTrue(all(c.kwargs["use_reentrant"] is False for c in ckpt.call_args_list))
+        self.assertTrue(
+            all(c.kwargs["use_reentrant"] is False for c in ckpt.call_args_list)
+        )
         with self.assertRaisesRegex(ValueError, "activation_checkpointing must be"):
             stages[0].set_activation_checkpointing("sometimes")
         if mode == "selective":
-            with self.assertRaisesRegex(ValueError, "selective activation checkpointing cannot run under ScheduleDualPipeV"):
+            with self.assertRaisesRegex(
+                ValueError,
+                "selective activation checkpointing cannot run under ScheduleDualPipeV",
+            ):
                 _check_schedule(policy, "ScheduleDualPipeV")
         _check_schedule(policy, "Schedule1F1B")
 
@@ -172,10 +200,17 @@ class TestHFStages(TestCase):
         model = tiny_hf_model("llama", num_layers=2)
         # reentrant: the default of gradient_checkpointing_enable() on 4.57 (5.x defaults to non-reentrant)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # 5.x: deprecated alias of activation_checkpointing_enable
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            warnings.simplefilter(
+                "ignore"
+            )  # 5.x: deprecated alias of activation_checkpointing_enable
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": True}
+            )
         model.train()
-        with self.assertRaisesRegex(ValueError, r"model.layers.0 uses reentrant activation checkpointing.*use_reentrant"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"model.layers.0 uses reentrant activation checkpointing.*use_reentrant",
+        ):
             _hf_stage.check_trainable(model, hf.detect_layout(model))
         stages = _split(model, 2)
         ids, _ = _batch()
@@ -183,8 +218,12 @@ class TestHFStages(TestCase):
             stages[0](ids)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        _hf_stage.check_trainable(model, hf.detect_layout(model))  # the non-reentrant variant trains correctly
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        _hf_stage.check_trainable(
+            model, hf.detect_layout(model)
+        )  # the non-reentrant variant trains correctly
         ids, labels = _batch()
         _chain_and_check(self, model, _split(model, 2), ids, labels)
 
@@ -192,11 +231,21 @@ class TestHFStages(TestCase):
         import transformers as tf
 
         # Cohere scales its logits (config.logit_scale), which the stage forward does not do
-        config = tf.CohereConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
-        with self.assertRaisesRegex(ValueError, r"model type 'cohere': the pipeline stages do not reproduce"):
+        config = tf.CohereConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=128,
+        )
+        with self.assertRaisesRegex(
+            ValueError, r"model type 'cohere': the pipeline stages do not reproduce"
+        ):
             hf.self_check(config)
         with self.assertRaisesRegex(ValueError, "do not reproduce"):
-            hf.pipeline_hf_causal_lm(config, None, "Interleaved1F1B", "cpu", num_stages=2, init_weights=True)
+            hf.pipeline_hf_causal_lm(
+                config, None, "Interleaved1F1B", "cpu", num_stages=2, init_weights=True
+            )
         # a verified type passes; an unverified one the stages get right passes too (Starcoder2)
         self.assertEqual(hf.self_check(tiny_hf_config("gemma2", num_layers=4)), 0.0)
         self.assertLess(hf.self_check(tf.Starcoder2Config(num_hidden_layers=2)), 1e-5)
@@ -214,7 +263,10 @@ class TestHFStages(TestCase):
         # 2048 = one dense MLP of width 18432 (9 x 2048); counting every expert would make it ~23x a dense layer
         self.assertAlmostEqual(costs[3], 1.0, delta=0.01)
         names = hf.hf_module_names_per_stage(model, 4, input_weight=0, output_weight=0)
-        self.assertEqual([sum(n.startswith("model.layers.") for n in stage) for stage in names], [2, 2, 2, 2])
+        self.assertEqual(
+            [sum(n.startswith("model.layers.") for n in stage) for stage in names],
+            [2, 2, 2, 2],
+        )
 
     def test_stage_inputs_and_outputs_are_plain_tensors(self):
         model = tiny_hf_model("llama", num_layers=2)
@@ -231,7 +283,9 @@ class TestHFStages(TestCase):
     def test_layer_costs_option(self):
         model = tiny_hf_model("deepseek_v3", num_layers=4)  # layer 0 dense, 1..3 MoE
         names = hf.hf_module_names_per_stage(model, 2, layer_costs=[1, 3, 3, 3])
-        self.assertEqual(names[0][:3], ["model.embed_tokens", "model.layers.0", "model.layers.1"])
+        self.assertEqual(
+            names[0][:3], ["model.embed_tokens", "model.layers.0", "model.layers.1"]
+        )
         self.assertEqual(names[1][-3:], ["model.norm", "lm_head", "model.rotary_emb"])
         with self.assertRaisesRegex(ValueError, "layer_costs must be 'auto'"):
             hf.hf_module_names_per_stage(model, 2, layer_costs="flops")
@@ -249,15 +303,23 @@ class TestHFStages(TestCase):
             hf.detect_layout(nn.Linear(2, 2))
         model = tiny_hf_model("llama", num_layers=2)
         model.extra = nn.Linear(2, 2)
-        with self.assertRaisesRegex(ValueError, r"'extra' holds parameters and is neither the base model nor the head"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"'extra' holds parameters and is neither the base model nor the head",
+        ):
             hf.detect_layout(model)
         model = tiny_hf_model("gpt2", num_layers=2)
         del model.transformer.ln_f
-        with self.assertRaisesRegex(ValueError, r"expected one final norm after transformer.h, found none"):
+        with self.assertRaisesRegex(
+            ValueError, r"expected one final norm after transformer.h, found none"
+        ):
             hf.detect_layout(model)
         model = tiny_hf_model("llama", num_layers=2)
         model.model.adapter = nn.Linear(2, 2)
-        with self.assertRaisesRegex(ValueError, r"model.adapter holds parameters but is not in base_model_pp_plan"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"model.adapter holds parameters but is not in base_model_pp_plan",
+        ):
             hf.detect_layout(model)
         model = tiny_hf_model("qwen3_moe", num_layers=2, output_router_logits=True)
         with self.assertRaisesRegex(ValueError, "output_router_logits"):
@@ -272,13 +334,20 @@ class TestHFStages(TestCase):
         try:
             self.assertIs(type(previous), hf.ExpertParallelTransport)  # the default
             self.assertIs(hf.set_expert_parallel_transport(None), mine)
-            self.assertIs(type(hf.set_expert_parallel_transport(mine)), hf.ExpertParallelTransport)
-            with self.assertRaisesRegex(TypeError, "must be an ExpertParallelTransport or None, got function"):
+            self.assertIs(
+                type(hf.set_expert_parallel_transport(mine)), hf.ExpertParallelTransport
+            )
+            with self.assertRaisesRegex(
+                TypeError, "must be an ExpertParallelTransport or None, got function"
+            ):
                 hf.set_expert_parallel_transport(dist.all_to_all_single)
         finally:
             self.assertIs(hf.set_expert_parallel_transport(previous), mine)
         self.assertIsInstance(hf.has_fused_experts(), bool)
-        self.assertEqual(hf.expert_parallel_shards(_split(tiny_hf_model("llama", num_layers=2), 2)), [])
+        self.assertEqual(
+            hf.expert_parallel_shards(_split(tiny_hf_model("llama", num_layers=2), 2)),
+            [],
+        )
 
     def test_stage_placement_errors(self):
         model = tiny_hf_model("llama", num_layers=2)
@@ -288,14 +357,19 @@ class TestHFStages(TestCase):
             ["model.layers.1", "lm_head"],
         ]
         part = ss.build_stage_modules(model, names, [0])[0]
-        with self.assertRaisesRegex(ValueError, r"stage 0 of 2 holds 'model.norm', which only the last stage can run"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"stage 0 of 2 holds 'model.norm', which only the last stage can run",
+        ):
             hf.HFCausalLMStage(part, layout, 0, 2)
         names = [
             ["model.embed_tokens", "model.layers.0", "model.rotary_emb"],
             ["model.layers.1", "model.norm", "lm_head"],
         ]
         part = ss.build_stage_modules(model, names, [1])[0]
-        with self.assertRaisesRegex(ValueError, r"stage 1 of 2 runs layers but lacks 'model.rotary_emb'"):
+        with self.assertRaisesRegex(
+            ValueError, r"stage 1 of 2 runs layers but lacks 'model.rotary_emb'"
+        ):
             hf.HFCausalLMStage(part, layout, 1, 2)
 
 
@@ -313,7 +387,9 @@ class TestHFLoading(TestCase):
         super().setUpClass()
         cls._owns_pg = not dist.is_initialized()
         if cls._owns_pg:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
 
     @classmethod
     def tearDownClass(cls):
@@ -333,7 +409,18 @@ class TestHFLoading(TestCase):
         torch.set_num_threads(self._threads)
         super().tearDown()
 
-    @parametrize("family", ["llama", "gpt2", "deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "gemma3_text"])
+    @parametrize(
+        "family",
+        [
+            "llama",
+            "gpt2",
+            "deepseek_v3",
+            "qwen3_moe",
+            "mixtral",
+            "gpt_oss",
+            "gemma3_text",
+        ],
+    )
     @parametrize("sharded", [False, True])
     def test_meta_build_load_only_stage_tensors(self, family, sharded):
         ref = tiny_hf_model(family, num_layers=3).to(torch.bfloat16)
@@ -344,7 +431,12 @@ class TestHFLoading(TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # GPT-2's tie across stages
             stages, parts = hf.pipeline_hf_causal_lm(
-                config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=3, checkpoint=self.dir
+                config,
+                dist.group.WORLD,
+                "Interleaved1F1B",
+                "cpu",
+                num_stages=3,
+                checkpoint=self.dir,
             )
         self.assertEqual(len(parts), 3)
         want = ref.state_dict()
@@ -352,14 +444,18 @@ class TestHFLoading(TestCase):
         h = ids
         for part in parts:
             for key, t in part.state_dict().items():
-                self.assertEqual(t.dtype, torch.bfloat16, key)  # the checkpoint's dtype is kept
+                self.assertEqual(
+                    t.dtype, torch.bfloat16, key
+                )  # the checkpoint's dtype is kept
                 self.assertTrue(torch.equal(t, want[key]), key)
             self.assertFalse(any(t.is_meta for t in part.state_dict().values()))
             h = part(h)
         with torch.no_grad():
             # bf16 tolerance: ``ref.to(bfloat16)`` also rounded its rotary frequencies, which
             # stay float32 in the meta-built model (as in ``from_pretrained``)
-            torch.testing.assert_close(h, ref(input_ids=ids).logits, atol=4e-3, rtol=2e-2)
+            torch.testing.assert_close(
+                h, ref(input_ids=ids).logits, atol=4e-3, rtol=2e-2
+            )
 
     def test_reads_only_this_stage(self):
         ref = tiny_hf_model("llama", num_layers=4)
@@ -369,16 +465,28 @@ class TestHFLoading(TestCase):
         (part,) = _split(model, 4, stage_ids=[1])
         read = []
         real_read = _hf_loading.read_tensor
-        with mock.patch.object(_hf_loading, "read_tensor", lambda f, e, out: (read.append(e), real_read(f, e, out))):
+        with mock.patch.object(
+            _hf_loading,
+            "read_tensor",
+            lambda f, e, out: (read.append(e), real_read(f, e, out)),
+        ):
             hf.load_stage_weights([part], self.dir)
         keys = set(part.state_dict())
         self.assertTrue(keys and all(k.startswith("model.layers.") for k in keys))
         self.assertEqual(len(read), len(keys))
-        self.assertEqual(sum(e.nbytes for e in read), sum(t.nbytes for t in part.state_dict().values()))
+        self.assertEqual(
+            sum(e.nbytes for e in read),
+            sum(t.nbytes for t in part.state_dict().values()),
+        )
         for key, t in part.state_dict().items():
             self.assertTrue(torch.equal(t, ref.state_dict()[key]), key)
         # non-persistent buffers (rotary frequencies): real, and those of a model built for real
-        torch.testing.assert_close(part.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq, rtol=0, atol=0)
+        torch.testing.assert_close(
+            part.model.rotary_emb.inv_freq,
+            ref.model.rotary_emb.inv_freq,
+            rtol=0,
+            atol=0,
+        )
 
     @parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
     def test_fused_experts_read_straight_into_their_slices(self, family):
@@ -391,7 +499,9 @@ class TestHFLoading(TestCase):
         per_expert_disk = any(".experts.0." in k for k in header)
         if family == "gpt_oss":  # fused in the model and on disk on both majors
             self.assertTrue(fused_model and not per_expert_disk)
-        elif _hf_compat.conversion_mapping(ref) is None:  # 4.57: per-expert modules, keys as they are
+        elif (
+            _hf_compat.conversion_mapping(ref) is None
+        ):  # 4.57: per-expert modules, keys as they are
             self.assertFalse(fused_model)
         else:  # 5.x: fused in the model, per expert on disk
             self.assertTrue(fused_model and per_expert_disk)
@@ -399,14 +509,21 @@ class TestHFLoading(TestCase):
         (part,) = _split(model, 4, stage_ids=[1])
         read = []
         real_read = _hf_loading.read_tensor
-        with mock.patch.object(_hf_loading, "read_tensor", lambda f, e, out: (read.append(e), real_read(f, e, out))):
+        with mock.patch.object(
+            _hf_loading,
+            "read_tensor",
+            lambda f, e, out: (read.append(e), real_read(f, e, out)),
+        ):
             hf.load_stage_weights([part], self.dir)
         want = {k: v for k, v in ref.state_dict().items() if k in part.state_dict()}
         self.assertEqual(set(want), set(part.state_dict()))
         for key, t in part.state_dict().items():
             self.assertTrue(torch.equal(t, want[key]), key)
         # every stored tensor of this stage read once, nothing else: the stage's bytes
-        self.assertEqual(sum(e.nbytes for e in read), sum(t.nbytes for t in part.state_dict().values()))
+        self.assertEqual(
+            sum(e.nbytes for e in read),
+            sum(t.nbytes for t in part.state_dict().values()),
+        )
         self.assertEqual(len(read), len({(e.file, e.offset) for e in read}))
 
     def test_expert_range_reads_only_those_experts(self):
@@ -415,28 +532,45 @@ class TestHFLoading(TestCase):
         model = hf.meta_causal_lm(tiny_hf_config("qwen3_moe", num_layers=2))
         (part,) = _split(model, 2, stage_ids=[1])
         experts = part.get_submodule("model.layers.1.mlp.experts")
-        fused = [n for n, _ in experts.named_parameters() if n in ("gate_up_proj", "down_proj")]
+        fused = [
+            n
+            for n, _ in experts.named_parameters()
+            if n in ("gate_up_proj", "down_proj")
+        ]
         if not fused:
-            self.skipTest("per-expert modules (transformers 4.57): expert ranges apply to fused experts")
+            self.skipTest(
+                "per-expert modules (transformers 4.57): expert ranges apply to fused experts"
+            )
         for name in fused:  # this rank keeps experts 1 and 2 of 4
             full = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(torch.empty((2, *full.shape[1:]), device="meta")))
+            setattr(
+                experts,
+                name,
+                nn.Parameter(torch.empty((2, *full.shape[1:]), device="meta")),
+            )
             part.expert_ranges[f"model.layers.1.mlp.experts.{name}"] = (1, 3)
         hf.load_stage_weights([part], self.dir)
         for name in fused:
             got = getattr(part.get_submodule("model.layers.1.mlp.experts"), name)
-            self.assertTrue(torch.equal(got, getattr(ref.model.layers[1].mlp.experts, name)[1:3]), name)
+            self.assertTrue(
+                torch.equal(got, getattr(ref.model.layers[1].mlp.experts, name)[1:3]),
+                name,
+            )
 
     def test_long_key_lists_are_summarised(self):
         ref = tiny_hf_model("qwen3_moe", num_layers=4)
-        sd = {k: v.contiguous() for k, v in ref.state_dict().items() if ".mlp." not in k}
+        sd = {
+            k: v.contiguous() for k, v in ref.state_dict().items() if ".mlp." not in k
+        }
         path = os.path.join(self.dir, "model.safetensors")
         safetensors.torch.save_file(sd, path)
         parts = _split(hf.meta_causal_lm(tiny_hf_config("qwen3_moe", num_layers=4)), 2)
         with self.assertRaises(ValueError) as ctx:
             hf.load_stage_weights(parts, path)
         msg = str(ctx.exception)
-        self.assertRegex(msg, r"missing from the checkpoint \(\d+\): 'model.layers.0.mlp.")
+        self.assertRegex(
+            msg, r"missing from the checkpoint \(\d+\): 'model.layers.0.mlp."
+        )
         self.assertIn("patterns: 'model.layers.*.mlp.", msg)
         self.assertLess(len(msg), 1000)
 
@@ -473,12 +607,19 @@ class TestHFLoading(TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _, parts = hf.pipeline_hf_causal_lm(
-                config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2, checkpoint=self.dir
+                config,
+                dist.group.WORLD,
+                "Interleaved1F1B",
+                "cpu",
+                num_stages=2,
+                checkpoint=self.dir,
             )
         ref_buffers = dict(ref.named_buffers())
         for part in parts:
             for name, b in part.named_buffers():
-                torch.testing.assert_close(b, ref_buffers[name], rtol=0, atol=0, msg=name)
+                torch.testing.assert_close(
+                    b, ref_buffers[name], rtol=0, atol=0, msg=name
+                )
 
     def test_tied_head_read_from_embedding_key(self):
         ref = tiny_hf_model("gpt2", num_layers=2)
@@ -487,7 +628,11 @@ class TestHFLoading(TestCase):
         self.assertNotIn("lm_head.weight", header)  # transformers saves the tie once
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            (last,) = _split(hf.meta_causal_lm(tiny_hf_config("gpt2", num_layers=2)), 2, stage_ids=[1])
+            (last,) = _split(
+                hf.meta_causal_lm(tiny_hf_config("gpt2", num_layers=2)),
+                2,
+                stage_ids=[1],
+            )
         hf.load_stage_weights([last], self.dir)
         self.assertTrue(torch.equal(last.lm_head.weight, ref.transformer.wte.weight))
 
@@ -520,10 +665,19 @@ class TestHFLoading(TestCase):
 
     def test_meta_model_needs_checkpoint_or_init(self):
         config = tiny_hf_config("llama", num_layers=2)
-        with self.assertRaisesRegex(ValueError, "pass checkpoint= .* or init_weights=True"):
-            hf.pipeline_hf_causal_lm(config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2)
+        with self.assertRaisesRegex(
+            ValueError, "pass checkpoint= .* or init_weights=True"
+        ):
+            hf.pipeline_hf_causal_lm(
+                config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2
+            )
         _, parts = hf.pipeline_hf_causal_lm(
-            config, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2, init_weights=True
+            config,
+            dist.group.WORLD,
+            "Interleaved1F1B",
+            "cpu",
+            num_stages=2,
+            init_weights=True,
         )
         for part in parts:
             for key, t in part.state_dict().items():
@@ -534,12 +688,18 @@ class TestHFLoading(TestCase):
     def test_real_model_is_copied_not_modified(self):
         model = tiny_hf_model("qwen3", num_layers=2)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        stages, parts = hf.pipeline_hf_causal_lm(model, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2)
+        stages, parts = hf.pipeline_hf_causal_lm(
+            model, dist.group.WORLD, "Interleaved1F1B", "cpu", num_stages=2
+        )
         self.assertEqual([s.stage_index for s in stages], [0, 1])
-        self.assertEqual(set(parts[0].state_dict()) | set(parts[1].state_dict()), set(before))
+        self.assertEqual(
+            set(parts[0].state_dict()) | set(parts[1].state_dict()), set(before)
+        )
         for k, v in model.state_dict().items():
             self.assertTrue(torch.equal(v, before[k]), k)
-        self.assertIsNot(parts[0].model.embed_tokens.weight, model.model.embed_tokens.weight)
+        self.assertIsNot(
+            parts[0].model.embed_tokens.weight, model.model.embed_tokens.weight
+        )
 
 
 instantiate_parametrized_tests(TestHFStages)

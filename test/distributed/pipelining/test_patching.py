@@ -83,7 +83,9 @@ def _run_python(
     code: str, env_extra: dict[str, str] | None = None, flags: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter, without the package's switches set (but ``env_extra``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_PIPELINING_EXT_")}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("TORCH_PIPELINING_EXT_")
+    }
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, *flags, "-c", textwrap.dedent(code)],
@@ -107,18 +109,34 @@ class PatchRegistryTest(TestCase):
             [
                 Patch(
                     "step",
-                    (Target(_FAKE, "Runtime.step", lambda orig: lambda self: ("new", orig(self))),),
+                    (
+                        Target(
+                            _FAKE,
+                            "Runtime.step",
+                            lambda orig: lambda self: ("new", orig(self)),
+                        ),
+                    ),
                     _needed,
                 ),
-                Patch("helper", (Target(_FAKE, "helper", lambda orig: lambda: "new"),), _needed),
-                Patch("added", (Target(_FAKE, "Runtime.extra", lambda orig: orig),), _needed),
+                Patch(
+                    "helper",
+                    (Target(_FAKE, "helper", lambda orig: lambda: "new"),),
+                    _needed,
+                ),
+                Patch(
+                    "added",
+                    (Target(_FAKE, "Runtime.extra", lambda orig: orig),),
+                    _needed,
+                ),
             ]
         )
         reg.apply_all({})
         self.assertEqual(self.mod.Runtime().step(), ("new", "orig"))
         self.assertEqual(self.mod.helper(), "new")
         self.assertIn("extra", vars(self.mod.Runtime))
-        self.assertIsNone(self.mod.Runtime.extra)  # make() got None: attribute did not exist
+        self.assertIsNone(
+            self.mod.Runtime.extra
+        )  # make() got None: attribute did not exist
         self.assertTrue(all(r.status is PatchStatus.APPLIED for r in reg.report()))
 
         reg.undo_all()
@@ -139,7 +157,9 @@ class PatchRegistryTest(TestCase):
             calls.append(orig)
             return lambda: "new"
 
-        reg = _PatchRegistry([Patch("helper", (Target(_FAKE, "helper", make),), _needed)])
+        reg = _PatchRegistry(
+            [Patch("helper", (Target(_FAKE, "helper", make),), _needed)]
+        )
         first = reg.apply_all({})
         installed = self.mod.helper
         second = reg.apply_all({})
@@ -152,7 +172,15 @@ class PatchRegistryTest(TestCase):
             pass
 
         self.mod.Child = Child
-        reg = _PatchRegistry([Patch("child", (Target(_FAKE, "Child.step", lambda orig: lambda s: "child"),), _needed)])
+        reg = _PatchRegistry(
+            [
+                Patch(
+                    "child",
+                    (Target(_FAKE, "Child.step", lambda orig: lambda s: "child"),),
+                    _needed,
+                )
+            ]
+        )
         reg.apply_all({})
         self.assertEqual(Child().step(), "child")
         reg.undo_all()
@@ -161,7 +189,9 @@ class PatchRegistryTest(TestCase):
 
     def test_mapping_owner(self):
         self.mod.table = {}
-        reg = _PatchRegistry([Patch("entry", (Target(_FAKE, "table.key", lambda orig: 42),), _needed)])
+        reg = _PatchRegistry(
+            [Patch("entry", (Target(_FAKE, "table.key", lambda orig: 42),), _needed)]
+        )
         reg.apply_all({})
         self.assertEqual(self.mod.table, {"key": 42})
         reg.undo_all()
@@ -178,8 +208,18 @@ class PatchRegistryTest(TestCase):
             [
                 Patch("up", (Target(_FAKE, "helper", lambda o: None),), upstream),
                 Patch("broken", (Target(_FAKE, "helper", lambda o: None),), broken),
-                Patch("dep", (Target(_FAKE, "helper", lambda o: None),), _needed, requires=("broken",)),
-                Patch("off", (Target(_FAKE, "helper", lambda o: None),), _needed, env_disable="TPE_OFF"),
+                Patch(
+                    "dep",
+                    (Target(_FAKE, "helper", lambda o: None),),
+                    _needed,
+                    requires=("broken",),
+                ),
+                Patch(
+                    "off",
+                    (Target(_FAKE, "helper", lambda o: None),),
+                    _needed,
+                    env_disable="TPE_OFF",
+                ),
             ]
         )
         with warnings.catch_warnings(record=True) as w:
@@ -236,7 +276,9 @@ class PatchRegistryTest(TestCase):
             calls.append(orig)
             return lambda: "new"
 
-        reg = _PatchRegistry([Patch("helper", (Target(_FAKE, "helper", make),), _needed)])
+        reg = _PatchRegistry(
+            [Patch("helper", (Target(_FAKE, "helper", make),), _needed)]
+        )
 
         def worker():
             gate.wait(timeout=30)
@@ -262,27 +304,39 @@ class PackagePatchTest(TestCase):
     def test_report_contents(self):
         allowed = {s.value for s in PatchStatus}
         report = torch_pipelining_ext.patch_report()
-        self.assertEqual([r.name for r in report], [p.name for p in _REGISTRY.patches()])
+        self.assertEqual(
+            [r.name for r in report], [p.name for p in _REGISTRY.patches()]
+        )
         for rec in report:
             self.assertIn(rec.status.value, allowed)
             self.assertTrue(rec.reason, f"{rec.name} has no reason")
             self.assertTrue(rec.targets, f"{rec.name} names no target")
-            self.assertEqual(set(rec.as_dict()), {"name", "status", "reason", "targets"})
+            self.assertEqual(
+                set(rec.as_dict()), {"name", "status", "reason", "targets"}
+            )
 
     def test_repatch_is_idempotent_and_unpatch_restores(self):
         before = torch_pipelining_ext.patch_report()
         self.addCleanup(torch_pipelining_ext.patch)
-        installed = {t.qualname: t._get() for p in _REGISTRY.patches() for t in p.targets}
+        installed = {
+            t.qualname: t._get() for p in _REGISTRY.patches() for t in p.targets
+        }
         self.assertEqual(torch_pipelining_ext.patch(), before)
         self.assertEqual(
-            {t.qualname: t._get() for p in _REGISTRY.patches() for t in p.targets}, installed
+            {t.qualname: t._get() for p in _REGISTRY.patches() for t in p.targets},
+            installed,
         )
         torch_pipelining_ext.unpatch()
         self.assertTrue(
-            all(r.status is PatchStatus.NOT_APPLIED for r in torch_pipelining_ext.patch_report())
+            all(
+                r.status is PatchStatus.NOT_APPLIED
+                for r in torch_pipelining_ext.patch_report()
+            )
         )
         after = torch_pipelining_ext.patch()
-        self.assertEqual([(r.name, r.status) for r in after], [(r.name, r.status) for r in before])
+        self.assertEqual(
+            [(r.name, r.status) for r in after], [(r.name, r.status) for r in before]
+        )
 
     def test_unpatch_restores_identity_in_fresh_process(self):
         out = _run_python(
@@ -312,7 +366,10 @@ class PackagePatchTest(TestCase):
         self.assertEqual(res["not_restored_twice"], [])
         # every applied patch really changed its targets
         applied_targets = {
-            t.qualname for p in _REGISTRY.patches() if p.name in res["applied"] for t in p.targets
+            t.qualname
+            for p in _REGISTRY.patches()
+            if p.name in res["applied"]
+            for t in p.targets
         }
         self.assertEqual(applied_targets, set(res["changed"]))
 
@@ -354,7 +411,9 @@ class PackagePatchTest(TestCase):
         )
         self.assertEqual(out.returncode, 0, out.stderr)
         res = json.loads(out.stdout.strip().splitlines()[-1])
-        self.assertGreater(len(res["not_applied"]), 0, "no probe noticed the refactored runtime")
+        self.assertGreater(
+            len(res["not_applied"]), 0, "no probe noticed the refactored runtime"
+        )
         self.assertEqual(res["half"], [])
         self.assertEqual(len(res["msgs"]), 1, res["msgs"])
         for name in res["not_applied"]:
@@ -365,7 +424,10 @@ class PackagePatchTest(TestCase):
         # quiet (no patch skipped or failed) and every patch has its pinned status.
         minor = ".".join(torch.__version__.split(".")[:2])
         expected = _pinned_status(minor)
-        self.assertIsNotNone(expected, f"torch {torch.__version__} is not in _PINNED_STATUS; add its column")
+        self.assertIsNotNone(
+            expected,
+            f"torch {torch.__version__} is not in _PINNED_STATUS; add its column",
+        )
         out = _run_python(
             """
             import json
@@ -376,21 +438,32 @@ class PackagePatchTest(TestCase):
         )
         self.assertEqual(out.returncode, 0, out.stderr)
         report = json.loads(out.stdout.strip().splitlines()[-1])
-        self.assertEqual(set(report), {row.split()[0] for row in _PINNED_STATUS.strip().splitlines()[1:]})
+        self.assertEqual(
+            set(report),
+            {row.split()[0] for row in _PINNED_STATUS.strip().splitlines()[1:]},
+        )
         self.assertEqual({name: report[name] for name in expected}, expected)
 
     def test_cli_report(self):
         out = subprocess.run(
-            [sys.executable, "-m", "torch_pipelining_ext"], capture_output=True, text=True, timeout=180
+            [sys.executable, "-m", "torch_pipelining_ext"],
+            capture_output=True,
+            text=True,
+            timeout=180,
         )
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn(f"torch_pipelining_ext {torch_pipelining_ext.__version__}", out.stdout)
+        self.assertIn(
+            f"torch_pipelining_ext {torch_pipelining_ext.__version__}", out.stdout
+        )
         self.assertIn(torch.__version__, out.stdout)
         self.assertIn("gloo=", out.stdout)
         for rec in torch_pipelining_ext.patch_report():
             self.assertIn(rec.name, out.stdout)
         js = subprocess.run(
-            [sys.executable, "-m", "torch_pipelining_ext", "--json"], capture_output=True, text=True, timeout=180
+            [sys.executable, "-m", "torch_pipelining_ext", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=180,
         )
         self.assertEqual(js.returncode, 0, js.stderr)
         self.assertEqual(

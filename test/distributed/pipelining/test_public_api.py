@@ -25,11 +25,15 @@ import torch_pipelining_ext
 
 REPO = Path(__file__).resolve().parents[3]
 PACKAGE = "torch_pipelining_ext"
-DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [
+    REPO / "README.md",
+    REPO / "CONTRIBUTING.md",
+    *sorted((REPO / "docs").glob("*.md")),
+]
 # tools/upstream/NNNN-*/ hold upstream's files (they import torch only)
-CODE = sorted(p for p in (REPO / "tools").rglob("*.py") if not re.match(r"\d{4}-", p.parent.name)) + sorted(
-    (REPO / PACKAGE / "demo").rglob("*.py")
-)
+CODE = sorted(
+    p for p in (REPO / "tools").rglob("*.py") if not re.match(r"\d{4}-", p.parent.name)
+) + sorted((REPO / PACKAGE / "demo").rglob("*.py"))
 PUBLIC_MODULES = (
     "torch_pipelining_ext",
     "torch_pipelining_ext.ep_overlap",
@@ -46,7 +50,7 @@ PUBLIC_MODULES = (
 
 def _code_blocks(text: str) -> list[str]:
     """The Python code blocks of a Markdown text (```python ... ```)."""
-    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
 
 
 def _imports(source: str) -> list[tuple[str, str | None]]:
@@ -54,7 +58,9 @@ def _imports(source: str) -> list[tuple[str, str | None]]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found += [(a.name, None) for a in node.names if a.name.split(".")[0] == PACKAGE]
+            found += [
+                (a.name, None) for a in node.names if a.name.split(".")[0] == PACKAGE
+            ]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.split(".")[0] == PACKAGE:
                 found += [(node.module, a.name) for a in node.names]
@@ -63,7 +69,11 @@ def _imports(source: str) -> list[tuple[str, str | None]]:
 
 def _private_parts(module: str, name: str | None) -> list[str]:
     parts = module.split(".")[1:] + ([name] if name else [])
-    return [p for p in parts if p.startswith("_") and not (p.startswith("__") and p.endswith("__"))]
+    return [
+        p
+        for p in parts
+        if p.startswith("_") and not (p.startswith("__") and p.endswith("__"))
+    ]
 
 
 def _resolve(dotted: str) -> object:
@@ -104,10 +114,18 @@ class PublicApiTest(TestCase):
                 exported = getattr(module, "__all__", None)
                 self.assertIsNotNone(exported, f"{name} has no __all__")
                 for attr in exported:
-                    self.assertTrue(hasattr(module, attr), f"{name}.__all__ names {attr!r}, which it lacks")
+                    self.assertTrue(
+                        hasattr(module, attr),
+                        f"{name}.__all__ names {attr!r}, which it lacks",
+                    )
                     obj = getattr(module, attr)
-                    if callable(obj) and not isinstance(obj, type(torch_pipelining_ext)):
-                        self.assertTrue(getattr(obj, "__doc__", None), f"{name}.{attr} has no docstring")
+                    if callable(obj) and not isinstance(
+                        obj, type(torch_pipelining_ext)
+                    ):
+                        self.assertTrue(
+                            getattr(obj, "__doc__", None),
+                            f"{name}.{attr} has no docstring",
+                        )
 
     def test_aliases_are_the_same_modules(self) -> None:
         import torch_pipelining_ext.ep_overlap as ep_overlap
@@ -124,9 +142,15 @@ class PublicApiTest(TestCase):
     def test_layout_paths_exist(self) -> None:
         """Every file and folder the README's Layout section names exists, where it says."""
         text = (REPO / "README.md").read_text()
-        layout = re.search(r"^## Layout\n\n```\n(.*?)^```", text, flags=re.S | re.M)
-        self.assertIsNotNone(layout, "README.md has no Layout section with a code block")
-        folders: list[tuple[int, Path]] = []  # (indent, folder) of the enclosing entries
+        layout = re.search(
+            r"^## Layout\n\n```\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE
+        )
+        self.assertIsNotNone(
+            layout, "README.md has no Layout section with a code block"
+        )
+        folders: list[
+            tuple[int, Path]
+        ] = []  # (indent, folder) of the enclosing entries
         checked = 0
         for line in layout.group(1).splitlines():
             if not line.strip():
@@ -138,7 +162,10 @@ class PublicApiTest(TestCase):
             for name in re.split(r"\s{2,}", line.strip())[0].split(", "):
                 path = base / name
                 with self.subTest(path=str(path.relative_to(REPO))):
-                    self.assertTrue(path.exists(), f"{path.relative_to(REPO)} (README Layout) does not exist")
+                    self.assertTrue(
+                        path.exists(),
+                        f"{path.relative_to(REPO)} (README Layout) does not exist",
+                    )
                     checked += 1
                 if name.endswith("/"):
                     folders.append((indent, path))
@@ -147,17 +174,28 @@ class PublicApiTest(TestCase):
     def test_tools_demo_and_docs_use_public_names(self) -> None:
         offenders = []
         sources = [(p, p.read_text()) for p in CODE]
-        sources += [(doc, block) for doc in DOCS for block in _code_blocks(doc.read_text())]
+        sources += [
+            (doc, block) for doc in DOCS for block in _code_blocks(doc.read_text())
+        ]
         for path, source in sources:
             in_demo = (REPO / PACKAGE / "demo") in path.parents
             for module, name in _imports(source):
                 private = _private_parts(module, name)
-                if in_demo and module.startswith(f"{PACKAGE}.demo") and private and module.split(".")[1] == "demo":
+                if (
+                    in_demo
+                    and module.startswith(f"{PACKAGE}.demo")
+                    and private
+                    and module.split(".")[1] == "demo"
+                ):
                     continue
                 if private:
                     where = path.relative_to(REPO)
                     offenders.append(f"{where}: {module}{'.' + name if name else ''}")
-        self.assertEqual(offenders, [], "private names of the package imported:\n" + "\n".join(offenders))
+        self.assertEqual(
+            offenders,
+            [],
+            "private names of the package imported:\n" + "\n".join(offenders),
+        )
         self.assertGreater(len(sources), 10)
 
 

@@ -57,7 +57,9 @@ from torch_pipelining_ext._schedule_runtime import run_action
 
 
 REDUCE_GRAD = getattr(sched._ComputationType, "REDUCE_GRAD", None)
-WAIT_REDUCE_GRAD = getattr(sched._ComputationType, "WAIT_REDUCE_GRAD", None)  # torch 2.15+
+WAIT_REDUCE_GRAD = getattr(
+    sched._ComputationType, "WAIT_REDUCE_GRAD", None
+)  # torch 2.15+
 
 DIM = 8
 N_MICROBATCHES = 4
@@ -93,20 +95,29 @@ def _fsdp_params(module: nn.Module) -> list:
     state = fully_shard.state(module)
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
-        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        groups = (
+            [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        )
     return [p for group in groups for p in group.fsdp_params]
 
 
 class _FSDPPipeline:
     """This rank's FSDP-sharded stages, their schedule and the single-process reference."""
 
-    def __init__(self, mesh: DeviceMesh, schedule_class: type, device: torch.device) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, schedule_class: type, device: torch.device
+    ) -> None:
         self.ref = _reference_model().to(device)
         pp_rank = self.mesh_pp_rank = mesh["pp"].get_local_rank()
         # The CSV schedules (a bare _PipelineScheduleRuntime) place stages like DualPipeV.
-        v_placement = schedule_class in V_SCHEDULES or schedule_class is _PipelineScheduleRuntime
+        v_placement = (
+            schedule_class in V_SCHEDULES or schedule_class is _PipelineScheduleRuntime
+        )
         self.stage_indices = _stage_indices(v_placement, pp_rank)
-        self.modules = [fully_shard_stage(copy.deepcopy(self.ref[i]), mesh["dp"]) for i in self.stage_indices]
+        self.modules = [
+            fully_shard_stage(copy.deepcopy(self.ref[i]), mesh["dp"])
+            for i in self.stage_indices
+        ]
         self.stages = [
             PipelineStage(m, i, N_STAGES, device, group=mesh["pp"].get_group())
             for m, i in zip(self.modules, self.stage_indices)
@@ -123,7 +134,10 @@ class _FSDPPipeline:
         # Collectives first (same on every rank), then the checks; all ranks
         # fail together, so no rank waits for one that stopped at an assert.
         full_grads = [
-            [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
+            [
+                p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                for p in module.parameters()
+            ]
             for module in self.modules
         ]
 
@@ -138,25 +152,50 @@ class _FSDPPipeline:
 
     def check_resharded_and_reduced(self, test: PipelineMultiProcTest) -> None:
         for module, i in zip(self.modules, self.stage_indices):
-            for fsdp_module in (m for m in module.modules() if isinstance(m, FSDPModule)):
+            for fsdp_module in (
+                m for m in module.modules() if isinstance(m, FSDPModule)
+            ):
                 for fsdp_param in _fsdp_params(fsdp_module):
                     name = f"stage {i} {fsdp_param._param_fqn}"
-                    registered = getattr(fsdp_param._module_info.module, fsdp_param._module_info.param_name)
-                    test.assertIs(registered, fsdp_param.sharded_param, f"{name}: not resharded")
+                    registered = getattr(
+                        fsdp_param._module_info.module,
+                        fsdp_param._module_info.param_name,
+                    )
+                    test.assertIs(
+                        registered, fsdp_param.sharded_param, f"{name}: not resharded"
+                    )
                     for buffer in fsdp_param.all_gather_outputs:
-                        test.assertEqual(buffer.untyped_storage().size(), 0, f"{name}: unsharded storage left")
+                        test.assertEqual(
+                            buffer.untyped_storage().size(),
+                            0,
+                            f"{name}: unsharded storage left",
+                        )
                     unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    test.assertTrue(unsharded is None or unsharded.grad is None, f"{name}: unreduced gradient")
-                    test.assertIsNone(fsdp_param.unsharded_accumulated_grad, f"{name}: unreduced gradient")
+                    test.assertTrue(
+                        unsharded is None or unsharded.grad is None,
+                        f"{name}: unreduced gradient",
+                    )
+                    test.assertIsNone(
+                        fsdp_param.unsharded_accumulated_grad,
+                        f"{name}: unreduced gradient",
+                    )
                     grad = fsdp_param.sharded_param.grad
-                    test.assertIsInstance(grad, DTensor, f"{name}: no reduce-scattered gradient")
+                    test.assertIsInstance(
+                        grad, DTensor, f"{name}: no reduce-scattered gradient"
+                    )
                     test.assertEqual(grad.placements, (Shard(0),), name)
 
-    def check_gradients(self, test: PipelineMultiProcTest, step: int, full_grads: list[list]) -> None:
+    def check_gradients(
+        self, test: PipelineMultiProcTest, step: int, full_grads: list[list]
+    ) -> None:
         for module, i, grads in zip(self.modules, self.stage_indices, full_grads):
-            for (name, _), grad, ref_p in zip(module.named_parameters(), grads, self.ref[i].parameters()):
+            for (name, _), grad, ref_p in zip(
+                module.named_parameters(), grads, self.ref[i].parameters()
+            ):
                 test.assertIsNotNone(grad, f"step {step} stage {i} {name}: no gradient")
-                torch.testing.assert_close(grad, ref_p.grad, msg=lambda m: f"step {step} stage {i} {name}: {m}")
+                torch.testing.assert_close(
+                    grad, ref_p.grad, msg=lambda m: f"step {step} stage {i} {name}: {m}"
+                )
 
 
 class _UserBackwardFunctions:
@@ -184,11 +223,17 @@ class _UserBackwardFunctions:
                     work.wait()
             loss = schedule._maybe_get_loss(stage, mb)
         schedule.backward_counter[stage.stage_index] += 1
-        last_backward = schedule.backward_counter[stage.stage_index] == schedule._n_microbatches
+        last_backward = (
+            schedule.backward_counter[stage.stage_index] == schedule._n_microbatches
+        )
         if action.computation_type == sched.FULL_BACKWARD:
-            stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
+            stage.backward_one_chunk(
+                mb, loss=loss, full_backward=True, last_backward=last_backward
+            )
             if stage.stage_index - 1 in stages:
-                stages[stage.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+                stages[stage.stage_index - 1].set_local_bwd_input(
+                    stage.get_local_bwd_output(mb), mb
+                )
         else:
             stage.backward_weight_one_chunk(mb, last_backward=last_backward)
         if last_backward and REDUCE_GRAD is None:
@@ -223,7 +268,9 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
     def _pipeline(self, schedule_class: type) -> _FSDPPipeline:
         global _MESH
         if _MESH is None:
-            _MESH = init_device_mesh(self.device_type(), (PP, DP), mesh_dim_names=("pp", "dp"))
+            _MESH = init_device_mesh(
+                self.device_type(), (PP, DP), mesh_dim_names=("pp", "dp")
+            )
         return _FSDPPipeline(_MESH, schedule_class, self.device)
 
     def _run_two_steps(self, pipeline: _FSDPPipeline) -> None:
@@ -233,18 +280,23 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
     @parametrize("schedule_class", SCHEDULES)
     def test_fsdp_schedule(self, schedule_class: type) -> None:
         pipeline = self._pipeline(schedule_class)
-        pipeline.schedule = schedule_class(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
+        pipeline.schedule = schedule_class(
+            pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss
+        )
         self._run_two_steps(pipeline)
 
     @unittest.skipIf(
-        "finalize_gradients" not in inspect.signature(ScheduleInterleaved1F1B.step).parameters,
+        "finalize_gradients"
+        not in inspect.signature(ScheduleInterleaved1F1B.step).parameters,
         "step(finalize_gradients=...) needs torch 2.15+",
     )
     def test_fsdp_deferred_gradient_finalization(self) -> None:
         # Steps that defer FSDP's reduction (finalize_gradients=False) between finalized
         # ones, no zero_grad: the finalizing step must scale only what the deferred steps added.
         pipeline = self._pipeline(ScheduleInterleaved1F1B)
-        pipeline.schedule = ScheduleInterleaved1F1B(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
+        pipeline.schedule = ScheduleInterleaved1F1B(
+            pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss
+        )
         for step, finalize in enumerate([True, False, True]):
             x, y = (t.to(self.device) for t in _batch(step))
             pipeline.schedule.step(x, target=y, finalize_gradients=finalize)
@@ -252,10 +304,15 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
             if not finalize:
                 continue
             full_grads = [
-                [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
+                [
+                    p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    for p in module.parameters()
+                ]
                 for module in pipeline.modules
             ]
-            check_on_all_ranks(lambda: pipeline.check_gradients(self, step, full_grads), self.device)
+            check_on_all_ranks(
+                lambda: pipeline.check_gradients(self, step, full_grads), self.device
+            )
 
     def test_fsdp_dual_pipe_v_sequential_overlap_f_b(self) -> None:
         pipeline = self._pipeline(ScheduleDualPipeV)
@@ -274,7 +331,11 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
         schedule.register_custom_function(sched.OVERLAP_F_B, functions.overlap_f_b)
         # The FSDP actions through the package's run_action (REDUCE_GRAD and, on
         # torch 2.15+, WAIT_REDUCE_GRAD as torch runs them).
-        fsdp_types = [t for t in (sched.UNSHARD, sched.RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD) if t is not None]
+        fsdp_types = [
+            t
+            for t in (sched.UNSHARD, sched.RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD)
+            if t is not None
+        ]
         ran: Counter = Counter()
 
         def fsdp_action(action: _Action, ctx: sched._PipelineContext) -> None:
@@ -283,17 +344,24 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
 
         for ctype in fsdp_types:
             schedule.register_custom_function(ctype, fsdp_action)
-        lowered = Counter(a.computation_type for a in schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank])
+        lowered = Counter(
+            a.computation_type
+            for a in schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank]
+        )
         pipeline.schedule = schedule
         self._run_two_steps(pipeline)
-        self.assertEqual(functions.calls, 2 * len(pipeline.stage_indices) * N_MICROBATCHES)
+        self.assertEqual(
+            functions.calls, 2 * len(pipeline.stage_indices) * N_MICROBATCHES
+        )
         self.assertEqual(ran, Counter({t: 2 * lowered[t] for t in fsdp_types}))
         if REDUCE_GRAD is not None:
             self.assertEqual(ran[REDUCE_GRAD], 2 * len(pipeline.stage_indices))
 
     def test_fsdp_compute_only_csv_with_forward_between_input_and_weight(self) -> None:
         pipeline = self._pipeline(_PipelineScheduleRuntime)
-        schedule = _PipelineScheduleRuntime(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
+        schedule = _PipelineScheduleRuntime(
+            pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss
+        )
         load_csv(schedule, _COMPUTE_ONLY_CSV, "compute_only")
         lowered = schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank]
         self.assertTrue(any(a.computation_type == sched.OVERLAP_F_B for a in lowered))
@@ -301,24 +369,46 @@ class ScheduleFSDPTest(PipelineMultiProcTest):
         self._run_two_steps(pipeline)
 
     @parametrize("written_without", ["REDUCE_GRAD", "WAIT_REDUCE_GRAD"])
-    def test_fsdp_compute_comms_csv_with_overlap_f_b(self, written_without: str) -> None:
+    def test_fsdp_compute_comms_csv_with_overlap_f_b(
+        self, written_without: str
+    ) -> None:
         pipeline = self._pipeline(_PipelineScheduleRuntime)
         # The lowered DualPipeV schedule, written as a compute_comms CSV by hand
         # or for an older torch: without REDUCE_GRAD (and so without its
         # WAIT_REDUCE_GRAD; before torch 2.10), or with REDUCE_GRAD but without
         # WAIT_REDUCE_GRAD (torch 2.10 - 2.14).
-        lowered = ScheduleDualPipeV(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss).pipeline_order_with_comms
-        dropped = {WAIT_REDUCE_GRAD} if written_without == "WAIT_REDUCE_GRAD" else {REDUCE_GRAD, WAIT_REDUCE_GRAD}
-        rows = [[a for a in lowered[rank] if a.computation_type not in dropped] for rank in sorted(lowered)]
-        self.assertTrue(any(a.computation_type == sched.OVERLAP_F_B for row in rows for a in row))
+        lowered = ScheduleDualPipeV(
+            pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss
+        ).pipeline_order_with_comms
+        dropped = (
+            {WAIT_REDUCE_GRAD}
+            if written_without == "WAIT_REDUCE_GRAD"
+            else {REDUCE_GRAD, WAIT_REDUCE_GRAD}
+        )
+        rows = [
+            [a for a in lowered[rank] if a.computation_type not in dropped]
+            for rank in sorted(lowered)
+        ]
+        self.assertTrue(
+            any(a.computation_type == sched.OVERLAP_F_B for row in rows for a in row)
+        )
         if REDUCE_GRAD is not None:
             self.assertEqual(
-                any(a.computation_type == REDUCE_GRAD for row in rows for a in row), written_without != "REDUCE_GRAD"
+                any(a.computation_type == REDUCE_GRAD for row in rows for a in row),
+                written_without != "REDUCE_GRAD",
             )
-        schedule = _PipelineScheduleRuntime(pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss)
-        load_csv(schedule, "".join(",".join(map(str, row)) + "\n" for row in rows), "compute_comms")
+        schedule = _PipelineScheduleRuntime(
+            pipeline.stages, N_MICROBATCHES, loss_fn=mse_loss
+        )
+        load_csv(
+            schedule,
+            "".join(",".join(map(str, row)) + "\n" for row in rows),
+            "compute_comms",
+        )
         self.assertEqual(
-            _reduce_grad_actions(schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank]),
+            _reduce_grad_actions(
+                schedule.pipeline_order_with_comms[pipeline.mesh_pp_rank]
+            ),
             _reduce_grad_actions(lowered[pipeline.mesh_pp_rank]),
         )
         pipeline.schedule = schedule

@@ -45,12 +45,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
-from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, ScheduleDualPipeV
-from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
+from torch.distributed.pipelining.schedules import (
+    _PipelineScheduleRuntime,
+    ScheduleDualPipeV,
+)
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
 from torch.utils.checkpoint import checkpoint
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
-from torch_pipelining_ext.overlap import _handler as _overlap
 from torch_pipelining_ext.overlap._install import default_overlap_f_b
 from torch_pipelining_ext._schedule_runtime import sequential_overlap_f_b
 from torch_pipelining_ext.stage_split import build_stage_module
@@ -65,7 +71,13 @@ from common_pipelining import (
     random_tokens,
     token_cross_entropy,
 )
-from model_registry import FSDPMLPStage, fully_shard_stage, is_expert_param, MoEModelArgs, MoETransformer
+from model_registry import (
+    FSDPMLPStage,
+    fully_shard_stage,
+    is_expert_param,
+    MoEModelArgs,
+    MoETransformer,
+)
 
 
 PP, EP = 2, 2
@@ -73,9 +85,22 @@ N_STAGES = 4
 N_MICROBATCHES = 4
 MB_SIZE, SEQ_LEN = 2, 8
 MODEL_ARGS = MoEModelArgs(
-    vocab_size=32, dim=16, n_heads=2, n_dense_layers=1, n_moe_layers=3, n_experts=4, top_k=2, moe_hidden=16, dense_hidden=32
+    vocab_size=32,
+    dim=16,
+    n_heads=2,
+    n_dense_layers=1,
+    n_moe_layers=3,
+    n_experts=4,
+    top_k=2,
+    moe_hidden=16,
+    dense_hidden=32,
 )
-STAGE_MODULES = [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "output"]]
+STAGE_MODULES = [
+    ["tok_embeddings", "layers.0"],
+    ["layers.1"],
+    ["layers.2"],
+    ["layers.3", "norm", "output"],
+]
 
 # A compute-only schedule for loop placement (rank 0: stages 0 and 2, rank 1:
 # stages 1 and 3): torch's Interleaved1F1B order with each adjacent pair of a
@@ -87,16 +112,24 @@ CSV_SCHEDULE = """\
 """
 
 
-def _batch(step: int, data_rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, labels = random_tokens(1000 * step + data_rank, N_MICROBATCHES * MB_SIZE, SEQ_LEN, MODEL_ARGS.vocab_size)
+def _batch(
+    step: int, data_rank: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, labels = random_tokens(
+        1000 * step + data_rank,
+        N_MICROBATCHES * MB_SIZE,
+        SEQ_LEN,
+        MODEL_ARGS.vocab_size,
+    )
     return tokens.to(device), labels.to(device)
 
 
-def _build_model(ep_group: dist.ProcessGroup | None, device: torch.device) -> MoETransformer:
+def _build_model(
+    ep_group: dist.ProcessGroup | None, device: torch.device
+) -> MoETransformer:
     torch.manual_seed(0)
     with torch.device(device):
         return MoETransformer(MODEL_ARGS, ep_group=ep_group)
-
 
 
 def _with_random_ops(forward):
@@ -140,7 +173,12 @@ FULL_MATRIX = os.environ.get("TORCH_PIPELINING_EXT_FULL_MATRIX", "0") == "1"
 def _compositions() -> list[tuple[str, bool, bool, str]]:
     """(schedule, expert parallelism, random ops, activation checkpointing) to test."""
     if FULL_MATRIX:
-        every = itertools.product(["dualpipev", "csv"], [True, False], [True, False], ["", "full", "selective"])
+        every = itertools.product(
+            ["dualpipev", "csv"],
+            [True, False],
+            [True, False],
+            ["", "full", "selective"],
+        )
         # torch allows one backward per selectively checkpointed region, so not
         # DualPipeV's split (input, then weight) backward.
         return [c for c in every if not (c[0] == "dualpipev" and c[3] == "selective")]
@@ -150,7 +188,12 @@ def _compositions() -> list[tuple[str, bool, bool, str]]:
         ("csv", False, False, ""),
         ("dualpipev", True, False, "full"),
         ("csv", True, False, "selective"),
-        ("dualpipev", True, True, "full"),  # dropout + AC: the recomputation draws on the backward thread
+        (
+            "dualpipev",
+            True,
+            True,
+            "full",
+        ),  # dropout + AC: the recomputation draws on the backward thread
         ("csv", True, True, "selective"),
         ("csv", False, True, ""),
     ]
@@ -162,12 +205,23 @@ def _composition_name(c: tuple[str, bool, bool, str]) -> str:
 
 
 def _selective_ac_context():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
 
-    save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    save = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+    }
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+        return (
+            CheckpointPolicy.MUST_SAVE
+            if op in save
+            else CheckpointPolicy.PREFER_RECOMPUTE
+        )
 
     return create_selective_checkpoint_contexts(policy)
 
@@ -201,23 +255,35 @@ class _Pipeline:
         else:
             self.stage_ids = [pp_rank, pp_rank + PP]
         model = _build_model(ep_group, device)
-        self.parts = [build_stage_module(model, STAGE_MODULES[i]) for i in self.stage_ids]
+        self.parts = [
+            build_stage_module(model, STAGE_MODULES[i]) for i in self.stage_ids
+        ]
         for part in self.parts:
             if random_ops:
                 for block in part.layers.values():
                     block.forward = _with_random_ops(block.forward)
             if ac:
                 _apply_ac(part, ac)
-        stages = [PipelineStage(part, i, N_STAGES, device, group=pp_group) for part, i in zip(self.parts, self.stage_ids)]
+        stages = [
+            PipelineStage(part, i, N_STAGES, device, group=pp_group)
+            for part, i in zip(self.parts, self.stage_ids)
+        ]
         if schedule == "dualpipev":
-            self.schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=token_cross_entropy)
+            self.schedule = ScheduleDualPipeV(
+                stages, N_MICROBATCHES, loss_fn=token_cross_entropy
+            )
         else:
-            self.schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=token_cross_entropy)
+            self.schedule = _PipelineScheduleRuntime(
+                stages, N_MICROBATCHES, loss_fn=token_cross_entropy
+            )
             load_csv(self.schedule, CSV_SCHEDULE)
         if not overlap:
-            self.schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
+            self.schedule.register_custom_function(
+                sched.OVERLAP_F_B, sequential_overlap_f_b
+            )
         self.n_overlap = sum(
-            a.computation_type == sched.OVERLAP_F_B for a in self.schedule.pipeline_order_with_comms[pp_rank]
+            a.computation_type == sched.OVERLAP_F_B
+            for a in self.schedule.pipeline_order_with_comms[pp_rank]
         )
         # Which threads ran the backward sub-actions.
         self.backward_threads: list[str] = []
@@ -230,21 +296,31 @@ class _Pipeline:
 
             stage.backward_one_chunk = spy
 
-    def step(self, step: int, data_rank: int, device: torch.device) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def step(
+        self, step: int, data_rank: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         tokens, labels = _batch(step, data_rank, device)
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses}
-        out = self.schedule.step(tokens, **kwargs) if 0 in self.stage_ids else self.schedule.step(**kwargs)
+        out = (
+            self.schedule.step(tokens, **kwargs)
+            if 0 in self.stage_ids
+            else self.schedule.step(**kwargs)
+        )
         return (out if N_STAGES - 1 in self.stage_ids else None), losses
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for part in self.parts for n, p in part.named_parameters()}
 
     def optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for part in self.parts for p in part.parameters()], lr=0.1)
+        return torch.optim.SGD(
+            [p for part in self.parts for p in part.parameters()], lr=0.1
+        )
 
     def worker_backwards(self) -> int:
-        return sum(name.startswith("OVERLAP_F_B backward") for name in self.backward_threads)
+        return sum(
+            name.startswith("OVERLAP_F_B backward") for name in self.backward_threads
+        )
 
 
 class _Reference:
@@ -254,7 +330,9 @@ class _Reference:
         self.model = _build_model(None, device)
         self.data_ranks = data_ranks
 
-    def step(self, step: int, device: torch.device) -> dict[int, tuple[torch.Tensor, list[torch.Tensor]]]:
+    def step(
+        self, step: int, device: torch.device
+    ) -> dict[int, tuple[torch.Tensor, list[torch.Tensor]]]:
         results = {}
         for r in self.data_ranks:
             tokens, labels = _batch(step, r, device)
@@ -262,7 +340,9 @@ class _Reference:
             for x, y in zip(tokens.chunk(N_MICROBATCHES), labels.chunk(N_MICROBATCHES)):
                 out = self.model(x)
                 loss = token_cross_entropy(out, y)
-                (loss / N_MICROBATCHES).backward()  # the schedules scale gradients by the microbatch count
+                (
+                    loss / N_MICROBATCHES
+                ).backward()  # the schedules scale gradients by the microbatch count
                 outs.append(out.detach())
                 losses.append(loss.detach())
             results[r] = (torch.cat(outs), losses)
@@ -288,24 +368,39 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
         pp, ep = cls._pp_ep_groups
         return pp[self.rank % EP], ep[self.rank // EP]
 
-    def _check(self, schedule: str, use_ep: bool, random_ops: bool = False, ac: str = "") -> None:
+    def _check(
+        self, schedule: str, use_ep: bool, random_ops: bool = False, ac: str = ""
+    ) -> None:
         pp_group, ep_group = self._groups()
         ep_group = ep_group if use_ep else None
         ep_rank = self.rank % EP  # this rank's data; with EP also its expert shard
         kwargs = {"ac": ac, "random_ops": random_ops}
-        overlapped = _Pipeline(schedule, pp_group, ep_group, self.device, overlap=True, **kwargs)
-        with self.assertNoLogs(level="WARNING"):  # replacing the package's OVERLAP_F_B function is quiet
-            sequential = _Pipeline(schedule, pp_group, ep_group, self.device, overlap=False, **kwargs)
-        self.assertIs(overlapped.schedule._comp_type_to_function_map[sched.OVERLAP_F_B], default_overlap_f_b)
+        overlapped = _Pipeline(
+            schedule, pp_group, ep_group, self.device, overlap=True, **kwargs
+        )
+        with self.assertNoLogs(
+            level="WARNING"
+        ):  # replacing the package's OVERLAP_F_B function is quiet
+            sequential = _Pipeline(
+                schedule, pp_group, ep_group, self.device, overlap=False, **kwargs
+            )
+        self.assertIs(
+            overlapped.schedule._comp_type_to_function_map[sched.OVERLAP_F_B],
+            default_overlap_f_b,
+        )
         self.assertGreater(overlapped.n_overlap, 0)
-        reference = _Reference(self.device, data_ranks=list(range(EP)) if use_ep else [ep_rank])
+        reference = _Reference(
+            self.device, data_ranks=list(range(EP)) if use_ep else [ep_rank]
+        )
         optimizers = [p.optimizer() for p in (overlapped, sequential)]
         optimizers.append(torch.optim.SGD(reference.model.parameters(), lr=0.1))
 
         for step in range(2):
             for model in (*overlapped.parts, *sequential.parts, reference.model):
                 model.zero_grad(set_to_none=True)
-            torch.manual_seed(100 + step)  # both runs draw from the same generator state
+            torch.manual_seed(
+                100 + step
+            )  # both runs draw from the same generator state
             out, losses = overlapped.step(step, ep_rank, self.device)
             torch.manual_seed(100 + step)
             seq_out, seq_losses = sequential.step(step, ep_rank, self.device)
@@ -314,10 +409,19 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
 
             def check() -> None:
                 # the backward sub-actions of OVERLAP_F_B ran on the worker thread
-                self.assertEqual(overlapped.worker_backwards(), (step + 1) * overlapped.n_overlap)
+                self.assertEqual(
+                    overlapped.worker_backwards(), (step + 1) * overlapped.n_overlap
+                )
                 self.assertEqual(sequential.worker_backwards(), 0)
                 # the backward thread does not outlive the step
-                self.assertEqual([t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")], [])
+                self.assertEqual(
+                    [
+                        t.name
+                        for t in threading.enumerate()
+                        if t.name.startswith("OVERLAP_F_B")
+                    ],
+                    [],
+                )
                 if out is not None:
                     torch.testing.assert_close(out, seq_out, **self._exact)
                     torch.testing.assert_close(losses, seq_losses, **self._exact)
@@ -326,9 +430,15 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
                         torch.testing.assert_close(losses, ref_losses)
                 for name, (grad, seq_grad, comparable, ref_grad) in grads.items():
                     self.assertIsNotNone(grad, f"{name}: no gradient")
-                    torch.testing.assert_close(grad, seq_grad, **self._exact, msg=lambda m: f"{name}: {m}")
+                    torch.testing.assert_close(
+                        grad, seq_grad, **self._exact, msg=lambda m: f"{name}: {m}"
+                    )
                     if not random_ops:
-                        torch.testing.assert_close(comparable, ref_grad, msg=lambda m: f"{name} vs reference: {m}")
+                        torch.testing.assert_close(
+                            comparable,
+                            ref_grad,
+                            msg=lambda m: f"{name} vs reference: {m}",
+                        )
 
             check_on_all_ranks(check, self.device)
             if ep_group is not None:
@@ -341,8 +451,17 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
                 optimizer.step()
 
     def _gather_gradients(
-        self, overlapped: _Pipeline, sequential: _Pipeline, reference: _Reference, ep_group: dist.ProcessGroup | None
-    ) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
+        self,
+        overlapped: _Pipeline,
+        sequential: _Pipeline,
+        reference: _Reference,
+        ep_group: dist.ProcessGroup | None,
+    ) -> dict[
+        str,
+        tuple[
+            torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor
+        ],
+    ]:
         """name -> (gradient, sequential gradient, gradient comparable with the reference, reference gradient).
 
         All collectives happen here, before any assertion.
@@ -368,9 +487,13 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
         return grads
 
     @parametrize("composition", _compositions(), name_fn=_composition_name)
-    def test_overlapped_equals_sequential(self, composition: tuple[str, bool, bool, str]) -> None:
+    def test_overlapped_equals_sequential(
+        self, composition: tuple[str, bool, bool, str]
+    ) -> None:
         schedule, use_ep, random_ops, ac = composition
-        if ac == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+        if ac == "selective" and not hasattr(
+            torch.utils.checkpoint, "create_selective_checkpoint_contexts"
+        ):
             self.skipTest("selective activation checkpointing needs a newer torch")
         self._check(schedule, use_ep, random_ops=random_ops, ac=ac)
 
@@ -404,7 +527,9 @@ class _CollectiveLog:
 
     def _wrap(self, kind: str, fn):
         def recorded(fsdp_params, *args, **kwargs):
-            names = tuple(self.names.get(id(fp.sharded_param), "?") for fp in fsdp_params)
+            names = tuple(
+                self.names.get(id(fp.sharded_param), "?") for fp in fsdp_params
+            )
             with self._lock:
                 self.entries.append((kind, names))
             return fn(fsdp_params, *args, **kwargs)
@@ -415,8 +540,12 @@ class _CollectiveLog:
     def recording(self):
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
-        with unittest.mock.patch.object(pg, "foreach_all_gather", self._wrap("all_gather", pg.foreach_all_gather)):
-            with unittest.mock.patch.object(pg, "foreach_reduce", self._wrap("reduce_scatter", pg.foreach_reduce)):
+        with unittest.mock.patch.object(
+            pg, "foreach_all_gather", self._wrap("all_gather", pg.foreach_all_gather)
+        ):
+            with unittest.mock.patch.object(
+                pg, "foreach_reduce", self._wrap("reduce_scatter", pg.foreach_reduce)
+            ):
                 yield self
 
 
@@ -424,10 +553,22 @@ class _FSDPPipeline:
     """This rank's two FSDP stages (every layer and the root ``fully_shard``-ed) and their schedule."""
 
     def __init__(
-        self, schedule: str, mesh, device: torch.device, *, overlap: bool, random_ops: bool, ac: str, marks: bool
+        self,
+        schedule: str,
+        mesh,
+        device: torch.device,
+        *,
+        overlap: bool,
+        random_ops: bool,
+        ac: str,
+        marks: bool,
     ) -> None:
         pp_rank = mesh["pp"].get_local_rank()
-        self.stage_ids = [pp_rank, N_STAGES - 1 - pp_rank] if schedule == "dualpipev" else [pp_rank, pp_rank + PP]
+        self.stage_ids = (
+            [pp_rank, N_STAGES - 1 - pp_rank]
+            if schedule == "dualpipev"
+            else [pp_rank, pp_rank + PP]
+        )
         reference = _fsdp_reference()
         self.modules = []
         for i in self.stage_ids:
@@ -436,28 +577,41 @@ class _FSDPPipeline:
                 # random timing; with ``marks``, a marked communication region after every layer, so
                 # that the two threads of an overlapped action take turns inside the stage
                 delay = _marked_delay if marks else (lambda x: x)
-                layer.register_forward_hook(lambda m, args, out, _d=delay: _d(_Delay.apply(out)))
+                layer.register_forward_hook(
+                    lambda m, args, out, _d=delay: _d(_Delay.apply(out))
+                )
                 if random_ops:
                     layer.forward = _with_random_ops(layer.forward)
                 if ac:
-                    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+                    layer.forward = functools.partial(
+                        checkpoint, layer.forward, use_reentrant=False
+                    )
             self.modules.append(fully_shard_stage(module.to(device), mesh["dp"]))
         stages = [
-            PipelineStage(m, i, N_STAGES, device, group=mesh["pp"].get_group()) for m, i in zip(self.modules, self.stage_ids)
+            PipelineStage(m, i, N_STAGES, device, group=mesh["pp"].get_group())
+            for m, i in zip(self.modules, self.stage_ids)
         ]
         loss_fn = mse_loss
         if schedule == "dualpipev":
             self.schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=loss_fn)
         else:
-            self.schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=loss_fn)
+            self.schedule = _PipelineScheduleRuntime(
+                stages, N_MICROBATCHES, loss_fn=loss_fn
+            )
             load_csv(self.schedule, CSV_SCHEDULE)
         if not overlap:
-            self.schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
+            self.schedule.register_custom_function(
+                sched.OVERLAP_F_B, sequential_overlap_f_b
+            )
         self.param_names = {
-            id(p): f"{i}.{n}" for m, i in zip(self.modules, self.stage_ids) for n, p in m.named_parameters()
+            id(p): f"{i}.{n}"
+            for m, i in zip(self.modules, self.stage_ids)
+            for n, p in m.named_parameters()
         }
 
-    def step(self, step: int, device: torch.device) -> tuple[list[tuple[str, tuple[str, ...]]], list[torch.Tensor]]:
+    def step(
+        self, step: int, device: torch.device
+    ) -> tuple[list[tuple[str, tuple[str, ...]]], list[torch.Tensor]]:
         x, y = _fsdp_batch(step)
         losses: list[torch.Tensor] = []
         log = _CollectiveLog(self.param_names)
@@ -487,7 +641,9 @@ class ScheduleOverlapFSDPTest(PipelineMultiProcTest):
         if _MESH is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            _MESH = init_device_mesh(self.device_type(), (PP, 2), mesh_dim_names=("pp", "dp"))
+            _MESH = init_device_mesh(
+                self.device_type(), (PP, 2), mesh_dim_names=("pp", "dp")
+            )
         return _MESH
 
     # The suite runs a covering subset: with and without marked communication
@@ -496,14 +652,26 @@ class ScheduleOverlapFSDPTest(PipelineMultiProcTest):
     # all eight.
     @parametrize(
         "schedule,composition",
-        [("csv", "plain"), ("dualpipev", "plain_marks"), ("csv", "random_ac_marks"), ("dualpipev", "random_ac_marks")]
+        [
+            ("csv", "plain"),
+            ("dualpipev", "plain_marks"),
+            ("csv", "random_ac_marks"),
+            ("dualpipev", "random_ac_marks"),
+        ]
         + (
-            [("dualpipev", "plain"), ("csv", "random_ac"), ("dualpipev", "random_ac"), ("csv", "plain_marks")]
+            [
+                ("dualpipev", "plain"),
+                ("csv", "random_ac"),
+                ("dualpipev", "random_ac"),
+                ("csv", "plain_marks"),
+            ]
             if FULL_MATRIX
             else []
         ),
     )
-    def test_collectives_do_not_depend_on_timing(self, schedule: str, composition: str) -> None:
+    def test_collectives_do_not_depend_on_timing(
+        self, schedule: str, composition: str
+    ) -> None:
         # csv: rank 1's (1F2;1B0) is a same-stage pair of an FSDP stage.
         mesh = self._mesh()
         marks = composition.endswith("_marks")
@@ -514,7 +682,13 @@ class ScheduleOverlapFSDPTest(PipelineMultiProcTest):
             overlap = repeat < FSDP_REPEATS  # the last run is the sequential handler
             random.seed(1000 * self.rank + repeat)  # other delays on every rank and run
             pipeline = _FSDPPipeline(
-                schedule, mesh, self.device, overlap=overlap, random_ops=random_ops, ac=ac, marks=marks
+                schedule,
+                mesh,
+                self.device,
+                overlap=overlap,
+                random_ops=random_ops,
+                ac=ac,
+                marks=marks,
             )
             logs, all_losses, all_grads = [], [], []
             for step in range(2):
@@ -540,24 +714,48 @@ class ScheduleOverlapFSDPTest(PipelineMultiProcTest):
                 (loss / N_MICROBATCHES).backward()
                 losses.append(loss.detach())
             ref_losses.append(losses)
-            ref_grads.append({f"{i}.{n}": p.grad.clone() for i, m in enumerate(reference) for n, p in m.named_parameters()})
+            ref_grads.append(
+                {
+                    f"{i}.{n}": p.grad.clone()
+                    for i, m in enumerate(reference)
+                    for n, p in m.named_parameters()
+                }
+            )
 
         def check() -> None:
             seq_logs, seq_losses, seq_grads = runs[-1]
             for logs, losses, grads in runs[:-1]:
-                self.assertEqual(logs, runs[0][0])  # the same collectives, in the same order, every run
+                self.assertEqual(
+                    logs, runs[0][0]
+                )  # the same collectives, in the same order, every run
                 for step in range(2):
-                    torch.testing.assert_close(losses[step], seq_losses[step], rtol=0, atol=0)
+                    torch.testing.assert_close(
+                        losses[step], seq_losses[step], rtol=0, atol=0
+                    )
                     self.assertEqual(grads[step].keys(), seq_grads[step].keys())
                     for name, grad in grads[step].items():
-                        torch.testing.assert_close(grad, seq_grads[step][name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-            self.assertEqual(dp_logs[0], dp_logs[1])  # and as the other data-parallel rank
-            self.assertGreater(sum(len(log) for log in runs[0][0]), 0)  # the recorder saw FSDP's collectives
-            for step, ref in enumerate(ref_grads):  # without random ops: equal to the reference too
+                        torch.testing.assert_close(
+                            grad,
+                            seq_grads[step][name],
+                            rtol=0,
+                            atol=0,
+                            msg=lambda m: f"{name}: {m}",
+                        )
+            self.assertEqual(
+                dp_logs[0], dp_logs[1]
+            )  # and as the other data-parallel rank
+            self.assertGreater(
+                sum(len(log) for log in runs[0][0]), 0
+            )  # the recorder saw FSDP's collectives
+            for step, ref in enumerate(
+                ref_grads
+            ):  # without random ops: equal to the reference too
                 if seq_losses[step]:
                     torch.testing.assert_close(seq_losses[step], ref_losses[step])
                 for name, grad in seq_grads[step].items():
-                    torch.testing.assert_close(grad, ref[name], msg=lambda m: f"{name} vs reference: {m}")
+                    torch.testing.assert_close(
+                        grad, ref[name], msg=lambda m: f"{name} vs reference: {m}"
+                    )
 
         check_on_all_ranks(check, self.device)
 

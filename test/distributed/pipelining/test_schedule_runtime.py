@@ -56,10 +56,17 @@ from torch_pipelining_ext._schedule_state import _ScheduleState
 from torch_pipelining_ext.overlap._handler import _OverlapState
 
 
-F, B, I, W = sched.FORWARD, sched.FULL_BACKWARD, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT
+F, B, I, W = (
+    sched.FORWARD,
+    sched.FULL_BACKWARD,
+    sched.BACKWARD_INPUT,
+    sched.BACKWARD_WEIGHT,
+)
 OVERLAP_F_B = sched.OVERLAP_F_B
 REDUCE_GRAD = getattr(sched._ComputationType, "REDUCE_GRAD", None)
-WAIT_REDUCE_GRAD = getattr(sched._ComputationType, "WAIT_REDUCE_GRAD", None)  # torch 2.15+
+WAIT_REDUCE_GRAD = getattr(
+    sched._ComputationType, "WAIT_REDUCE_GRAD", None
+)  # torch 2.15+
 
 D_HID = 8
 N_MICROBATCHES = 4
@@ -106,20 +113,35 @@ def _v_stage_to_rank(stage: int) -> int:
 
 class LoweringTest(TestCase):
     def test_overlap_f_b_survives_lowering(self) -> None:
-        lowered = sched._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
+        lowered = sched._add_send_recv(
+            _v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES
+        )
         self.assertEqual(sorted(lowered), [0, 1])
         for rank, actions in lowered.items():
-            overlaps = [i for i, a in enumerate(actions) if a.computation_type == OVERLAP_F_B]
-            self.assertEqual(len(overlaps), 2 if rank == 0 else 1, f"rank {rank}: {actions}")
+            overlaps = [
+                i for i, a in enumerate(actions) if a.computation_type == OVERLAP_F_B
+            ]
+            self.assertEqual(
+                len(overlaps), 2 if rank == 0 else 1, f"rank {rank}: {actions}"
+            )
             for i in overlaps:
                 # The sends of both sub-actions follow the OVERLAP_F_B.
                 f, b = actions[i].sub_actions
                 expected_sends = []
-                if f.stage_index + 1 < N_STAGES and _v_stage_to_rank(f.stage_index + 1) != rank:
-                    expected_sends.append(_Action(f.stage_index, sched.SEND_F, f.microbatch_index))
+                if (
+                    f.stage_index + 1 < N_STAGES
+                    and _v_stage_to_rank(f.stage_index + 1) != rank
+                ):
+                    expected_sends.append(
+                        _Action(f.stage_index, sched.SEND_F, f.microbatch_index)
+                    )
                 if b.stage_index > 0 and _v_stage_to_rank(b.stage_index - 1) != rank:
-                    expected_sends.append(_Action(b.stage_index, sched.SEND_B, b.microbatch_index))
-                self.assertEqual(actions[i + 1 : i + 1 + len(expected_sends)], expected_sends)
+                    expected_sends.append(
+                        _Action(b.stage_index, sched.SEND_B, b.microbatch_index)
+                    )
+                self.assertEqual(
+                    actions[i + 1 : i + 1 + len(expected_sends)], expected_sends
+                )
                 # No sub-action appears on its own.
                 self.assertNotIn(f, actions)
                 self.assertNotIn(b, actions)
@@ -129,8 +151,12 @@ class LoweringTest(TestCase):
         "this torch's own _add_send_recv flattens OVERLAP_F_B; nothing to compare with",
     )
     def test_lowering_matches_upstream(self) -> None:
-        ours = _compat_29._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
-        theirs = sched._add_send_recv(_v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES)
+        ours = _compat_29._add_send_recv(
+            _v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES
+        )
+        theirs = sched._add_send_recv(
+            _v_schedule_with_overlap(), _v_stage_to_rank, N_STAGES
+        )
         self.assertEqual(ours, theirs)
 
     def test_malformed_schedule_raises(self) -> None:
@@ -152,14 +178,22 @@ class LoweringTest(TestCase):
 
         def reduction(stage: int) -> list[_Action]:
             pair = [a(stage, REDUCE_GRAD, None)]
-            return pair + [a(stage, WAIT_REDUCE_GRAD, None)] if WAIT_REDUCE_GRAD is not None else pair
+            return (
+                pair + [a(stage, WAIT_REDUCE_GRAD, None)]
+                if WAIT_REDUCE_GRAD is not None
+                else pair
+            )
 
         # stage 1's last backward is inside the OVERLAP_F_B: its REDUCE_GRAD follows the trailing send.
         self.assertEqual(out, actions[:7] + reduction(1) + actions[7:] + reduction(0))
         # A schedule that has its REDUCE_GRADs (and their waits) is left alone.
-        self.assertEqual(_compute_comms._add_missing_reduce_grad(out, n_microbatches=2), out)
+        self.assertEqual(
+            _compute_comms._add_missing_reduce_grad(out, n_microbatches=2), out
+        )
 
-    @unittest.skipIf(WAIT_REDUCE_GRAD is None, "this torch has no WAIT_REDUCE_GRAD action")
+    @unittest.skipIf(
+        WAIT_REDUCE_GRAD is None, "this torch has no WAIT_REDUCE_GRAD action"
+    )
     def test_add_missing_wait_reduce_grad(self) -> None:
         a = _Action
         complete = [
@@ -168,10 +202,16 @@ class LoweringTest(TestCase):
         ]  # fmt: skip
         # REDUCE_GRAD written without its wait (a schedule for torch 2.10 - 2.14): the wait follows it.
         no_waits = [x for x in complete if x.computation_type != WAIT_REDUCE_GRAD]
-        self.assertEqual(_compute_comms._add_missing_reduce_grad(no_waits, n_microbatches=1), complete)
+        self.assertEqual(
+            _compute_comms._add_missing_reduce_grad(no_waits, n_microbatches=1),
+            complete,
+        )
         # A wait without its REDUCE_GRAD: the pair is added after the last backward instead.
         no_reduce_0 = [x for x in complete if x != a(0, REDUCE_GRAD, None)]
-        self.assertEqual(_compute_comms._add_missing_reduce_grad(no_reduce_0, n_microbatches=1), complete)
+        self.assertEqual(
+            _compute_comms._add_missing_reduce_grad(no_reduce_0, n_microbatches=1),
+            complete,
+        )
 
 
 # --------------------------------------------------------------------------- #
@@ -199,7 +239,9 @@ class ScheduleStateTest(TestCase):
         state = _ScheduleState()
         actions = [_Action(0, F, 0), None, _Action(0, B, 0)]
         recorded = state.recording(actions)
-        copied = copy.deepcopy(recorded)  # torch copies the schedule to format it: a plain list, not iterated
+        copied = copy.deepcopy(
+            recorded
+        )  # torch copies the schedule to format it: a plain list, not iterated
         self.assertIs(type(copied), list)
         seen = []
         for time_step, action in enumerate(recorded):
@@ -215,7 +257,10 @@ class ScheduleStateTest(TestCase):
         state.begin_step(False, {"scale": 2})
         state.pending_sends.append([])
         state.end_step()
-        self.assertEqual((state.return_outputs, state.loss_kwargs, state.pending_sends), (True, None, []))
+        self.assertEqual(
+            (state.return_outputs, state.loss_kwargs, state.pending_sends),
+            (True, None, []),
+        )
 
     def test_overlap_state_end_step_closes_the_worker(self) -> None:
         class Worker:
@@ -236,7 +281,13 @@ class ScheduleStateTest(TestCase):
 class _PipelineRun:
     """The local stages of a 4-stage pipeline on 2 ranks, and their reference."""
 
-    def __init__(self, schedule_class: type, rank: int, device: torch.device, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        schedule_class: type,
+        rank: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+    ) -> None:
         self.ref = _reference_model().to(device)
         self.stage_indices = _local_stage_indices(schedule_class, rank)
         self.modules = [copy.deepcopy(self.ref[i]) for i in self.stage_indices]
@@ -264,9 +315,13 @@ class _PipelineRun:
 
     def check_gradients(self, test: TestCase) -> None:
         for module, i in zip(self.modules, self.stage_indices):
-            for (name, p), ref_p in zip(module.named_parameters(), self.ref[i].parameters()):
+            for (name, p), ref_p in zip(
+                module.named_parameters(), self.ref[i].parameters()
+            ):
                 test.assertIsNotNone(p.grad, f"stage {i} {name}: no gradient")
-                torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}")
+                torch.testing.assert_close(
+                    p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}"
+                )
 
 
 class _RecordingFunctions:
@@ -287,7 +342,9 @@ class _RecordingFunctions:
         counted_before = schedule.backward_counter[b.stage_index]
         # Bookkeeping in schedule order (forward first), then the two computes.
         computes = [rt.prepare_compute_action(a, ctx) for a in (f, b)]
-        self.calls["backwards_counted"] += schedule.backward_counter[b.stage_index] - counted_before
+        self.calls["backwards_counted"] += (
+            schedule.backward_counter[b.stage_index] - counted_before
+        )
         if schedule.backward_counter.is_last_backward(b.stage_index):
             self.last_backwards.append(b.stage_index)
         for compute in computes:
@@ -305,14 +362,19 @@ class _OneMicrobatchInStageOrder(sched.PipelineScheduleMulti):
     """One microbatch through the stages in order and back, one action per time step,
     on the generic ``PipelineScheduleMulti`` loop with any stage-to-rank layout."""
 
-    def __init__(self, stages: list[PipelineStage], stage_to_rank: dict[int, int], loss_fn: Any) -> None:
+    def __init__(
+        self, stages: list[PipelineStage], stage_to_rank: dict[int, int], loss_fn: Any
+    ) -> None:
         super().__init__(stages, 1, loss_fn=loss_fn)
         self.stage_index_to_group_rank = dict(stage_to_rank)
         for stage in self._stages:
             stage.stage_index_to_group_rank = dict(stage_to_rank)
-        order = [_Action(i, F, 0) for i in range(N_STAGES)] + [_Action(i, B, 0) for i in reversed(range(N_STAGES))]
+        order = [_Action(i, F, 0) for i in range(N_STAGES)] + [
+            _Action(i, B, 0) for i in reversed(range(N_STAGES))
+        ]
         self.pipeline_order = {
-            rank: [a if stage_to_rank[a.stage_index] == rank else None for a in order] for rank in range(PP)
+            rank: [a if stage_to_rank[a.stage_index] == rank else None for a in order]
+            for rank in range(PP)
         }
 
 
@@ -330,7 +392,10 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
     def test_register_custom_function_semantics(self) -> None:
         run = self._run(ScheduleDualPipeV)
         schedule = run.schedule
-        with self.assertRaisesRegex(ValueError, r"Invalid computation type .*SEND_F.*FORWARD.*OVERLAP_F_B.*RESHARD"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"Invalid computation type .*SEND_F.*FORWARD.*OVERLAP_F_B.*RESHARD",
+        ):
             schedule.register_custom_function(sched.SEND_F, lambda action, ctx: None)
         with self.assertRaisesRegex(ValueError, "Invalid computation type"):
             schedule.register_custom_function(sched.RECV_B, lambda action, ctx: None)
@@ -338,7 +403,9 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         # Upstream's and this package's register_custom_function warn on their module's logger.
         logger_name = inspect.unwrap(type(schedule).register_custom_function).__module__
         self.assertIs(schedule._comp_type_to_function_map[F], rt.perform_action)
-        with self.assertNoLogs(logger_name, level=logging.WARNING):  # replaces the package's default
+        with self.assertNoLogs(
+            logger_name, level=logging.WARNING
+        ):  # replaces the package's default
             schedule.register_custom_function(F, first)
         with self.assertLogs(logger_name, level=logging.WARNING) as logs:
             schedule.register_custom_function(F, second)
@@ -350,7 +417,9 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         for name in ("fwd_recv_ops", "bwd_recv_ops", "unshard_ops", "unsharded_stages"):
             self.assertEqual(len(getattr(schedule, name)), 0, name)
         self.assertTrue(callable(schedule._assert_unsharded))
-        self.assertEqual(rt.stage_index_to_stage(schedule), dict(zip(run.stage_indices, run.stages)))
+        self.assertEqual(
+            rt.stage_index_to_stage(schedule), dict(zip(run.stage_indices, run.stages))
+        )
 
     def test_custom_forward_and_overlap_f_b(self) -> None:
         run = self._run(ScheduleDualPipeV)
@@ -360,12 +429,16 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         lowered = run.schedule.pipeline_order_with_comms[self.rank]
         n_forward = sum(a.computation_type == F for a in lowered)
         n_overlap = sum(a.computation_type == OVERLAP_F_B for a in lowered)
-        self.assertGreater(n_overlap, 0, "DualPipeV's lowered schedule lost its OVERLAP_F_B actions")
+        self.assertGreater(
+            n_overlap, 0, "DualPipeV's lowered schedule lost its OVERLAP_F_B actions"
+        )
         for step in range(2):  # no zero_grad: the second step accumulates
             run.step(self, step)
             self.assertEqual(functions.calls["F"], (step + 1) * n_forward)
             self.assertEqual(functions.calls["OVERLAP_F_B"], (step + 1) * n_overlap)
-            self.assertEqual(functions.calls["backwards_counted"], (step + 1) * n_overlap)
+            self.assertEqual(
+                functions.calls["backwards_counted"], (step + 1) * n_overlap
+            )
             # Every local stage had all its backwards counted, built-in and custom together.
             for i in run.stage_indices:
                 self.assertEqual(run.schedule.backward_counter[i], N_MICROBATCHES)
@@ -374,8 +447,17 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         """Plain actions and OVERLAP_F_B's sub-actions run one implementation, on every torch."""
         run = self._run(ScheduleDualPipeV)
         schedule = run.schedule
-        for ctype in (F, B, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT, sched.UNSHARD, sched.RESHARD):
-            self.assertIs(schedule._comp_type_to_function_map[ctype], rt.perform_action, ctype)
+        for ctype in (
+            F,
+            B,
+            sched.BACKWARD_INPUT,
+            sched.BACKWARD_WEIGHT,
+            sched.UNSHARD,
+            sched.RESHARD,
+        ):
+            self.assertIs(
+                schedule._comp_type_to_function_map[ctype], rt.perform_action, ctype
+            )
         # A custom function that adds to an action reuses perform_action.
         forwards: list[_Action] = []
 
@@ -388,7 +470,11 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         compute_actions = Counter(
             a.computation_type
             for action in lowered
-            for a in (action.sub_actions if action.computation_type == OVERLAP_F_B else (action,))
+            for a in (
+                action.sub_actions
+                if action.computation_type == OVERLAP_F_B
+                else (action,)
+            )
             if a.computation_type in (F, B, sched.BACKWARD_INPUT, sched.BACKWARD_WEIGHT)
         )
         prepared: Counter[Any] = Counter()
@@ -417,9 +503,13 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
                     return _original(*args, **kwargs)
 
                 setattr(stage, name, spy)
-        for step in range(2):  # same batch, no zero_grad: the second step doubles the gradients
+        for step in range(
+            2
+        ):  # same batch, no zero_grad: the second step doubles the gradients
             run.step(self, 0)
-            self.assertEqual(dict(last_backward_calls), {i: step + 1 for i in run.stage_indices})
+            self.assertEqual(
+                dict(last_backward_calls), dict.fromkeys(run.stage_indices, step + 1)
+            )
         once = _reference_model().to(self.device)
         x, y = (t.to(self.device) for t in _batch(0))
         reference_step(once, mse_loss, x, y, N_MICROBATCHES)
@@ -454,7 +544,9 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         ref = _reference_model().to(self.device)
         indices = [i for i in range(N_STAGES) if stage_to_rank[i] == self.rank]
         modules = [copy.deepcopy(ref[i]) for i in indices]
-        stages = [PipelineStage(m, i, N_STAGES, self.device) for m, i in zip(modules, indices)]
+        stages = [
+            PipelineStage(m, i, N_STAGES, self.device) for m, i in zip(modules, indices)
+        ]
         schedule = _OneMicrobatchInStageOrder(stages, stage_to_rank, mse_loss)
         for step in range(2):
             x, y = (t[:MB_SIZE].to(self.device) for t in _batch(step))
@@ -469,8 +561,12 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
                 if N_STAGES - 1 in indices:
                     self.assertEqual(losses, ref_losses)
                 for module, i in zip(modules, indices):
-                    for (name, p), ref_p in zip(module.named_parameters(), ref[i].parameters()):
-                        torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}")
+                    for (name, p), ref_p in zip(
+                        module.named_parameters(), ref[i].parameters()
+                    ):
+                        torch.testing.assert_close(
+                            p.grad, ref_p.grad, msg=lambda m: f"stage {i} {name}: {m}"
+                        )
 
             check_on_all_ranks(check, self.device)
 

@@ -44,14 +44,22 @@ from torch_pipelining_ext.sim import (
 )
 
 
-_RUNTIME_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_RUNTIME_SCHEDULES = (
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
 
 
 def _occupied_idle(result) -> list[float]:
     """Per rank: step time minus the union of its actions' spans (an overlapped pair counts as one span)."""
     out = []
     for summary in result.ranks:
-        spans = sorted((r.start, r.end) for r in result.records if r.rank == summary.rank)
+        spans = sorted(
+            (r.start, r.end) for r in result.records if r.rank == summary.rank
+        )
         occupied, cur = 0.0, None
         for s, e in spans:
             if cur is None or s > cur[1]:
@@ -76,7 +84,9 @@ class OverlapPairTest(TestCase):
         f_end, b_end, intervals = overlap_pair(fwd, bwd, OverlapModel())
         self.assertEqual(max(f_end, b_end), 4.0)
         comm = sorted((s, e) for _, s, e, k in intervals if k == "comm")
-        self.assertEqual(comm, [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0)])  # alternating, exclusive
+        self.assertEqual(
+            comm, [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0)]
+        )  # alternating, exclusive
 
     def test_no_marks_is_sequential(self):
         # no regions: the forward waits for the whole backward (then pays one hand-over)
@@ -91,13 +101,17 @@ class OverlapPairTest(TestCase):
         for (s0, e0), (s1, e1) in zip(compute, compute[1:]):
             self.assertLessEqual(e0, s1 + 1e-12)
         comm = sorted((s, side) for side, s, e, k in intervals if k == "comm")
-        self.assertEqual([int(side) for _, side in comm], [1, 0, 1, 0])  # backward first
+        self.assertEqual(
+            [int(side) for _, side in comm], [1, 0, 1, 0]
+        )  # backward first
 
     def test_bounds(self):
         fwd, bwd = (1.0, 0.5, 2.0), (0.25, 3.0, 0.5)
         f_end, b_end, _ = overlap_pair(fwd, bwd, OverlapModel())
         total = max(f_end, b_end)
-        self.assertGreaterEqual(total, max(sum(fwd), sum(bwd), sum(fwd[0::2]) + sum(bwd[0::2])) - 1e-12)
+        self.assertGreaterEqual(
+            total, max(sum(fwd), sum(bwd), sum(fwd[0::2]) + sum(bwd[0::2])) - 1e-12
+        )
         self.assertLessEqual(total, sum(fwd) + sum(bwd) + 1e-12)
 
 
@@ -135,8 +149,15 @@ class BubbleFormulaTest(TestCase):
         return StageCost(forward=f, backward_input=i, backward_weight=w)
 
     def test_1f1b(self):
-        for pp, m, f, i, w in [(2, 4, 1.0, 1.0, 1.0), (4, 8, 1.0, 1.5, 0.5), (4, 12, 2.0, 1.0, 2.0), (6, 6, 1.0, 2.0, 1.0)]:
-            result = simulate_schedule("Interleaved1F1B", pp, m, self._costs(f, i, w), stages_per_rank=1)
+        for pp, m, f, i, w in [
+            (2, 4, 1.0, 1.0, 1.0),
+            (4, 8, 1.0, 1.5, 0.5),
+            (4, 12, 2.0, 1.0, 2.0),
+            (6, 6, 1.0, 2.0, 1.0),
+        ]:
+            result = simulate_schedule(
+                "Interleaved1F1B", pp, m, self._costs(f, i, w), stages_per_rank=1
+            )
             for idle in _occupied_idle(result):
                 self.assertAlmostEqual(idle, (pp - 1) * (f + i + w))
             self.assertAlmostEqual(result.step_time, (m + pp - 1) * (f + i + w))
@@ -144,7 +165,9 @@ class BubbleFormulaTest(TestCase):
     def test_schedule_1f1b_ir(self):
         sched = build_schedule("1F1B", 4, 8)
         validate = getattr(torch_schedules, "_validate_schedule", None)
-        if validate is None:  # no validator on this torch: a malformed order deadlocks in the simulation
+        if (
+            validate is None
+        ):  # no validator on this torch: a malformed order deadlocks in the simulation
             try:
                 simulate(sched, self._costs(1.0, 1.0, 1.0))
             except RuntimeError as e:
@@ -153,33 +176,61 @@ class BubbleFormulaTest(TestCase):
         try:
             validate(dict(sched.pipeline_order), 4, 4, 8)
         except AssertionError:
-            with self.assertRaisesRegex(ValueError, "Schedule1F1B generates is not a valid schedule"):
+            with self.assertRaisesRegex(
+                ValueError, "Schedule1F1B generates is not a valid schedule"
+            ):
                 simulate(sched, self._costs(1.0, 1.0, 1.0))
             return
-        result = simulate(sched, self._costs(1.0, 1.0, 1.0))  # a torch whose 1F1B IR is valid
+        result = simulate(
+            sched, self._costs(1.0, 1.0, 1.0)
+        )  # a torch whose 1F1B IR is valid
         for idle in _occupied_idle(result):
             self.assertAlmostEqual(idle, 3 * 3.0)
 
     def test_zb1p(self):
-        cases = [(2, 4, 1.0, 1.0, 1.0), (4, 8, 1.0, 1.5, 0.5), (4, 16, 2.0, 1.0, 1.0), (6, 12, 1.0, 1.0, 0.5)]
+        cases = [
+            (2, 4, 1.0, 1.0, 1.0),
+            (4, 8, 1.0, 1.5, 0.5),
+            (4, 16, 2.0, 1.0, 1.0),
+            (6, 12, 1.0, 1.0, 0.5),
+        ]
         for pp, m, f, i, w in cases:
-            result = simulate_schedule("InterleavedZeroBubble", pp, m, self._costs(f, i, w), stages_per_rank=1)
+            result = simulate_schedule(
+                "InterleavedZeroBubble", pp, m, self._costs(f, i, w), stages_per_rank=1
+            )
             for idle in _occupied_idle(result):
                 self.assertAlmostEqual(idle, (pp - 1) * (f + (i + w) - 2 * w))
         # W > I: not the formula (which would give (PP-1)(F+I-W) = 0 here)
-        result = simulate_schedule("InterleavedZeroBubble", 4, 8, self._costs(1.0, 1.0, 2.0), stages_per_rank=1)
+        result = simulate_schedule(
+            "InterleavedZeroBubble", 4, 8, self._costs(1.0, 1.0, 2.0), stages_per_rank=1
+        )
         self.assertGreater(min(_occupied_idle(result)), 0.5)
 
     @parametrize("comm", [0.0, 0.3, 1.0])
     def test_dualpipev(self, comm):
-        for ranks, m, f, w in [(2, 4, 1.0, 1.0), (3, 12, 1.0, 0.5), (4, 8, 2.0, 1.0), (4, 16, 1.0, 1.0)]:
-            pp = 2 * ranks  # the README's PP counts stages; DualPipeV runs them on PP/2 ranks
-            cost = StageCost(forward=(f / 2, comm, f / 2), backward_input=(0.0, comm, f), backward_weight=w)
+        for ranks, m, f, w in [
+            (2, 4, 1.0, 1.0),
+            (3, 12, 1.0, 0.5),
+            (4, 8, 2.0, 1.0),
+            (4, 16, 1.0, 1.0),
+        ]:
+            pp = (
+                2 * ranks
+            )  # the README's PP counts stages; DualPipeV runs them on PP/2 ranks
+            cost = StageCost(
+                forward=(f / 2, comm, f / 2),
+                backward_input=(0.0, comm, f),
+                backward_weight=w,
+            )
             result = simulate_schedule("DualPipeV", ranks, m, cost)
-            f_end, b_end, _ = overlap_pair(cost.segments("F"), cost.segments("B"), OverlapModel())
+            f_end, b_end, _ = overlap_pair(
+                cost.segments("F"), cost.segments("B"), OverlapModel()
+            )
             f_and_b = max(f_end, b_end)
             if comm:
-                self.assertLess(f_and_b, cost.total("F") + cost.total("B"))  # the overlap buys something
+                self.assertLess(
+                    f_and_b, cost.total("F") + cost.total("B")
+                )  # the overlap buys something
             expected = (pp / 2 - 1) * (f_and_b + cost.total("B") - 3 * w)
             idle = _occupied_idle(result)
             self.assertAlmostEqual(max(idle), expected)
@@ -193,17 +244,27 @@ class BubbleFormulaTest(TestCase):
         # runtime (Interleaved1F1B, 1 stage per rank) keeps 2 * PP - 1 on rank 0 (see the class docstring).
         cost = StageCost(1.0, 1.0, 1.0, activation_bytes=1.0)
         for pp in (2, 4):
-            zb = simulate_schedule("InterleavedZeroBubble", pp, 4 * pp, cost, stages_per_rank=1)
+            zb = simulate_schedule(
+                "InterleavedZeroBubble", pp, 4 * pp, cost, stages_per_rank=1
+            )
             self.assertEqual(zb.peak_activation_bytes, pp)
             dpv = simulate_schedule("DualPipeV", pp, 4 * pp, cost)
-            self.assertEqual(dpv.peak_activation_bytes, 2 * pp + 1)  # the most loaded rank (2 * pp stages)
-            f1b = simulate_schedule("Interleaved1F1B", pp, 4 * pp, cost, stages_per_rank=1)
+            self.assertEqual(
+                dpv.peak_activation_bytes, 2 * pp + 1
+            )  # the most loaded rank (2 * pp stages)
+            f1b = simulate_schedule(
+                "Interleaved1F1B", pp, 4 * pp, cost, stages_per_rank=1
+            )
             self.assertEqual(f1b.peak_activation_bytes, 2 * pp - 1)
 
     def test_overlap_off_is_torch_sequential(self):
-        cost = StageCost(forward=(0.5, 0.5, 0.5), backward_input=(0.0, 0.5, 1.0), backward_weight=0.5)
+        cost = StageCost(
+            forward=(0.5, 0.5, 0.5), backward_input=(0.0, 0.5, 1.0), backward_weight=0.5
+        )
         on = simulate_schedule("DualPipeV", 4, 16, cost)
-        off = simulate_schedule("DualPipeV", 4, 16, cost, overlap=OverlapModel(enabled=False))
+        off = simulate_schedule(
+            "DualPipeV", 4, 16, cost, overlap=OverlapModel(enabled=False)
+        )
         self.assertLess(on.step_time, off.step_time)
         self.assertLess(on.exposed_comm, off.exposed_comm)
         # sequential: every rank's busy + exposed communication is the sum of its actions
@@ -216,20 +277,36 @@ class ScheduleInputTest(TestCase):
     def test_consumes_torchs_order(self, name):
         # the simulated order of every rank is torch's compute order, unchanged
         sched = build_schedule(name, 4, 8)
-        result = simulate(sched, StageCost(1.0, 1.0, 1.0), overlap=OverlapModel(enabled=False))
+        result = simulate(
+            sched, StageCost(1.0, 1.0, 1.0), overlap=OverlapModel(enabled=False)
+        )
         for rank, actions in sched.pipeline_order.items():
-            expected = [str(s) for a in actions if a is not None for s in (a.sub_actions or (a,))
-                        if kind(s) in ("F", "I", "W", "B")]
-            got = [r.action for r in sorted((r for r in result.records if r.rank == rank), key=lambda r: r.start)]
+            expected = [
+                str(s)
+                for a in actions
+                if a is not None
+                for s in (a.sub_actions or (a,))
+                if kind(s) in ("F", "I", "W", "B")
+            ]
+            got = [
+                r.action
+                for r in sorted(
+                    (r for r in result.records if r.rank == rank), key=lambda r: r.start
+                )
+            ]
             self.assertEqual(got, expected)
 
     def test_csv_and_dict(self):
         sched = build_schedule("ZBVZeroBubble", 2, 4)
-        cost = StageCost(forward=(1.0, 0.2, 1.0), backward_input=(0.5, 0.2, 0.5), backward_weight=1.0)
+        cost = StageCost(
+            forward=(1.0, 0.2, 1.0), backward_input=(0.5, 0.2, 0.5), backward_weight=1.0
+        )
         direct = simulate(sched, cost, link=LinkCost(0.1, 1e3), overlap=OverlapModel())
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "zbv.csv")
-            sched._dump_csv(path, "compute_only") if _dump_has_format(sched) else sched._dump_csv(path)
+            sched._dump_csv(path, "compute_only") if _dump_has_format(
+                sched
+            ) else sched._dump_csv(path)
             from_csv = simulate(path, cost, link=LinkCost(0.1, 1e3))
         from_dict = simulate(dict(sched.pipeline_order), cost, link=LinkCost(0.1, 1e3))
         self.assertAlmostEqual(from_csv.step_time, direct.step_time)
@@ -243,7 +320,9 @@ class ScheduleInputTest(TestCase):
         order = {r: list(a) for r, a in order.items()}
         # drop rank 1's receives: its first forward can never start
         order[1] = [a for a in order[1] if kind(a) != "RECV_F"]
-        with self.assertRaisesRegex(RuntimeError, "rank 1 at action .* waits for activation"):
+        with self.assertRaisesRegex(
+            RuntimeError, "rank 1 at action .* waits for activation"
+        ):
             simulate(order, StageCost(1.0, 1.0, 1.0))
         with self.assertRaisesRegex(ValueError, "odd-length"):
             StageCost(forward=(1.0, 2.0))
@@ -253,30 +332,43 @@ class ScheduleInputTest(TestCase):
         result = simulate_schedule("Interleaved1F1B", 4, 8, cost, stages_per_rank=1)
         # 1F1B through the runtime: rank r keeps 2 * (PP - 1 - r) + 1 forwards alive at most
         self.assertEqual(result.peak_live_activations, {0: 7, 1: 5, 2: 3, 3: 1})
-        self.assertEqual([r.peak_activation_bytes for r in result.ranks], [700.0, 500.0, 300.0, 100.0])
+        self.assertEqual(
+            [r.peak_activation_bytes for r in result.ranks],
+            [700.0, 500.0, 300.0, 100.0],
+        )
         trace = chrome_trace(result)
         names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
         self.assertIn("PP:0F0", names)
         with tempfile.TemporaryDirectory() as d:
             write_chrome_trace(result, os.path.join(d, "t.json"))
             with open(os.path.join(d, "t.json")) as f:
-                self.assertEqual(json.load(f)["otherData"]["kind"], "simulated prediction")
+                self.assertEqual(
+                    json.load(f)["otherData"]["kind"], "simulated prediction"
+                )
 
     def test_unmarked_pairs_on_cpu(self):
         # dense (no marks), CPU model: the first pair of a stage pair pays a hand-over, later ones run sequentially
         cost = StageCost(1.0, 1.0, 1.0)
         cpu = OverlapModel(streams=False, handover=0.01)
         device = OverlapModel(streams=True, handover=0.01)
-        seq = simulate_schedule("DualPipeV", 2, 8, cost, overlap=OverlapModel(enabled=False)).step_time
+        seq = simulate_schedule(
+            "DualPipeV", 2, 8, cost, overlap=OverlapModel(enabled=False)
+        ).step_time
         cpu_t = simulate_schedule("DualPipeV", 2, 8, cost, overlap=cpu).step_time
         dev_t = simulate_schedule("DualPipeV", 2, 8, cost, overlap=device).step_time
         self.assertGreater(cpu_t, seq)
         self.assertLess(cpu_t, dev_t)
 
     def test_16_stages_64_microbatches(self):
-        cost = StageCost(forward=(1.0, 0.3, 1.0), backward_input=(0.0, 0.3, 2.0), backward_weight=1.0)
-        result = simulate_schedule("DualPipeV", 8, 64, cost, link=LinkCost(0.01))  # 16 stages
-        self.assertEqual(sum(1 for r in result.records if r.computation == "F"), 16 * 64)
+        cost = StageCost(
+            forward=(1.0, 0.3, 1.0), backward_input=(0.0, 0.3, 2.0), backward_weight=1.0
+        )
+        result = simulate_schedule(
+            "DualPipeV", 8, 64, cost, link=LinkCost(0.01)
+        )  # 16 stages
+        self.assertEqual(
+            sum(1 for r in result.records if r.computation == "F"), 16 * 64
+        )
         self.assertEqual(len(result.ranks), 8)
 
 
@@ -288,7 +380,9 @@ class TimelineAndDeviceTimesTest(TestCase):
             self.skipTest("matplotlib (the plot extra) is not installed")
         from torch_pipelining_ext.sim import plot_timeline
 
-        cost = StageCost(forward=(1.0, 0.5, 1.0), backward_input=(0.0, 0.5, 2.0), backward_weight=1.0)
+        cost = StageCost(
+            forward=(1.0, 0.5, 1.0), backward_input=(0.0, 0.5, 2.0), backward_weight=1.0
+        )
         result = simulate_schedule("DualPipeV", 2, 4, cost)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "t.png")
@@ -300,23 +394,48 @@ class TimelineAndDeviceTimesTest(TestCase):
         # tools/gpu_check.py: kernels belong to the PP: range holding their launch (by correlation id)
         import importlib.util
 
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(repo, "tools", "gpu_check.py"))
+        repo = os.path.dirname(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        )
+        spec = importlib.util.spec_from_file_location(
+            "gpu_check", os.path.join(repo, "tools", "gpu_check.py")
+        )
         gpu_check = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(gpu_check)
 
         def cpu(name, ts, dur, tid=1, **args):
-            return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "cat": "cpu_op", "args": args}
+            return {
+                "ph": "X",
+                "name": name,
+                "ts": ts,
+                "dur": dur,
+                "tid": tid,
+                "cat": "cpu_op",
+                "args": args,
+            }
 
         def kernel(name, ts, dur, corr):
-            return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 7, "cat": "kernel", "args": {"correlation": corr}}
+            return {
+                "ph": "X",
+                "name": name,
+                "ts": ts,
+                "dur": dur,
+                "tid": 7,
+                "cat": "kernel",
+                "args": {"correlation": corr},
+            }
 
         events = [
-            cpu("PP:0F0", 0, 100), cpu("cudaLaunchKernel", 10, 1, correlation=1),
+            cpu("PP:0F0", 0, 100),
+            cpu("cudaLaunchKernel", 10, 1, correlation=1),
             cpu("cudaLaunchKernel", 20, 1, correlation=2),
-            cpu("PP:0F1", 200, 100), cpu("cudaLaunchKernel", 210, 1, correlation=3),
-            cpu("PP:(0F2;1B0)OVERLAP_F_B", 400, 100), cpu("cudaLaunchKernel", 410, 1, correlation=4),
-            kernel("gemm", 50, 30, 1), kernel(gpu_check.STANDIN_KERNEL, 80, 40, 2), kernel("gemm", 250, 50, 3),
+            cpu("PP:0F1", 200, 100),
+            cpu("cudaLaunchKernel", 210, 1, correlation=3),
+            cpu("PP:(0F2;1B0)OVERLAP_F_B", 400, 100),
+            cpu("cudaLaunchKernel", 410, 1, correlation=4),
+            kernel("gemm", 50, 30, 1),
+            kernel(gpu_check.STANDIN_KERNEL, 80, 40, 2),
+            kernel("gemm", 250, 50, 3),
             kernel("gemm", 450, 99, 4),
         ]
         times = gpu_check.action_kernel_times(events)
@@ -325,7 +444,9 @@ class TimelineAndDeviceTimesTest(TestCase):
         self.assertEqual(times["0F"]["compute_us"], 40.0)  # median of 30 and 50
         self.assertEqual(times["0F"]["standin_us"], 20.0)  # median of 40 and 0
         # without kernels (CPU), a range's duration is its compute
-        cpu_times = gpu_check.action_kernel_times([e for e in events if e["cat"] != "kernel"])
+        cpu_times = gpu_check.action_kernel_times(
+            [e for e in events if e["cat"] != "kernel"]
+        )
         self.assertEqual(cpu_times["0F"]["compute_us"], 100.0)
 
 
@@ -335,7 +456,9 @@ class CalibrationHelpersTest(TestCase):
     def _load(self):
         import importlib.util
 
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        repo = os.path.dirname(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        )
         path = os.path.join(repo, "tools", "calibrate_simulator.py")
         spec = importlib.util.spec_from_file_location("calibrate_simulator", path)
         module = importlib.util.module_from_spec(spec)
@@ -347,12 +470,21 @@ class CalibrationHelpersTest(TestCase):
         sched = build_schedule("Interleaved1F1B", 2, 2, stages_per_rank=1)
         order, s2r = schedule_order(sched)
         # (step, stage, kind, mb, start, end): 1F0 starts at 0 but its input arrives at 1.0 + 0.5
-        log = [(0, 0, "F", 0, 0.0, 1.0), (0, 1, "F", 0, 0.0, 2.5), (0, 0, "F", 1, 1.25, 2.25)]
+        log = [
+            (0, 0, "F", 0, 0.0, 1.0),
+            (0, 1, "F", 0, 0.0, 2.5),
+            (0, 0, "F", 1, 1.25, 2.25),
+        ]
         d = cal._durations(log, s2r, link=0.5)
         self.assertEqual(d[(1, "F")], [1.0])
         self.assertEqual(sorted(d[(0, "F")]), [1.0, 1.0])
         # rank 0 runs 0F0, 0SEND_F0, 0F1: the gap between 0F0 and 0F1 is one send's posting
-        between = [str(a) for a in order[0][order[0].index(_action("0F0")) + 1 : order[0].index(_action("0F1"))]]
+        between = [
+            str(a)
+            for a in order[0][
+                order[0].index(_action("0F0")) + 1 : order[0].index(_action("0F1"))
+            ]
+        ]
         self.assertEqual(between, ["0SEND_F0"])
         self.assertAlmostEqual(cal._post_overhead(log, order), 0.25)
 
@@ -369,7 +501,10 @@ def _dump_has_format(sched) -> bool:
 
 class CostModelTest(TestCase):
     def test_layer_split_and_segments(self):
-        layers = [LayerCost(1.0, 1.0, 1.0), LayerCost(2.0, 2.0, 2.0, dispatch=0.5, combine=0.25, expert_fraction=0.5)]
+        layers = [
+            LayerCost(1.0, 1.0, 1.0),
+            LayerCost(2.0, 2.0, 2.0, dispatch=0.5, combine=0.25, expert_fraction=0.5),
+        ]
         s0, s1 = stage_costs_from_layers(layers, [1, 1])
         self.assertEqual(s0.forward, (1.0,))
         self.assertEqual(s1.forward, (1.0, 0.5, 1.0, 0.25, 0.0))
@@ -382,8 +517,12 @@ class CostModelTest(TestCase):
         # active parameters per token, public figures: ~37B and ~22B
         self.assertTrue(30e9 < dsv3.active_params() < 45e9, dsv3.active_params())
         self.assertTrue(18e9 < qwen.active_params() < 26e9, qwen.active_params())
-        layers, _, head = layer_costs(dsv3, HARDWARE_PRESETS["H800"], tokens=4096, seq_len=4096, ep=64)
-        self.assertEqual(sum(1 for layer in layers if layer.has_comm), 58)  # 3 dense layers
+        layers, _, head = layer_costs(
+            dsv3, HARDWARE_PRESETS["H800"], tokens=4096, seq_len=4096, ep=64
+        )
+        self.assertEqual(
+            sum(1 for layer in layers if layer.has_comm), 58
+        )  # 3 dense layers
         self.assertGreater(head.total("F"), 0)
 
     def test_presets_overridable(self):
@@ -394,28 +533,70 @@ class CostModelTest(TestCase):
     def test_planner_ranks_and_writes_trace(self):
         with tempfile.TemporaryDirectory() as d:
             rows = plan.main(
-                ["--model", "qwen3-235b-a22b", "--gpus", "256", "--preset", "H100", "--pp", "4", "--ep", "16,32",
-                 "--schedules", "DualPipeV,Interleaved1F1B", "--microbatches", "8", "--trace", d, "--quiet"]
+                [
+                    "--model",
+                    "qwen3-235b-a22b",
+                    "--gpus",
+                    "256",
+                    "--preset",
+                    "H100",
+                    "--pp",
+                    "4",
+                    "--ep",
+                    "16,32",
+                    "--schedules",
+                    "DualPipeV,Interleaved1F1B",
+                    "--microbatches",
+                    "8",
+                    "--trace",
+                    d,
+                    "--quiet",
+                ]
             )
             self.assertTrue(os.path.exists(os.path.join(d, "best.json")))
         self.assertTrue(rows)
         times = [r.step_time for r in rows if r.fits]
         self.assertEqual(times, sorted(times))
         # overlap on never predicts a slower DualPipeV than overlap off with the same shape
-        by_key = {(r.pp, r.microbatches, r.ep, r.overlap): r.step_time for r in rows if r.schedule == "DualPipeV"}
+        by_key = {
+            (r.pp, r.microbatches, r.ep, r.overlap): r.step_time
+            for r in rows
+            if r.schedule == "DualPipeV"
+        }
         for (pp, m, ep, ov), t in by_key.items():
             if ov:
                 self.assertLessEqual(t, by_key[(pp, m, ep, False)] + 1e-9)
 
     def test_planner_dense_config_file(self):
-        config = dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
-                      intermediate_size=8192, vocab_size=32000)
+        config = dict(
+            num_hidden_layers=16,
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            intermediate_size=8192,
+            vocab_size=32000,
+        )
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "config.json")
             with open(path, "w") as f:
                 json.dump(config, f)
-            rows = plan.main(["--config", path, "--gpus", "8", "--pp", "4", "--global-batch", "16",
-                              "--microbatches", "8", "--schedules", "1F1B,ZB1P", "--quiet"])
+            rows = plan.main(
+                [
+                    "--config",
+                    path,
+                    "--gpus",
+                    "8",
+                    "--pp",
+                    "4",
+                    "--global-batch",
+                    "16",
+                    "--microbatches",
+                    "8",
+                    "--schedules",
+                    "1F1B,ZB1P",
+                    "--quiet",
+                ]
+            )
         self.assertEqual({r.ep for r in rows}, {1})
         self.assertEqual({r.exposed_comm for r in rows}, {0.0})  # dense: no all-to-all
         zb, f1b = (next(r for r in rows if r.schedule == s) for s in ("ZB1P", "1F1B"))
@@ -426,7 +607,9 @@ class CostModelTest(TestCase):
 # Property tests                                                               #
 # --------------------------------------------------------------------------- #
 
-_segment = st.floats(min_value=0.05, max_value=3.0, allow_nan=False, allow_infinity=False)
+_segment = st.floats(
+    min_value=0.05, max_value=3.0, allow_nan=False, allow_infinity=False
+)
 
 
 @st.composite
@@ -440,14 +623,25 @@ def _case(draw):
     else:
         v = draw(st.integers(1, 2))
         n_stages = pp * v
-    m = draw(st.sampled_from([n_stages, 2 * n_stages] if name != "Interleaved1F1B" else [pp, 2 * pp]))
+    m = draw(
+        st.sampled_from(
+            [n_stages, 2 * n_stages] if name != "Interleaved1F1B" else [pp, 2 * pp]
+        )
+    )
     costs = []
     for _ in range(n_stages):
         comm = draw(st.sampled_from([0.0, 0.2, 1.0]))
         f, i, w = draw(_segment), draw(_segment), draw(_segment)
         fwd = (f / 2, comm, f / 2) if comm else f
         bwd = (0.0, comm, i) if comm else i
-        costs.append(StageCost(forward=fwd, backward_input=bwd, backward_weight=w, send_bytes=draw(_segment)))
+        costs.append(
+            StageCost(
+                forward=fwd,
+                backward_input=bwd,
+                backward_weight=w,
+                send_bytes=draw(_segment),
+            )
+        )
     link = LinkCost(
         latency=draw(st.sampled_from([0.0, 0.1])),
         bandwidth=draw(st.sampled_from([math.inf, 10.0])),
@@ -459,7 +653,9 @@ def _case(draw):
 
 def _run(case):
     name, pp, v, m, costs, link, overlap = case
-    return simulate_schedule(name, pp, m, costs, stages_per_rank=v, link=link, overlap=overlap)
+    return simulate_schedule(
+        name, pp, m, costs, stages_per_rank=v, link=link, overlap=overlap
+    )
 
 
 class SimulatorPropertyTest(TestCase):
@@ -470,15 +666,30 @@ class SimulatorPropertyTest(TestCase):
         result = _run(case)
         by_rank: dict[int, float] = {}
         for r in result.records:
-            by_rank[r.rank] = by_rank.get(r.rank, 0.0) + sum(costs[r.stage].segments(r.computation)[0::2])
+            by_rank[r.rank] = by_rank.get(r.rank, 0.0) + sum(
+                costs[r.stage].segments(r.computation)[0::2]
+            )
         n = len(costs)
-        cross = [s for s in range(n - 1) if result.stage_to_rank[s] != result.stage_to_rank[s + 1]]
-        hops = sum(link.time(costs[s].send_bytes) + link.time(costs[s + 1].send_bytes) for s in cross)
+        cross = [
+            s
+            for s in range(n - 1)
+            if result.stage_to_rank[s] != result.stage_to_rank[s + 1]
+        ]
+        hops = sum(
+            link.time(costs[s].send_bytes) + link.time(costs[s + 1].send_bytes)
+            for s in cross
+        )
         # one microbatch's chain: every F, then every input backward (I <= B), and its transfers
         chain = sum(c.total("F") + c.total("I") for c in costs) + hops
         lower = max(max(by_rank.values()), chain)
-        posts = sum(r.posting for r in result.ranks)  # every send and receive posted, one after the other
-        upper = sum(costs[r.stage].total(r.computation) for r in result.records) + m * hops + posts
+        posts = sum(
+            r.posting for r in result.ranks
+        )  # every send and receive posted, one after the other
+        upper = (
+            sum(costs[r.stage].total(r.computation) for r in result.records)
+            + m * hops
+            + posts
+        )
         self.assertGreaterEqual(result.step_time, lower - 1e-9)
         self.assertLessEqual(result.step_time, upper + 1e-9)
 
@@ -497,7 +708,9 @@ class SimulatorPropertyTest(TestCase):
         eps = 1e-9
         for (s, c, mb), r in at.items():
             if c == "F" and s > 0:
-                self.assertGreaterEqual(r.start, at[(s - 1, "F", mb)].end + hop(s - 1, s) - eps)
+                self.assertGreaterEqual(
+                    r.start, at[(s - 1, "F", mb)].end + hop(s - 1, s) - eps
+                )
             if c in ("I", "B"):
                 self.assertGreaterEqual(r.start, at[(s, "F", mb)].end - eps)
                 if s < n - 1:
@@ -508,13 +721,19 @@ class SimulatorPropertyTest(TestCase):
         # compute never runs twice at once on a rank; plain actions do not overlap each other
         for rank in {r.rank for r in result.records}:
             compute = sorted(
-                (s, e) for r in result.records if r.rank == rank for s, e, k in r.intervals if k == "compute"
+                (s, e)
+                for r in result.records
+                if r.rank == rank
+                for s, e, k in r.intervals
+                if k == "compute"
             )
             for (s0, e0), (s1, _) in zip(compute, compute[1:]):
                 self.assertLessEqual(e0, s1 + eps)
         # each action lasts at least its own segments' sum (overlapped or not)
         for r in result.records:
-            self.assertGreaterEqual(r.end - r.start, costs[r.stage].total(r.computation) - eps)
+            self.assertGreaterEqual(
+                r.end - r.start, costs[r.stage].total(r.computation) - eps
+            )
 
     @settings(max_examples=20, deadline=None)
     @given(_case())
@@ -523,7 +742,11 @@ class SimulatorPropertyTest(TestCase):
         result = _run((name, pp, v, m, costs, link, OverlapModel(enabled=False)))
         for r in result.ranks:
             self.assertAlmostEqual(r.busy + r.exposed_comm, r.action_sum, places=6)
-            self.assertAlmostEqual(r.busy + r.exposed_comm + r.posting + r.bubble, result.step_time, places=6)
+            self.assertAlmostEqual(
+                r.busy + r.exposed_comm + r.posting + r.bubble,
+                result.step_time,
+                places=6,
+            )
 
     @settings(max_examples=15, deadline=None)
     @given(st.integers(1, 4), st.lists(_segment, min_size=3, max_size=3))
@@ -532,7 +755,9 @@ class SimulatorPropertyTest(TestCase):
         sched = build_schedule("Interleaved1F1B", 1, m, stages_per_rank=2)
         cost = StageCost(*fiw)
         result = simulate(sched, cost)
-        self.assertAlmostEqual(result.step_time, sum(cost.total(r.computation) for r in result.records))
+        self.assertAlmostEqual(
+            result.step_time, sum(cost.total(r.computation) for r in result.records)
+        )
         self.assertAlmostEqual(result.ranks[0].bubble, 0.0)
 
 

@@ -43,7 +43,13 @@ from common_pipelining import (
     reference_step,
     token_cross_entropy,
 )
-from model_registry import FSDPMLPStage, fully_shard_stage, MLPStage, MoEModelArgs, MoETransformer
+from model_registry import (
+    FSDPMLPStage,
+    fully_shard_stage,
+    MLPStage,
+    MoEModelArgs,
+    MoETransformer,
+)
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as sched
 from torch.testing._internal.common_utils import (
@@ -77,11 +83,21 @@ SINGLE_STAGE = (sched.ScheduleGPipe, sched.Schedule1F1B)
 CUBLAS_DETERMINISTIC = os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
 
 MOE_ARGS = MoEModelArgs(
-    vocab_size=32, dim=16, n_heads=2, n_dense_layers=1, n_moe_layers=3, n_experts=4, top_k=2, moe_hidden=16, dense_hidden=32
+    vocab_size=32,
+    dim=16,
+    n_heads=2,
+    n_dense_layers=1,
+    n_moe_layers=3,
+    n_experts=4,
+    top_k=2,
+    moe_hidden=16,
+    dense_hidden=32,
 )
-MOE_STAGES = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+MOE_STAGES = [
+    ["tok_embeddings", "layers.0", "layers.1"],
+    ["layers.2", "layers.3", "norm", "output"],
+]
 SEQ_LEN = 8
-
 
 
 def _batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +106,15 @@ def _batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _tokens(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, labels = random_tokens(300 + step, N_MICROBATCHES * MB_SIZE, SEQ_LEN, MOE_ARGS.vocab_size)
+    tokens, labels = random_tokens(
+        300 + step, N_MICROBATCHES * MB_SIZE, SEQ_LEN, MOE_ARGS.vocab_size
+    )
     return tokens.to(device), labels.to(device)
 
 
-def _build(schedule_class: type, parts: list[nn.Module], device: torch.device, loss_fn) -> sched._PipelineSchedule:
+def _build(
+    schedule_class: type, parts: list[nn.Module], device: torch.device, loss_fn
+) -> sched._PipelineSchedule:
     n = len(parts)
     stages = [PipelineStage(part, i, n, device) for i, part in enumerate(parts)]
     if issubclass(schedule_class, sched.PipelineScheduleSingle):
@@ -121,8 +141,12 @@ def _overlap_pairs(schedule: sched._PipelineSchedule) -> list[tuple[int, int]]:
     pairs = []
     for action in schedule.pipeline_order_with_comms[0]:
         if action is not None and action.computation_type == sched.OVERLAP_F_B:
-            fwd = next(a for a in action.sub_actions if a.computation_type == sched.FORWARD)
-            bwd = next(a for a in action.sub_actions if a.computation_type != sched.FORWARD)
+            fwd = next(
+                a for a in action.sub_actions if a.computation_type == sched.FORWARD
+            )
+            bwd = next(
+                a for a in action.sub_actions if a.computation_type != sched.FORWARD
+            )
             pairs.append((fwd.stage_index, bwd.stage_index))
     return pairs
 
@@ -136,9 +160,13 @@ class _OneRankTestCase(TestCase):
         cls._owns_pg = not dist.is_initialized()
         if cls._owns_pg:
             backend = "cpu:gloo,cuda:nccl" if HAS_CUDA else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1
+            )
         elif dist.get_world_size() != 1:
-            raise unittest.SkipTest(f"a process group of {dist.get_world_size()} ranks exists in this process")
+            raise unittest.SkipTest(
+                f"a process group of {dist.get_world_size()} ranks exists in this process"
+            )
 
     @classmethod
     def tearDownClass(cls) -> None:
@@ -165,7 +193,9 @@ class _OneRankTestCase(TestCase):
 class ScheduleSingleRankTest(_OneRankTestCase):
     @parametrize("device", DEVICES)
     @parametrize("schedule_class", MULTI_STAGE + SINGLE_STAGE)
-    def test_schedule_matches_reference(self, schedule_class: type, device: str) -> None:
+    def test_schedule_matches_reference(
+        self, schedule_class: type, device: str
+    ) -> None:
         dev = self._device(device)
         n_stages = 1 if issubclass(schedule_class, sched.PipelineScheduleSingle) else 2
         torch.manual_seed(0)
@@ -176,13 +206,21 @@ class ScheduleSingleRankTest(_OneRankTestCase):
             x, y = _batch(step, dev)
             losses: list[torch.Tensor] = []
             out = schedule.step(x, target=y, losses=losses)
-            ref_out, ref_losses = reference_step(reference, mse_loss, x, y, N_MICROBATCHES)
+            ref_out, ref_losses = reference_step(
+                reference, mse_loss, x, y, N_MICROBATCHES
+            )
             torch.testing.assert_close(out, ref_out)
             torch.testing.assert_close(losses, ref_losses)
             for i, (part, ref) in enumerate(zip(parts, reference)):
                 for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
-                    self.assertIsNotNone(p.grad, f"step {step} stage {i} {name}: no gradient")
-                    torch.testing.assert_close(p.grad, ref_p.grad, msg=lambda m: f"step {step} stage {i} {name}: {m}")
+                    self.assertIsNotNone(
+                        p.grad, f"step {step} stage {i} {name}: no gradient"
+                    )
+                    torch.testing.assert_close(
+                        p.grad,
+                        ref_p.grad,
+                        msg=lambda m: f"step {step} stage {i} {name}: {m}",
+                    )
 
     @parametrize("device", DEVICES)
     def test_dualpipev_overlap_bitwise_equal_to_sequential(self, device: str) -> None:
@@ -194,12 +232,19 @@ class ScheduleSingleRankTest(_OneRankTestCase):
             mode_parts = [copy.deepcopy(p) for p in parts]
             schedule = _build(sched.ScheduleDualPipeV, mode_parts, dev, mse_loss)
             if mode == "sequential":
-                schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
+                schedule.register_custom_function(
+                    sched.OVERLAP_F_B, sequential_overlap_f_b
+                )
             else:
-                self.assertIs(schedule._comp_type_to_function_map[sched.OVERLAP_F_B], default_overlap_f_b)
+                self.assertIs(
+                    schedule._comp_type_to_function_map[sched.OVERLAP_F_B],
+                    default_overlap_f_b,
+                )
             runs[mode] = (schedule, mode_parts)
         pairs = _overlap_pairs(runs["overlap"][0])
-        self.assertGreater(len(pairs), len(set(pairs)))  # some pair comes back within a step
+        self.assertGreater(
+            len(pairs), len(set(pairs))
+        )  # some pair comes back within a step
         # No marks: on CPU each stage pair runs concurrently once per step, then sequentially.
         expected_concurrent = len(set(pairs)) if dev.type == "cpu" else len(pairs)
         for step in range(2):
@@ -209,13 +254,24 @@ class ScheduleSingleRankTest(_OneRankTestCase):
                 losses: list[torch.Tensor] = []
                 with _counting_concurrent_runs() as concurrent:
                     out = schedule.step(x, target=y, losses=losses)
-                self.assertEqual(concurrent[0], expected_concurrent if mode == "overlap" else 0, f"{mode}, step {step}")
+                self.assertEqual(
+                    concurrent[0],
+                    expected_concurrent if mode == "overlap" else 0,
+                    f"{mode}, step {step}",
+                )
                 results[mode] = (out, losses)
             exact = self._exact(dev)
-            torch.testing.assert_close(results["overlap"], results["sequential"], **exact)
+            torch.testing.assert_close(
+                results["overlap"], results["sequential"], **exact
+            )
             for a, b in zip(runs["overlap"][1], runs["sequential"][1]):
                 for (name, p), q in zip(a.named_parameters(), b.parameters()):
-                    torch.testing.assert_close(p.grad, q.grad, **exact, msg=lambda m: f"step {step} {name}: {m}")
+                    torch.testing.assert_close(
+                        p.grad,
+                        q.grad,
+                        **exact,
+                        msg=lambda m: f"step {step} {name}: {m}",
+                    )
 
     @parametrize("device", DEVICES)
     def test_dualpipev_moe_with_one_rank_expert_group(self, device: str) -> None:
@@ -230,7 +286,9 @@ class ScheduleSingleRankTest(_OneRankTestCase):
             parts = [build_stage_module(model, names).to(dev) for names in MOE_STAGES]
             schedule = _build(sched.ScheduleDualPipeV, parts, dev, token_cross_entropy)
             if mode == "sequential":
-                schedule.register_custom_function(sched.OVERLAP_F_B, sequential_overlap_f_b)
+                schedule.register_custom_function(
+                    sched.OVERLAP_F_B, sequential_overlap_f_b
+                )
             runs[mode] = (schedule, parts)
         for step in range(2):
             tokens, labels = _tokens(step, dev)
@@ -246,23 +304,42 @@ class ScheduleSingleRankTest(_OneRankTestCase):
                 self.assertEqual(concurrent[0], expected, f"{mode}, step {step}")
                 results[mode] = (out, losses)
             reference.zero_grad(set_to_none=True)
-            ref_out, ref_losses = reference_step(reference, token_cross_entropy, tokens, labels, N_MICROBATCHES)
+            ref_out, ref_losses = reference_step(
+                reference, token_cross_entropy, tokens, labels, N_MICROBATCHES
+            )
             # CUDA's index_add accumulates duplicate indices in no fixed order
             exact = {"rtol": 0.0, "atol": 0.0} if dev.type == "cpu" else {}
-            torch.testing.assert_close(results["overlap"], results["sequential"], **exact)
+            torch.testing.assert_close(
+                results["overlap"], results["sequential"], **exact
+            )
             torch.testing.assert_close(results["overlap"], (ref_out, ref_losses))
             ref_params = dict(reference.named_parameters())
-            seq_params = {n: p for part in runs["sequential"][1] for n, p in part.named_parameters()}
+            seq_params = {
+                n: p
+                for part in runs["sequential"][1]
+                for n, p in part.named_parameters()
+            }
             for part in runs["overlap"][1]:
                 for name, p in part.named_parameters():
                     self.assertIsNotNone(p.grad, f"{name}: no gradient")
-                    torch.testing.assert_close(p.grad, seq_params[name].grad, **exact, msg=lambda m: f"{name}: {m}")
-                    torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name} vs reference: {m}")
+                    torch.testing.assert_close(
+                        p.grad,
+                        seq_params[name].grad,
+                        **exact,
+                        msg=lambda m: f"{name}: {m}",
+                    )
+                    torch.testing.assert_close(
+                        p.grad,
+                        ref_params[name].grad,
+                        msg=lambda m: f"{name} vs reference: {m}",
+                    )
 
 
 class ScheduleFSDPSingleRankTest(_OneRankTestCase):
     @parametrize("device", DEVICES)
-    @parametrize("schedule_class", [sched.ScheduleDualPipeV, sched.ScheduleZBVZeroBubble])
+    @parametrize(
+        "schedule_class", [sched.ScheduleDualPipeV, sched.ScheduleZBVZeroBubble]
+    )
     def test_fsdp_one_rank_mesh(self, schedule_class: type, device: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule
@@ -278,17 +355,29 @@ class ScheduleFSDPSingleRankTest(_OneRankTestCase):
             x, y = _batch(step, dev)
             losses: list[torch.Tensor] = []
             out = schedule.step(x, target=y, losses=losses)
-            ref_out, ref_losses = reference_step(reference, mse_loss, x, y, N_MICROBATCHES)
+            ref_out, ref_losses = reference_step(
+                reference, mse_loss, x, y, N_MICROBATCHES
+            )
             torch.testing.assert_close(out, ref_out)
             torch.testing.assert_close(losses, ref_losses)
             for i, (part, ref) in enumerate(zip(parts, reference)):
                 for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
-                    self.assertIsInstance(p, DTensor, f"stage {i} {name}: not resharded after the step")
-                    self.assertIsInstance(p.grad, DTensor, f"step {step} stage {i} {name}: no reduced gradient")
-                    torch.testing.assert_close(
-                        p.grad.full_tensor(), ref_p.grad, msg=lambda m: f"step {step} stage {i} {name}: {m}"
+                    self.assertIsInstance(
+                        p, DTensor, f"stage {i} {name}: not resharded after the step"
                     )
-                self.assertTrue(all(isinstance(m, FSDPModule) for m in (part, *part.layers)))
+                    self.assertIsInstance(
+                        p.grad,
+                        DTensor,
+                        f"step {step} stage {i} {name}: no reduced gradient",
+                    )
+                    torch.testing.assert_close(
+                        p.grad.full_tensor(),
+                        ref_p.grad,
+                        msg=lambda m: f"step {step} stage {i} {name}: {m}",
+                    )
+                self.assertTrue(
+                    all(isinstance(m, FSDPModule) for m in (part, *part.layers))
+                )
 
 
 instantiate_parametrized_tests(ScheduleSingleRankTest)

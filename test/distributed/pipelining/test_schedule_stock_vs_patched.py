@@ -145,14 +145,20 @@ def _train(name: str, rank: int) -> dict[str, Any]:
     full = _model(n_stages)
     indices = _stage_indices(class_name, stages_per_rank, rank)
     modules = {i: copy.deepcopy(full[i]) for i in indices}
-    stages = [PipelineStage(modules[i], i, n_stages, torch.device("cpu")) for i in indices]
+    stages = [
+        PipelineStage(modules[i], i, n_stages, torch.device("cpu")) for i in indices
+    ]
     schedule_class = getattr(schedules, class_name)
-    schedule = schedule_class(stages[0] if stages_per_rank == 1 else stages, N_MICROBATCHES, loss_fn=mse_loss)
+    schedule = schedule_class(
+        stages[0] if stages_per_rank == 1 else stages, N_MICROBATCHES, loss_fn=mse_loss
+    )
     if csv is not None:
         from common_pipelining import load_csv
 
         load_csv(schedule, csv)
-    optimizer = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=LR)
+    optimizer = torch.optim.SGD(
+        [p for m in modules.values() for p in m.parameters()], lr=LR
+    )
     losses = []
     for step in range(N_STEPS):
         optimizer.zero_grad()
@@ -164,7 +170,11 @@ def _train(name: str, rank: int) -> dict[str, Any]:
             schedule.step(target=y, losses=step_losses)
         losses.append([loss.detach().clone() for loss in step_losses])
         optimizer.step()
-    params = {f"{i}.{k}": v.detach().clone() for i, m in modules.items() for k, v in m.state_dict().items()}
+    params = {
+        f"{i}.{k}": v.detach().clone()
+        for i, m in modules.items()
+        for k, v in m.state_dict().items()
+    }
     return {"losses": losses if n_stages - 1 in indices else None, "params": params}
 
 
@@ -175,11 +185,17 @@ def _rank_main(rank: int, out_dir: str) -> None:
     import torch_pipelining_ext
 
     store = dist.FileStore(os.path.join(out_dir, "store"), PP)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=PP, timeout=_PG_TIMEOUT)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=PP, timeout=_PG_TIMEOUT
+    )
     stock = os.environ.get("TORCH_PIPELINING_EXT_DISABLE") == "1"
     transport = _apply_transport_patches() if stock else []
     results: dict[str, Any] = {
-        "applied": [r.name for r in torch_pipelining_ext.patch_report() if r.status.value == "applied"],
+        "applied": [
+            r.name
+            for r in torch_pipelining_ext.patch_report()
+            if r.status.value == "applied"
+        ],
         "transport_patches": transport,
         "schedules": {},
     }
@@ -207,16 +223,26 @@ _KNOWN_STOCK_BUGS = {
 def _close(run: dict[str, Any], ref: dict[str, Any]) -> bool:
     """Whether a run's losses and parameters match the reference up to rounding."""
     losses = all(
-        torch.allclose(a, b) for step, ref_step in zip(run["losses"], ref["losses"]) for a, b in zip(step, ref_step)
+        torch.allclose(a, b)
+        for step, ref_step in zip(run["losses"], ref["losses"])
+        for a, b in zip(step, ref_step)
     )
-    return losses and all(torch.allclose(v, ref["params"][k]) for k, v in run["params"].items())
-
+    return losses and all(
+        torch.allclose(v, ref["params"][k]) for k, v in run["params"].items()
+    )
 
 
 def _start(out_dir: str, stock: bool) -> list[subprocess.Popen]:
     """Start the ranks of one run (``python this_file RANK OUT_DIR``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("TORCH_PIPELINING_EXT_DISABLE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for var in (
+        "TORCH_PIPELINING_EXT_DISABLE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+    ):
         env.pop(var, None)
     if stock:
         env["TORCH_PIPELINING_EXT_DISABLE"] = "1"
@@ -234,7 +260,10 @@ def _start(out_dir: str, stock: bool) -> list[subprocess.Popen]:
 
 def _merge(out_dir: str) -> dict[str, Any]:
     """The results of both ranks: per schedule, the last stage's losses and every stage's parameters."""
-    ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(PP)]
+    ranks = [
+        torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+        for r in range(PP)
+    ]
     merged: dict[str, Any] = {k: ranks[0][k] for k in ("applied", "transport_patches")}
     merged["schedules"] = {}
     for name in SCHEDULES:
@@ -247,8 +276,14 @@ def _merge(out_dir: str) -> dict[str, Any]:
 
 class StockVsPatchedTest(TestCase):
     def test_every_schedule_matches_stock_torch_bitwise(self) -> None:
-        with tempfile.TemporaryDirectory() as stock_dir, tempfile.TemporaryDirectory() as patched_dir:
-            runs = {"stock": _start(stock_dir, stock=True), "patched": _start(patched_dir, stock=False)}
+        with (
+            tempfile.TemporaryDirectory() as stock_dir,
+            tempfile.TemporaryDirectory() as patched_dir,
+        ):
+            runs = {
+                "stock": _start(stock_dir, stock=True),
+                "patched": _start(patched_dir, stock=False),
+            }
             for mode, ranks in runs.items():
                 for rank, proc in enumerate(ranks):
                     try:
@@ -257,43 +292,75 @@ class StockVsPatchedTest(TestCase):
                         for p in (p for r in runs.values() for p in r):
                             p.kill()
                             p.communicate()
-                        self.fail(f"rank {rank} of the {mode} run did not finish in {_TIMEOUT_S} s")
-                    self.assertEqual(proc.returncode, 0, f"rank {rank} of the {mode} run failed:\n{output[-6000:]}")
+                        self.fail(
+                            f"rank {rank} of the {mode} run did not finish in {_TIMEOUT_S} s"
+                        )
+                    self.assertEqual(
+                        proc.returncode,
+                        0,
+                        f"rank {rank} of the {mode} run failed:\n{output[-6000:]}",
+                    )
             stock, patched = _merge(stock_dir), _merge(patched_dir)
 
         # Stock torch, plus where it cannot run on gloo the patches that only carry tensors.
-        self.assertEqual(stock["applied"], stock["transport_patches"], "the stock run patched torch")
-        self.assertIn("runtime_step_context", patched["applied"])  # the patched run replaces the runtime
+        self.assertEqual(
+            stock["applied"], stock["transport_patches"], "the stock run patched torch"
+        )
+        self.assertIn(
+            "runtime_step_context", patched["applied"]
+        )  # the patched run replaces the runtime
         stock_wrong: list[str] = []
-        references = {n: _reference(n) for n in {_n_stages(s) for _, s, _ in SCHEDULES.values()}}
+        references = {
+            n: _reference(n) for n in {_n_stages(s) for _, s, _ in SCHEDULES.values()}
+        }
         for name, (_, stages_per_rank, _) in SCHEDULES.items():
             with self.subTest(schedule=name):
                 ours = patched["schedules"][name]
                 ref = references[_n_stages(stages_per_rank)]
                 # Against the reference, up to rounding.
                 for step in range(N_STEPS):
-                    torch.testing.assert_close(ours["losses"][step], ref["losses"][step])
-                self.assertEqual(ours["params"].keys(), ref["params"].keys())  # every stage's parameters
+                    torch.testing.assert_close(
+                        ours["losses"][step], ref["losses"][step]
+                    )
+                self.assertEqual(
+                    ours["params"].keys(), ref["params"].keys()
+                )  # every stage's parameters
                 for key, value in ours["params"].items():
-                    torch.testing.assert_close(value, ref["params"][key], msg=lambda m: f"{key}: {m}")
+                    torch.testing.assert_close(
+                        value, ref["params"][key], msg=lambda m: f"{key}: {m}"
+                    )
                 theirs = stock["schedules"][name]
                 if not _close(theirs, ref):
                     stock_wrong.append(name)
                     continue
                 # Against stock torch, bitwise.
                 for step in range(N_STEPS):
-                    for mb, (a, b) in enumerate(zip(ours["losses"][step], theirs["losses"][step], strict=True)):
-                        self.assertTrue(torch.equal(a, b), f"step {step} microbatch {mb} loss: {a} vs stock {b}")
+                    for mb, (a, b) in enumerate(
+                        zip(ours["losses"][step], theirs["losses"][step], strict=True)
+                    ):
+                        self.assertTrue(
+                            torch.equal(a, b),
+                            f"step {step} microbatch {mb} loss: {a} vs stock {b}",
+                        )
                 self.assertEqual(ours["params"].keys(), theirs["params"].keys())
                 for key, value in ours["params"].items():
-                    self.assertTrue(torch.equal(value, theirs["params"][key]), f"{key} differs from stock torch")
+                    self.assertTrue(
+                        torch.equal(value, theirs["params"][key]),
+                        f"{key} differs from stock torch",
+                    )
         # Where stock torch is wrong the patched run is compared with the reference
         # only; a schedule not known to be wrong on stock torch fails here.
-        self.assertLessEqual(set(stock_wrong), _KNOWN_STOCK_BUGS.keys(), f"stock torch is wrong for {stock_wrong}")
+        self.assertLessEqual(
+            set(stock_wrong),
+            _KNOWN_STOCK_BUGS.keys(),
+            f"stock torch is wrong for {stock_wrong}",
+        )
         if stock_wrong:
             print(
                 "\nstock torch is wrong, compared with the reference only: "
-                + "; ".join(f"{name}: {_KNOWN_STOCK_BUGS[name]}" for name in stock_wrong),
+                + "; ".join(
+                    f"{name}: {_KNOWN_STOCK_BUGS[name]}" for name in stock_wrong
+                ),
                 file=sys.stderr,
             )
         if stock["transport_patches"]:
@@ -302,6 +369,7 @@ class StockVsPatchedTest(TestCase):
                 f"{stock['transport_patches']} (without them gloo aborts on this torch)",
                 file=sys.stderr,
             )
+
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1].isdigit():

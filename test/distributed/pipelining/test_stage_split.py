@@ -61,7 +61,11 @@ def _toy(kind: str) -> tuple[nn.Module, dict]:
 
 
 def _num_layers(model: nn.Module) -> int:
-    return len(model.model.layers) if isinstance(model, NestedToyLLM) else len(model.layers)
+    return (
+        len(model.model.layers)
+        if isinstance(model, NestedToyLLM)
+        else len(model.layers)
+    )
 
 
 def _names(model: nn.Module, num_stages: int, gen_kwargs: dict) -> list[list[str]]:
@@ -93,7 +97,9 @@ class NoDeepCopy(nn.Linear):
     """A layer that fails if anyone deep-copies it."""
 
     def __deepcopy__(self, memo):
-        raise AssertionError("build_stage_module deep-copied a module the stage does not keep")
+        raise AssertionError(
+            "build_stage_module deep-copied a module the stage does not keep"
+        )
 
 
 class TestSplitModule(TestCase):
@@ -192,7 +198,9 @@ class TestSplitModule(TestCase):
         model[3].__class__ = nn.Linear
         stage = build_stage_module(model, ["2", "3"])
         self.assertEqual(list(stage._modules), ["2", "3"])
-        self.assertEqual(set(stage.state_dict()), {"2.weight", "2.bias", "3.weight", "3.bias"})
+        self.assertEqual(
+            set(stage.state_dict()), {"2.weight", "2.bias", "3.weight", "3.bias"}
+        )
         x = torch.randn(2, 4)
         torch.testing.assert_close(stage(x), model[3](model[2](x)))
 
@@ -228,11 +236,21 @@ class TestSplitModule(TestCase):
         self.assertIsInstance(stage.layers, nn.ModuleList)
         self.assertEqual(list(stage.layers._modules), ["2", "4", "5"])
         self.assertEqual(len(stage.layers), 3)
-        self.assertEqual([id(m) for m in stage.layers], [id(m) for m in stage.layers._modules.values()])
-        self.assertTrue(all(k.startswith(("layers.2.", "layers.4.", "layers.5.")) for k in stage.state_dict()))
+        self.assertEqual(
+            [id(m) for m in stage.layers],
+            [id(m) for m in stage.layers._modules.values()],
+        )
+        self.assertTrue(
+            all(
+                k.startswith(("layers.2.", "layers.4.", "layers.5."))
+                for k in stage.state_dict()
+            )
+        )
 
     def test_sequential_model(self):
-        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        model = nn.Sequential(
+            nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)
+        )
         first = build_stage_module(model, ["0", "1", "2"])
         second = build_stage_module(model, ["3", "4"])
         x = torch.randn(5, 4)
@@ -248,7 +266,10 @@ class TestSplitModule(TestCase):
 
     def test_tied_parameter_across_stages_warns_with_fqns(self):
         model = TiedLM()
-        names = [["pos_embed", "tok_embeddings", "layers.0"], ["layers.1", "layers.2", "output"]]
+        names = [
+            ["pos_embed", "tok_embeddings", "layers.0"],
+            ["layers.1", "layers.2", "output"],
+        ]
         tie = r"'tok_embeddings\.weight' \(stage \[0\]\).*'output\.weight' \(stage \[1\]\)"
         with self.assertWarnsRegex(UserWarning, tie):
             stages = _split_all(model, names)
@@ -260,7 +281,10 @@ class TestSplitModule(TestCase):
     def test_root_parameter_is_not_copied_into_every_stage(self):
         model = TiedLM(tie=False)
         names = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "output"]]
-        with self.assertRaisesRegex(ValueError, r"1 parameters/persistent buffers belong to no stage: 'pos_embed'"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"1 parameters/persistent buffers belong to no stage: 'pos_embed'",
+        ):
             _split_all(model, names)
         stages = _split_all(model, [["pos_embed"] + names[0], names[1]])
         self.assertIn("pos_embed", stages[0].state_dict())
@@ -277,12 +301,16 @@ class TestSplitModule(TestCase):
 
     def test_replicated_parameter_free_module(self):
         model = NestedToyLLM(n_layers=4)
-        stages = _split_all(model, generate_module_names_per_stage(2, 4, **_NESTED_NAMES))
+        stages = _split_all(
+            model, generate_module_names_per_stage(2, 4, **_NESTED_NAMES)
+        )
         rotaries = [s.model.rotary_emb for s in stages]
         self.assertIsNot(rotaries[0], rotaries[1])
         self.assertIsNot(rotaries[0], model.model.rotary_emb)
         # Listing it nowhere is allowed (it owns no state) but leaves the stages unable to run.
-        names = generate_module_names_per_stage(2, 4, **{**_NESTED_NAMES, "replicated_modules": []})
+        names = generate_module_names_per_stage(
+            2, 4, **{**_NESTED_NAMES, "replicated_modules": []}
+        )
         stage = _split_all(model, names)[1]
         self.assertIsNone(stage.model.rotary_emb)
         with self.assertRaises(TypeError):
@@ -297,7 +325,9 @@ class TestSplitModule(TestCase):
         self.assertFalse(stage.training)
         stage.register_forward_hook(lambda m, i, o: calls.append("stage"))
         stage(torch.randint(0, 32, (1, 4)))
-        self.assertEqual(calls, ["orig", "stage"])  # the original's hook was copied, not shared
+        self.assertEqual(
+            calls, ["orig", "stage"]
+        )  # the original's hook was copied, not shared
         calls.clear()
         model(torch.randint(0, 32, (1, 4)))
         self.assertEqual(calls, ["orig"])
@@ -329,13 +359,17 @@ class TestSplitModule(TestCase):
     def test_move_then_split_again_names_the_removal(self):
         model = ToyLLM(n_layers=2)
         build_stage_module(model, ["tok_embeddings", "layers.0"], move=True)
-        with self.assertRaisesRegex(ValueError, r"'tok_embeddings' was removed from the model"):
+        with self.assertRaisesRegex(
+            ValueError, r"'tok_embeddings' was removed from the model"
+        ):
             build_stage_module(model, ["tok_embeddings"])
 
     def test_move_copies_replicated_modules(self):
         model = NestedToyLLM(n_layers=2)
         rotary = model.model.rotary_emb
-        stages = _split_all(model, generate_module_names_per_stage(2, 2, **_NESTED_NAMES), move=True)
+        stages = _split_all(
+            model, generate_module_names_per_stage(2, 2, **_NESTED_NAMES), move=True
+        )
         self.assertIs(model.model.rotary_emb, rotary)
         self.assertIsNot(stages[0].model.rotary_emb, rotary)
         self.assertIsNot(stages[0].model.rotary_emb, stages[1].model.rotary_emb)
@@ -351,14 +385,22 @@ class TestBadInput(TestCase):
 
     def test_unknown_name_suggests_close_match(self):
         model = ToyLLM(n_layers=4)
-        with self.assertRaisesRegex(ValueError, r"'tok_embedding' names no submodule.*did you mean 'tok_embeddings'"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"'tok_embedding' names no submodule.*did you mean 'tok_embeddings'",
+        ):
             build_stage_module(model, ["tok_embedding"])
 
     def test_out_of_range_layer(self):
         model = ToyLLM(n_layers=4, container="list")
-        with self.assertRaisesRegex(ValueError, r"'layers.99' names no.*'layers' \(ModuleList\) has entries 0\.\.3"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"'layers.99' names no.*'layers' \(ModuleList\) has entries 0\.\.3",
+        ):
             build_stage_module(model, ["layers.0", "layers.99"])
-        with self.assertRaisesRegex(ValueError, r"'layers.3.attn' .*has children 'attention_norm', 'attention'"):
+        with self.assertRaisesRegex(
+            ValueError, r"'layers.3.attn' .*has children 'attention_norm', 'attention'"
+        ):
             build_stage_module(model, ["layers.3.attn"])
 
     def test_names_must_be_a_sequence_of_strings(self):
@@ -375,18 +417,32 @@ class TestBadInput(TestCase):
         with self.assertRaisesRegex(ValueError, "module_names is empty"):
             build_stage_module(model, [])
         with self.assertRaisesRegex(ValueError, "stage 1 is empty"):
-            _split_all(model, [["tok_embeddings", "layers.0", "layers.1", "norm", "output"], []])
+            _split_all(
+                model,
+                [["tok_embeddings", "layers.0", "layers.1", "norm", "output"], []],
+            )
         with self.assertRaisesRegex(ValueError, "module_names_per_stage is empty"):
             _split_all(model, [])
 
     def test_name_in_two_stages(self):
         model = ToyLLM(n_layers=2)
-        with self.assertRaisesRegex(ValueError, r"'layers.1' is listed in stages \[0, 1\]"):
-            _split_all(model, [["tok_embeddings", "layers.0", "layers.1"], ["layers.1", "norm", "output"]])
+        with self.assertRaisesRegex(
+            ValueError, r"'layers.1' is listed in stages \[0, 1\]"
+        ):
+            _split_all(
+                model,
+                [
+                    ["tok_embeddings", "layers.0", "layers.1"],
+                    ["layers.1", "norm", "output"],
+                ],
+            )
 
     def test_module_inside_a_module_of_another_stage(self):
         model = ToyLLM(n_layers=2)
-        names = [["tok_embeddings", "layers.0", "layers.1.attention"], ["layers.1", "norm", "output"]]
+        names = [
+            ["tok_embeddings", "layers.0", "layers.1.attention"],
+            ["layers.1", "norm", "output"],
+        ]
         msg = r"'layers.1.attention' \(stage 0\) is inside 'layers.1', which stage 1"
         with self.assertRaisesRegex(ValueError, msg):
             _split_all(model, names)
@@ -398,12 +454,17 @@ class TestBadInput(TestCase):
         with self.assertRaisesRegex(ValueError, msg):
             _split_all(model, names)
         stages = _split_all(model, names, allow_uncovered=True)
-        self.assertFalse(any(k.startswith("layers.1.") for s in stages for k in s.state_dict()))
+        self.assertFalse(
+            any(k.startswith("layers.1.") for s in stages for k in s.state_dict())
+        )
 
     def test_nothing_is_built_or_moved_on_error(self):
         model = ToyLLM(n_layers=3)
-        before = {k: v for k, v in model.state_dict(keep_vars=True).items()}
-        names = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "norm", "outptu"]]
+        before = dict(model.state_dict(keep_vars=True))
+        names = [
+            ["tok_embeddings", "layers.0"],
+            ["layers.1", "layers.2", "norm", "outptu"],
+        ]
         with mock.patch.object(ss, "_build_stage", wraps=ss._build_stage) as build:
             with self.assertRaisesRegex(ValueError, "did you mean 'output'"):
                 _split_all(model, names, move=True)
@@ -424,33 +485,59 @@ class TestBadInput(TestCase):
     def test_generator_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "num_stages must be an int >= 1"):
             generate_module_names_per_stage(0, 4)
-        with self.assertRaisesRegex(ValueError, "layer_costs has 3 entries for 4 layers"):
+        with self.assertRaisesRegex(
+            ValueError, "layer_costs has 3 entries for 4 layers"
+        ):
             generate_module_names_per_stage(2, 4, layer_costs=[1, 2, 3])
-        with self.assertRaisesRegex(ValueError, r"layer_costs\[1\] must be a finite number >= 0"):
+        with self.assertRaisesRegex(
+            ValueError, r"layer_costs\[1\] must be a finite number >= 0"
+        ):
             generate_module_names_per_stage(2, 2, layer_costs=[1, -1])
         with self.assertRaisesRegex(ValueError, "input_weight must be a finite number"):
             generate_module_names_per_stage(2, 2, input_weight=float("nan"))
-        with self.assertRaisesRegex(TypeError, "input_modules must be a sequence of module names"):
+        with self.assertRaisesRegex(
+            TypeError, "input_modules must be a sequence of module names"
+        ):
             generate_module_names_per_stage(2, 2, input_modules="tok_embeddings")
 
     def test_model_must_be_a_module(self):
         for bad in ("abc", None, 3):
-            with self.assertRaisesRegex(TypeError, r"model must be an nn.Module, got " + type(bad).__name__):
+            with self.assertRaisesRegex(
+                TypeError, r"model must be an nn.Module, got " + type(bad).__name__
+            ):
                 build_stage_module(bad, ["layers.0"])
             with self.assertRaisesRegex(TypeError, "model must be an nn.Module"):
                 _split_all(bad, [["layers.0"]])
 
     def test_generator_rejects_a_module_in_two_places(self):
         cases = [
-            (dict(input_modules=["norm"], output_modules=["norm", "output"]), r"'norm' \(input_modules\) and 'norm' "
-             r"\(output_modules\) name the same module"),
-            (dict(replicated_modules=["layers.1"]), r"'layers.1' \(replicated_modules\) and 'layers' \(the layers "
-             r"layers.0..3\) overlap"),
-            (dict(replicated_modules=["tok_embeddings"]), r"'tok_embeddings' \(input_modules\) and 'tok_embeddings' "
-             r"\(replicated_modules\)"),
-            (dict(input_modules=["layers"]), r"'layers' \(input_modules\) and 'layers' \(the layers"),
-            (dict(output_modules=["norm", "norm"]), r"'norm' \(output_modules\) and 'norm' \(output_modules\)"),
-            ({**_NESTED_NAMES, "input_modules": ["model"]}, r"'model' \(input_modules\) and 'model.norm'"),
+            (
+                dict(input_modules=["norm"], output_modules=["norm", "output"]),
+                r"'norm' \(input_modules\) and 'norm' "
+                r"\(output_modules\) name the same module",
+            ),
+            (
+                dict(replicated_modules=["layers.1"]),
+                r"'layers.1' \(replicated_modules\) and 'layers' \(the layers "
+                r"layers.0..3\) overlap",
+            ),
+            (
+                dict(replicated_modules=["tok_embeddings"]),
+                r"'tok_embeddings' \(input_modules\) and 'tok_embeddings' "
+                r"\(replicated_modules\)",
+            ),
+            (
+                dict(input_modules=["layers"]),
+                r"'layers' \(input_modules\) and 'layers' \(the layers",
+            ),
+            (
+                dict(output_modules=["norm", "norm"]),
+                r"'norm' \(output_modules\) and 'norm' \(output_modules\)",
+            ),
+            (
+                {**_NESTED_NAMES, "input_modules": ["model"]},
+                r"'model' \(input_modules\) and 'model.norm'",
+            ),
         ]
         for kwargs, msg in cases:
             with self.assertRaisesRegex(ValueError, msg):
@@ -465,18 +552,24 @@ class TestBadInput(TestCase):
 
     def test_style_class_must_be_a_schedule(self):
         for bad in (int, nn.Module):
-            with self.assertRaisesRegex(TypeError, f"{bad.__name__} is not a pipeline schedule class"):
+            with self.assertRaisesRegex(
+                TypeError, f"{bad.__name__} is not a pipeline schedule class"
+            ):
                 stage_ids_this_rank(0, 2, 4, bad)
         with self.assertRaisesRegex(ValueError, "unknown pipeline schedule 'nope'"):
             stage_ids_this_rank(0, 2, 4, "nope")
 
     def test_stages_not_divisible_by_pp_size(self):
-        with self.assertRaisesRegex(ValueError, r"num_stages \(6\) must be divisible by the pipeline size \(4\)"):
+        with self.assertRaisesRegex(
+            ValueError, r"num_stages \(6\) must be divisible by the pipeline size \(4\)"
+        ):
             stage_ids_this_rank(0, 4, 6)
 
     def test_v_schedule_needs_two_stages_per_rank(self):
         for schedule in ("v", "ScheduleDualPipeV", "ZBVZeroBubble"):
-            with self.assertRaisesRegex(ValueError, "exactly 2 stages per rank, but 12 stages on 4 ranks give 3"):
+            with self.assertRaisesRegex(
+                ValueError, "exactly 2 stages per rank, but 12 stages on 4 ranks give 3"
+            ):
                 stage_ids_this_rank(0, 4, 12, schedule)
             with self.assertRaisesRegex(ValueError, "exactly 2 stages per rank"):
                 stage_ids_this_rank(0, 4, 4, schedule)
@@ -491,7 +584,11 @@ class TestBadInput(TestCase):
 
 
 def _units(num_layers, input_weight, output_weight, costs, with_in, with_out):
-    units = ([input_weight] if with_in else []) + list(costs) + ([output_weight] if with_out else [])
+    units = (
+        ([input_weight] if with_in else [])
+        + list(costs)
+        + ([output_weight] if with_out else [])
+    )
     return units
 
 
@@ -515,7 +612,10 @@ class TestGenerator(TestCase):
     def test_examples(self):
         self.assertEqual(
             generate_module_names_per_stage(2, 4),
-            [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]],
+            [
+                ["tok_embeddings", "layers.0", "layers.1"],
+                ["layers.2", "layers.3", "norm", "output"],
+            ],
         )
         # max stage cost 3 either way; ties go to the most even partition, then
         # to the cheapest earlier stages
@@ -531,19 +631,31 @@ class TestGenerator(TestCase):
         # dense layers 0-2 cost 1, MoE layers cost 3: the MoE stages get fewer layers
         costs = [1, 1, 1] + [3] * 5
         self.assertEqual(
-            generate_module_names_per_stage(4, 8, layer_costs=costs, input_weight=0, output_weight=0),
-            [["tok_embeddings", "layers.0", "layers.1", "layers.2"], ["layers.3"], ["layers.4", "layers.5"],
-             ["layers.6", "layers.7", "norm", "output"]],
+            generate_module_names_per_stage(
+                4, 8, layer_costs=costs, input_weight=0, output_weight=0
+            ),
+            [
+                ["tok_embeddings", "layers.0", "layers.1", "layers.2"],
+                ["layers.3"],
+                ["layers.4", "layers.5"],
+                ["layers.6", "layers.7", "norm", "output"],
+            ],
         )
         # a heavy head gets a stage of its own
         self.assertEqual(
             generate_module_names_per_stage(3, 4, output_weight=4),
-            [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3"], ["norm", "output"]],
+            [
+                ["tok_embeddings", "layers.0"],
+                ["layers.1", "layers.2", "layers.3"],
+                ["norm", "output"],
+            ],
         )
         self.assertEqual(
             generate_module_names_per_stage(2, 2, **_NESTED_NAMES),
-            [["model.embed_tokens", "model.layers.0", "model.rotary_emb"],
-             ["model.layers.1", "model.norm", "lm_head", "model.rotary_emb"]],
+            [
+                ["model.embed_tokens", "model.layers.0", "model.rotary_emb"],
+                ["model.layers.1", "model.norm", "lm_head", "model.rotary_emb"],
+            ],
         )
 
     @settings(max_examples=150, deadline=None)
@@ -556,14 +668,24 @@ class TestGenerator(TestCase):
         with_out=st.booleans(),
         uniform=st.booleans(),
     )
-    def test_partition_properties(self, data, num_layers, input_weight, output_weight, with_in, with_out, uniform):
+    def test_partition_properties(
+        self, data, num_layers, input_weight, output_weight, with_in, with_out, uniform
+    ):
         costs = [1] * num_layers
         if not uniform:
-            costs = data.draw(st.lists(st.integers(0, 6), min_size=num_layers, max_size=num_layers))
-        units = _units(num_layers, input_weight, output_weight, costs, with_in, with_out)
+            costs = data.draw(
+                st.lists(st.integers(0, 6), min_size=num_layers, max_size=num_layers)
+            )
+        units = _units(
+            num_layers, input_weight, output_weight, costs, with_in, with_out
+        )
         if not units:
-            with self.assertRaisesRegex(ValueError, "cannot make 1 non-empty stages from 0 layers: at most 0"):
-                generate_module_names_per_stage(1, 0, input_modules=[], output_modules=[])
+            with self.assertRaisesRegex(
+                ValueError, "cannot make 1 non-empty stages from 0 layers: at most 0"
+            ):
+                generate_module_names_per_stage(
+                    1, 0, input_modules=[], output_modules=[]
+                )
             return
         num_stages = data.draw(st.integers(1, len(units)))
         kwargs = dict(
@@ -575,13 +697,17 @@ class TestGenerator(TestCase):
             replicated_modules=["rope"],
         )
         result = generate_module_names_per_stage(num_stages, num_layers, **kwargs)
-        self.assertEqual(result, generate_module_names_per_stage(num_stages, num_layers, **kwargs))
+        self.assertEqual(
+            result, generate_module_names_per_stage(num_stages, num_layers, **kwargs)
+        )
         self.assertEqual(len(result), num_stages)
         for stage in result:
             self.assertEqual(stage[-1], "rope")
             self.assertGreater(len(stage), 1, "empty stage")
         flat = [n for stage in result for n in stage[:-1]]
-        expected = (["emb", "pos"] if with_in else []) + [f"layers.{i}" for i in range(num_layers)]
+        expected = (["emb", "pos"] if with_in else []) + [
+            f"layers.{i}" for i in range(num_layers)
+        ]
         expected += ["norm", "head"] if with_out else []
         self.assertEqual(flat, expected)  # every unit exactly once, in order
         if with_in:
@@ -598,15 +724,24 @@ class TestGenerator(TestCase):
         got_counts = []
         for stage in result:
             n = len(stage) - 1
-            got_counts.append(n - (1 if "emb" in stage else 0) - (1 if "norm" in stage else 0))
+            got_counts.append(
+                n - (1 if "emb" in stage else 0) - (1 if "norm" in stage else 0)
+            )
         self.assertEqual(got_counts, unit_counts)
 
     @settings(max_examples=40, deadline=None)
-    @given(costs=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=7), data=st.data())
+    @given(
+        costs=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=7),
+        data=st.data(),
+    )
     def test_float_costs_are_optimal(self, costs, data):
         num_stages = data.draw(st.integers(1, len(costs)))
         result = generate_module_names_per_stage(
-            num_stages, len(costs), layer_costs=costs, input_modules=[], output_modules=[]
+            num_stages,
+            len(costs),
+            layer_costs=costs,
+            input_modules=[],
+            output_modules=[],
         )
         got = max(sum(costs[int(n.split(".")[1])] for n in stage) for stage in result)
         (bf_max, _, _), _ = _brute_force(costs, num_stages)
@@ -623,10 +758,21 @@ class TestStagePlacement(TestCase):
     def test_style_inferred_from_schedule(self):
         from torch.distributed.pipelining import schedules as S
 
-        v_style = (S.ScheduleDualPipeV, S.ScheduleZBVZeroBubble, "DualPipeV", "ScheduleZBVZeroBubble", "zbvzerobubble")
+        v_style = (
+            S.ScheduleDualPipeV,
+            S.ScheduleZBVZeroBubble,
+            "DualPipeV",
+            "ScheduleZBVZeroBubble",
+            "zbvzerobubble",
+        )
         for sched in v_style:
             self.assertEqual(stage_ids_this_rank(0, 2, 4, sched), (0, 3), sched)
-        loop_style = (S.ScheduleInterleaved1F1B, S.ScheduleLoopedBFS, "Interleaved1F1B", "InterleavedZeroBubble")
+        loop_style = (
+            S.ScheduleInterleaved1F1B,
+            S.ScheduleLoopedBFS,
+            "Interleaved1F1B",
+            "InterleavedZeroBubble",
+        )
         for sched in loop_style:
             self.assertEqual(stage_ids_this_rank(0, 2, 4, sched), (0, 2), sched)
 
@@ -638,10 +784,14 @@ class TestStagePlacement(TestCase):
             per_rank = [2] if style == "v" else [1, 2, 3]
             for k in per_rank:
                 num_stages = pp_size * k
-                mapping = generate_stage_to_rank_mapping(pp_size, num_stages, style=style)
+                mapping = generate_stage_to_rank_mapping(
+                    pp_size, num_stages, style=style
+                )
                 for rank in range(pp_size):
                     ids = stage_ids_this_rank(rank, pp_size, num_stages, style)
-                    self.assertEqual(sorted(ids), sorted(s for s, r in mapping.items() if r == rank))
+                    self.assertEqual(
+                        sorted(ids), sorted(s for s, r in mapping.items() if r == rank)
+                    )
 
 
 class TestPipelineModuleSplit(TestCase):
@@ -652,7 +802,9 @@ class TestPipelineModuleSplit(TestCase):
         super().setUpClass()
         cls._owns_pg = not dist.is_initialized()
         if cls._owns_pg:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
 
     @classmethod
     def tearDownClass(cls):
@@ -668,16 +820,26 @@ class TestPipelineModuleSplit(TestCase):
         names = generate_module_names_per_stage(3, 4)
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
         for group in (dist.group.WORLD, mesh):
-            stages, parts = pipeline_module_split(model, group, ScheduleInterleaved1F1B, "cpu", names)
+            stages, parts = pipeline_module_split(
+                model, group, ScheduleInterleaved1F1B, "cpu", names
+            )
             self.assertEqual([s.stage_index for s in stages], [0, 1, 2])
-            self.assertTrue(all(isinstance(s, PipelineStage) and s.num_stages == 3 for s in stages))
+            self.assertTrue(
+                all(isinstance(s, PipelineStage) and s.num_stages == 3 for s in stages)
+            )
             self.assertEqual([s.submod for s in stages], parts)
-            self.assertEqual(set().union(*(p.state_dict() for p in parts)), set(model.state_dict()))
+            self.assertEqual(
+                set().union(*(p.state_dict() for p in parts)), set(model.state_dict())
+            )
 
     def test_v_style_order(self):
         model = ToyLLM(n_layers=4)
         stages, parts = pipeline_module_split(
-            model, dist.group.WORLD, "DualPipeV", torch.device("cpu"), generate_module_names_per_stage(2, 4)
+            model,
+            dist.group.WORLD,
+            "DualPipeV",
+            torch.device("cpu"),
+            generate_module_names_per_stage(2, 4),
         )
         self.assertEqual([s.stage_index for s in stages], [0, 1])
         self.assertIsNotNone(parts[0].tok_embeddings)
@@ -692,7 +854,12 @@ class TestPipelineModuleSplit(TestCase):
             return nn.Sequential(part)
 
         stages, parts = pipeline_module_split(
-            model, dist.group.WORLD, "Interleaved1F1B", "cpu", generate_module_names_per_stage(2, 4), prepare_part=prepare
+            model,
+            dist.group.WORLD,
+            "Interleaved1F1B",
+            "cpu",
+            generate_module_names_per_stage(2, 4),
+            prepare_part=prepare,
         )
         self.assertEqual(seen, [(0, 2), (1, 2)])
         self.assertTrue(all(isinstance(p, nn.Sequential) for p in parts))
@@ -705,27 +872,53 @@ class TestPipelineModuleSplit(TestCase):
         model = ToyLLM(n_layers=4)
         names = generate_module_names_per_stage(2, 4)
         with mock.patch.object(ss, "_build_stage") as build:
-            with self.assertRaisesRegex(ValueError, "Schedule1F1B runs one stage per rank, but 2 stages"):
-                pipeline_module_split(model, dist.group.WORLD, Schedule1F1B, "cpu", names)
+            with self.assertRaisesRegex(
+                ValueError, "Schedule1F1B runs one stage per rank, but 2 stages"
+            ):
+                pipeline_module_split(
+                    model, dist.group.WORLD, Schedule1F1B, "cpu", names
+                )
             with self.assertRaisesRegex(ValueError, "exactly 2 stages per rank"):
-                pipeline_module_split(model, dist.group.WORLD, "DualPipeV", "cpu", names + [["norm"]])
+                pipeline_module_split(
+                    model, dist.group.WORLD, "DualPipeV", "cpu", names + [["norm"]]
+                )
             with self.assertRaisesRegex(ValueError, "1-D pipeline mesh"):
-                pipeline_module_split(model, init_device_mesh("cpu", (1, 1)), "Interleaved1F1B", "cpu", names)
+                pipeline_module_split(
+                    model,
+                    init_device_mesh("cpu", (1, 1)),
+                    "Interleaved1F1B",
+                    "cpu",
+                    names,
+                )
             with self.assertRaisesRegex(TypeError, "DeviceMesh or a ProcessGroup"):
                 pipeline_module_split(model, 0, "Interleaved1F1B", "cpu", names)
             with self.assertRaisesRegex(TypeError, "sets 'group' itself"):
-                pipeline_module_split(model, dist.group.WORLD, "Interleaved1F1B", "cpu", names, group=None)
-            with self.assertRaisesRegex(TypeError, "stage_kwargs do not fit PipelineStage"):
-                pipeline_module_split(model, dist.group.WORLD, "Interleaved1F1B", "cpu", names, bogus=1)
+                pipeline_module_split(
+                    model, dist.group.WORLD, "Interleaved1F1B", "cpu", names, group=None
+                )
+            with self.assertRaisesRegex(
+                TypeError, "stage_kwargs do not fit PipelineStage"
+            ):
+                pipeline_module_split(
+                    model, dist.group.WORLD, "Interleaved1F1B", "cpu", names, bogus=1
+                )
             with self.assertRaisesRegex(ValueError, "did you mean 'output'"):
-                pipeline_module_split(model, dist.group.WORLD, "Interleaved1F1B", "cpu", [names[0], ["outptu"]])
+                pipeline_module_split(
+                    model,
+                    dist.group.WORLD,
+                    "Interleaved1F1B",
+                    "cpu",
+                    [names[0], ["outptu"]],
+                )
             self.assertEqual(build.call_count, 0)
 
 
 class TestPublicNames(TestCase):
     def test_split_module_is_a_deprecated_alias(self):
         model = ToyLLM(n_layers=4)
-        with self.assertWarnsRegex(FutureWarning, "split_module is deprecated.*build_stage_module"):
+        with self.assertWarnsRegex(
+            FutureWarning, "split_module is deprecated.*build_stage_module"
+        ):
             old = ss.split_module(model, ["layers.1", "norm"])
         new = build_stage_module(model, ["layers.1", "norm"])
         self.assertIs(type(old), type(new))
@@ -739,7 +932,10 @@ class TestPublicNames(TestCase):
         with mock.patch.object(ss, "_build_stage", wraps=ss._build_stage) as build:
             parts = build_stage_modules(model, names, [2, 0])
         self.assertEqual(build.call_count, 2)
-        self.assertEqual(set(parts[0].state_dict()), {k for n in names[2] for k in model.state_dict() if k.startswith(n + ".")})
+        self.assertEqual(
+            set(parts[0].state_dict()),
+            {k for n in names[2] for k in model.state_dict() if k.startswith(n + ".")},
+        )
         self.assertIsNotNone(parts[1].tok_embeddings)
         with self.assertRaisesRegex(ValueError, "stage id 4 out of range for 4 stages"):
             build_stage_modules(model, names, [4])
@@ -747,9 +943,14 @@ class TestPublicNames(TestCase):
             build_stage_modules(model, [names[0], names[0] + names[1]], [0])
 
     def test_resolve_schedule_class(self):
-        from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (
+            ScheduleDualPipeV,
+            ScheduleInterleaved1F1B,
+        )
 
-        self.assertIs(resolve_schedule_class("Interleaved1F1B"), ScheduleInterleaved1F1B)
+        self.assertIs(
+            resolve_schedule_class("Interleaved1F1B"), ScheduleInterleaved1F1B
+        )
         self.assertIs(resolve_schedule_class("ScheduleDualPipeV"), ScheduleDualPipeV)
         self.assertIs(resolve_schedule_class(ScheduleDualPipeV), ScheduleDualPipeV)
         with self.assertRaisesRegex(TypeError, "not a pipeline schedule class"):
@@ -766,12 +967,16 @@ class TestPatch(TestCase):
 
         try:
             torch_pipelining_ext.patch()
-            status = {r.name: r.status.value for r in torch_pipelining_ext.patch_report()}["stage_split"]
+            status = {
+                r.name: r.status.value for r in torch_pipelining_ext.patch_report()
+            }["stage_split"]
             self.assertEqual(status, "applied")
             self.assertIs(pipelining.stage_split, ss)
             mod = importlib.import_module("torch.distributed.pipelining.stage_split")
             self.assertIs(mod, ss)
-            from torch.distributed.pipelining.stage_split import build_stage_module as imported
+            from torch.distributed.pipelining.stage_split import (
+                build_stage_module as imported,
+            )
 
             self.assertIs(imported, build_stage_module)
             torch_pipelining_ext.unpatch()
@@ -791,7 +996,9 @@ class TestPatch(TestCase):
         try:
             torch_pipelining_ext.unpatch()
             self.assertEqual(_probes._upstream_probe()[0], "needed")
-            with mock.patch.object(pipelining, "build_stage_module", build_stage_module, create=True):
+            with mock.patch.object(
+                pipelining, "build_stage_module", build_stage_module, create=True
+            ):
                 self.assertEqual(_probes._upstream_probe()[0], "upstream")
             with mock.patch.dict(pipelining.__dict__):
                 del pipelining.PipelineStage

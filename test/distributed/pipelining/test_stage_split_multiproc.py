@@ -15,14 +15,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common_pipelining import check_on_all_ranks, nccl_variant, PipelineMultiProcTest, token_cross_entropy
+from common_pipelining import (
+    check_on_all_ranks,
+    nccl_variant,
+    PipelineMultiProcTest,
+    token_cross_entropy,
+)
 from model_registry import NestedToyLLM, ToyLLM, toy_moe_llm
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
-from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+)
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
-from torch_pipelining_ext.stage_split import generate_module_names_per_stage, pipeline_module_split
+from torch_pipelining_ext.stage_split import (
+    generate_module_names_per_stage,
+    pipeline_module_split,
+)
 
 
 VOCAB = 32
@@ -62,7 +78,9 @@ class StageSplitGlooTest(PipelineMultiProcTest):
         if key not in self._groups:
             dp = self.world_size // pp
             if use_mesh:
-                mesh = init_device_mesh(self.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+                mesh = init_device_mesh(
+                    self.device.type, (dp, pp), mesh_dim_names=("dp", "pp")
+                )
                 self._groups[key] = mesh["pp"]
             elif dp == 1:
                 self._groups[key] = dist.group.WORLD
@@ -70,7 +88,9 @@ class StageSplitGlooTest(PipelineMultiProcTest):
                 self._groups[key] = dist.new_subgroups(group_size=pp)[0]
         return self._groups[key]
 
-    def _check_split_schedule(self, kind: str, schedule: str, pp: int, source: str, use_mesh: bool) -> None:
+    def _check_split_schedule(
+        self, kind: str, schedule: str, pp: int, source: str, use_mesh: bool
+    ) -> None:
         torch.manual_seed(0)
         schedule_cls, stages_per_rank = _SCHEDULES[schedule]
         num_stages = pp * stages_per_rank
@@ -82,7 +102,9 @@ class StageSplitGlooTest(PipelineMultiProcTest):
         tokens = torch.randint(0, VOCAB, (n_microbatches, SEQ), device=self.device)
         target = torch.randint(0, VOCAB, (n_microbatches, SEQ), device=self.device)
         ref_out = ref(tokens)
-        ref_losses = [token_cross_entropy(o, t) for o, t in zip(ref_out.split(1), target.split(1))]
+        ref_losses = [
+            token_cross_entropy(o, t) for o, t in zip(ref_out.split(1), target.split(1))
+        ]
         (torch.stack(ref_losses).sum() / n_microbatches).backward()
 
         gen_kwargs: dict = dict(_NESTED_NAMES) if kind == "nested" else {}
@@ -121,7 +143,9 @@ class StageSplitGlooTest(PipelineMultiProcTest):
 
         # single-stage schedules take the stage, multi-stage ones the list
         sched = schedule_cls(
-            stages[0] if stages_per_rank == 1 else stages, n_microbatches=n_microbatches, loss_fn=token_cross_entropy
+            stages[0] if stages_per_rank == 1 else stages,
+            n_microbatches=n_microbatches,
+            loss_fn=token_cross_entropy,
         )
         losses: list[torch.Tensor] = []
         has_first = any(s.is_first for s in stages)
@@ -131,7 +155,9 @@ class StageSplitGlooTest(PipelineMultiProcTest):
         # Every parameter of the model is checked on exactly one rank of the pipeline.
         checked = [name for part in parts for name, _ in part.named_parameters()]
         gathered: list = [None] * pp
-        dist.all_gather_object(gathered, checked, group=group.get_group() if use_mesh else group)
+        dist.all_gather_object(
+            gathered, checked, group=group.get_group() if use_mesh else group
+        )
 
         def check_results() -> None:
             if has_last:
@@ -147,7 +173,9 @@ class StageSplitGlooTest(PipelineMultiProcTest):
                     else:
                         self.assertIsNotNone(p.grad, name)
                         torch.testing.assert_close(p.grad, want, msg=f"grad of {name}")
-            self.assertEqual(sorted(n for names_ in gathered for n in names_), sorted(ref_params))
+            self.assertEqual(
+                sorted(n for names_ in gathered for n in names_), sorted(ref_params)
+            )
 
         check_on_all_ranks(check_results, self.device)
 
@@ -159,11 +187,15 @@ class StageSplitGlooTest(PipelineMultiProcTest):
     @parametrize("pp", [2, 4])
     @parametrize("schedule", list(_SCHEDULES))
     def test_moe_llm(self, schedule, pp):
-        self._check_split_schedule("moe", schedule, pp, source="meta_move", use_mesh=True)
+        self._check_split_schedule(
+            "moe", schedule, pp, source="meta_move", use_mesh=True
+        )
 
     @parametrize("pp", [2, 4])
     def test_nested_llm_replicated_rotary(self, pp):
-        self._check_split_schedule("nested", "interleaved1f1b", pp, source="meta", use_mesh=False)
+        self._check_split_schedule(
+            "nested", "interleaved1f1b", pp, source="meta", use_mesh=False
+        )
 
 
 instantiate_parametrized_tests(StageSplitGlooTest)

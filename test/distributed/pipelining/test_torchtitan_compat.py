@@ -44,7 +44,7 @@ from torch.distributed.pipelining import schedules as sched
 from torch.testing._internal.common_utils import run_tests, TestCase
 from torch.utils.checkpoint import checkpoint
 
-import torch_pipelining_ext  # noqa: F401  (applies the patches, registers the pair)
+import torch_pipelining_ext
 from torch_pipelining_ext import _torchtitan_compat
 from torch_pipelining_ext._torchtitan_compat import _apply, _capture
 
@@ -64,7 +64,9 @@ class _Mesh:
         return f"_Mesh({self.name!r})"
 
 
-def _fake_libraries(backend: str = "spmd_types", with_layout: bool = True) -> dict[str, types.ModuleType]:
+def _fake_libraries(
+    backend: str = "spmd_types", with_layout: bool = True
+) -> dict[str, types.ModuleType]:
     """Modules named like torchtitan's and spmd_types', with their thread-local state's shape."""
     titan = types.ModuleType(_torchtitan_compat._TORCHTITAN_SPMD)
     if with_layout:
@@ -87,7 +89,9 @@ def _fake_libraries(backend: str = "spmd_types", with_layout: bool = True) -> di
 
 
 @contextlib.contextmanager
-def _loaded(modules: dict[str, types.ModuleType]) -> Iterator[dict[str, types.ModuleType]]:
+def _loaded(
+    modules: dict[str, types.ModuleType],
+) -> Iterator[dict[str, types.ModuleType]]:
     with mock.patch.dict(sys.modules, modules):
         yield modules
 
@@ -108,7 +112,7 @@ def _on_thread(fn) -> Any:
     def target() -> None:
         try:
             result["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller
+        except BaseException as e:
             result["error"] = e
 
     thread = threading.Thread(target=target)
@@ -133,7 +137,11 @@ class CaptureApplyTest(TestCase):
             titan_tls = libs[_torchtitan_compat._TORCHTITAN_SPMD]._MESH_TLS
             spmd_tls = libs[_torchtitan_compat._SPMD_TYPES_STATE]._tls
             dense, sparse = _Mesh("dense", 1.0), _Mesh("sparse", 2.0)
-            titan_tls.dense_mesh, titan_tls.sparse_mesh, titan_tls.mesh_stack = dense, sparse, [dense]
+            titan_tls.dense_mesh, titan_tls.sparse_mesh, titan_tls.mesh_stack = (
+                dense,
+                sparse,
+                [dense],
+            )
             spmd_tls.mesh_stack = ["dense entry"]
             with torch.autograd.set_multithreading_enabled(False):
                 state = _capture()
@@ -142,19 +150,31 @@ class CaptureApplyTest(TestCase):
                 titan_tls.dense_mesh = "the worker's own"
                 seen: dict[str, Any] = {}
                 with _apply(state):
-                    seen["titan"] = (titan_tls.dense_mesh, titan_tls.sparse_mesh, list(titan_tls.mesh_stack))
+                    seen["titan"] = (
+                        titan_tls.dense_mesh,
+                        titan_tls.sparse_mesh,
+                        list(titan_tls.mesh_stack),
+                    )
                     seen["spmd"] = list(spmd_tls.mesh_stack)
                     seen["multithreading"] = torch._C._is_multithreading_enabled()
-                    titan_tls.mesh_stack.append(sparse)  # maybe_set_sparse_mesh() on the worker
+                    titan_tls.mesh_stack.append(
+                        sparse
+                    )  # maybe_set_sparse_mesh() on the worker
                     spmd_tls.mesh_stack.append("sparse entry")
-                seen["after"] = (dict(vars(titan_tls)), dict(vars(spmd_tls)), torch._C._is_multithreading_enabled())
+                seen["after"] = (
+                    dict(vars(titan_tls)),
+                    dict(vars(spmd_tls)),
+                    torch._C._is_multithreading_enabled(),
+                )
                 return seen
 
             seen = _on_thread(worker)
             self.assertEqual(seen["titan"], (dense, sparse, [dense]))
             self.assertEqual(seen["spmd"], ["dense entry"])
             self.assertFalse(seen["multithreading"])
-            self.assertEqual(seen["after"], ({"dense_mesh": "the worker's own"}, {}, True))
+            self.assertEqual(
+                seen["after"], ({"dense_mesh": "the worker's own"}, {}, True)
+            )
             # the worker pushed onto copies: the caller's stacks are unchanged
             self.assertEqual(titan_tls.mesh_stack, [dense])
             self.assertEqual(spmd_tls.mesh_stack, ["dense entry"])
@@ -163,12 +183,16 @@ class CaptureApplyTest(TestCase):
     def test_type_checking_is_refused(self) -> None:
         with _loaded(_fake_libraries()) as libs:
             libs[_torchtitan_compat._SPMD_TYPES_STATE]._tls.current_mode = object()
-            with self.assertRaisesRegex(RuntimeError, "spmd_types type checking is active"):
+            with self.assertRaisesRegex(
+                RuntimeError, "spmd_types type checking is active"
+            ):
                 _capture()
 
     def test_unknown_layout(self) -> None:
         with _loaded(_fake_libraries(backend="spmd_types", with_layout=False)):
-            with self.assertRaisesRegex(RuntimeError, "'_MESH_TLS' .* was not found.*'partial_dtensor'"):
+            with self.assertRaisesRegex(
+                RuntimeError, "'_MESH_TLS' .* was not found.*'partial_dtensor'"
+            ):
                 _capture()
         # other backends keep no meshes per thread: nothing to carry
         with _loaded(_fake_libraries(backend="partial_dtensor", with_layout=False)):
@@ -183,7 +207,10 @@ class CaptureApplyTest(TestCase):
         from torch_pipelining_ext.overlap import _marks
 
         def registered() -> bool:
-            return any(hook == (_capture, _apply) for hook in _marks._thread_state_hooks.values())
+            return any(
+                hook == (_capture, _apply)
+                for hook in _marks._thread_state_hooks.values()
+            )
 
         self.assertTrue(registered())
         try:
@@ -199,7 +226,13 @@ class CaptureApplyTest(TestCase):
             "print(len(_marks._thread_state_hooks))\n"
         )
         env = {**os.environ, "TORCH_PIPELINING_EXT_DISABLE": "1"}
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertEqual(done.stdout.strip(), "0")
 
@@ -207,11 +240,16 @@ class CaptureApplyTest(TestCase):
         from torch_pipelining_ext.overlap import _marks
 
         def registered() -> bool:
-            return any(hook == (_capture, _apply) for hook in _marks._thread_state_hooks.values())
+            return any(
+                hook == (_capture, _apply)
+                for hook in _marks._thread_state_hooks.values()
+            )
 
         try:
             torch_pipelining_ext.unpatch()
-            with mock.patch.dict(os.environ, {_torchtitan_compat.THREAD_STATE_ENV: "0"}):
+            with mock.patch.dict(
+                os.environ, {_torchtitan_compat.THREAD_STATE_ENV: "0"}
+            ):
                 torch_pipelining_ext.patch()
                 self.assertFalse(registered())
                 self.assertIsNone(_torchtitan_compat.register())
@@ -234,7 +272,9 @@ class _MeshScaled(nn.Module):
         mesh = sys.modules[_torchtitan_compat._TORCHTITAN_SPMD].current_spmd_mesh()
         _THREADS.add(threading.current_thread().name)
         if mesh is None:
-            raise RuntimeError(f"no current SPMD mesh on thread {threading.current_thread().name}")
+            raise RuntimeError(
+                f"no current SPMD mesh on thread {threading.current_thread().name}"
+            )
         return torch.tanh(self.lin(x)) * mesh.scale
 
 
@@ -260,9 +300,13 @@ class OverlappedActionTest(TestCase):
         super().setUpClass()
         cls._owns_pg = not dist.is_initialized()
         if cls._owns_pg:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
         elif dist.get_world_size() != 1:
-            raise unittest.SkipTest(f"a process group of {dist.get_world_size()} ranks exists in this process")
+            raise unittest.SkipTest(
+                f"a process group of {dist.get_world_size()} ranks exists in this process"
+            )
 
     @classmethod
     def tearDownClass(cls) -> None:
@@ -275,10 +319,16 @@ class OverlappedActionTest(TestCase):
         torch.manual_seed(0)
         reference = nn.Sequential(*(_Stage(DIM) for _ in range(2)))
         parts = [copy.deepcopy(stage) for stage in reference]
-        stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate(parts)]
+        stages = [
+            PipelineStage(part, i, 2, torch.device("cpu"))
+            for i, part in enumerate(parts)
+        ]
         schedule = sched.ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=_mse)
         gen = torch.Generator().manual_seed(1)
-        x, y = torch.randn(2 * N_MICROBATCHES, DIM, generator=gen), torch.randn(2 * N_MICROBATCHES, DIM, generator=gen)
+        x, y = (
+            torch.randn(2 * N_MICROBATCHES, DIM, generator=gen),
+            torch.randn(2 * N_MICROBATCHES, DIM, generator=gen),
+        )
         losses: list[torch.Tensor] = []
         out = schedule.step(x, target=y, losses=losses)
         ref_out, ref_losses = reference_step(reference, _mse, x, y, N_MICROBATCHES)
@@ -287,7 +337,11 @@ class OverlappedActionTest(TestCase):
         for i, part in enumerate(parts):
             for name, p in part.named_parameters():
                 self.assertIsNotNone(p.grad, f"stage {i} {name}: no gradient")
-                torch.testing.assert_close(p.grad, ref_params[f"{i}.{name}"].grad, msg=lambda m: f"stage {i} {name}: {m}")
+                torch.testing.assert_close(
+                    p.grad,
+                    ref_params[f"{i}.{name}"].grad,
+                    msg=lambda m: f"stage {i} {name}: {m}",
+                )
 
     def test_dualpipev_backward_thread_sees_the_mesh(self) -> None:
         with _loaded(_fake_libraries()) as libs:
@@ -297,7 +351,9 @@ class OverlappedActionTest(TestCase):
             _THREADS.clear()
             self._run()
             # some recomputation ran on the worker thread of an overlapped action
-            self.assertGreater(len(_THREADS - {threading.current_thread().name}), 0, _THREADS)
+            self.assertGreater(
+                len(_THREADS - {threading.current_thread().name}), 0, _THREADS
+            )
             self.assertEqual(titan._MESH_TLS.mesh_stack, [mesh])
 
     def test_without_the_pair_the_backward_thread_has_no_mesh(self) -> None:
@@ -306,33 +362,49 @@ class OverlappedActionTest(TestCase):
             titan._MESH_TLS.mesh_stack = [_Mesh("dense", 0.5)]
             _torchtitan_compat.register().remove()
             try:
-                with self.assertRaisesRegex(RuntimeError, "backward sub-action .* failed: .*no current SPMD mesh on thread"):
+                with self.assertRaisesRegex(
+                    RuntimeError,
+                    "backward sub-action .* failed: .*no current SPMD mesh on thread",
+                ):
                     self._run()
             finally:
                 _torchtitan_compat._handle = None
                 _torchtitan_compat.register()
 
 
-@unittest.skipUnless(HAS_TORCHTITAN, "needs torchtitan (tools/torchtitan_spmd_check.py says how to install it)")
+@unittest.skipUnless(
+    HAS_TORCHTITAN,
+    "needs torchtitan (tools/torchtitan_spmd_check.py says how to install it)",
+)
 class RealTorchtitanTest(TestCase):
     def test_captures_torchtitans_meshes(self) -> None:
         from torchtitan.distributed import spmd_types as titan_spmd
         from torchtitan.distributed.utils import get_spmd_backend
 
         if get_spmd_backend() != "spmd_types":
-            self.skipTest(f"torchtitan's SPMD backend is {get_spmd_backend()!r} in this process")
+            self.skipTest(
+                f"torchtitan's SPMD backend is {get_spmd_backend()!r} in this process"
+            )
         dense, sparse = _Mesh("dense", 1.0), _Mesh("sparse", 1.0)
         titan_spmd.set_spmd_meshes(dense_mesh=dense, sparse_mesh=sparse)
-        titan_spmd._spmd_mesh_stack().append(dense)  # what set_current_spmd_mesh(dense) pushes
+        titan_spmd._spmd_mesh_stack().append(
+            dense
+        )  # what set_current_spmd_mesh(dense) pushes
         try:
             state = _capture()
 
             def worker() -> tuple[Any, Any, Any]:
                 with _apply(state):
-                    return titan_spmd.spmd_dense_mesh(), titan_spmd.spmd_sparse_mesh(), titan_spmd.current_spmd_mesh()
+                    return (
+                        titan_spmd.spmd_dense_mesh(),
+                        titan_spmd.spmd_sparse_mesh(),
+                        titan_spmd.current_spmd_mesh(),
+                    )
 
             self.assertEqual(_on_thread(worker), (dense, sparse, dense))
-            self.assertIsNone(_on_thread(titan_spmd.current_spmd_mesh))  # without the pair: nothing
+            self.assertIsNone(
+                _on_thread(titan_spmd.current_spmd_mesh)
+            )  # without the pair: nothing
         finally:
             titan_spmd._spmd_mesh_stack().pop()
             titan_spmd.set_spmd_meshes(dense_mesh=None, sparse_mesh=None)

@@ -29,7 +29,9 @@ _NOT_2_15 = f"needs torch 2.15.x, the series' base (this is {torch.__version__})
 
 
 def _load_make_series():
-    spec = importlib.util.spec_from_file_location("make_series", _TOOLS / "make_series.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_series", _TOOLS / "make_series.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("make_series", module)
     spec.loader.exec_module(module)
@@ -57,7 +59,10 @@ class UpstreamSeriesTest(TestCase):
                 f"{name}/patch.diff is not what the package generates: run python tools/upstream/make_series.py",
             )
         if base is None:
-            self.assertTrue(any(generated.values()), "the new files of the series were not generated")
+            self.assertTrue(
+                any(generated.values()),
+                "the new files of the series were not generated",
+            )
 
     def test_series_applies_to_torch_2_15_without_fuzz(self) -> None:
         if not _IS_2_15:
@@ -66,18 +71,40 @@ class UpstreamSeriesTest(TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             target = root / make_series.PIPELINING
-            shutil.copytree(installed, target, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                installed, target, ignore=shutil.ignore_patterns("__pycache__")
+            )
             for patch in make_series.SERIES:
                 diff = str(patch.dir / "patch.diff")
-                done = subprocess.run(["git", "apply", "--check", diff], cwd=root, capture_output=True, text=True)
-                self.assertEqual(done.returncode, 0, f"{patch.name} does not apply: {done.stderr}")
+                done = subprocess.run(
+                    ["git", "apply", "--check", diff],
+                    cwd=root,
+                    capture_output=True,
+                    text=True,
+                )
+                self.assertEqual(
+                    done.returncode, 0, f"{patch.name} does not apply: {done.stderr}"
+                )
                 if shutil.which("patch"):
                     done = subprocess.run(
-                        ["patch", "-p1", "--fuzz=0", "--dry-run", "-i", diff], cwd=root, capture_output=True, text=True
+                        ["patch", "-p1", "--fuzz=0", "--dry-run", "-i", diff],
+                        cwd=root,
+                        capture_output=True,
+                        text=True,
                     )
-                    self.assertEqual(done.returncode, 0, f"{patch.name}: patch --fuzz=0 refuses it: {done.stdout}")
+                    self.assertEqual(
+                        done.returncode,
+                        0,
+                        f"{patch.name}: patch --fuzz=0 refuses it: {done.stdout}",
+                    )
                 subprocess.run(["git", "apply", diff], cwd=root, check=True)
-            for name in ("_overlap.py", "ep_overlap.py", "stage_split.py", "schedules.py", "stage.py"):
+            for name in (
+                "_overlap.py",
+                "ep_overlap.py",
+                "stage_split.py",
+                "schedules.py",
+                "stage.py",
+            ):
                 compile((target / name).read_text(), name, "exec")
 
     def test_rule_copies_with_upstream_names(self) -> None:
@@ -103,12 +130,19 @@ class UpstreamSeriesTest(TestCase):
         with self.assertRaisesRegex(ValueError, "still names the package"):
             make_series.upstream_source("import torch_pipelining_ext\n", "m.py")
         with self.assertRaisesRegex(ValueError, "still names the package"):
-            make_series.upstream_source("from torch_pipelining_ext import _schedule_runtime\n", "m.py")
+            make_series.upstream_source(
+                "from torch_pipelining_ext import _schedule_runtime\n", "m.py"
+            )
         with self.assertRaisesRegex(ValueError, "matches 0 times"):
             make_series.upstream_source("A = 1\n", "m.py", substitute=(("B", "C"),))
 
     def test_proposed_modules_have_no_markers_or_commented_code(self) -> None:
-        modules = [part.module for patch in make_series.SERIES for part in patch.parts if hasattr(part, "module")]
+        modules = [
+            part.module
+            for patch in make_series.SERIES
+            for part in patch.parts
+            if hasattr(part, "module")
+        ]
         for module in modules:
             text = (make_series.PACKAGE / module).read_text()
             self.assertNotRegex(text, r"\[/?(package|upstream)-only\]", module)

@@ -111,7 +111,9 @@ class ScheduleFSDPSplitBackwardTest(MultiProcContinuousTest):
         if error is not None:
             raise error
         if failed.item():
-            raise AssertionError(f"the check failed on {int(failed.item())} other rank(s)")
+            raise AssertionError(
+                f"the check failed on {int(failed.item())} other rank(s)"
+            )
 
     @parametrize(
         "ScheduleClass",
@@ -158,7 +160,9 @@ class ScheduleFSDPSplitBackwardTest(MultiProcContinuousTest):
 
         def check():
             for module, i, module_grads in zip(modules, stage_indices, grads):
-                named = zip(module.named_parameters(), ref[i].parameters(), module_grads)
+                named = zip(
+                    module.named_parameters(), ref[i].parameters(), module_grads
+                )
                 for (name, _), ref_p, grad in named:
                     msg = f"stage {i} {name}"
                     self.assertIsNotNone(grad, f"{msg}: no gradient")

@@ -99,7 +99,9 @@ class ScheduleGradAccumulationTest(MultiProcContinuousTest):
         if error is not None:
             raise error
         if failed.item():
-            raise AssertionError(f"the check failed on {int(failed.item())} other rank(s)")
+            raise AssertionError(
+                f"the check failed on {int(failed.item())} other rank(s)"
+            )
 
     @parametrize(
         "ScheduleClass",

@@ -127,7 +127,9 @@ class ScheduleCustomFunctionContextTest(MultiProcContinuousTest):
                 return_outputs=return_outputs,
                 loss_kwargs=loss_kwargs,
             )
-            self.assertEqual(forward.return_outputs, [return_outputs] * 2 * N_MICROBATCHES)
+            self.assertEqual(
+                forward.return_outputs, [return_outputs] * 2 * N_MICROBATCHES
+            )
             forward.return_outputs.clear()
 
             ref_outputs, ref_losses = [], []
@@ -144,14 +146,20 @@ class ScheduleCustomFunctionContextTest(MultiProcContinuousTest):
                 else:
                     self.assertEqual(len(last_stage.output_chunks), 0)
             for module, i in zip(modules, stage_indices):
-                for (name, p), ref_p in zip(module.named_parameters(), ref[i].parameters()):
-                    torch.testing.assert_close(p.grad, ref_p.grad, msg=f"stage {i} {name}")
+                for (name, p), ref_p in zip(
+                    module.named_parameters(), ref[i].parameters()
+                ):
+                    torch.testing.assert_close(
+                        p.grad, ref_p.grad, msg=f"stage {i} {name}"
+                    )
                 module.zero_grad()
             ref.zero_grad()
 
 
 @requires_nccl()
-@skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs")
+@skip_but_pass_in_sandcastle_if(
+    torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs"
+)
 class ScheduleCustomFunctionContextTestNCCL(ScheduleCustomFunctionContextTest):
     @classmethod
     def backend_str(cls) -> str:

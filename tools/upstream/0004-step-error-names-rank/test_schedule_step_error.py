@@ -101,7 +101,9 @@ class ScheduleStepErrorTest(MultiProcContinuousTest):
 
 
 @requires_nccl()
-@skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs")
+@skip_but_pass_in_sandcastle_if(
+    torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs"
+)
 class ScheduleStepErrorTestNCCL(ScheduleStepErrorTest):
     @classmethod
     def backend_str(cls) -> str:

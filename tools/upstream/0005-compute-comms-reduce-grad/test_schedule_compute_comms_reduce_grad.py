@@ -102,7 +102,9 @@ class ScheduleComputeCommsReduceGradTest(MultiProcContinuousTest):
         if error is not None:
             raise error
         if failed.item():
-            raise AssertionError(f"the check failed on {int(failed.item())} other rank(s)")
+            raise AssertionError(
+                f"the check failed on {int(failed.item())} other rank(s)"
+            )
 
     def _stages(self, use_fsdp: bool):
         mesh = self._mesh()
@@ -148,13 +150,20 @@ class ScheduleComputeCommsReduceGradTest(MultiProcContinuousTest):
         # imported here: the other test must fail on stock torch for its own reason
         from torch.distributed.pipelining.schedules import _add_missing_reduce_grad
 
-        rows = [_add_missing_reduce_grad(row, N_MICROBATCHES) for row in self._lowered_rows(stages)]
+        rows = [
+            _add_missing_reduce_grad(row, N_MICROBATCHES)
+            for row in self._lowered_rows(stages)
+        ]
         self._load_compute_comms(schedule, rows)
 
         gen = torch.Generator().manual_seed(1)
         for step in range(2):
-            x = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen).to(self.device)
-            y = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen).to(self.device)
+            x = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen).to(
+                self.device
+            )
+            y = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen).to(
+                self.device
+            )
             schedule.step(x, target=y)
             for x_mb, y_mb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
                 (loss_fn(ref(x_mb), y_mb) / N_MICROBATCHES).backward()
@@ -194,7 +203,12 @@ class ScheduleComputeCommsReduceGradTest(MultiProcContinuousTest):
         rows = self._lowered_rows(stages, keep_reduce_grad_stages=keep)
         # every rank validates the whole schedule and stops at rank 0, which runs stages 0 and PP
         missing = [PP] if kept == "first_stage" else [0, PP]
-        with self.assertRaisesRegex(ValueError, re.escape(f"Rank 0 runs backward for stages {missing} but has no REDUCE_GRAD")):
+        with self.assertRaisesRegex(
+            ValueError,
+            re.escape(
+                f"Rank 0 runs backward for stages {missing} but has no REDUCE_GRAD"
+            ),
+        ):
             self._load_compute_comms(schedule, rows)
 
 

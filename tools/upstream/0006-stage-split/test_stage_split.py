@@ -110,7 +110,9 @@ class StageSplitTest(TestCase):
 
     def test_chained_stages_match_model(self):
         model = make_model()
-        parts = [split_module(model, n) for n in generate_module_names_per_stage(4, N_LAYERS)]
+        parts = [
+            split_module(model, n) for n in generate_module_names_per_stage(4, N_LAYERS)
+        ]
         tokens = torch.randint(VOCAB, (2, SEQ))
         h = tokens
         for part in parts:
@@ -189,7 +191,11 @@ class StageSplitMultiProcTest(MultiProcContinuousTest):
         self.assertTrue(all(isinstance(s, PipelineStage) for s in stages))
         self.assertEqual(
             [s.stage_index for s in stages],
-            list(stage_ids_this_rank(self.rank, self.world_size, len(names), ScheduleClass)),
+            list(
+                stage_ids_this_rank(
+                    self.rank, self.world_size, len(names), ScheduleClass
+                )
+            ),
         )
         schedule = ScheduleClass(stages, N_MICROBATCHES, loss_fn=loss_fn)
         gen = torch.Generator().manual_seed(1)
@@ -200,7 +206,9 @@ class StageSplitMultiProcTest(MultiProcContinuousTest):
         schedule.step(tokens, target=target, losses=losses)
 
         ref_losses = []
-        for x_mb, y_mb in zip(tokens.chunk(N_MICROBATCHES), target.chunk(N_MICROBATCHES)):
+        for x_mb, y_mb in zip(
+            tokens.chunk(N_MICROBATCHES), target.chunk(N_MICROBATCHES)
+        ):
             loss = loss_fn(ref(x_mb), y_mb)
             (loss / N_MICROBATCHES).backward()
             ref_losses.append(loss.detach())
@@ -216,7 +224,9 @@ instantiate_parametrized_tests(StageSplitMultiProcTest)
 
 
 @requires_nccl()
-@skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs")
+@skip_but_pass_in_sandcastle_if(
+    torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs"
+)
 class StageSplitMultiProcTestNCCL(StageSplitMultiProcTest):
     @classmethod
     def backend_str(cls) -> str:

@@ -11,7 +11,6 @@ operations run) and as a single-process reference.
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -151,7 +150,9 @@ instantiate_parametrized_tests(SchedulePerActionFunctionsTest)
 
 
 @requires_nccl()
-@skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs")
+@skip_but_pass_in_sandcastle_if(
+    torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs"
+)
 class SchedulePerActionFunctionsTestNCCL(SchedulePerActionFunctionsTest):
     @classmethod
     def backend_str(cls) -> str:

@@ -12,7 +12,6 @@ way round gives the same outputs, losses and gradients as the built-in path
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -134,7 +133,9 @@ instantiate_parametrized_tests(SchedulePrepareComputeActionTest)
 
 
 @requires_nccl()
-@skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs")
+@skip_but_pass_in_sandcastle_if(
+    torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs"
+)
 class SchedulePrepareComputeActionTestNCCL(SchedulePrepareComputeActionTest):
     @classmethod
     def backend_str(cls) -> str:

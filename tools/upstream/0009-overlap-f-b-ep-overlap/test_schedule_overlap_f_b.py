@@ -24,7 +24,12 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import _ep_marks, ep_overlap, PipelineStage, ScheduleDualPipeV
+from torch.distributed.pipelining import (
+    _ep_marks,
+    ep_overlap,
+    PipelineStage,
+    ScheduleDualPipeV,
+)
 from torch.distributed.pipelining._ep_rng import _RNGDevices
 from torch.distributed.pipelining._ep_turns import _CommCoordinator, _Side, _TurnState
 from torch.distributed.pipelining._overlap import _run_overlapped
@@ -137,7 +142,9 @@ class ScheduleOverlapFBTest(MultiProcContinuousTest):
         n_stages = 2 * self.world_size
         stage_indices = [self.rank, n_stages - 1 - self.rank]
         torch.manual_seed(0)
-        ref = nn.Sequential(*(MarkedLayer(DIM) for _ in range(n_stages))).to(self.device)
+        ref = nn.Sequential(*(MarkedLayer(DIM) for _ in range(n_stages))).to(
+            self.device
+        )
         modules = [copy.deepcopy(ref[i]) for i in stage_indices]
         stages = [
             PipelineStage(m, i, n_stages, self.device)
@@ -173,7 +180,9 @@ class ScheduleOverlapFBTest(MultiProcContinuousTest):
         main = threading.get_ident()
         self.assertEqual(seq_threads, {main})
         self.assertIn(main, threads)
-        self.assertGreater(len(threads - {main}), 0, "no backward ran on the worker thread")
+        self.assertGreater(
+            len(threads - {main}), 0, "no backward ran on the worker thread"
+        )
 
     def test_marked_regions_are_exclusive(self):
         torch.set_num_threads(1)
@@ -181,13 +190,19 @@ class ScheduleOverlapFBTest(MultiProcContinuousTest):
         self.assertGreater(len(threads), 1)
         self.assertGreater(len(events), 0)
         # one thread in a region at a time
-        both = [i for i, (_, other) in enumerate(events) if other is _TurnState.COMMUNICATING]
+        both = [
+            i
+            for i, (_, other) in enumerate(events)
+            if other is _TurnState.COMMUNICATING
+        ]
         self.assertEqual(both, [], "regions of two threads overlap")
         self.assertGreater(len({tid for tid, _ in events}), 1)
 
 
 @requires_nccl()
-@skip_but_pass_in_sandcastle_if(torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs")
+@skip_but_pass_in_sandcastle_if(
+    torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs"
+)
 class ScheduleOverlapFBTestNCCL(ScheduleOverlapFBTest):
     @classmethod
     def backend_str(cls) -> str:
@@ -203,7 +218,9 @@ class CommCoordinatorTest(TestCase):
         coordinator = _CommCoordinator(rank=0, action="0F0;1B0", timeout=0.05)
         coordinator.open(_Side.BACKWARD, "combine_end (backward)", "combine")
         # the forward side would wait for ever: the coordinator's timeout says so
-        with self.assertRaisesRegex(ep_overlap.CommWaitTimeoutError, "for its turn to communicate"):
+        with self.assertRaisesRegex(
+            ep_overlap.CommWaitTimeoutError, "for its turn to communicate"
+        ):
             coordinator.open(_Side.FORWARD, "dispatch_begin (forward)", "dispatch")
 
     def test_recomputation_that_starts_before_the_forward_waits(self):
@@ -240,8 +257,9 @@ class CommCoordinatorTest(TestCase):
 
         drawn = {}
         torch.manual_seed(5)
-        with mock.patch.object(_CommCoordinator, "start", late_forward_start), mock.patch.object(
-            _CommCoordinator, "_wait", noting_wait
+        with (
+            mock.patch.object(_CommCoordinator, "start", late_forward_start),
+            mock.patch.object(_CommCoordinator, "_wait", noting_wait),
         ):
             # a stall would end in CommWaitTimeoutError after `timeout`, raised here
             _run_overlapped(
