@@ -660,43 +660,71 @@ def _min_max_partition(costs: Sequence[float], num_parts: int) -> list[int]:
     return bounds
 
 
-def _partition_units(
-    num_layers: int,
-    input_weight: float,
-    output_weight: float,
-    layer_costs: Sequence[float] | None,
-    layers_prefix: str,
-    inputs: list[str],
-    outputs: list[str],
-) -> list[tuple[float, list[str]]]:
-    """The checked units a partition is made of: (cost, FQNs) of the inputs, each layer, the outputs."""
-    if (
-        isinstance(num_layers, bool)
-        or not isinstance(num_layers, int)
-        or num_layers < 0
-    ):
-        raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
-    in_cost = _check_cost("input_weight", input_weight)
-    out_cost = _check_cost("output_weight", output_weight)
+def _check_count(arg: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{arg} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _layer_costs(num_layers: int, layer_costs: Sequence[float] | None) -> list[float]:
     if layer_costs is None:
-        costs = [1.0] * num_layers
-    else:
-        costs = [_check_cost(f"layer_costs[{i}]", c) for i, c in enumerate(layer_costs)]
-        if len(costs) != num_layers:
-            raise ValueError(
-                f"layer_costs has {len(costs)} entries for {num_layers} layers"
-            )
+        return [1.0] * num_layers
+    costs = [_check_cost(f"layer_costs[{i}]", c) for i, c in enumerate(layer_costs)]
+    if len(costs) != num_layers:
+        raise ValueError(
+            f"layer_costs has {len(costs)} entries for {num_layers} layers"
+        )
+    return costs
+
+
+def _partition_units(
+    num_stages: int,
+    num_layers: int,
+    costs: tuple[float, float, Sequence[float] | None],
+    layers_prefix: str,
+    modules: tuple[Sequence[str], Sequence[str], Sequence[str]],
+) -> tuple[list[tuple[float, list[str]]], list[str]]:
+    """The checked units a partition is made of, and the replicated modules.
+
+    A unit is (cost, FQNs): the input modules, each layer, the output modules.
+    ``costs`` is (input weight, output weight, layer costs), ``modules`` is
+    (input, output, replicated modules).
+    """
+    _check_count("num_stages", num_stages, 1)
+    _check_count("num_layers", num_layers, 0)
+    in_cost = _check_cost("input_weight", costs[0])
+    out_cost = _check_cost("output_weight", costs[1])
+    layer_costs = _layer_costs(num_layers, costs[2])
     if not isinstance(layers_prefix, str) or not layers_prefix:
         raise TypeError(
             f"layers_prefix must be a non-empty string, got {layers_prefix!r}"
         )
-    units: list[tuple[float, list[str]]] = []
-    if inputs:
-        units.append((in_cost, inputs))
-    units += [(c, [f"{layers_prefix}.{i}"]) for i, c in enumerate(costs)]
-    if outputs:
-        units.append((out_cost, outputs))
-    return units
+    inputs, outputs, replicated = (
+        _check_names(arg, names)
+        for arg, names in zip(
+            ("input_modules", "output_modules", "replicated_modules"), modules
+        )
+    )
+    _check_no_shared_module(
+        [("input_modules", n) for n in inputs]
+        + [("output_modules", n) for n in outputs]
+        + [("replicated_modules", n) for n in replicated]
+        # the layers themselves are distinct and disjoint; their container
+        # stands for all of them in the overlap check
+        + [(f"the layers {layers_prefix}.0..{num_layers - 1}", layers_prefix)]
+        * (num_layers > 0)
+    )
+    units = [(in_cost, inputs)] if inputs else []
+    units += [(c, [f"{layers_prefix}.{i}"]) for i, c in enumerate(layer_costs)]
+    units += [(out_cost, outputs)] if outputs else []
+    if num_stages > len(units):
+        raise ValueError(
+            f"cannot make {num_stages} non-empty stages from {num_layers} layers"
+            + (" plus the input modules" if inputs else "")
+            + (" plus the output modules" if outputs else "")
+            + f": at most {len(units)} stages"
+        )
+    return units, replicated
 
 
 def generate_module_names_per_stage(
@@ -752,40 +780,13 @@ def generate_module_names_per_stage(
         >>> generate_module_names_per_stage(2, 4)
         [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
     """
-    if (
-        isinstance(num_stages, bool)
-        or not isinstance(num_stages, int)
-        or num_stages < 1
-    ):
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    inputs = _check_names("input_modules", input_modules)
-    outputs = _check_names("output_modules", output_modules)
-    replicated = _check_names("replicated_modules", replicated_modules)
-    units = _partition_units(
+    units, replicated = _partition_units(
+        num_stages,
         num_layers,
-        input_weight,
-        output_weight,
-        layer_costs,
+        (input_weight, output_weight, layer_costs),
         layers_prefix,
-        inputs,
-        outputs,
+        (input_modules, output_modules, replicated_modules),
     )
-    _check_no_shared_module(
-        [("input_modules", n) for n in inputs]
-        + [("output_modules", n) for n in outputs]
-        + [("replicated_modules", n) for n in replicated]
-        # the layers themselves are distinct and disjoint; their container
-        # stands for all of them in the overlap check
-        + [(f"the layers {layers_prefix}.0..{num_layers - 1}", layers_prefix)]
-        * (num_layers > 0)
-    )
-    if num_stages > len(units):
-        raise ValueError(
-            f"cannot make {num_stages} non-empty stages from {num_layers} layers"
-            + (" plus the input modules" if inputs else "")
-            + (" plus the output modules" if outputs else "")
-            + f": at most {len(units)} stages"
-        )
     bounds = _min_max_partition([c for c, _ in units], num_stages)
     result = []
     for s in range(num_stages):
