@@ -17,8 +17,8 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 from torch_pipelining_ext.sim import (
     HARDWARE_PRESETS,
@@ -26,6 +26,7 @@ from torch_pipelining_ext.sim import (
     ModelShape,
     OverlapModel,
     SimulationResult,
+    StageCost,
     layer_costs,
     plot_timeline,
     simulate_schedule,
@@ -79,16 +80,37 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# (schedule name, stages per rank, label); 1F1B runs as torch's Interleaved1F1B
-# with one stage per rank (Schedule1F1B's own pipeline_order is not a valid IR, see docs/simulator.md).
-_SCHEDULES = {
-    "1F1B": ("Interleaved1F1B", 1),
-    "Interleaved1F1B": ("Interleaved1F1B", 2),
-    "ZB1P": ("InterleavedZeroBubble", 1),
-    "InterleavedZeroBubble": ("InterleavedZeroBubble", 2),
-    "ZBVZeroBubble": ("ZBVZeroBubble", 2),
-    "DualPipeV": ("DualPipeV", 2),
+
+class _Schedule(NamedTuple):
+    """A schedule the planner offers."""
+
+    label: str  # the planner's name (``--schedules``, the printed table)
+    torch_name: str  # the torch schedule that is simulated
+    stages_per_rank: int
+
+
+# 1F1B runs as torch's Interleaved1F1B with one stage per rank (Schedule1F1B's
+# own pipeline_order is not a valid IR, see docs/simulator.md).
+_SCHEDULES: dict[str, _Schedule] = {
+    s.label: s
+    for s in (
+        _Schedule("1F1B", "Interleaved1F1B", 1),
+        _Schedule("Interleaved1F1B", "Interleaved1F1B", 2),
+        _Schedule("ZB1P", "InterleavedZeroBubble", 1),
+        _Schedule("InterleavedZeroBubble", "InterleavedZeroBubble", 2),
+        _Schedule("ZBVZeroBubble", "ZBVZeroBubble", 2),
+        _Schedule("DualPipeV", "DualPipeV", 2),
+    )
 }
+
+
+class _GridPoint(NamedTuple):
+    """One (PP, DP, EP, microbatches) of the search."""
+
+    pp: int
+    dp: int
+    ep: int
+    microbatches: int
 
 
 @dataclasses.dataclass
@@ -118,7 +140,7 @@ def _configurations(
     eps: Sequence[int],
     microbatches: Sequence[int] | None,
     at_least_stages: bool,
-) -> Iterator[tuple[int, int, int, int]]:
+) -> Iterator[_GridPoint]:
     """Every (PP, DP, EP, microbatches) that divides the GPUs, the experts and the batch."""
     for pp in pps:
         if gpus % pp:
@@ -131,7 +153,102 @@ def _configurations(
             for m in microbatches or (n_stages, 2 * n_stages):
                 if global_batch % (dp * m) or (at_least_stages and m < n_stages):
                     continue
-                yield pp, dp, ep, m
+                yield _GridPoint(pp, dp, ep, m)
+
+
+def _stage_inputs(
+    shape: ModelShape,
+    hardware: Any,
+    schedule: _Schedule,
+    point: _GridPoint,
+    *,
+    seq_len: int,
+    global_batch: int,
+    a2a_bytes: int,
+    recompute: bool,
+) -> tuple[list[StageCost], list[tuple[float, float]]]:
+    """The per-stage costs and (dense, expert) parameters of ``point``'s even layer split."""
+    tokens = global_batch // (point.dp * point.microbatches) * seq_len
+    layers, embed, head = layer_costs(
+        shape,
+        hardware,
+        tokens=tokens,
+        seq_len=seq_len,
+        ep=point.ep,
+        a2a_dtype_bytes=a2a_bytes,
+        recompute=recompute,
+    )
+    split = even_layer_split(shape.num_layers, point.pp * schedule.stages_per_rank)
+    costs = stage_costs_from_layers(layers, split, first_extra=embed, last_extra=head)
+    return costs, stage_params(shape, split, point.ep)
+
+
+def _peak_memory_bytes(
+    result: SimulationResult,
+    params: Sequence[tuple[float, float]],
+    point: _GridPoint,
+) -> float:
+    """The most any rank holds: its stages' parameters and optimizer state, plus its peak activations."""
+    return max(
+        static_memory_bytes(
+            [params[s] for s, r in result.stage_to_rank.items() if r == rank],
+            point.dp,
+            point.ep,
+        )
+        + result.ranks[rank].peak_activation_bytes
+        for rank in range(point.pp)
+    )
+
+
+def _point_candidates(
+    schedule: _Schedule,
+    point: _GridPoint,
+    costs: Sequence[StageCost],
+    params: Sequence[tuple[float, float]],
+    link: LinkCost,
+    memory_limit: float,
+) -> list[Candidate]:
+    """``point`` simulated: with and without OVERLAP_F_B overlap for DualPipeV, once otherwise."""
+    rows: list[Candidate] = []
+    dual = schedule.torch_name == "DualPipeV"
+    for overlap in (True, False) if dual else (None,):
+        try:
+            result = simulate_schedule(
+                schedule.torch_name,
+                point.pp,
+                point.microbatches,
+                costs,
+                stages_per_rank=schedule.stages_per_rank,
+                link=link,
+                overlap=OverlapModel(enabled=bool(overlap)),
+            )
+        except ValueError as e:  # torch's constructor refuses this (PP, microbatches)
+            logger.debug(
+                "skipping %s pp=%d m=%d: %s",
+                schedule.label,
+                point.pp,
+                point.microbatches,
+                e,
+            )
+            break
+        mem = _peak_memory_bytes(result, params, point)
+        rows.append(
+            Candidate(
+                schedule.label,
+                point.pp,
+                schedule.stages_per_rank,
+                point.microbatches,
+                point.ep,
+                overlap,
+                result.step_time,
+                result.bubble_fraction,
+                result.exposed_comm,
+                mem,
+                mem <= memory_limit,
+                result,
+            )
+        )
+    return rows
 
 
 def plan(
@@ -150,74 +267,34 @@ def plan(
     recompute: bool = False,
 ) -> list[Candidate]:
     """Every feasible candidate, predicted; fitting ones first, fastest first."""
+    link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
     rows: list[Candidate] = []
     for label in schedules:
-        name, v = _SCHEDULES[label]
+        schedule = _SCHEDULES[label]
         grid = _configurations(
-            shape, v, gpus, global_batch, pps, eps, microbatches, name == "DualPipeV"
+            shape,
+            schedule.stages_per_rank,
+            gpus,
+            global_batch,
+            pps,
+            eps,
+            microbatches,
+            schedule.torch_name == "DualPipeV",
         )
-        for pp, dp, ep, m in grid:
-            tokens = global_batch // (dp * m) * seq_len
-            layers, embed, head = layer_costs(
+        for point in grid:
+            costs, params = _stage_inputs(
                 shape,
                 hardware,
-                tokens=tokens,
+                schedule,
+                point,
                 seq_len=seq_len,
-                ep=ep,
-                a2a_dtype_bytes=a2a_bytes,
+                global_batch=global_batch,
+                a2a_bytes=a2a_bytes,
                 recompute=recompute,
             )
-            split = even_layer_split(shape.num_layers, pp * v)
-            costs = stage_costs_from_layers(
-                layers, split, first_extra=embed, last_extra=head
+            rows.extend(
+                _point_candidates(schedule, point, costs, params, link, memory_limit)
             )
-            link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
-            params = stage_params(shape, split, ep)
-            for overlap in (True, False) if name == "DualPipeV" else (None,):
-                try:
-                    result = simulate_schedule(
-                        name,
-                        pp,
-                        m,
-                        costs,
-                        stages_per_rank=v,
-                        link=link,
-                        overlap=OverlapModel(enabled=bool(overlap)),
-                    )
-                except (
-                    ValueError
-                ) as e:  # torch's constructor refuses this (PP, microbatches)
-                    logger.debug("skipping %s pp=%d m=%d: %s", label, pp, m, e)
-                    break
-                mem = max(
-                    static_memory_bytes(
-                        [
-                            params[s]
-                            for s, r in result.stage_to_rank.items()
-                            if r == rank
-                        ],
-                        dp,
-                        ep,
-                    )
-                    + result.ranks[rank].peak_activation_bytes
-                    for rank in range(pp)
-                )
-                rows.append(
-                    Candidate(
-                        label,
-                        pp,
-                        v,
-                        m,
-                        ep,
-                        overlap,
-                        result.step_time,
-                        result.bubble_fraction,
-                        result.exposed_comm,
-                        mem,
-                        mem <= memory_limit,
-                        result,
-                    )
-                )
     rows.sort(key=lambda c: (not c.fits, c.step_time))
     return rows
 
@@ -291,31 +368,91 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> list[Candidate]:
-    """The command line: parse ``argv``, plan, print the best candidates; returns every candidate."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _model_config(args: argparse.Namespace) -> Any:
+    """The fields of ``--config``'s file, or of the ``--model`` preset."""
     if args.config:
         with open(args.config) as f:
-            config = json.load(f)
-    else:
-        config = MODEL_PRESETS[args.model]
-    shape = ModelShape.from_hf_config(config)
-    unknown = [x for x in args.schedules.split(",") if x not in _SCHEDULES]
+            return json.load(f)
+    return MODEL_PRESETS[args.model]
+
+
+def _check_schedules(parser: argparse.ArgumentParser, schedules: str) -> None:
+    """Exit with a usage error if ``--schedules`` names a schedule the planner does not offer."""
+    unknown = [x for x in schedules.split(",") if x not in _SCHEDULES]
     if unknown:
         parser.error(
             f"--schedules: unknown {', '.join(unknown)} (known: {', '.join(_SCHEDULES)})"
         )
+
+
+def _hardware(
+    parser: argparse.ArgumentParser, preset_name: str, override: Sequence[str]
+) -> Any:
+    """The preset with the ``--override FIELD=VALUE`` items applied (converted to the field's type)."""
+    preset = HARDWARE_PRESETS[preset_name]
+    fields = [f.name for f in dataclasses.fields(preset)]
     overrides = {}
-    preset = HARDWARE_PRESETS[args.preset]
-    for item in args.override:
+    for item in override:
         key, _, value = item.partition("=")
-        if key not in {f.name for f in dataclasses.fields(preset)} or key == "name":
+        if key not in fields or key == "name":
             parser.error(
-                f"--override {item}: not a hardware field ({', '.join(f.name for f in dataclasses.fields(preset))})"
+                f"--override {item}: not a hardware field ({', '.join(fields)})"
             )
         overrides[key] = type(getattr(preset, key))(value)
-    hardware = HARDWARE_PRESETS[args.preset].with_overrides(**overrides)
+    return preset.with_overrides(**overrides)
+
+
+def _print_table(
+    out: Callable[..., None],
+    args: argparse.Namespace,
+    hardware: Any,
+    global_batch: int,
+    limit: float,
+    rows: Sequence[Candidate],
+) -> None:
+    """The header and the ``--top`` best candidates, one line each."""
+    out(
+        f"PREDICTIONS (simulated, not measured): {args.model or args.config} on {args.gpus} x {hardware.name} "
+        f"({hardware.bf16_tflops:g} TFLOP/s x {hardware.achieved_fraction:g}), seq {args.seq_len}, "
+        f"global batch {global_batch} sequences, memory limit {limit / 2**30:.0f} GiB"
+    )
+    out(
+        f"{'schedule':<16}{'pp':>4}{'v':>3}{'mb':>5}{'ep':>5} {'overlap':<8}{'step s':>10}{'bubble':>8}"
+        f"{'exp.comm s':>11}{'mem GiB':>9}  fits"
+    )
+    for c in rows[: args.top]:
+        ov = "-" if c.overlap is None else ("on" if c.overlap else "off")
+        out(
+            f"{c.schedule:<16}{c.pp:>4}{c.stages_per_rank:>3}{c.microbatches:>5}{c.ep:>5} {ov:<8}{c.step_time:>10.3f}"
+            f"{c.bubble:>8.1%}{c.exposed_comm:>11.3f}{c.memory_bytes / 2**30:>9.1f}  {'yes' if c.fits else 'no'}"
+        )
+    if not rows:
+        out(
+            "no candidate: check that --gpus is divisible by PP x EP and --global-batch by DP x microbatches"
+        )
+
+
+def _write_trace(out: Callable[..., None], directory: str, best: Candidate) -> None:
+    """``best``'s predicted timeline as ``best.json`` (Chrome trace) and ``best.png``."""
+    os.makedirs(directory, exist_ok=True)
+    write_chrome_trace(
+        best.result,
+        os.path.join(directory, "best.json"),
+        title=f"{best.schedule} predicted",
+    )
+    try:
+        plot_timeline(best.result, os.path.join(directory, "best.png"))
+    except ImportError:
+        out("matplotlib is not installed: wrote best.json only (pip install .[plot])")
+
+
+def main(argv: Sequence[str] | None = None) -> list[Candidate]:
+    """The command line: parse ``argv``, plan, print the best candidates; returns every candidate."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    shape = ModelShape.from_hf_config(_model_config(args))
+    _check_schedules(parser, args.schedules)
+    hardware = _hardware(parser, args.preset, args.override)
     pps = _ints(args.pp)
     eps = (
         _ints(args.ep)
@@ -343,39 +480,9 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         recompute=args.recompute,
     )
     out = (lambda *a: None) if args.quiet else print
-    out(
-        f"PREDICTIONS (simulated, not measured): {args.model or args.config} on {args.gpus} x {hardware.name} "
-        f"({hardware.bf16_tflops:g} TFLOP/s x {hardware.achieved_fraction:g}), seq {args.seq_len}, "
-        f"global batch {global_batch} sequences, memory limit {limit / 2**30:.0f} GiB"
-    )
-    out(
-        f"{'schedule':<16}{'pp':>4}{'v':>3}{'mb':>5}{'ep':>5} {'overlap':<8}{'step s':>10}{'bubble':>8}"
-        f"{'exp.comm s':>11}{'mem GiB':>9}  fits"
-    )
-    for c in rows[: args.top]:
-        ov = "-" if c.overlap is None else ("on" if c.overlap else "off")
-        out(
-            f"{c.schedule:<16}{c.pp:>4}{c.stages_per_rank:>3}{c.microbatches:>5}{c.ep:>5} {ov:<8}{c.step_time:>10.3f}"
-            f"{c.bubble:>8.1%}{c.exposed_comm:>11.3f}{c.memory_bytes / 2**30:>9.1f}  {'yes' if c.fits else 'no'}"
-        )
-    if not rows:
-        out(
-            "no candidate: check that --gpus is divisible by PP x EP and --global-batch by DP x microbatches"
-        )
+    _print_table(out, args, hardware, global_batch, limit, rows)
     if args.trace and rows:
-        os.makedirs(args.trace, exist_ok=True)
-        best = rows[0]
-        write_chrome_trace(
-            best.result,
-            os.path.join(args.trace, "best.json"),
-            title=f"{best.schedule} predicted",
-        )
-        try:
-            plot_timeline(best.result, os.path.join(args.trace, "best.png"))
-        except ImportError:
-            out(
-                "matplotlib is not installed: wrote best.json only (pip install .[plot])"
-            )
+        _write_trace(out, args.trace, rows[0])
     return rows
 
 
