@@ -104,6 +104,61 @@ class _Index:
         return _clip(self.merged, self.starts, s, e)
 
 
+def _iv(e: dict[str, Any]) -> Interval:
+    return float(e["ts"]), float(e["ts"]) + float(e["dur"])
+
+
+def _sub_actions(
+    ranges: Sequence[dict[str, Any]],
+) -> list[tuple[str, str, Any, Interval]]:
+    """``(lane, name, tid, interval)`` of every sub-action of an OVERLAP_F_B
+    action, and of every plain action that is not one of those."""
+    subs = []
+    for e in ranges:
+        m = _SUB_ACTION.match(e["name"])
+        if m:
+            subs.append(
+                ("F" if m.group(1) == "forward" else "B", m.group(2), e["tid"], _iv(e))
+            )
+    covered = {
+        tid: _Index([s for _, _, t, s in subs if t == tid])
+        for tid in {t for _, _, t, _ in subs}
+    }
+    for e in ranges:
+        m = _PP_ACTION.match(e["name"])
+        if not m:
+            continue
+        a, b = _iv(e)
+        # a plain action, unless it is a sub-action already covered above
+        idx = covered.get(e["tid"])
+        if idx is not None and any(x <= a and b <= y for x, y in idx.clip(a, b)):
+            continue
+        subs.append(
+            ("F" if m.group(2) == "F" else "B", e["name"][3:], e["tid"], (a, b))
+        )
+    return subs
+
+
+def _thread_indices(
+    ops: Sequence[dict[str, Any]], ranges: Sequence[dict[str, Any]]
+) -> tuple[dict[Any, _Index], dict[Any, _Index]]:
+    """Per thread id: when ATen operators ran (close ones merged), and when
+    it communicated (all-to-all ops and the ep_overlap communication ranges)."""
+    ops_by_tid: dict[Any, list[Interval]] = {}
+    comm_by_tid: dict[Any, list[Interval]] = {}
+    for e in ops:
+        if e["name"].startswith("aten::"):
+            ops_by_tid.setdefault(e["tid"], []).append(_iv(e))
+        if _COMM_OP.search(e["name"]):
+            comm_by_tid.setdefault(e["tid"], []).append(_iv(e))
+    for e in ranges:
+        if _EP_COMM.match(e["name"]):
+            comm_by_tid.setdefault(e["tid"], []).append(_iv(e))
+    busy_idx = {tid: _Index(v, gap=_MERGE_GAP_US) for tid, v in ops_by_tid.items()}
+    comm_idx = {tid: _Index(v) for tid, v in comm_by_tid.items()}
+    return busy_idx, comm_idx
+
+
 def phases_from_chrome_trace(path: str) -> dict[str, Any]:
     """The drawable phases of one trace.
 
@@ -120,51 +175,11 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
         ]
     ranges = [e for e in events if e.get("cat") == "user_annotation"]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
-
-    def iv(e: dict[str, Any]) -> Interval:
-        return float(e["ts"]), float(e["ts"]) + float(e["dur"])
-
     caller_tids = {e["tid"] for e in ranges if e["name"].startswith("PP:")}
-    subs = []  # (lane, name, tid, interval)
-    for e in ranges:
-        m = _SUB_ACTION.match(e["name"])
-        if m:
-            subs.append(
-                ("F" if m.group(1) == "forward" else "B", m.group(2), e["tid"], iv(e))
-            )
-    covered = {
-        tid: _Index([s for _, _, t, s in subs if t == tid])
-        for tid in {t for _, _, t, _ in subs}
-    }
-    for e in ranges:
-        m = _PP_ACTION.match(e["name"])
-        if not m:
-            continue
-        a, b = iv(e)
-        # a plain action, unless it is a sub-action already covered above
-        idx = covered.get(e["tid"])
-        if idx is not None and any(x <= a and b <= y for x, y in idx.clip(a, b)):
-            continue
-        subs.append(
-            ("F" if m.group(2) == "F" else "B", e["name"][3:], e["tid"], (a, b))
-        )
-
-    ops_by_tid: dict[Any, list[Interval]] = {}
-    comm_by_tid: dict[Any, list[Interval]] = {}
-    for e in ops:
-        if e["name"].startswith("aten::"):
-            ops_by_tid.setdefault(e["tid"], []).append(iv(e))
-        if _COMM_OP.search(e["name"]):
-            comm_by_tid.setdefault(e["tid"], []).append(iv(e))
-    for e in ranges:
-        if _EP_COMM.match(e["name"]):
-            comm_by_tid.setdefault(e["tid"], []).append(iv(e))
-
-    busy_idx = {tid: _Index(v, gap=_MERGE_GAP_US) for tid, v in ops_by_tid.items()}
-    comm_idx = {tid: _Index(v) for tid, v in comm_by_tid.items()}
+    busy_idx, comm_idx = _thread_indices(ops, ranges)
     empty = _Index(())
     spans = []
-    for lane, name, tid, (s, e) in sorted(subs, key=lambda x: x[3]):
+    for lane, name, tid, (s, e) in sorted(_sub_actions(ranges), key=lambda x: x[3]):
         comm = comm_idx.get(tid, empty).clip(s, e)
         busy = busy_idx.get(tid, empty).clip(s, e)
         spans.append(
@@ -178,10 +193,10 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
                 "comm": comm,
             }
         )
-    overlap_actions = sorted(iv(e) for e in ranges if _OVERLAP_ACTION.match(e["name"]))
+    overlap_actions = sorted(_iv(e) for e in ranges if _OVERLAP_ACTION.match(e["name"]))
     # The step: from the first to the last range of the runtime/optimizer.
-    all_iv = [iv(e) for e in ranges if e["tid"] in caller_tids] or [
-        iv(e) for e in events
+    all_iv = [_iv(e) for e in ranges if e["tid"] in caller_tids] or [
+        _iv(e) for e in events
     ]
     return {
         "t0": min(a for a, _ in all_iv) if all_iv else 0.0,
@@ -192,6 +207,65 @@ def phases_from_chrome_trace(path: str) -> dict[str, Any]:
 
 
 _TRACE_NAME = re.compile(r"trace_(?P<mode>[a-z]+)_rank(?P<rank>\d+)\.json$")
+_COLORS = {"F": "#4C72B0", "B": "#DD8452", "comm": "#C44E52", "overlap": "#E8E8E8"}
+
+
+def _by_mode(phases: dict[str, dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """mode -> rank -> phases, from the trace file names."""
+    by_mode: dict[str, dict[int, dict[str, Any]]] = {}
+    for fname, ph in phases.items():
+        m = _TRACE_NAME.search(fname)
+        if m:
+            by_mode.setdefault(m.group("mode"), {})[int(m.group("rank"))] = ph
+    if not by_mode:
+        raise ValueError("no trace_<mode>_rank<r>.json phases to draw")
+    return by_mode
+
+
+def _draw_rank(ax: Any, ph: dict[str, Any], base: int, t0: float) -> None:
+    """One rank's two lanes (forward at ``base``, backward below it), over
+    grey bands where its OVERLAP_F_B actions ran."""
+
+    def bars(intervals: Iterable[Interval]) -> list[tuple[float, float]]:
+        return [((a - t0) / 1e3, (b - a) / 1e3) for a, b in intervals]
+
+    ax.broken_barh(
+        bars(ph["overlap_actions"]),
+        (base - 0.45, 1.9),
+        facecolors=_COLORS["overlap"],
+        zorder=0,
+    )
+    for lane, yy in (("F", base), ("B", base + 1)):
+        spans = [sp for sp in ph["spans"] if sp["lane"] == lane]
+        frames = bars((sp["start"], sp["end"]) for sp in spans)
+        ax.broken_barh(
+            frames,
+            (yy - 0.34, 0.68),
+            facecolors="none",
+            edgecolors=_COLORS[lane],
+            linewidth=0.8,
+            zorder=1,
+        )
+        compute = bars(iv for sp in spans for iv in sp["compute"])
+        ax.broken_barh(compute, (yy - 0.3, 0.6), facecolors=_COLORS[lane], zorder=2)
+        comm = bars(iv for sp in spans for iv in sp["comm"])
+        ax.broken_barh(comm, (yy - 0.3, 0.6), facecolors=_COLORS["comm"], zorder=3)
+
+
+def _legend_handles() -> list[Any]:
+    from matplotlib.patches import Patch
+
+    return [
+        Patch(color=_COLORS["F"], label="forward compute"),
+        Patch(color=_COLORS["B"], label="backward compute"),
+        Patch(color=_COLORS["comm"], label="expert-parallel all-to-all"),
+        Patch(
+            facecolor="white",
+            edgecolor="grey",
+            label="sub-action span (white: no operator running)",
+        ),
+        Patch(color=_COLORS["overlap"], label="OVERLAP_F_B action"),
+    ]
 
 
 def plot_timeline(
@@ -209,16 +283,9 @@ def plot_timeline(
         ImportError: matplotlib is not installed.
     """
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
-    by_mode: dict[str, dict[int, dict[str, Any]]] = {}
-    for fname, ph in phases.items():
-        m = _TRACE_NAME.search(fname)
-        if m:
-            by_mode.setdefault(m.group("mode"), {})[int(m.group("rank"))] = ph
+    by_mode = _by_mode(phases)
     modes = sorted(by_mode, key=lambda m: (m != "overlap", m))
-    if not modes:
-        raise ValueError("no trace_<mode>_rank<r>.json phases to draw")
     n_ranks = max(len(v) for v in by_mode.values())
     durations = {
         m: (max(p["t1"] for p in v.values()) - min(p["t0"] for p in v.values())) / 1e3
@@ -226,7 +293,6 @@ def plot_timeline(
     }
     xmax = max(durations.values())
 
-    colors = {"F": "#4C72B0", "B": "#DD8452", "comm": "#C44E52", "overlap": "#E8E8E8"}
     fig = Figure(figsize=(14, 1.2 + len(modes) * (0.55 * 2 * n_ranks + 0.9)), dpi=110)
     axes = fig.subplots(len(modes), 1, sharex=True, squeeze=False)[:, 0]
     for ax, mode in zip(axes, modes):
@@ -234,37 +300,7 @@ def plot_timeline(
         t0 = min(p["t0"] for p in ranks.values())
         labels = []
         for r in sorted(ranks):
-            ph = ranks[r]
-            base = 2 * r
-
-            def bars(intervals: Iterable[Interval]) -> list[tuple[float, float]]:
-                return [((a - t0) / 1e3, (b - a) / 1e3) for a, b in intervals]
-
-            ax.broken_barh(
-                bars(ph["overlap_actions"]),
-                (base - 0.45, 1.9),
-                facecolors=colors["overlap"],
-                zorder=0,
-            )
-            for lane, yy in (("F", base), ("B", base + 1)):
-                spans = [sp for sp in ph["spans"] if sp["lane"] == lane]
-                frames = bars((sp["start"], sp["end"]) for sp in spans)
-                ax.broken_barh(
-                    frames,
-                    (yy - 0.34, 0.68),
-                    facecolors="none",
-                    edgecolors=colors[lane],
-                    linewidth=0.8,
-                    zorder=1,
-                )
-                compute = bars(iv for sp in spans for iv in sp["compute"])
-                ax.broken_barh(
-                    compute, (yy - 0.3, 0.6), facecolors=colors[lane], zorder=2
-                )
-                comm = bars(iv for sp in spans for iv in sp["comm"])
-                ax.broken_barh(
-                    comm, (yy - 0.3, 0.6), facecolors=colors["comm"], zorder=3
-                )
+            _draw_rank(ax, ranks[r], 2 * r, t0)
             labels += [f"rank {r} forward", f"rank {r} backward"]
         ax.set_yticks(range(2 * n_ranks))
         ax.set_yticklabels(labels)
@@ -277,19 +313,10 @@ def plot_timeline(
             fontsize=11,
         )
     axes[-1].set_xlabel("time since the start of the step (ms)")
-    handles = [
-        Patch(color=colors["F"], label="forward compute"),
-        Patch(color=colors["B"], label="backward compute"),
-        Patch(color=colors["comm"], label="expert-parallel all-to-all"),
-        Patch(
-            facecolor="white",
-            edgecolor="grey",
-            label="sub-action span (white: no operator running)",
-        ),
-        Patch(color=colors["overlap"], label="OVERLAP_F_B action"),
-    ]
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=12)
-    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=9, frameon=False)
+    fig.legend(
+        handles=_legend_handles(), loc="lower center", ncol=5, fontsize=9, frameon=False
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 0.97))
     fig.savefig(path)

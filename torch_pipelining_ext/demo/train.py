@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -45,6 +46,32 @@ VOCAB, SEQ_LEN, MICROBATCH_SIZE, LR = 256, 256, 2, 0.2
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
+_LATENCY_HELP = (
+    "simulated link: L ms per token all-to-all, forward and backward (default: one "
+    "layer's local expert compute, measured at start-up; 0: loopback only)"
+)
+_TRACE_HELP = "profile the last step of both runs: Chrome traces per rank"
+# The demo's options in ``--help`` order: (flag, type, default, help), and the
+# further ``add_argument`` keywords of some of them.
+_OPTIONS: tuple[tuple[str, type | None, Any, str], ...] = (
+    ("--pp", int, 1, "pipeline ranks (each holds 2 stages of the V)"),
+    ("--ep", int, 2, "expert-parallel ranks (also data parallel)"),
+    ("--model", None, "qwen3_moe", "transformers model type"),
+    ("--layers", int, 4, "decoder layers"),
+    ("--experts", int, 8, "routed experts per MoE layer (divisible by --ep)"),
+    ("--microbatches", int, 8, "microbatches per step and EP rank"),
+    ("--steps", int, 6, "training steps (each run in both modes)"),
+    ("--seed", int, 0, "seed of the weights and the data"),
+    ("--comm-latency-ms", float, None, _LATENCY_HELP),
+    ("--trace", None, None, _TRACE_HELP),
+)
+_EXTRA_KEYWORDS: dict[str, dict[str, Any]] = {
+    "--model": {"choices": MODELS},
+    "--comm-latency-ms": {"metavar": "L"},
+    "--trace": {"metavar": "DIR"},
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torch_pipelining_ext.demo",
@@ -52,47 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ScheduleDualPipeV; compare with the sequential OVERLAP_F_B and with the unsplit model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
-        "--pp",
-        type=int,
-        default=1,
-        help="pipeline ranks (each holds 2 stages of the V)",
-    )
-    p.add_argument(
-        "--ep", type=int, default=2, help="expert-parallel ranks (also data parallel)"
-    )
-    p.add_argument(
-        "--model", choices=MODELS, default="qwen3_moe", help="transformers model type"
-    )
-    p.add_argument("--layers", type=int, default=4, help="decoder layers")
-    p.add_argument(
-        "--experts",
-        type=int,
-        default=8,
-        help="routed experts per MoE layer (divisible by --ep)",
-    )
-    p.add_argument(
-        "--microbatches", type=int, default=8, help="microbatches per step and EP rank"
-    )
-    p.add_argument(
-        "--steps", type=int, default=6, help="training steps (each run in both modes)"
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the weights and the data"
-    )
-    p.add_argument(
-        "--comm-latency-ms",
-        type=float,
-        default=None,
-        metavar="L",
-        help="simulated link: L ms per token all-to-all, forward and backward (default: one layer's local "
-        "expert compute, measured at start-up; 0: loopback only)",
-    )
-    p.add_argument(
-        "--trace",
-        metavar="DIR",
-        help="profile the last step of both runs: Chrome traces per rank",
-    )
+    for flag, type_, default, help_ in _OPTIONS:
+        extra = _EXTRA_KEYWORDS.get(flag, {})
+        p.add_argument(flag, type=type_, default=default, help=help_, **extra)
     return p
 
 

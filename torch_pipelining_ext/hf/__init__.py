@@ -188,8 +188,7 @@ def pipeline_hf_causal_lm(
         schedule: schedule class or name (decides loop- or V-style placement).
         device: device of the stages.
         module_names_per_stage: FQN lists per stage; default
-            :func:`hf_module_names_per_stage` with ``num_stages`` and
-            ``layer_costs``.
+            :func:`hf_module_names_per_stage` with ``num_stages`` and ``layer_costs``.
         num_stages: number of stages when the lists are generated (default:
             the pipeline size for single-stage schedules, twice it otherwise).
         layer_costs: see :func:`hf_module_names_per_stage`.
@@ -206,12 +205,11 @@ def pipeline_hf_causal_lm(
         verify: compare the stages of this model type with its unsplit
             forward on a tiny config first (:func:`self_check`); default:
             only for unverified model types, refused if the check fails.
-        ep_group: the expert-parallel dimension (``ProcessGroup`` or 1-D
-            ``DeviceMesh``, or the ``"ep"`` dimension of a 2-D mesh): every
-            MoE layer keeps ``E / ep`` of its fused experts (transformers 5.x;
-            ``[Note: HF expert parallelism]``).  Its ranks feed different
-            data: see :func:`reduce_expert_parallel_gradients` (each step)
-            or :func:`fully_shard_replicated` (once).
+        ep_group: the expert-parallel dimension (``ProcessGroup`` or 1-D ``DeviceMesh``,
+            or the ``"ep"`` dimension of a 2-D mesh): every MoE layer keeps ``E / ep``
+            of its fused experts (transformers 5.x; ``[Note: HF expert parallelism]``).
+            Its ranks feed different data: see :func:`reduce_expert_parallel_gradients`
+            (each step) or :func:`fully_shard_replicated` (once).
         **stage_kwargs: further ``PipelineStage`` arguments.
 
     Returns:

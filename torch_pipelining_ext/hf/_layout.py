@@ -114,6 +114,19 @@ def _is_rotary(name: str, module: nn.Module) -> bool:
     )
 
 
+def _rotary_or_refused(
+    model: nn.Module, name: str, module: nn.Module, problem: str
+) -> bool:
+    """Whether a module outside the embedding, layers and norm is a rotary
+    embedding (replicated into every stage); any other such module that holds
+    parameters would be lost by the split, so it is refused with ``problem``."""
+    if _is_rotary(name, module):
+        return True
+    if _owns_parameters(module):
+        raise _unsupported(model, problem)
+    return False
+
+
 def _unsupported(model: nn.Module, what: str) -> ValueError:
     return ValueError(
         f"cannot build pipeline stages from {type(model).__name__}: {what}. Supported are decoder-only causal LMs "
@@ -196,13 +209,11 @@ def _from_pp_plan(
     for name, module in base._modules.items():
         if name in plan or module is None:
             continue
-        if _is_rotary(name, module):
+        problem = (
+            f"{base_name}.{name} holds parameters but is not in base_model_pp_plan"
+        )
+        if _rotary_or_refused(model, name, module, problem):
             rotaries.append(name)
-        elif _owns_parameters(module):
-            raise _unsupported(
-                model,
-                f"{base_name}.{name} holds parameters but is not in base_model_pp_plan",
-            )
     return DecoderLayout(
         base=base_name,
         embed=embed,
@@ -252,13 +263,13 @@ def _detected(model: nn.Module, base_name: str, base: nn.Module) -> DecoderLayou
             pos_embed = name
         elif isinstance(module, nn.Dropout):
             dropout = name
-        elif _is_rotary(name, module):
+        elif _rotary_or_refused(
+            model,
+            name,
+            module,
+            f"{base_name}.{name} ({type(module).__name__}) before the layers is not understood",
+        ):
             rotaries.append(name)
-        elif _owns_parameters(module):
-            raise _unsupported(
-                model,
-                f"{base_name}.{name} ({type(module).__name__}) before the layers is not understood",
-            )
     for name in after:
         module = base._modules[name]
         if module is None:
