@@ -213,6 +213,18 @@ _runtime_step_microbatches.records_actions = True  # type: ignore[attr-defined] 
 # --------------------------------------------------------------------------- #
 
 
+def _send_recv_pair(a: _Action) -> tuple[_Action, _Action]:
+    """The SEND of ``a``'s output on its stage and the matching RECV on the peer stage."""
+    forward = a.computation_type == _schedules.FORWARD
+    send_type = _schedules.SEND_F if forward else _schedules.SEND_B
+    recv_type = _schedules.RECV_F if forward else _schedules.RECV_B
+    recv_stage = a.stage_index + 1 if forward else a.stage_index - 1
+    return (
+        _schedules._Action(a.stage_index, send_type, a.microbatch_index),
+        _schedules._Action(recv_stage, recv_type, a.microbatch_index),
+    )
+
+
 def _add_send_recv(
     compute_actions: dict[int, list[_Action | None]],
     stage_to_rank: Callable[[int], int],
@@ -277,15 +289,10 @@ def _add_send_recv(
                 for a in parts:
                     done[rank].add(a)
                     if sends_to_other_rank(a):
-                        forward = a.computation_type == F
-                        send_type = _schedules.SEND_F if forward else _schedules.SEND_B
-                        recv_type = _schedules.RECV_F if forward else _schedules.RECV_B
-                        send = Action(a.stage_index, send_type, a.microbatch_index)
-                        recv_stage = a.stage_index + 1 if forward else a.stage_index - 1
-                        recv = Action(recv_stage, recv_type, a.microbatch_index)
+                        send, recv = _send_recv_pair(a)
                         lowered[rank].append(send)
                         done[rank].add(send)
-                        peer = stage_to_rank(recv_stage)
+                        peer = stage_to_rank(recv.stage_index)
                         lowered[peer].append(recv)
                         done[peer].add(recv)
             pending[rank].pop(0)

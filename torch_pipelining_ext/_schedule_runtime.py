@@ -166,24 +166,20 @@ def prepare_compute_action(
         )
     if action.microbatch_index is None:
         raise AssertionError(f"{action=} missing mb_index")
-    stage = stages[action.stage_index]
-    schedule._assert_unsharded(stage)
+    schedule._assert_unsharded(stages[action.stage_index])
     if action.computation_type == _schedules.FORWARD:
-        return _prepare_forward(action, ctx, stage, stages)
-    return _prepare_backward(action, schedule, stage, stages)
+        return _prepare_forward(action, ctx, stages)
+    return _prepare_backward(action, schedule, stages)
 
 
 def _prepare_forward(
     action: _Action,
     ctx: _PipelineContext,
-    stage: _PipelineStageBase,
     stages: dict[int, _PipelineStageBase],
 ) -> Callable[[], None]:
-    schedule, stage_idx, mb_index = (
-        ctx.schedule_ref,
-        action.stage_index,
-        action.microbatch_index,
-    )
+    schedule = ctx.schedule_ref
+    stage_idx, mb_index = action.stage_index, action.microbatch_index
+    stage = stages[stage_idx]
     if not stage.is_first and stage_idx - 1 not in stages:
         _wait_recv(schedule, schedule.fwd_recv_ops, action, "activations")
     state = schedule_state(schedule)
@@ -212,14 +208,10 @@ def _prepare_forward(
 def _prepare_backward(
     action: _Action,
     schedule: _PipelineScheduleRuntime,
-    stage: _PipelineStageBase,
     stages: dict[int, _PipelineStageBase],
 ) -> Callable[[], None]:
-    ctype, stage_idx, mb_index = (
-        action.computation_type,
-        action.stage_index,
-        action.microbatch_index,
-    )
+    stage_idx, mb_index = action.stage_index, action.microbatch_index
+    stage, ctype = stages[stage_idx], action.computation_type
     loss = None
     if ctype != _schedules.BACKWARD_WEIGHT:
         if not stage.is_last and stage_idx + 1 not in stages:
@@ -280,77 +272,103 @@ def run_action(
             f"run_action runs single actions; run the sub_actions of {action}"
         )
 
-    stage_idx, mb_index = action.stage_index, action.microbatch_index
-    stage = stage_index_to_stage(schedule)[stage_idx]
-    if (
-        ctype
-        in (_schedules.SEND_F, _schedules.SEND_B, _schedules.RECV_F, _schedules.RECV_B)
-        and mb_index is None
-    ):
-        raise AssertionError(f"{action=} missing mb_index")
-
+    stage = stage_index_to_stage(schedule)[action.stage_index]
     if ctype in (_schedules.SEND_F, _schedules.SEND_B):
-        if send_ops is None:
-            send_ops = schedule_state(schedule).pending_sends
-        get_ops = (
-            stage.get_fwd_send_ops
-            if ctype == _schedules.SEND_F
-            else stage.get_bwd_send_ops
-        )
-        send_ops.append(_schedules._batch_p2p(get_ops(mb_index)))
-    elif ctype == _schedules.RECV_F:
-        if (stage_idx, mb_index) in schedule.fwd_recv_ops:
-            raise AssertionError(
-                f"Recv twice for {stage_idx=} {mb_index=} without executing forward"
-            )
-        schedule.fwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(
-            stage.get_fwd_recv_ops(mb_index)
-        )
-    elif ctype == _schedules.RECV_B:
-        if (stage_idx, mb_index) in schedule.bwd_recv_ops:
-            raise AssertionError(
-                f"Recv twice for {stage_idx=} {mb_index=} without executing backward"
-            )
-        schedule.bwd_recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(
-            stage.get_bwd_recv_ops(mb_index)
-        )
-    elif ctype == _schedules.UNSHARD:
-        if _fsdp_stage.stage_uses_fsdp(stage):
-            if _take_marker(schedule, "_deferred_stages", stage_idx):
-                return  # kept unsharded from a step that did not finalize its gradients
-            if (
-                stage_idx in schedule.unsharded_stages
-                or stage_idx in schedule.unshard_ops
-            ):
-                raise AssertionError(f"Unsharding the same {stage_idx=} twice")
-            schedule.unshard_ops[stage_idx] = _fsdp_stage.unshard_async(stage)
-    elif ctype == _schedules.RESHARD:
-        if _fsdp_stage.stage_uses_fsdp(stage):
-            if _take_marker(schedule, "_finalized_stages", stage_idx):
-                return  # the gradient reduction resharded it
-            finalize = getattr(schedule, "_finalize_gradients", True)
-            if (
-                not finalize
-                and schedule.backward_counter[stage_idx] == schedule._n_microbatches
-            ):
-                schedule._deferred_stages.add(
-                    stage_idx
-                )  # keep the accumulated gradients unsharded
-                return
-            if stage_idx not in schedule.unsharded_stages:
-                raise AssertionError(f"Resharding {stage_idx=} without unsharding")
-            if stage_idx in schedule.unshard_ops:
-                raise AssertionError(
-                    f"Resharding {stage_idx=} before finishing unshard"
-                )
-            _fsdp_stage.reshard_stage(stage)
-            schedule.unsharded_stages.remove(stage_idx)
+        _run_send(action, schedule, stage, send_ops)
+    elif ctype in (_schedules.RECV_F, _schedules.RECV_B):
+        _run_recv(action, schedule, stage)
+    elif ctype in (_schedules.UNSHARD, _schedules.RESHARD):
+        _run_unshard_or_reshard(action, schedule, stage)
     elif ctype is not None and ctype == _reduce_grad_type():
         _reduce_grad(schedule, stage)
     elif ctype is not None and ctype == _computation_type("WAIT_REDUCE_GRAD"):
         _wait_reduce_grad(schedule, stage)
     else:
         raise ValueError(f"{action=} is unknown or unsupported")
+
+
+def _run_send(
+    action: _Action,
+    schedule: _PipelineScheduleRuntime,
+    stage: _PipelineStageBase,
+    send_ops: list[list[dist.Work]] | None,
+) -> None:
+    """SEND_F / SEND_B: start the sends, kept in ``send_ops`` or the step's pending sends."""
+    if action.microbatch_index is None:
+        raise AssertionError(f"{action=} missing mb_index")
+    if send_ops is None:
+        send_ops = schedule_state(schedule).pending_sends
+    get_ops = (
+        stage.get_fwd_send_ops
+        if action.computation_type == _schedules.SEND_F
+        else stage.get_bwd_send_ops
+    )
+    send_ops.append(_schedules._batch_p2p(get_ops(action.microbatch_index)))
+
+
+def _run_recv(
+    action: _Action, schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase
+) -> None:
+    """RECV_F / RECV_B: start the receives, for the compute action to wait."""
+    stage_idx, mb_index = action.stage_index, action.microbatch_index
+    if mb_index is None:
+        raise AssertionError(f"{action=} missing mb_index")
+    forward = action.computation_type == _schedules.RECV_F
+    recv_ops = schedule.fwd_recv_ops if forward else schedule.bwd_recv_ops
+    get_ops = stage.get_fwd_recv_ops if forward else stage.get_bwd_recv_ops
+    if (stage_idx, mb_index) in recv_ops:
+        raise AssertionError(
+            f"Recv twice for {stage_idx=} {mb_index=} without executing "
+            f"{'forward' if forward else 'backward'}"
+        )
+    recv_ops[(stage_idx, mb_index)] = _schedules._batch_p2p(get_ops(mb_index))
+
+
+def _run_unshard_or_reshard(
+    action: _Action, schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase
+) -> None:
+    """UNSHARD / RESHARD of the stage's FSDP modules (nothing for a stage without).
+
+    An UNSHARD is skipped for a stage kept unsharded from a step that did not
+    finalize its gradients, a RESHARD for one the gradient reduction resharded.
+    """
+    if not _fsdp_stage.stage_uses_fsdp(stage):
+        return
+    unshard = action.computation_type == _schedules.UNSHARD
+    marker = "_deferred_stages" if unshard else "_finalized_stages"
+    if _take_marker(schedule, marker, action.stage_index):
+        return
+    if unshard:
+        _unshard(schedule, stage, action.stage_index)
+    else:
+        _reshard(schedule, stage, action.stage_index)
+
+
+def _unshard(
+    schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase, stage_idx: int
+) -> None:
+    if stage_idx in schedule.unsharded_stages or stage_idx in schedule.unshard_ops:
+        raise AssertionError(f"Unsharding the same {stage_idx=} twice")
+    schedule.unshard_ops[stage_idx] = _fsdp_stage.unshard_async(stage)
+
+
+def _reshard(
+    schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase, stage_idx: int
+) -> None:
+    finalize = getattr(schedule, "_finalize_gradients", True)
+    if (
+        not finalize
+        and schedule.backward_counter[stage_idx] == schedule._n_microbatches
+    ):
+        # keep the accumulated gradients unsharded
+        schedule._deferred_stages.add(stage_idx)
+        return
+    if stage_idx not in schedule.unsharded_stages:
+        raise AssertionError(f"Resharding {stage_idx=} without unsharding")
+    if stage_idx in schedule.unshard_ops:
+        raise AssertionError(f"Resharding {stage_idx=} before finishing unshard")
+    _fsdp_stage.reshard_stage(stage)
+    schedule.unsharded_stages.remove(stage_idx)
 
 
 def sequential_overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:

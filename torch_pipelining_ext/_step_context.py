@@ -19,15 +19,13 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TYPE_CHECKING
 
-from torch_pipelining_ext._schedule_state import (
-    _ScheduleState,
-    rank_label,
-    schedule_state,
-)
+from torch_pipelining_ext._schedule_state import rank_label, schedule_state
 
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    from torch_pipelining_ext._schedule_state import _ScheduleState
 
 
 __all__: list[str] = []

@@ -26,6 +26,24 @@ from torch_pipelining_ext._patching._registry import AlreadyUpstream, PatchNeede
 __all__: list[str] = []
 
 
+def _with_dist(fn: Any, fake_dist: Any) -> Callable[..., Any]:
+    """``fn`` with its global ``dist`` replaced by ``fake_dist`` (torch's own module untouched)."""
+    return types.FunctionType(
+        fn.__code__,
+        {**fn.__globals__, "dist": fake_dist},
+        fn.__name__,
+        fn.__defaults__,
+        fn.__closure__,
+    )
+
+
+def _expect_params(fn: Callable[..., Any], qualname: str, expected: list[str]) -> None:
+    """Raise unless ``fn`` (torch's ``qualname``) takes exactly the ``expected`` parameters."""
+    params = list(inspect.signature(fn).parameters)
+    if params != expected:
+        raise RuntimeError(f"unrecognised {qualname}{tuple(params)}")
+
+
 # --- _backward_counter.py ---
 
 
@@ -112,14 +130,7 @@ def _probe_self_p2p() -> tuple[str, str]:
         batch_isend_irecv=lambda ops: issued.extend(ops) or [],
         get_rank=lambda *args, **kwargs: 0,
     )
-    isolated = types.FunctionType(
-        fn.__code__,
-        {**fn.__globals__, "dist": fake_dist},
-        fn.__name__,
-        fn.__defaults__,
-        fn.__closure__,
-    )
-    isolated([_ProbeOp("isend", 0), _ProbeOp("irecv", 0)])
+    _with_dist(fn, fake_dist)([_ProbeOp("isend", 0), _ProbeOp("irecv", 0)])
     if not issued:
         return (
             AlreadyUpstream,
@@ -179,14 +190,7 @@ def _recorded_handshake() -> list[tuple[torch.dtype, Any]] | None:
         return None
     recorder = type("_Recorder", (_RecordedP2POp,), {"recorded": []})
     fake_dist = types.SimpleNamespace(P2POp=recorder, isend="isend", irecv="irecv")
-    isolated = types.FunctionType(
-        fn.__code__,
-        {**fn.__globals__, "dist": fake_dist},
-        fn.__name__,
-        fn.__defaults__,
-        fn.__closure__,
-    )
-    isolated(_ProbeStage())
+    _with_dist(fn, fake_dist)(_ProbeStage())
     if not recorder.recorded:
         raise RuntimeError(
             "_get_init_p2p_neighbors_ops built no P2P ops for a middle stage"
@@ -226,9 +230,8 @@ def _probe_scale_grads() -> tuple[str, str]:
         ("scale_grads", ["self", "grad_scale_factor"]),
         ("clear_runtime_states", ["self"]),
     ):
-        params = list(inspect.signature(getattr(_PipelineStageBase, name)).parameters)
-        if params != expected:
-            raise RuntimeError(f"unrecognised _PipelineStageBase.{name}{tuple(params)}")
+        fn = getattr(_PipelineStageBase, name)
+        _expect_params(fn, f"_PipelineStageBase.{name}", expected)
     return (
         PatchNeeded,
         "scale_grads also divides the gradients carried over from earlier steps",
@@ -288,20 +291,16 @@ def _probe_step_loop() -> tuple[str, str]:
         upstream_register is not _compat_29.register_custom_function
     ):  # not the one installed from this module
         return AlreadyUpstream, "torch's step loop dispatches custom functions"
-    init_params = list(
-        inspect.signature(
-            _schedules.PipelineScheduleMulti._initialize_stages
-        ).parameters
+    _expect_params(
+        _schedules.PipelineScheduleMulti._initialize_stages,
+        "PipelineScheduleMulti._initialize_stages",
+        ["self", "args", "kwargs"],
     )
-    if init_params != ["self", "args", "kwargs"]:
-        raise RuntimeError(
-            f"unrecognised PipelineScheduleMulti._initialize_stages{tuple(init_params)}"
-        )
-    loop_params = list(inspect.signature(runtime._step_microbatches).parameters)
-    if loop_params != ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses"]:
-        raise RuntimeError(
-            f"unrecognised _PipelineScheduleRuntime._step_microbatches{tuple(loop_params)}"
-        )
+    _expect_params(
+        runtime._step_microbatches,
+        "_PipelineScheduleRuntime._step_microbatches",
+        ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses"],
+    )
     return (
         PatchNeeded,
         "torch's step loop has no custom functions and scales grads only after FULL_BACKWARD",
@@ -356,11 +355,11 @@ def _probe_compute_comms_reduce_grad() -> tuple[str, str]:
             "not applicable: torch has no REDUCE_GRAD action, the last backward reduces",
         )
     method = _schedules._PipelineScheduleRuntime._prepare_schedule_with_comms
-    params = list(inspect.signature(method).parameters)
-    if params != ["self", "actions", "format"]:
-        raise RuntimeError(
-            f"unrecognised _PipelineScheduleRuntime._prepare_schedule_with_comms{tuple(params)}"
-        )
+    _expect_params(
+        method,
+        "_PipelineScheduleRuntime._prepare_schedule_with_comms",
+        ["self", "actions", "format"],
+    )
     branch = _compute_comms_branch(method)
     calls = {
         node.func.attr

@@ -70,6 +70,16 @@ def _new(module: str, cls: str) -> Callable[[Any], Any]:
     return lambda original: _obj(module, cls)()
 
 
+def _targets(
+    module: str, owner: str = "", /, **makes: Callable[[Any], Any]
+) -> tuple[Target, ...]:
+    """One target per keyword: ``module.owner.<keyword>`` becomes ``make(original)``."""
+    prefix = f"{owner}." if owner else ""
+    return tuple(
+        Target(module, prefix + attr, make=make) for attr, make in makes.items()
+    )
+
+
 # --- schedule runtime: shared schedule state, custom functions on torch 2.9 ---
 # torch_pipelining_ext/_backward_counter.py, _gloo_p2p.py, _pipeline_context.py, _compat_29.py,
 # _step_context.py, _schedule_runtime.py, _grad_scaling.py, _compute_comms.py
@@ -96,11 +106,11 @@ def _transport_patches() -> list[Patch]:
     return [
         Patch(
             name="stage_init_handshake",
-            targets=(
-                Target(
-                    _STAGE,
-                    "_PipelineStageBase._get_init_p2p_neighbors_ops",
-                    make=_wrap("_gloo_p2p", "_make_get_init_p2p_neighbors_ops"),
+            targets=_targets(
+                _STAGE,
+                _STAGE_BASE,
+                _get_init_p2p_neighbors_ops=_wrap(
+                    "_gloo_p2p", "_make_get_init_p2p_neighbors_ops"
                 ),
             ),
             probe=_probe("_probe_init_p2p_handshake"),
@@ -109,10 +119,8 @@ def _transport_patches() -> list[Patch]:
         ),
         Patch(
             name="p2p_to_own_rank",
-            targets=(
-                Target(
-                    _SCHEDULES, "_batch_p2p", make=_wrap("_gloo_p2p", "_make_batch_p2p")
-                ),
+            targets=_targets(
+                _SCHEDULES, _batch_p2p=_wrap("_gloo_p2p", "_make_batch_p2p")
             ),
             probe=_probe("_probe_self_p2p"),
             description="a P2P batch's sends to the own rank are copied into its receives (gloo)",
@@ -120,12 +128,10 @@ def _transport_patches() -> list[Patch]:
         ),
         Patch(
             name="schedule_backward_counter",
-            targets=(
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}.backward_counter",
-                    make=_new("_backward_counter", "_BackwardCounterAttribute"),
-                ),
+            targets=_targets(
+                _SCHEDULES,
+                _RUNTIME,
+                backward_counter=_new("_backward_counter", "_BackwardCounterAttribute"),
             ),
             probe=_probe("_probe_backward_counter"),
             description="schedule.backward_counter: Counter-compatible, thread-safe record_backward()",
@@ -134,13 +140,15 @@ def _transport_patches() -> list[Patch]:
     ]
 
 
-def _lazy_state(name: str) -> Target:
+def _lazy_state(name: str) -> Callable[[Any], Any]:
+    """Replacement: the schedule attribute ``name``, created on first use per schedule."""
+
     def make(original: object) -> object:
         return _obj("_compat_29", "_LazyScheduleAttribute")(
             name, _obj("_compat_29", "_RUNTIME_STATE")[name]
         )
 
-    return Target(_SCHEDULES, f"{_RUNTIME}.{name}", make=make)
+    return make
 
 
 def _compat_29_patches() -> list[Patch]:
@@ -148,23 +156,21 @@ def _compat_29_patches() -> list[Patch]:
         Patch(
             name="runtime_custom_functions",
             targets=(
-                Target(
+                *_targets(
                     _SCHEDULES,
-                    "_PipelineContext",
-                    make=_install("_pipeline_context", "_PipelineContext"),
+                    _PipelineContext=_install("_pipeline_context", "_PipelineContext"),
                 ),
-                Target(
+                *_targets(
                     _SCHEDULES,
-                    f"{_RUNTIME}.register_custom_function",
-                    make=_install("_compat_29", "register_custom_function"),
+                    _RUNTIME,
+                    register_custom_function=_install(
+                        "_compat_29", "register_custom_function"
+                    ),
+                    _assert_unsharded=_install("_compat_29", "_assert_unsharded"),
+                    # fwd_recv_ops, bwd_recv_ops, unshard_ops, unsharded_stages,
+                    # _comp_type_to_function_map
+                    **{name: _lazy_state(name) for name in _RUNTIME_STATE_NAMES},
                 ),
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}._assert_unsharded",
-                    make=_install("_compat_29", "_assert_unsharded"),
-                ),
-                # fwd_recv_ops, bwd_recv_ops, unshard_ops, unsharded_stages, _comp_type_to_function_map
-                *(_lazy_state(name) for name in _RUNTIME_STATE_NAMES),
             ),
             probe=_probe("_probe_custom_functions"),
             description="register_custom_function, _PipelineContext and the recv/unshard state on the schedule",
@@ -172,12 +178,10 @@ def _compat_29_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_step_loop",
-            targets=(
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}._step_microbatches",
-                    make=_install("_compat_29", "_runtime_step_microbatches"),
-                ),
+            targets=_targets(
+                _SCHEDULES,
+                _RUNTIME,
+                _step_microbatches=_install("_compat_29", "_runtime_step_microbatches"),
             ),
             probe=_probe("_probe_step_loop"),
             description="step loop that dispatches custom functions and runs every action through run_action",
@@ -186,12 +190,8 @@ def _compat_29_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_keep_overlap_f_b",
-            targets=(
-                Target(
-                    _SCHEDULES,
-                    "_add_send_recv",
-                    make=_install("_compat_29", "_add_send_recv"),
-                ),
+            targets=_targets(
+                _SCHEDULES, _add_send_recv=_install("_compat_29", "_add_send_recv")
             ),
             probe=_probe("_probe_overlap_lowering"),
             description="lowering keeps OVERLAP_F_B actions (sends of both sub-actions follow it)",
@@ -205,12 +205,10 @@ def _runtime_patches() -> list[Patch]:
     return [
         Patch(
             name="runtime_step_context",
-            targets=(
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}._step_microbatches",
-                    make=_wrap("_step_context", "_make_step_context"),
-                ),
+            targets=_targets(
+                _SCHEDULES,
+                _RUNTIME,
+                _step_microbatches=_wrap("_step_context", "_make_step_context"),
             ),
             probe=_probe("_probe_step_context"),
             description="custom functions see return_outputs/loss_kwargs; step errors name rank, time step, action",
@@ -220,36 +218,23 @@ def _runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="runtime_action_functions",
-            targets=(
-                # every schedule's custom-function map starts with perform_action for each customizable type
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}._comp_type_to_function_map",
-                    make=_new("_schedule_runtime", "_FunctionMapWithDefaults"),
+            targets=_targets(
+                _SCHEDULES,
+                _RUNTIME,
+                # every schedule's custom-function map starts with perform_action
+                # for each customizable type
+                _comp_type_to_function_map=_new(
+                    "_schedule_runtime", "_FunctionMapWithDefaults"
                 ),
                 # registering a function over a default one replaces it without a warning
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}.register_custom_function",
-                    make=_wrap("_schedule_runtime", "_make_register_custom_function"),
+                register_custom_function=_wrap(
+                    "_schedule_runtime", "_make_register_custom_function"
                 ),
                 # the per-action methods of upstream patches 0007 and 0008
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}._local_stages",
-                    make=_install("_schedule_runtime", "stage_index_to_stage"),
-                ),
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}.perform_action",
-                    make=_install("_schedule_runtime", "_perform_action_method"),
-                ),
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}.prepare_compute_action",
-                    make=_install(
-                        "_schedule_runtime", "_prepare_compute_action_method"
-                    ),
+                _local_stages=_install("_schedule_runtime", "stage_index_to_stage"),
+                perform_action=_install("_schedule_runtime", "_perform_action_method"),
+                prepare_compute_action=_install(
+                    "_schedule_runtime", "_prepare_compute_action_method"
                 ),
             ),
             probe=_probe("_probe_action_functions"),
@@ -265,17 +250,13 @@ def _runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="scale_grads_per_step",
-            targets=(
-                Target(
-                    _STAGE,
-                    f"{_STAGE_BASE}.clear_runtime_states",
-                    make=_wrap("_grad_scaling", "_make_clear_runtime_states"),
+            targets=_targets(
+                _STAGE,
+                _STAGE_BASE,
+                clear_runtime_states=_wrap(
+                    "_grad_scaling", "_make_clear_runtime_states"
                 ),
-                Target(
-                    _STAGE,
-                    f"{_STAGE_BASE}.scale_grads",
-                    make=_wrap("_grad_scaling", "_make_scale_grads"),
-                ),
+                scale_grads=_wrap("_grad_scaling", "_make_scale_grads"),
             ),
             probe=_probe("_probe_scale_grads"),
             description="scale_grads scales only the step's gradients (accumulation over steps)",
@@ -284,11 +265,11 @@ def _runtime_patches() -> list[Patch]:
         ),
         Patch(
             name="compute_comms_reduce_grad",
-            targets=(
-                Target(
-                    _SCHEDULES,
-                    f"{_RUNTIME}._prepare_schedule_with_comms",
-                    make=_wrap("_compute_comms", "_make_prepare_comms"),
+            targets=_targets(
+                _SCHEDULES,
+                _RUNTIME,
+                _prepare_schedule_with_comms=_wrap(
+                    "_compute_comms", "_make_prepare_comms"
                 ),
             ),
             probe=_probe("_probe_compute_comms_reduce_grad"),
@@ -303,11 +284,11 @@ def _fsdp_stage_patches() -> list[Patch]:
     return [
         Patch(
             name="fsdp_split_backward_params",
-            targets=(
-                Target(
-                    _STAGE,
-                    "_PipelineStageBase.backward_maybe_with_nosync",
-                    make=_wrap("_fsdp_stage", "_make_backward_maybe_with_nosync"),
+            targets=_targets(
+                _STAGE,
+                _STAGE_BASE,
+                backward_maybe_with_nosync=_wrap(
+                    "_fsdp_stage", "_make_backward_maybe_with_nosync"
                 ),
             ),
             probe=_probe("_probe_backward_params"),
@@ -371,24 +352,26 @@ def _overlap_patch() -> Patch:
     return Patch(
         name="overlap_f_b",
         targets=(
-            # the runtime's default map, with the overlap handler for OVERLAP_F_B (registering
-            # another OVERLAP_F_B function, the opt-out, replaces it without a warning)
-            Target(
+            # the runtime's default map, with the overlap handler for OVERLAP_F_B
+            # (registering another OVERLAP_F_B function, the opt-out, replaces it
+            # without a warning)
+            *_targets(
                 _SCHEDULES,
-                f"{_RUNTIME}._comp_type_to_function_map",
-                make=_new("overlap._install", "_FunctionMapWithOverlap"),
+                _RUNTIME,
+                _comp_type_to_function_map=_new(
+                    "overlap._install", "_FunctionMapWithOverlap"
+                ),
             ),
-            # checkpoint recomputation on the backward thread draws the sequential handler's random numbers
-            Target(
-                "torch.random",
-                "fork_rng",
-                make=_wrap("overlap._install", "_make_fork_rng"),
+            # checkpoint recomputation on the backward thread draws the sequential
+            # handler's random numbers
+            *_targets(
+                "torch.random", fork_rng=_wrap("overlap._install", "_make_fork_rng")
             ),
             # the stage method of upstream patch 0001 that the handler calls
-            Target(
+            *_targets(
                 _STAGE,
-                f"{_STAGE_BASE}._unshard_fsdp_modules",
-                make=_install("_fsdp_stage", "unshard_stage"),
+                _STAGE_BASE,
+                _unshard_fsdp_modules=_install("_fsdp_stage", "unshard_stage"),
             ),
         ),
         probe=_probe("_probe_overlap"),

@@ -446,6 +446,26 @@ def _worker_for(state: _OverlapState, global_rank: int) -> _BackwardWorker:
     return state.backward_worker
 
 
+def _run_side(
+    side: _Side,
+    compute: Callable[[], None],
+    coordinator: _CommCoordinator,
+    profiler_label: str | None,
+    streams: _StreamPlan | None,
+) -> None:
+    """Run one side's ``compute`` on its stream with its EP marks bound; with a
+    ``profiler_label`` (the profiler is on), inside a ``record_function`` range."""
+    with contextlib.ExitStack() as stack:
+        if profiler_label is not None:
+            stack.enter_context(
+                record_function(f"OVERLAP_F_B {side.thread_name} {profiler_label}")
+            )
+        if streams is not None:
+            stack.enter_context(streams.current(side))
+        stack.enter_context(_ep_marks.bound(coordinator, side))
+        compute()
+
+
 def _run_overlapped(
     forward: Callable[[], None],
     backward: Callable[[], None],
@@ -477,17 +497,8 @@ def _run_overlapped(
         coordinator.stop()  # release the other side now, whatever failed
 
     def run(side: _Side, compute: Callable[[], None]) -> None:
-        with contextlib.ExitStack() as stack:
-            if state.profiling:
-                stack.enter_context(
-                    record_function(
-                        f"OVERLAP_F_B {side.thread_name} {sub_actions[side]}"
-                    )
-                )
-            if streams is not None:
-                stack.enter_context(streams.current(side))
-            stack.enter_context(_ep_marks.bound(coordinator, side))
-            compute()
+        label = sub_actions[side] if state.profiling else None
+        _run_side(side, compute, coordinator, label, streams)
 
     def run_backward() -> None:
         with state.applied():
