@@ -109,10 +109,15 @@ def simulate(
         csv_format: ``"compute_only"`` or ``"compute_comms"`` for a CSV.
 
     Raises:
-        ValueError: the costs do not match the schedule's stages, or an action repeats.
-        RuntimeError: the schedule deadlocks (the message names each stuck
+        ValueError: any input is invalid (the message names the field and
+            its value, or the missing action and its rank); the costs do not
+            match the schedule's stages; an action repeats; a compute-only
+            order deadlocks (the message names each stuck rank).  Nothing is
+            simulated then.
+        RuntimeError: a schedule with communication actions deadlocks (the message names each stuck
             rank, its action and what it waits for).
     """
+    _check_models(costs, link, overlap)
     if isinstance(schedule, (str, os.PathLike)):
         order, stage_to_rank = order_from_csv(schedule, csv_format)
     else:
@@ -120,6 +125,25 @@ def simulate(
     if isinstance(costs, StageCost):
         costs = [costs] * len(stage_to_rank)
     return run_simulation(order, stage_to_rank, list(costs), link, overlap)
+
+
+def _check_models(
+    costs: StageCost | Sequence[StageCost], link: Any, overlap: Any
+) -> None:
+    """``ValueError`` naming the argument unless the costs, link and overlap are the simulator's types."""
+    if not isinstance(link, LinkCost):
+        raise ValueError(f"link must be a LinkCost, got {link!r}")
+    if not isinstance(overlap, OverlapModel):
+        raise ValueError(f"overlap must be an OverlapModel, got {overlap!r}")
+    if isinstance(costs, StageCost):
+        return
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
+        raise ValueError(
+            f"costs must be a StageCost or a sequence of them, got {costs!r}"
+        )
+    for i, c in enumerate(costs):
+        if not isinstance(c, StageCost):
+            raise ValueError(f"costs[{i}] must be a StageCost, got {c!r}")
 
 
 def simulate_schedule(

@@ -31,20 +31,41 @@ from torch_pipelining_ext.overlap._policy import HAND_OVER_MIN_REGION_S
 Segments = tuple[float, ...]
 
 
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    positive: bool = False,
+    allow_inf: bool = False,
+    integer: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming ``name`` and ``value`` unless ``value`` is a real number
+    ``>= 0`` (``> 0`` if ``positive``), finite unless ``allow_inf``, an ``int`` if ``integer``."""
+    kinds = (int,) if integer else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool)
+    if ok and not integer:
+        ok = not math.isnan(value) and (allow_inf or not math.isinf(value))
+    if ok:
+        ok = value > 0 if positive else value >= 0
+    if not ok:
+        what = "an integer" if integer else "a number"
+        bound = "> 0" if positive else ">= 0"
+        finite = "" if integer or allow_inf else ", finite"
+        raise ValueError(f"{name} must be {what} {bound}{finite}, got {value!r}")
+
+
 def _as_segments(value: float | Sequence[float], name: str) -> Segments:
     """``value`` as alternating compute/communication times: ``(c0, r1, c1, ..., rn, cn)``."""
-    seg = (
-        (float(value),)
-        if isinstance(value, (int, float))
-        else tuple(float(v) for v in value)
-    )
+    if isinstance(value, (str, bytes)) or not isinstance(value, (int, float, Sequence)):
+        raise ValueError(f"{name} must be a time or a sequence of times, got {value!r}")
+    seg = (value,) if isinstance(value, (int, float)) else tuple(value)
     if len(seg) % 2 != 1:
         raise ValueError(
             f"{name} must be one compute time or an odd-length sequence (compute, comm, compute, ...), got {seg}"
         )
-    if any(not math.isfinite(v) or v < 0 for v in seg):
-        raise ValueError(f"{name} times must be finite and >= 0, got {seg}")
-    return seg
+    for i, v in enumerate(seg):
+        check_number(f"{name}[{i}]" if len(seg) > 1 else name, v)
+    return tuple(float(v) for v in seg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +100,14 @@ class StageCost:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "forward", _as_segments(self.forward, "forward"))
+        set_(self, "forward", _as_segments(self.forward, "StageCost.forward"))
         set_(
-            self, "backward_input", _as_segments(self.backward_input, "backward_input")
+            self,
+            "backward_input",
+            _as_segments(self.backward_input, "StageCost.backward_input"),
         )
-        if self.backward_weight < 0 or not math.isfinite(self.backward_weight):
-            raise ValueError(
-                f"backward_weight must be finite and >= 0, got {self.backward_weight}"
-            )
+        for name in ("backward_weight", "activation_bytes", "send_bytes"):
+            check_number(f"StageCost.{name}", getattr(self, name))
         if self.full_backward is None:
             set_(
                 self,
@@ -95,7 +116,9 @@ class StageCost:
             )
         else:
             set_(
-                self, "full_backward", _as_segments(self.full_backward, "full_backward")
+                self,
+                "full_backward",
+                _as_segments(self.full_backward, "StageCost.full_backward"),
             )
 
     def segments(self, computation: str) -> Segments:
@@ -138,6 +161,13 @@ class LinkCost:
     bandwidth: float = math.inf  # bytes per second
     post_overhead: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_number("LinkCost.latency", self.latency)
+        check_number(
+            "LinkCost.bandwidth", self.bandwidth, positive=True, allow_inf=True
+        )
+        check_number("LinkCost.post_overhead", self.post_overhead)
+
     def time(self, nbytes: float) -> float:
         """Seconds one message of ``nbytes`` bytes takes once it has started."""
         return self.latency + (nbytes / self.bandwidth if nbytes else 0.0)
@@ -166,6 +196,15 @@ class OverlapModel:
     handover: float = 0.0
     min_region: float = HAND_OVER_MIN_REGION_S
 
+    def __post_init__(self) -> None:
+        for name in ("enabled", "streams"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"OverlapModel.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        check_number("OverlapModel.handover", self.handover)
+        check_number("OverlapModel.min_region", self.min_region)
+
 
 # --------------------------------------------------------------------------- #
 # Per-layer costs and the stage split                                          #
@@ -190,6 +229,14 @@ class LayerCost:
     expert_fraction: float = 0.5  # the experts' share of forward and backward_input
     activation_bytes: float = 0.0  # kept alive per microbatch until its backward
     output_bytes: float = 0.0  # the layer's output (what a stage ending here sends)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_number(f"LayerCost.{f.name}", getattr(self, f.name))
+        if self.expert_fraction > 1:
+            raise ValueError(
+                f"LayerCost.expert_fraction must be in [0, 1], got {self.expert_fraction!r}"
+            )
 
     @property
     def has_comm(self) -> bool:
@@ -309,6 +356,27 @@ class Hardware:
     p2p_latency: float = 20e-6
     a2a_latency: float = 30e-6
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"Hardware.name must be a str, got {self.name!r}")
+        for name in (
+            "bf16_tflops",
+            "achieved_fraction",
+            "hbm_bytes",
+            "intra_node_a2a_gbps",
+            "inter_node_a2a_gbps",
+        ):
+            check_number(f"Hardware.{name}", getattr(self, name), positive=True)
+        if self.achieved_fraction > 1:
+            raise ValueError(
+                f"Hardware.achieved_fraction must be in (0, 1], got {self.achieved_fraction!r}"
+            )
+        check_number(
+            "Hardware.gpus_per_node", self.gpus_per_node, positive=True, integer=True
+        )
+        check_number("Hardware.p2p_latency", self.p2p_latency)
+        check_number("Hardware.a2a_latency", self.a2a_latency)
+
     def with_overrides(self, **overrides: Any) -> Hardware:
         """A copy with the fields in ``overrides`` replaced."""
         return dataclasses.replace(self, **overrides)
@@ -328,6 +396,29 @@ HARDWARE_PRESETS: Mapping[str, Hardware] = {
     "H200": Hardware("H200", 989.0, 0.4, 141e9, 450.0, 50.0),
     "B200": Hardware("B200", 2250.0, 0.4, 180e9, 900.0, 100.0),
 }
+
+
+_POSITIVE_SHAPE_FIELDS = frozenset(
+    {
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "moe_layer_freq",
+    }
+)
+
+
+def _field(get: Any, *names: str) -> Any:
+    """The first of ``names`` the config sets; ``ValueError`` naming them all if none is."""
+    for name in names:
+        value = get(name)
+        if value is not None:
+            return value
+    raise ValueError(f"the model config sets none of {', '.join(names)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +448,27 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            positive = f.name in _POSITIVE_SHAPE_FIELDS
+            check_number(
+                f"ModelShape.{f.name}",
+                getattr(self, f.name),
+                positive=positive,
+                integer=True,
+            )
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"ModelShape.top_k must be in 1..num_experts={self.num_experts}, got {self.top_k!r}"
+            )
+        if self.num_experts:
+            check_number(
+                "ModelShape.moe_intermediate_size",
+                self.moe_intermediate_size,
+                positive=True,
+                integer=True,
+            )
+
     @staticmethod
     def from_hf_config(config: Any) -> ModelShape:
         """The shape of a ``transformers`` config, or of a dict of its fields (``config.json``)."""
@@ -365,8 +477,8 @@ class ModelShape:
             if isinstance(config, Mapping)
             else (lambda k, d=None: getattr(config, k, d))
         )
-        hidden = int(get("hidden_size") or get("n_embd"))
-        heads = int(get("num_attention_heads") or get("n_head"))
+        hidden = int(_field(get, "hidden_size", "n_embd"))
+        heads = int(_field(get, "num_attention_heads", "n_head"))
         n_experts = int(
             get("n_routed_experts")
             or get("num_local_experts")
@@ -382,7 +494,7 @@ class ModelShape:
         else:
             head_dim = get("head_dim") or hidden // heads
         return ModelShape(
-            num_layers=int(get("num_hidden_layers") or get("n_layer")),
+            num_layers=int(_field(get, "num_hidden_layers", "n_layer")),
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads") or heads),
@@ -390,7 +502,7 @@ class ModelShape:
             intermediate_size=int(
                 get("intermediate_size") or get("n_inner") or 4 * hidden
             ),
-            vocab_size=int(get("vocab_size")),
+            vocab_size=int(_field(get, "vocab_size")),
             num_experts=n_experts,
             top_k=int(get("num_experts_per_tok") or 0) if n_experts else 0,
             moe_intermediate_size=int(
@@ -479,6 +591,16 @@ def layer_costs(
     layer input, ``2 * tokens * hidden``).  Tensor parallelism divides compute
     and activations by ``tp`` and is not charged any communication.
     """
+    for name, value in (
+        ("tokens", tokens),
+        ("seq_len", seq_len),
+        ("ep", ep),
+        ("tp", tp),
+    ):
+        check_number(name, value, positive=True, integer=True)
+    check_number("dtype_bytes", dtype_bytes, positive=True)
+    if a2a_dtype_bytes is not None:
+        check_number("a2a_dtype_bytes", a2a_dtype_bytes, positive=True)
     flops_per_s = hardware.bf16_tflops * 1e12 * hardware.achieved_fraction
     h = shape.hidden_size
     attn_core = (
