@@ -238,6 +238,13 @@ def _needs(stage: int, comp: str, mb: int, n_stages: int) -> list[tuple]:
     return [(stage, "I", mb)] if comp == "W" else []  # UNSHARD, REDUCE_GRAD, ...
 
 
+def _name(stage: int, comp: str, mb: int) -> str:
+    """An action's name as torch writes it (``1F0``); "I/B" is either backward."""
+    if comp == "I/B":
+        return f"{stage}I{mb} or {stage}B{mb}"
+    return f"{stage}{comp}{mb}"
+
+
 def check_progress(order: Mapping[int, Sequence[Any]], n_stages: int) -> None:
     """Raise ``ValueError`` naming each stuck rank if a compute-only ``order`` cannot finish.
 
@@ -271,8 +278,7 @@ def check_progress(order: Mapping[int, Sequence[Any]], n_stages: int) -> None:
                 )
                 pos[r], progress = pos[r] + 1, True
     stuck = [
-        f"rank {r} at action {acts[r][pos[r]]} waits for "
-        + "{}{}{}".format(*blocker(acts[r][pos[r]]))
+        f"rank {r} at action {acts[r][pos[r]]} waits for {_name(*blocker(acts[r][pos[r]]))}"
         for r in acts
         if pos[r] < len(acts[r])
     ]

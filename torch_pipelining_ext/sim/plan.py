@@ -34,6 +34,7 @@ from torch_pipelining_ext.sim import (
     write_chrome_trace,
 )
 from torch_pipelining_ext.sim._costs import (
+    check_number,
     even_layer_split,
     stage_params,
     static_memory_bytes,
@@ -266,7 +267,22 @@ def plan(
     a2a_bytes: int = 2,
     recompute: bool = False,
 ) -> list[Candidate]:
-    """Every feasible candidate, predicted; fitting ones first, fastest first."""
+    """Every feasible candidate, predicted; fitting ones first, fastest first.
+
+    Raises:
+        ValueError: an argument is invalid (the message names it and its value).
+    """
+    _check_plan_args(
+        gpus=gpus,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        pps=pps,
+        eps=eps,
+        microbatches=microbatches,
+        schedules=schedules,
+    )
+    check_number("memory_limit", memory_limit, positive=True)
+    check_number("a2a_bytes", a2a_bytes, positive=True)
     link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
     rows: list[Candidate] = []
     for label in schedules:
@@ -297,6 +313,38 @@ def plan(
             )
     rows.sort(key=lambda c: (not c.fits, c.step_time))
     return rows
+
+
+def _check_plan_args(
+    *,
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    pps: Sequence[int],
+    eps: Sequence[int],
+    microbatches: Sequence[int] | None,
+    schedules: Sequence[str],
+) -> None:
+    """``ValueError`` naming the first argument of :func:`plan` that is not valid."""
+    for name, value in (
+        ("gpus", gpus),
+        ("seq_len", seq_len),
+        ("global_batch", global_batch),
+    ):
+        check_number(name, value, positive=True, integer=True)
+    lists = {"pps": pps, "eps": eps, "microbatches": microbatches}
+    for name, values in lists.items():
+        if values is None and name == "microbatches":
+            continue
+        if not values:
+            raise ValueError(f"{name} must name at least one value, got {values!r}")
+        for v in values:
+            check_number(f"{name} item", v, positive=True, integer=True)
+    unknown = [x for x in schedules if x not in _SCHEDULES]
+    if not schedules or unknown:
+        raise ValueError(
+            f"schedules must be some of {', '.join(_SCHEDULES)}, got {list(schedules)!r}"
+        )
 
 
 def _ints(text: str) -> list[int]:
@@ -398,8 +446,14 @@ def _hardware(
             parser.error(
                 f"--override {item}: not a hardware field ({', '.join(fields)})"
             )
-        overrides[key] = type(getattr(preset, key))(value)
-    return preset.with_overrides(**overrides)
+        try:
+            overrides[key] = type(getattr(preset, key))(value)
+        except ValueError:
+            parser.error(f"--override {item}: {value!r} is not a {key} value")
+    try:
+        return preset.with_overrides(**overrides)
+    except ValueError as e:
+        parser.error(f"--override: {e}")
 
 
 def _print_table(
@@ -446,26 +500,67 @@ def _write_trace(out: Callable[..., None], directory: str, best: Candidate) -> N
         out("matplotlib is not installed: wrote best.json only (pip install .[plot])")
 
 
+def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """``text`` as comma-separated integers, or a usage error naming ``flag``."""
+    try:
+        return _ints(text)
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
+
+
 def main(argv: Sequence[str] | None = None) -> list[Candidate]:
-    """The command line: parse ``argv``, plan, print the best candidates; returns every candidate."""
+    """The command line: parse ``argv``, plan, print the best candidates; returns every candidate.
+
+    Invalid arguments exit with status 2 and a message naming them.
+    """
     parser = _parser()
     args = parser.parse_args(argv)
-    shape = ModelShape.from_hf_config(_model_config(args))
+    try:
+        shape = ModelShape.from_hf_config(_model_config(args))
+    except (OSError, ValueError, TypeError) as e:
+        parser.error(f"{args.config or args.model}: {e}")
     _check_schedules(parser, args.schedules)
     hardware = _hardware(parser, args.preset, args.override)
-    pps = _ints(args.pp)
+    pps = _int_list(parser, "--pp", args.pp)
     eps = (
-        _ints(args.ep)
+        _int_list(parser, "--ep", args.ep)
         if args.ep
         else ([1] if not shape.num_experts else [8, 16, 32, 64])
     )
-    global_batch = args.global_batch or 64 * (args.gpus // min(pps))
+    if args.gpus < 1 or not pps or min(pps) < 1:
+        parser.error(f"--gpus {args.gpus} and --pp {args.pp} must be positive")
+    global_batch = (
+        args.global_batch
+        if args.global_batch is not None
+        else 64 * max(1, args.gpus // min(pps))
+    )
     limit = (
         (args.memory_limit_gib * 2**30)
-        if args.memory_limit_gib
+        if args.memory_limit_gib is not None
         else 0.9 * hardware.hbm_bytes
     )
-    rows = plan(
+    try:
+        rows = _plan_args(args, shape, hardware, pps, eps, global_batch, limit)
+    except ValueError as e:
+        parser.error(str(e))
+    out = (lambda *a: None) if args.quiet else print
+    _print_table(out, args, hardware, global_batch, limit, rows)
+    if args.trace and rows:
+        _write_trace(out, args.trace, rows[0])
+    return rows
+
+
+def _plan_args(
+    args: argparse.Namespace,
+    shape: ModelShape,
+    hardware: Any,
+    pps: list[int],
+    eps: list[int],
+    global_batch: int,
+    limit: float,
+) -> list[Candidate]:
+    """:func:`plan` with the command line's arguments."""
+    return plan(
         shape,
         hardware,
         gpus=args.gpus,
@@ -479,11 +574,6 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         a2a_bytes=args.a2a_bytes,
         recompute=args.recompute,
     )
-    out = (lambda *a: None) if args.quiet else print
-    _print_table(out, args, hardware, global_batch, limit, rows)
-    if args.trace and rows:
-        _write_trace(out, args.trace, rows[0])
-    return rows
 
 
 if __name__ == "__main__":
