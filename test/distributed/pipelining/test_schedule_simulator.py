@@ -114,6 +114,42 @@ class OverlapPairTest(TestCase):
         )
         self.assertLessEqual(total, sum(fwd) + sum(bwd) + 1e-12)
 
+    def test_each_side_starts_when_its_input_is_there(self):
+        # the gradient arrives at 2 s: the forward computes and communicates meanwhile
+        fwd, bwd = (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)
+        f_end, b_end, intervals = overlap_pair(
+            fwd, bwd, OverlapModel(), ready=(0.0, 2.0)
+        )
+        first = min(intervals, key=lambda x: x[1])
+        self.assertEqual((int(first[0]), first[1], first[3]), (0, 0.0, "compute"))
+        bwd_start = min(s for side, s, _, _ in intervals if int(side) == 1)
+        self.assertEqual(bwd_start, 2.0)
+        # at 2 s the forward hands over after its region: the backward computes
+        # (2-3), opens its region (3-4) while the forward computes its last piece
+        self.assertEqual(f_end, 4.0)
+        self.assertEqual(b_end, 5.0)
+        # waiting for both inputs would have ended at 2 + 4 = 6 s
+        self.assertLess(max(f_end, b_end), 2.0 + 4.0)
+
+    def test_issue_case_overlap_not_slower(self):
+        # 3 ranks, 7 microbatches, F = (1, a2a 1.5, 0), I = 0.5, W = 1.5, latency 1.5:
+        # waiting for both inputs made the overlapped step 91.0 against 89.5
+        cost = StageCost(
+            forward=(1.0, 1.5, 0.0), backward_input=0.5, backward_weight=1.5
+        )
+        on, off = (
+            simulate_schedule(
+                "DualPipeV",
+                3,
+                7,
+                cost,
+                link=LinkCost(1.5),
+                overlap=OverlapModel(enabled=e),
+            ).step_time
+            for e in (True, False)
+        )
+        self.assertLessEqual(on, off)
+
 
 class BubbleFormulaTest(TestCase):
     """The DualPipe README's bubbles, reproduced on the schedules torch generates.
@@ -759,6 +795,59 @@ class SimulatorPropertyTest(TestCase):
             result.step_time, sum(cost.total(r.computation) for r in result.records)
         )
         self.assertAlmostEqual(result.ranks[0].bubble, 0.0)
+
+
+@st.composite
+def _dualpipe_case(draw):
+    pp = draw(st.integers(2, 4))
+    m = draw(st.integers(2 * pp, 4 * pp))
+    costs = []
+    for _ in range(2 * pp):
+        comm = draw(st.sampled_from([0.0, 0.5, 1.5]))
+        seg = [draw(st.floats(0.0, 2.0)) for _ in range(5)]
+        fwd = (seg[0], comm, seg[1], comm, seg[2]) if comm else seg[0]
+        bwd = (seg[3], comm, seg[4]) if comm else seg[3]
+        w = draw(st.floats(0.0, 2.0))
+        costs.append(
+            StageCost(
+                forward=fwd, backward_input=bwd, backward_weight=w, send_bytes=1.0
+            )
+        )
+    link = LinkCost(
+        latency=draw(st.sampled_from([0.0, 0.5, 1.5])),
+        bandwidth=draw(st.sampled_from([math.inf, 2.0])),
+        post_overhead=draw(st.sampled_from([0.0, 0.05])),
+    )
+    overlap = OverlapModel(
+        streams=draw(st.booleans()),
+        handover=draw(st.sampled_from([0.0, 0.3])),
+        min_region=draw(st.sampled_from([0.0, 5e-4, 1.0])),
+    )
+    return pp, m, costs, link, overlap
+
+
+class OverlapNeverLosesPropertyTest(TestCase):
+    @settings(max_examples=40, deadline=None)
+    @given(_dualpipe_case())
+    def test_overlap_on_not_slower_than_off_but_for_hand_overs(self, case):
+        # The bound: a side that had to wait pays ``handover`` before a compute
+        # segment, at most once per segment.  So with H = the number of compute
+        # segments of all overlapped sub-actions in the step,
+        #     step(overlap on) <= step(overlap off) + handover * H,
+        # and with handover = 0 overlap on is never slower at all.
+        pp, m, costs, link, overlap = case
+        on = simulate_schedule("DualPipeV", pp, m, costs, link=link, overlap=overlap)
+        off = simulate_schedule(
+            "DualPipeV", pp, m, costs, link=link, overlap=OverlapModel(enabled=False)
+        )
+        hand_overs = sum(
+            len(costs[r.stage].segments(r.computation)[0::2])
+            for r in on.records
+            if r.overlapped
+        )
+        self.assertLessEqual(
+            on.step_time, off.step_time + overlap.handover * hand_overs + 1e-9
+        )
 
 
 instantiate_parametrized_tests(BubbleFormulaTest)
