@@ -42,6 +42,7 @@ from torch_pipelining_ext.sim._costs import (
     OverlapModel,
     StageCost,
     layer_costs,
+    layer_phase_times,
     stage_costs_from_layers,
 )
 from torch_pipelining_ext.sim._engine import (
@@ -79,6 +80,7 @@ __all__ = [
     "chrome_trace",
     "kind",
     "layer_costs",
+    "layer_phase_times",
     "overlap_pair",
     "plot_timeline",
     "schedule_order",

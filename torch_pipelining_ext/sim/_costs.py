@@ -229,14 +229,18 @@ class LayerCost:
     expert_fraction: float = 0.5  # the experts' share of forward and backward_input
     activation_bytes: float = 0.0  # kept alive per microbatch until its backward
     output_bytes: float = 0.0  # the layer's output (what a stage ending here sends)
+    backward_expert_fraction: float | None = (
+        None  # of backward_input (None: expert_fraction)
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            check_number(f"LayerCost.{f.name}", getattr(self, f.name))
-        if self.expert_fraction > 1:
-            raise ValueError(
-                f"LayerCost.expert_fraction must be in [0, 1], got {self.expert_fraction!r}"
-            )
+            value = getattr(self, f.name)
+            if f.name == "backward_expert_fraction" and value is None:
+                continue
+            check_number(f"LayerCost.{f.name}", value)
+            if f.name.endswith("expert_fraction") and value > 1:
+                raise ValueError(f"LayerCost.{f.name} must be in [0, 1], got {value!r}")
 
     @property
     def has_comm(self) -> bool:
@@ -247,10 +251,10 @@ class LayerCost:
 def _layer_segments(layer: LayerCost, compute: float, backward: bool) -> list[float]:
     if not layer.has_comm:
         return [compute]
-    attn, experts = (
-        compute * (1 - layer.expert_fraction),
-        compute * layer.expert_fraction,
-    )
+    fraction = layer.expert_fraction
+    if backward and layer.backward_expert_fraction is not None:
+        fraction = layer.backward_expert_fraction
+    attn, experts = compute * (1 - fraction), compute * fraction
     if backward:
         return [0.0, layer.combine, experts, layer.dispatch, attn]
     return [attn, layer.dispatch, experts, layer.combine, 0.0]
@@ -344,6 +348,7 @@ class Hardware:
         gpus_per_node: GPUs sharing the intra-node fabric.
         p2p_latency: pipeline send/recv latency (s).
         a2a_latency: fixed cost of one all-to-all (s).
+        fp8_tflops: dense FP8 tensor-core peak (TFLOP/s, datasheet; 0: no FP8).
     """
 
     name: str
@@ -355,6 +360,7 @@ class Hardware:
     gpus_per_node: int = 8
     p2p_latency: float = 20e-6
     a2a_latency: float = 30e-6
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (0: none)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -376,6 +382,7 @@ class Hardware:
         )
         check_number("Hardware.p2p_latency", self.p2p_latency)
         check_number("Hardware.a2a_latency", self.a2a_latency)
+        check_number("Hardware.fp8_tflops", self.fp8_tflops)
 
     def with_overrides(self, **overrides: Any) -> Hardware:
         """A copy with the fields in ``overrides`` replaced."""
@@ -391,10 +398,10 @@ class Hardware:
 # fraction (0.4) is a typical MFU of large MoE training, not a measured value
 # of this package; override it with your own.
 HARDWARE_PRESETS: Mapping[str, Hardware] = {
-    "H100": Hardware("H100", 989.0, 0.4, 80e9, 450.0, 50.0),
-    "H800": Hardware("H800", 989.0, 0.4, 80e9, 200.0, 50.0),
-    "H200": Hardware("H200", 989.0, 0.4, 141e9, 450.0, 50.0),
-    "B200": Hardware("B200", 2250.0, 0.4, 180e9, 900.0, 100.0),
+    "H100": Hardware("H100", 989.0, 0.4, 80e9, 450.0, 50.0, fp8_tflops=1979.0),
+    "H800": Hardware("H800", 989.0, 0.4, 80e9, 200.0, 50.0, fp8_tflops=1979.0),
+    "H200": Hardware("H200", 989.0, 0.4, 141e9, 450.0, 50.0, fp8_tflops=1979.0),
+    "B200": Hardware("B200", 2250.0, 0.4, 180e9, 900.0, 100.0, fp8_tflops=4500.0),
 }
 
 
@@ -547,6 +554,18 @@ class ModelShape:
             return q + kv + self.num_heads * self.v_head_dim * h
         return h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 
+    def up_projection_params(self) -> float:
+        """Parameters of multi-head latent attention's up-projections (query, key and value; 0 without MLA)."""
+        if not self.kv_lora_rank:
+            return 0.0
+        q = self.q_lora_rank * self.num_heads * self.head_dim
+        kv = (
+            self.kv_lora_rank
+            * self.num_heads
+            * (self.head_dim - self.qk_rope_head_dim + self.v_head_dim)
+        )
+        return q + kv
+
     def mlp_active_params(self, index: int) -> float:
         """Parameters of layer ``index``'s MLP that one token uses (routed top-k and shared experts)."""
         if self.is_moe_layer(index):
@@ -567,6 +586,107 @@ class ModelShape:
         return layers + 2 * self.vocab_size * self.hidden_size
 
 
+_RECOMPUTE = ("none", "full", "deepseek")
+
+# [Note: DeepSeek-V3 options of the cost model]
+# What the DeepSeek-V3 report's training run used, each an option of
+# layer_costs (the defaults are the plain bf16 model):
+# * fp8_gemms: every weight matmul (attention projections, experts, dense MLP)
+#   runs at Hardware.fp8_tflops x achieved_fraction; the attention scores and
+#   the head stay bf16 (FlashAttention in bf16).
+# * a2a_dtype_bytes=1, combine_dtype_bytes=2: FP8 dispatch, BF16 combine (the
+#   backward mirrors them: a layer's dispatch backward is as long as its
+#   dispatch).
+# * routing_imbalance: the busiest GPU's routed tokens over the mean; 1.0 is
+#   balanced routing (DeepSeek's published profile simulates it).  It scales
+#   the routed experts' compute and the all-to-all bytes.
+# * recompute="deepseek": recompute RMSNorm and the MLA up-projections in the
+#   backward instead of keeping their outputs: per layer the two norm outputs
+#   (4 * tokens * hidden bytes) and the up-projected query, key and value
+#   (6 * tokens * hidden) are not kept, 24 * tokens * hidden of the 34 remain,
+#   and the input backward re-runs the up-projections.  No full recompute.
+
+
+def _recompute_mode(recompute: bool | str) -> str:
+    if recompute is True or recompute is False:
+        return "full" if recompute else "none"
+    if recompute not in _RECOMPUTE:
+        raise ValueError(
+            f"recompute must be a bool or one of {', '.join(_RECOMPUTE)}, got {recompute!r}"
+        )
+    return recompute
+
+
+def layer_phase_times(
+    shape: ModelShape,
+    hardware: Hardware,
+    index: int,
+    *,
+    tokens: int,
+    seq_len: int,
+    tp: int = 1,
+    fp8_gemms: bool = False,
+    routing_imbalance: float = 1.0,
+    recompute: bool | str = False,
+) -> dict[str, float]:
+    """Compute seconds of layer ``index``'s phases for one microbatch of ``tokens`` tokens.
+
+    Keys ``"attn(F)"``, ``"mlp(F)"``, ``"attn(B)"``, ``"mlp(B)"`` (input
+    backward), ``"attn(W)"``, ``"mlp(W)"`` (weight backward), the phase names
+    of DeepSeek's published profile.  FLOPs: ``2 * params * tokens`` per weight
+    matmul in each of F, B and W, plus causal attention scores ``2 * tokens *
+    seq_len * heads * head_dim`` in F and twice that in B.  See
+    [Note: DeepSeek-V3 options of the cost model] for the options.
+    """
+    if fp8_gemms and not hardware.fp8_tflops:
+        raise ValueError(f"fp8_gemms: Hardware {hardware.name!r} has no fp8_tflops")
+    check_number("routing_imbalance", routing_imbalance, positive=True)
+    if routing_imbalance < 1:
+        raise ValueError(f"routing_imbalance must be >= 1, got {routing_imbalance!r}")
+    mode = _recompute_mode(recompute)
+    bf16 = hardware.bf16_tflops * 1e12 * hardware.achieved_fraction * tp
+    gemm = (
+        (hardware.fp8_tflops * 1e12 * hardware.achieved_fraction * tp)
+        if fp8_gemms
+        else bf16
+    )
+    proj = 2 * shape.attention_params() * tokens / gemm
+    core = 2 * tokens * seq_len * shape.num_heads * shape.head_dim / bf16
+    mlp = 2 * shape.mlp_active_params(index) * tokens / gemm
+    if shape.is_moe_layer(index) and routing_imbalance != 1:
+        routed = shape.top_k / (shape.top_k + shape.shared_experts)
+        mlp *= 1 + routed * (routing_imbalance - 1)
+    out = {
+        "attn(F)": proj + core,
+        "mlp(F)": mlp,
+        "attn(B)": proj + 2 * core,
+        "mlp(B)": mlp,
+        "attn(W)": proj,
+        "mlp(W)": mlp,
+    }
+    if mode == "full":
+        out["attn(B)"] += out["attn(F)"]
+        out["mlp(B)"] += out["mlp(F)"]
+    elif mode == "deepseek":
+        out["attn(B)"] += 2 * shape.up_projection_params() * tokens / gemm
+    return out
+
+
+def _a2a_time(
+    shape: ModelShape, hardware: Hardware, tokens: int, ep: int, nbytes: float
+) -> float:
+    """One all-to-all of ``tokens * top_k`` hidden vectors of ``nbytes`` bytes per element over ``ep`` GPUs."""
+    if ep <= 1:
+        return 0.0
+    bw = (
+        hardware.intra_node_a2a_gbps
+        if ep <= hardware.gpus_per_node
+        else hardware.inter_node_a2a_gbps
+    )
+    volume = tokens * shape.top_k * shape.hidden_size * nbytes * (ep - 1) / ep
+    return hardware.a2a_latency + volume / (bw * 1e9)
+
+
 def layer_costs(
     shape: ModelShape,
     hardware: Hardware,
@@ -577,19 +697,24 @@ def layer_costs(
     tp: int = 1,
     dtype_bytes: int = 2,
     a2a_dtype_bytes: int | None = None,
-    recompute: bool = False,
+    combine_dtype_bytes: int | None = None,
+    recompute: bool | str = False,
+    fp8_gemms: bool = False,
+    routing_imbalance: float = 1.0,
 ) -> tuple[list[LayerCost], StageCost, StageCost]:
     """Per-layer costs of one microbatch of ``tokens`` tokens on ``hardware``; also the embedding and the head.
 
-    FLOPs: ``2 * active params * tokens`` for the forward, twice that for the
-    backward (split evenly between I and W), plus causal attention scores
-    ``2 * 2 * tokens * seq_len * heads * head_dim / 2``, all in I.  Dispatch
-    and combine each move ``tokens * top_k * hidden * a2a_dtype_bytes * (ep - 1) / ep``
-    bytes per GPU over the all-to-all bandwidth (intra-node when ``ep`` fits in
-    a node, else inter-node).  Activation bytes per layer: ``34 * tokens * hidden``
-    (the usual estimate for bf16 with flash attention; ``recompute``: only the
-    layer input, ``2 * tokens * hidden``).  Tensor parallelism divides compute
-    and activations by ``tp`` and is not charged any communication.
+    Compute: :func:`layer_phase_times`.  Dispatch and combine each move
+    ``tokens * top_k * hidden * bytes * (ep - 1) / ep`` bytes per GPU
+    (``a2a_dtype_bytes``, default ``dtype_bytes``; the combine
+    ``combine_dtype_bytes``, default the dispatch's) over the all-to-all
+    bandwidth (intra-node when ``ep`` fits in a node, else inter-node).
+    Activation bytes per layer: ``34 * tokens * hidden`` (the usual estimate
+    for bf16 with flash attention); ``recompute=True`` (or ``"full"``): only
+    the layer input, ``2 * tokens * hidden``; ``"deepseek"``: ``24 * tokens *
+    hidden`` (see [Note: DeepSeek-V3 options of the cost model]).  Tensor
+    parallelism divides compute and activations by ``tp`` and is not charged
+    any communication.
     """
     for name, value in (
         ("tokens", tokens),
@@ -599,48 +724,55 @@ def layer_costs(
     ):
         check_number(name, value, positive=True, integer=True)
     check_number("dtype_bytes", dtype_bytes, positive=True)
-    if a2a_dtype_bytes is not None:
-        check_number("a2a_dtype_bytes", a2a_dtype_bytes, positive=True)
-    flops_per_s = hardware.bf16_tflops * 1e12 * hardware.achieved_fraction
+    for name, value in (
+        ("a2a_dtype_bytes", a2a_dtype_bytes),
+        ("combine_dtype_bytes", combine_dtype_bytes),
+    ):
+        if value is not None:
+            check_number(name, value, positive=True)
+    mode = _recompute_mode(recompute)
     h = shape.hidden_size
-    attn_core = (
-        2 * tokens * seq_len * shape.num_heads * shape.head_dim
-    )  # QK^T and PV, causal half of 2*2*...
-    if ep > 1:
-        bw = (
-            hardware.intra_node_a2a_gbps
-            if ep <= hardware.gpus_per_node
-            else hardware.inter_node_a2a_gbps
-        )
-        a2a_bytes = (
-            tokens * shape.top_k * h * (a2a_dtype_bytes or dtype_bytes) * (ep - 1) / ep
-        )
-        a2a = hardware.a2a_latency + a2a_bytes / (bw * 1e9)
-    else:
-        a2a = 0.0
+    dispatch_bytes = a2a_dtype_bytes or dtype_bytes
+    dispatch = _a2a_time(
+        shape, hardware, tokens, ep, dispatch_bytes * routing_imbalance
+    )
+    combine = _a2a_time(
+        shape,
+        hardware,
+        tokens,
+        ep,
+        (combine_dtype_bytes or dispatch_bytes) * routing_imbalance,
+    )
+    act = {"none": 34, "full": 2, "deepseek": 24}[mode] * tokens * h / tp
     out: list[LayerCost] = []
     for i in range(shape.num_layers):
         moe = shape.is_moe_layer(i)
-        attn = 2 * shape.attention_params() * tokens + attn_core
-        mlp = 2 * shape.mlp_active_params(i) * tokens
-        fwd = (attn + mlp) / flops_per_s / tp
-        dgrad = (attn + mlp) / flops_per_s / tp + attn_core / flops_per_s / tp
-        wgrad = (attn + mlp - attn_core) / flops_per_s / tp
-        if recompute:
-            dgrad += fwd
-        act = (2 if recompute else 34) * tokens * h / tp
+        ph = layer_phase_times(
+            shape,
+            hardware,
+            i,
+            tokens=tokens,
+            seq_len=seq_len,
+            tp=tp,
+            fp8_gemms=fp8_gemms,
+            routing_imbalance=routing_imbalance,
+            recompute=mode,
+        )
+        fwd, dgrad = ph["attn(F)"] + ph["mlp(F)"], ph["attn(B)"] + ph["mlp(B)"]
         out.append(
             LayerCost(
                 forward=fwd,
                 backward_input=dgrad,
-                backward_weight=wgrad,
-                dispatch=a2a if moe else 0.0,
-                combine=a2a if moe else 0.0,
-                expert_fraction=mlp / (attn + mlp) if moe else 0.5,
+                backward_weight=ph["attn(W)"] + ph["mlp(W)"],
+                dispatch=dispatch if moe else 0.0,
+                combine=combine if moe else 0.0,
+                expert_fraction=ph["mlp(F)"] / fwd if moe else 0.5,
+                backward_expert_fraction=ph["mlp(B)"] / dgrad if moe else None,
                 activation_bytes=act,
                 output_bytes=tokens * h * dtype_bytes,
             )
         )
+    flops_per_s = hardware.bf16_tflops * 1e12 * hardware.achieved_fraction
     embed = StageCost(forward=0.0, activation_bytes=tokens * h * dtype_bytes)
     head_flops = 2 * shape.vocab_size * h * tokens / flops_per_s / tp
     # logits in fp32 for the loss: 4 bytes per vocabulary entry

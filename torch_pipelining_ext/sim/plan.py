@@ -165,19 +165,13 @@ def _stage_inputs(
     *,
     seq_len: int,
     global_batch: int,
-    a2a_bytes: int,
-    recompute: bool,
+    options: dict[str, Any],
 ) -> tuple[list[StageCost], list[tuple[float, float]]]:
-    """The per-stage costs and (dense, expert) parameters of ``point``'s even layer split."""
+    """The per-stage costs and (dense, expert) parameters of ``point``'s even layer split
+    (``options``: keyword arguments of :func:`~torch_pipelining_ext.sim.layer_costs`)."""
     tokens = global_batch // (point.dp * point.microbatches) * seq_len
     layers, embed, head = layer_costs(
-        shape,
-        hardware,
-        tokens=tokens,
-        seq_len=seq_len,
-        ep=point.ep,
-        a2a_dtype_bytes=a2a_bytes,
-        recompute=recompute,
+        shape, hardware, tokens=tokens, seq_len=seq_len, ep=point.ep, **options
     )
     split = even_layer_split(shape.num_layers, point.pp * schedule.stages_per_rank)
     costs = stage_costs_from_layers(layers, split, first_extra=embed, last_extra=head)
@@ -265,9 +259,15 @@ def plan(
     schedules: Sequence[str],
     memory_limit: float,
     a2a_bytes: int = 2,
-    recompute: bool = False,
+    recompute: bool | str = False,
+    combine_bytes: int | None = None,
+    fp8_gemms: bool = False,
 ) -> list[Candidate]:
     """Every feasible candidate, predicted; fitting ones first, fastest first.
+
+    ``a2a_bytes`` (the dispatch's, and the combine's unless
+    ``combine_bytes``), ``recompute`` and ``fp8_gemms`` are the cost model's
+    options (:func:`~torch_pipelining_ext.sim.layer_costs`).
 
     Raises:
         ValueError: an argument is invalid (the message names it and its value).
@@ -283,6 +283,12 @@ def plan(
     )
     check_number("memory_limit", memory_limit, positive=True)
     check_number("a2a_bytes", a2a_bytes, positive=True)
+    options = dict(
+        a2a_dtype_bytes=a2a_bytes,
+        combine_dtype_bytes=combine_bytes,
+        recompute=recompute,
+        fp8_gemms=fp8_gemms,
+    )
     link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
     rows: list[Candidate] = []
     for label in schedules:
@@ -305,8 +311,7 @@ def plan(
                 point,
                 seq_len=seq_len,
                 global_batch=global_batch,
-                a2a_bytes=a2a_bytes,
-                recompute=recompute,
+                options=options,
             )
             rows.extend(
                 _point_candidates(schedule, point, costs, params, link, memory_limit)
@@ -404,7 +409,24 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes per element of the all-to-alls (1: FP8 dispatch)",
     )
     p.add_argument(
-        "--recompute", action="store_true", help="full activation checkpointing"
+        "--combine-bytes",
+        type=int,
+        default=None,
+        help="bytes per element of the combine (default: --a2a-bytes; 2 with --a2a-bytes 1: FP8 dispatch, BF16 combine)",
+    )
+    p.add_argument(
+        "--recompute",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=("none", "full", "deepseek"),
+        help="full activation checkpointing (no value or 'full'), or 'deepseek': recompute RMSNorm "
+        "and the MLA up-projections only",
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 weight matmuls (the preset's fp8_tflops)",
     )
     p.add_argument("--top", type=int, default=10)
     p.add_argument(
@@ -573,6 +595,8 @@ def _plan_args(
         memory_limit=limit,
         a2a_bytes=args.a2a_bytes,
         recompute=args.recompute,
+        combine_bytes=args.combine_bytes,
+        fp8_gemms=args.fp8,
     )
 
 
