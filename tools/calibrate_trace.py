@@ -152,9 +152,9 @@ def predict(
     mine = [all_layers[i] for i in index]
     for layer in mine:
         phases["dispatch(F)"] += layer.dispatch
-        phases["dispatch(B)"] += layer.dispatch
+        phases["dispatch(B)"] += layer.backward_dispatch
         phases["combine(F)"] += layer.combine
-        phases["combine(B)"] += layer.combine
+        phases["combine(B)"] += layer.backward_combine
     (stage,) = stage_costs_from_layers(mine, [layers])
     f_end, b_end, _ = overlap_pair(
         stage.segments("F"), stage.segments("B"), OverlapModel()

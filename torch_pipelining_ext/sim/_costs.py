@@ -229,14 +229,17 @@ class LayerCost:
     expert_fraction: float = 0.5  # the experts' share of forward and backward_input
     activation_bytes: float = 0.0  # kept alive per microbatch until its backward
     output_bytes: float = 0.0  # the layer's output (what a stage ending here sends)
-    backward_expert_fraction: float | None = (
-        None  # of backward_input (None: expert_fraction)
-    )
+    # the experts' share of backward_input (None: expert_fraction)
+    backward_expert_fraction: float | None = None
+    # the backward's all-to-alls (None: as long as the forward's one they mirror):
+    # combine's backward comes first in the backward, dispatch's backward second
+    backward_combine: float | None = None
+    backward_dispatch: float | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "backward_expert_fraction" and value is None:
+            if f.name.startswith("backward_") and value is None:
                 continue
             check_number(f"LayerCost.{f.name}", value)
             if f.name.endswith("expert_fraction") and value > 1:
@@ -256,7 +259,14 @@ def _layer_segments(layer: LayerCost, compute: float, backward: bool) -> list[fl
         fraction = layer.backward_expert_fraction
     attn, experts = compute * (1 - fraction), compute * fraction
     if backward:
-        return [0.0, layer.combine, experts, layer.dispatch, attn]
+        combine, dispatch = layer.backward_combine, layer.backward_dispatch
+        return [
+            0.0,
+            layer.combine if combine is None else combine,
+            experts,
+            layer.dispatch if dispatch is None else dispatch,
+            attn,
+        ]
     return [attn, layer.dispatch, experts, layer.combine, 0.0]
 
 
@@ -394,12 +404,18 @@ class Hardware:
 # one-direction bandwidth = half of the bidirectional figure, one 400 Gb/s NIC
 # per GPU = 50 GB/s for H100/H200, 800 Gb/s = 100 GB/s for B200).  H800 is the
 # export H100 with NVLink cut to 400 GB/s bidirectional (200 GB/s one way);
-# the DeepSeek-V3 report uses 400 Gb/s InfiniBand per GPU on it.  The achieved
-# fraction (0.4) is a typical MFU of large MoE training, not a measured value
-# of this package; override it with your own.
+# the DeepSeek-V3 report uses 400 Gb/s InfiniBand per GPU on it.  Dense FP8 is
+# twice dense bf16.  The achieved fraction of H100, H200 and B200 (0.4) is a
+# typical MFU of large MoE training, not a measured value; override it with
+# your own.  H800's (0.31) is calibrated on one public trace, DeepSeek's
+# profile of a DualPipe chunk pair of DeepSeek-V3 with FP8 GEMMs
+# (``tools/calibrate_trace.py --fit``: the fraction that makes the predicted
+# attention and MLP compute equal the measured kernel time; docs/simulator.md
+# has the table).  That run's matmuls are FP8; the same fraction is assumed
+# for bf16.
 HARDWARE_PRESETS: Mapping[str, Hardware] = {
     "H100": Hardware("H100", 989.0, 0.4, 80e9, 450.0, 50.0, fp8_tflops=1979.0),
-    "H800": Hardware("H800", 989.0, 0.4, 80e9, 200.0, 50.0, fp8_tflops=1979.0),
+    "H800": Hardware("H800", 989.0, 0.31, 80e9, 200.0, 50.0, fp8_tflops=1979.0),
     "H200": Hardware("H200", 989.0, 0.4, 141e9, 450.0, 50.0, fp8_tflops=1979.0),
     "B200": Hardware("B200", 2250.0, 0.4, 180e9, 900.0, 100.0, fp8_tflops=4500.0),
 }
@@ -594,9 +610,11 @@ _RECOMPUTE = ("none", "full", "deepseek")
 # * fp8_gemms: every weight matmul (attention projections, experts, dense MLP)
 #   runs at Hardware.fp8_tflops x achieved_fraction; the attention scores and
 #   the head stay bf16 (FlashAttention in bf16).
-# * a2a_dtype_bytes=1, combine_dtype_bytes=2: FP8 dispatch, BF16 combine (the
-#   backward mirrors them: a layer's dispatch backward is as long as its
-#   dispatch).
+# * a2a_dtype_bytes=1, combine_dtype_bytes=2: FP8 dispatch, BF16 combine.  In
+#   the backward, combine's backward sends the activation gradients to the
+#   experts the way the dispatch sends activations, in FP8 (the report
+#   quantizes the gradient before the down-projection), and dispatch's
+#   backward returns them the way the combine does, in BF16.
 # * routing_imbalance: the busiest GPU's routed tokens over the mean; 1.0 is
 #   balanced routing (DeepSeek's published profile simulates it).  It scales
 #   the routed experts' compute and the all-to-all bytes.
@@ -766,6 +784,10 @@ def layer_costs(
                 backward_weight=ph["attn(W)"] + ph["mlp(W)"],
                 dispatch=dispatch if moe else 0.0,
                 combine=combine if moe else 0.0,
+                # combine's backward sends gradients to the experts as the dispatch
+                # does, at its precision; dispatch's backward returns them as the combine
+                backward_combine=dispatch if moe else None,
+                backward_dispatch=combine if moe else None,
                 expert_fraction=ph["mlp(F)"] / fwd if moe else 0.5,
                 backward_expert_fraction=ph["mlp(B)"] / dgrad if moe else None,
                 activation_bytes=act,
