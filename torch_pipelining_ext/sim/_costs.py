@@ -142,8 +142,11 @@ def _merge_weight(input_seg: Segments, weight: float) -> Segments:
     compute = sum(input_seg[0::2])
     if compute <= 0:
         return input_seg[:-1] + (input_seg[-1] + weight,)
-    scale = (compute + weight) / compute
-    return tuple(v * scale if i % 2 == 0 else v for i, v in enumerate(input_seg))
+    # W spread in proportion: v + weight * v / compute (v / compute <= 1, so a
+    # subnormal compute total cannot overflow)
+    return tuple(
+        v + weight * (v / compute) if i % 2 == 0 else v for i, v in enumerate(input_seg)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -705,6 +708,35 @@ def _a2a_time(
     return hardware.a2a_latency + volume / (bw * 1e9)
 
 
+def _check_layer_args(
+    counts: dict[str, int], element_bytes: dict[str, float | None]
+) -> None:
+    """``ValueError`` naming the first argument of :func:`layer_costs` that is not valid."""
+    for name, value in counts.items():
+        check_number(name, value, positive=True, integer=True)
+    for name, value in element_bytes.items():
+        if value is not None:
+            check_number(name, value, positive=True)
+
+
+def _embed_and_head(
+    shape: ModelShape, hardware: Hardware, tokens: int, tp: int, dtype_bytes: int
+) -> tuple[StageCost, StageCost]:
+    """The embedding's and the head's (with the loss) costs, bf16."""
+    h = shape.hidden_size
+    flops_per_s = hardware.bf16_tflops * 1e12 * hardware.achieved_fraction
+    embed = StageCost(forward=0.0, activation_bytes=tokens * h * dtype_bytes)
+    head_flops = 2 * shape.vocab_size * h * tokens / flops_per_s / tp
+    # logits in fp32 for the loss: 4 bytes per vocabulary entry
+    head = StageCost(
+        forward=head_flops,
+        backward_input=head_flops,
+        backward_weight=head_flops,
+        activation_bytes=tokens * shape.vocab_size * 4 / tp,
+    )
+    return embed, head
+
+
 def layer_costs(
     shape: ModelShape,
     hardware: Hardware,
@@ -734,47 +766,35 @@ def layer_costs(
     parallelism divides compute and activations by ``tp`` and is not charged
     any communication.
     """
-    for name, value in (
-        ("tokens", tokens),
-        ("seq_len", seq_len),
-        ("ep", ep),
-        ("tp", tp),
-    ):
-        check_number(name, value, positive=True, integer=True)
-    check_number("dtype_bytes", dtype_bytes, positive=True)
-    for name, value in (
-        ("a2a_dtype_bytes", a2a_dtype_bytes),
-        ("combine_dtype_bytes", combine_dtype_bytes),
-    ):
-        if value is not None:
-            check_number(name, value, positive=True)
-    mode = _recompute_mode(recompute)
+    _check_layer_args(
+        {"tokens": tokens, "seq_len": seq_len, "ep": ep, "tp": tp},
+        {
+            "dtype_bytes": dtype_bytes,
+            "a2a_dtype_bytes": a2a_dtype_bytes,
+            "combine_dtype_bytes": combine_dtype_bytes,
+        },
+    )
+    compute = dict(
+        tp=tp,
+        fp8_gemms=fp8_gemms,
+        routing_imbalance=routing_imbalance,
+        recompute=_recompute_mode(recompute),
+    )
     h = shape.hidden_size
-    dispatch_bytes = a2a_dtype_bytes or dtype_bytes
-    dispatch = _a2a_time(
-        shape, hardware, tokens, ep, dispatch_bytes * routing_imbalance
+    dispatch_bytes = (a2a_dtype_bytes or dtype_bytes) * routing_imbalance
+    combine_bytes = (
+        combine_dtype_bytes or a2a_dtype_bytes or dtype_bytes
+    ) * routing_imbalance
+    dispatch = _a2a_time(shape, hardware, tokens, ep, dispatch_bytes)
+    combine = _a2a_time(shape, hardware, tokens, ep, combine_bytes)
+    act = (
+        {"none": 34, "full": 2, "deepseek": 24}[compute["recompute"]] * tokens * h / tp
     )
-    combine = _a2a_time(
-        shape,
-        hardware,
-        tokens,
-        ep,
-        (combine_dtype_bytes or dispatch_bytes) * routing_imbalance,
-    )
-    act = {"none": 34, "full": 2, "deepseek": 24}[mode] * tokens * h / tp
     out: list[LayerCost] = []
     for i in range(shape.num_layers):
         moe = shape.is_moe_layer(i)
         ph = layer_phase_times(
-            shape,
-            hardware,
-            i,
-            tokens=tokens,
-            seq_len=seq_len,
-            tp=tp,
-            fp8_gemms=fp8_gemms,
-            routing_imbalance=routing_imbalance,
-            recompute=mode,
+            shape, hardware, i, tokens=tokens, seq_len=seq_len, **compute
         )
         fwd, dgrad = ph["attn(F)"] + ph["mlp(F)"], ph["attn(B)"] + ph["mlp(B)"]
         out.append(
@@ -794,16 +814,7 @@ def layer_costs(
                 output_bytes=tokens * h * dtype_bytes,
             )
         )
-    flops_per_s = hardware.bf16_tflops * 1e12 * hardware.achieved_fraction
-    embed = StageCost(forward=0.0, activation_bytes=tokens * h * dtype_bytes)
-    head_flops = 2 * shape.vocab_size * h * tokens / flops_per_s / tp
-    # logits in fp32 for the loss: 4 bytes per vocabulary entry
-    head = StageCost(
-        forward=head_flops,
-        backward_input=head_flops,
-        backward_weight=head_flops,
-        activation_bytes=tokens * shape.vocab_size * 4 / tp,
-    )
+    embed, head = _embed_and_head(shape, hardware, tokens, tp, dtype_bytes)
     return out, embed, head
 
 

@@ -273,13 +273,9 @@ def plan(
         ValueError: an argument is invalid (the message names it and its value).
     """
     _check_plan_args(
-        gpus=gpus,
-        seq_len=seq_len,
-        global_batch=global_batch,
-        pps=pps,
-        eps=eps,
-        microbatches=microbatches,
-        schedules=schedules,
+        {"gpus": gpus, "seq_len": seq_len, "global_batch": global_batch},
+        {"pps": pps, "eps": eps, "microbatches": microbatches},
+        schedules,
     )
     check_number("memory_limit", memory_limit, positive=True)
     check_number("a2a_bytes", a2a_bytes, positive=True)
@@ -321,23 +317,13 @@ def plan(
 
 
 def _check_plan_args(
-    *,
-    gpus: int,
-    seq_len: int,
-    global_batch: int,
-    pps: Sequence[int],
-    eps: Sequence[int],
-    microbatches: Sequence[int] | None,
+    counts: dict[str, int],
+    lists: dict[str, Sequence[int] | None],
     schedules: Sequence[str],
 ) -> None:
     """``ValueError`` naming the first argument of :func:`plan` that is not valid."""
-    for name, value in (
-        ("gpus", gpus),
-        ("seq_len", seq_len),
-        ("global_batch", global_batch),
-    ):
+    for name, value in counts.items():
         check_number(name, value, positive=True, integer=True)
-    lists = {"pps": pps, "eps": eps, "microbatches": microbatches}
     for name, values in lists.items():
         if values is None and name == "microbatches":
             continue
@@ -478,6 +464,13 @@ def _hardware(
         parser.error(f"--override: {e}")
 
 
+def _peak(args: argparse.Namespace, hardware: Any) -> str:
+    """The peak the cost model uses, for the header."""
+    if args.fp8:
+        return f"FP8 GEMMs {hardware.fp8_tflops:g} TFLOP/s, attention {hardware.bf16_tflops:g}"
+    return f"{hardware.bf16_tflops:g} TFLOP/s"
+
+
 def _print_table(
     out: Callable[..., None],
     args: argparse.Namespace,
@@ -489,7 +482,7 @@ def _print_table(
     """The header and the ``--top`` best candidates, one line each."""
     out(
         f"PREDICTIONS (simulated, not measured): {args.model or args.config} on {args.gpus} x {hardware.name} "
-        f"({hardware.bf16_tflops:g} TFLOP/s x {hardware.achieved_fraction:g}), seq {args.seq_len}, "
+        f"({_peak(args, hardware)} x {hardware.achieved_fraction:g}), seq {args.seq_len}, "
         f"global batch {global_batch} sequences, memory limit {limit / 2**30:.0f} GiB"
     )
     out(

@@ -92,6 +92,11 @@ class IssueCasesTest(TestCase):
         with self.assertRaisesRegex(ValueError, f"StageCost.{field}"):
             StageCost(**{field: value})
 
+    def test_full_backward_stays_finite(self):
+        # W spread over a subnormal I used to overflow to an infinite B
+        cost = StageCost(backward_input=5e-324, backward_weight=1.0)
+        self.assertAlmostEqual(cost.total("B"), 1.0)
+
     def test_overlap_model(self):
         with self.assertRaisesRegex(ValueError, r"OverlapModel.handover .*-0\.5"):
             OverlapModel(handover=-0.5)
@@ -219,90 +224,90 @@ _bad_number = st.sampled_from([-1.0, -1e-9, -1e9, math.nan, -math.inf])
 _bad_count = st.sampled_from([0, -1, -7])
 
 
+_SCHEDULES = (
+    "GPipe",
+    "Interleaved1F1B",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+_LAYER = dict(forward=1.0, backward_input=1.0, backward_weight=1.0)
+
+
+def _dsv3_layers(**kwargs):
+    shape = ModelShape.from_hf_config(plan.MODEL_PRESETS["deepseek-v3"])
+    return layer_costs(shape, HARDWARE_PRESETS["H800"], **kwargs)
+
+
+# what is made invalid -> (its fields, a call that uses one invalid field)
+_NUMBER_TARGETS = {
+    "LinkCost": (
+        ("latency", "bandwidth", "post_overhead"),
+        lambda f, v: simulate_schedule(
+            "DualPipeV", 2, 4, _COST, link=LinkCost(**{f: v})
+        ),
+    ),
+    "StageCost": (
+        (
+            "forward",
+            "backward_input",
+            "backward_weight",
+            "full_backward",
+            "activation_bytes",
+            "send_bytes",
+        ),
+        lambda f, v: simulate_schedule("ZBVZeroBubble", 2, 4, StageCost(**{f: v})),
+    ),
+    "OverlapModel": (
+        ("handover", "min_region"),
+        lambda f, v: simulate_schedule(
+            "DualPipeV", 2, 4, _COST, overlap=OverlapModel(**{f: v})
+        ),
+    ),
+    "LayerCost": (
+        ("forward", "backward_input", "dispatch", "expert_fraction"),
+        lambda f, v: LayerCost(**{**_LAYER, f: v}),
+    ),
+    "Hardware": (
+        (
+            "bf16_tflops",
+            "achieved_fraction",
+            "hbm_bytes",
+            "inter_node_a2a_gbps",
+            "a2a_latency",
+            "fp8_tflops",
+        ),
+        lambda f, v: HARDWARE_PRESETS["H800"].with_overrides(**{f: v}),
+    ),
+}
+_COUNT_TARGETS = {
+    "schedule": (
+        ("pp", "n_microbatches"),
+        lambda name, f, v: simulate_schedule(
+            name, **{"pp": 2, "n_microbatches": 4, f: v}, costs=_COST
+        ),
+    ),
+    "layer_costs": (
+        ("tokens", "seq_len", "ep", "tp"),
+        lambda _, f, v: _dsv3_layers(**{"tokens": 4096, "seq_len": 4096, f: v}),
+    ),
+}
+
+
 @st.composite
 def _invalid_call(draw):
     """A callable that builds or simulates from exactly one invalid input, and that input's name."""
-    target = draw(
-        st.sampled_from(
-            ["link", "stage", "overlap", "schedule", "layer", "hardware", "tokens"]
-        )
-    )
-    bad = draw(_bad_number)
-    if target == "link":
-        field = draw(st.sampled_from(["latency", "bandwidth", "post_overhead"]))
-        return f"LinkCost.{field}", lambda: simulate_schedule(
-            "DualPipeV", 2, 4, _COST, link=LinkCost(**{field: bad})
-        )
-    if target == "stage":
-        field = draw(
-            st.sampled_from(
-                [
-                    "forward",
-                    "backward_input",
-                    "backward_weight",
-                    "full_backward",
-                    "activation_bytes",
-                    "send_bytes",
-                ]
-            )
-        )
-        value = (
-            (1.0, bad, 1.0)
-            if field in ("forward", "backward_input") and draw(st.booleans())
-            else bad
-        )
-        return f"StageCost.{field}", lambda: simulate_schedule(
-            "ZBVZeroBubble", 2, 4, StageCost(**{field: value})
-        )
-    if target == "overlap":
-        field = draw(st.sampled_from(["handover", "min_region"]))
-        return f"OverlapModel.{field}", lambda: simulate_schedule(
-            "DualPipeV", 2, 4, _COST, overlap=OverlapModel(**{field: bad})
-        )
-    if target == "schedule":
-        name = draw(
-            st.sampled_from(
-                [
-                    "GPipe",
-                    "Interleaved1F1B",
-                    "InterleavedZeroBubble",
-                    "ZBVZeroBubble",
-                    "DualPipeV",
-                ]
-            )
-        )
-        field = draw(st.sampled_from(["pp", "n_microbatches"]))
-        args = {"pp": 2, "n_microbatches": 4, field: draw(_bad_count)}
-        return field, lambda: simulate_schedule(
-            name, args["pp"], args["n_microbatches"], _COST
-        )
-    if target == "layer":
-        field = draw(
-            st.sampled_from(
-                ["forward", "backward_input", "dispatch", "expert_fraction"]
-            )
-        )
-        base = dict(forward=1.0, backward_input=1.0, backward_weight=1.0)
-        return f"LayerCost.{field}", lambda: LayerCost(**{**base, field: bad})
-    if target == "hardware":
-        field = draw(
-            st.sampled_from(
-                [
-                    "bf16_tflops",
-                    "achieved_fraction",
-                    "hbm_bytes",
-                    "inter_node_a2a_gbps",
-                    "a2a_latency",
-                ]
-            )
-        )
-        return f"Hardware.{field}", lambda: HARDWARE_PRESETS["H800"].with_overrides(
-            **{field: bad}
-        )
-    field = draw(st.sampled_from(["tokens", "seq_len", "ep", "tp"]))
-    kwargs = {"tokens": 4096, "seq_len": 4096, field: draw(_bad_count)}
-    shape = ModelShape.from_hf_config(plan.MODEL_PRESETS["deepseek-v3"])
-    return field, lambda: layer_costs(shape, HARDWARE_PRESETS["H800"], **kwargs)
+    if draw(st.booleans()):
+        owner = draw(st.sampled_from(sorted(_NUMBER_TARGETS)))
+        fields, call = _NUMBER_TARGETS[owner]
+        field, bad = draw(st.sampled_from(fields)), draw(_bad_number)
+        if field in ("forward", "backward_input") and draw(st.booleans()):
+            bad = (1.0, bad, 1.0)  # one bad segment of several
+        return f"{owner}.{field}", lambda: call(field, bad)
+    fields, call = _COUNT_TARGETS[draw(st.sampled_from(sorted(_COUNT_TARGETS)))]
+    name, field = draw(st.sampled_from(_SCHEDULES)), draw(st.sampled_from(fields))
+    bad = draw(_bad_count)
+    return field, lambda: call(name, field, bad)
 
 
 class InvalidInputPropertyTest(TestCase):
