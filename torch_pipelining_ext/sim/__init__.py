@@ -7,7 +7,8 @@ schedule can run, with unit costs and no overlap) by a timed simulation.
 Everything this module returns is a **prediction** from the costs you give
 it; :mod:`torch_pipelining_ext.sim.plan` derives costs from a model config and a
 hardware preset, ``tools/calibrate_simulator.py`` compares predictions with
-measured runs.
+measured runs and ``tools/calibrate_trace.py`` the cost model with a profiler
+trace.
 
 The schedule is always torch's own: a schedule object (any torch schedule
 class, built by :func:`build_schedule` with placeholder stages or your real
