@@ -7,7 +7,8 @@ schedule can run, with unit costs and no overlap) by a timed simulation.
 Everything this module returns is a **prediction** from the costs you give
 it; :mod:`torch_pipelining_ext.sim.plan` derives costs from a model config and a
 hardware preset, ``tools/calibrate_simulator.py`` compares predictions with
-measured runs.
+measured runs and ``tools/calibrate_trace.py`` the cost model with a profiler
+trace.
 
 The schedule is always torch's own: a schedule object (any torch schedule
 class, built by :func:`build_schedule` with placeholder stages or your real
@@ -42,6 +43,7 @@ from torch_pipelining_ext.sim._costs import (
     OverlapModel,
     StageCost,
     layer_costs,
+    layer_phase_times,
     stage_costs_from_layers,
 )
 from torch_pipelining_ext.sim._engine import (
@@ -79,6 +81,7 @@ __all__ = [
     "chrome_trace",
     "kind",
     "layer_costs",
+    "layer_phase_times",
     "overlap_pair",
     "plot_timeline",
     "schedule_order",
@@ -109,10 +112,15 @@ def simulate(
         csv_format: ``"compute_only"`` or ``"compute_comms"`` for a CSV.
 
     Raises:
-        ValueError: the costs do not match the schedule's stages, or an action repeats.
-        RuntimeError: the schedule deadlocks (the message names each stuck
+        ValueError: any input is invalid (the message names the field and
+            its value, or the missing action and its rank); the costs do not
+            match the schedule's stages; an action repeats; a compute-only
+            order deadlocks (the message names each stuck rank).  Nothing is
+            simulated then.
+        RuntimeError: a schedule with communication actions deadlocks (the message names each stuck
             rank, its action and what it waits for).
     """
+    _check_models(costs, link, overlap)
     if isinstance(schedule, (str, os.PathLike)):
         order, stage_to_rank = order_from_csv(schedule, csv_format)
     else:
@@ -120,6 +128,25 @@ def simulate(
     if isinstance(costs, StageCost):
         costs = [costs] * len(stage_to_rank)
     return run_simulation(order, stage_to_rank, list(costs), link, overlap)
+
+
+def _check_models(
+    costs: StageCost | Sequence[StageCost], link: Any, overlap: Any
+) -> None:
+    """``ValueError`` naming the argument unless the costs, link and overlap are the simulator's types."""
+    if not isinstance(link, LinkCost):
+        raise ValueError(f"link must be a LinkCost, got {link!r}")
+    if not isinstance(overlap, OverlapModel):
+        raise ValueError(f"overlap must be an OverlapModel, got {overlap!r}")
+    if isinstance(costs, StageCost):
+        return
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
+        raise ValueError(
+            f"costs must be a StageCost or a sequence of them, got {costs!r}"
+        )
+    for i, c in enumerate(costs):
+        if not isinstance(c, StageCost):
+            raise ValueError(f"costs[{i}] must be a StageCost, got {c!r}")
 
 
 def simulate_schedule(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -131,20 +132,33 @@ class SimulationResult:
 # * compute is exclusive: at most one side computes at a time (on CPU the
 #   hand-overs enforce it; on a device two streams share the SMs, which this
 #   approximates as taking turns);
-# * a side that had to wait before computing pays ``handover`` seconds.
+# * a side that had to wait before computing pays ``handover`` seconds;
+# * each side starts when its own input is there (``ready``): the backward
+#   side waits for its gradient, the forward side for its activation, not
+#   for both.  Until its input has arrived a side takes no part in the
+#   turn-taking: the policy sees it as done, so the other side communicates
+#   and computes on without it, and it joins at its arrival.
 # With no regions at all the forward side waits for the whole backward: the
 # pair takes the sequential time, plus one hand-over.
 
 
 def overlap_pair(
-    fwd: Segments, bwd: Segments, model: OverlapModel
+    fwd: Segments,
+    bwd: Segments,
+    model: OverlapModel,
+    ready: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[float, float, list[tuple[Side, float, float, str]]]:
     """Run one forward/backward pair under the coordinator model, from time 0.
 
-    Returns the end time of the forward side, of the backward side, and the
-    intervals ``(side, start, end, kind)``.
+    ``ready`` is when the forward's and the backward's input arrive (each side
+    starts then, see [Note: the OVERLAP_F_B model]).  Returns the end time of
+    the forward side, of the backward side, and the intervals ``(side, start,
+    end, kind)``.
     """
-    pair = _Pair({Side.FORWARD: fwd, Side.BACKWARD: bwd}, model)
+    if any(not math.isfinite(r) or r < 0 for r in ready):
+        raise ValueError(f"ready times must be finite and >= 0, got {ready}")
+    arrive = {Side.FORWARD: float(ready[0]), Side.BACKWARD: float(ready[1])}
+    pair = _Pair({Side.FORWARD: fwd, Side.BACKWARD: bwd}, model, arrive)
     while not all(pair.done.values()):
         pair.start_what_may_start()
         if not all(pair.done.values()):
@@ -155,14 +169,20 @@ def overlap_pair(
 class _Pair:
     """State of one simulated OVERLAP_F_B pair: each side's position, regions and hand-over."""
 
-    def __init__(self, segs: Mapping[Side, Segments], model: OverlapModel) -> None:
+    def __init__(
+        self,
+        segs: Mapping[Side, Segments],
+        model: OverlapModel,
+        arrive: Mapping[Side, float],
+    ) -> None:
         self.segs = segs
         self.model = model
+        self.arrive = dict(arrive)  # when each side's input is there
         self.t = 0.0
         self.turn = Side.BACKWARD  # the coordinator's first turn
         self.pos = dict.fromkeys(Side, 0)
         self.running: dict[Side, tuple[str, float] | None] = dict.fromkeys(Side)
-        self.free_since = dict.fromkeys(Side, 0.0)
+        self.free_since = dict(self.arrive)  # a side is not waiting before its input
         self.regions = dict.fromkeys(Side, 0)
         self.started = dict.fromkeys(Side, False)
         self.done = dict.fromkeys(Side, False)
@@ -174,21 +194,29 @@ class _Pair:
     def _running(self, side: Side, what: str) -> bool:
         return self.running[side] is not None and self.running[side][0] == what  # type: ignore[index]
 
+    def _absent(self, side: Side) -> bool:
+        """Whether ``side`` takes no part in the turn-taking now: done, or its input not there yet."""
+        return self.done[side] or self.t < self.arrive[side]
+
     def _try_start(self, side: Side) -> bool:
         """Start ``side``'s next segment (or finish the side) if the policy lets it; True if it did."""
         other, t = side.other, self.t
+        if t < self.arrive[side]:
+            return False
         if self.pos[side] == len(self.segs[side]):
             self.done[side], self.end_time[side] = True, t
             return True
         if not self.started[side]:
-            if not may_start(self.turn == side, self.regions[other], self.done[other]):
+            if not may_start(
+                self.turn == side, self.regions[other], self._absent(other)
+            ):
                 return False
             self.started[side] = True
         dur = self.segs[side][self.pos[side]]
         if self.pos[side] % 2 == 0:  # compute
             at = self.handed_over_at[side]
             if at is not None and not may_compute_on(
-                self.regions[other], at, self.done[other]
+                self.regions[other], at, self._absent(other)
             ):
                 return False
             if self._running(other, "compute"):
@@ -200,7 +228,7 @@ class _Pair:
                 self.out.append((side, begin, begin + dur, "compute"))
         else:  # communication region
             if not may_open(
-                self.turn == side, self._running(other, "comm"), self.done[other]
+                self.turn == side, self._running(other, "comm"), self._absent(other)
             ):
                 return False
             self.regions[side] += 1
@@ -223,12 +251,17 @@ class _Pair:
                     progress = True
 
     def finish_next(self) -> None:
-        """Advance to the end of the running segment that ends first (the backward side's on a tie)."""
+        """Advance to the next event: the end of the running segment that ends first
+        (the backward side's on a tie), or a side's input arriving before it."""
         busy = [
             (self.running[s][1], s)
             for s in (Side.BACKWARD, Side.FORWARD)
             if self.running[s] is not None
         ]
+        arrivals = [a for a in self.arrive.values() if a > self.t]
+        if arrivals and (not busy or min(arrivals) < min(e for e, _ in busy)):
+            self.t = min(arrivals)
+            return
         if not busy:  # cannot happen under the policy; guard against a silent hang
             raise RuntimeError(
                 f"OVERLAP_F_B model stalled at t={self.t}: positions {self.pos}, regions {self.regions}"
@@ -459,15 +492,18 @@ class _Simulation:
                 self._rollback(n_records)
                 raise
             return t
-        # the package's handler prepares (waits for) both sub-actions' inputs first
-        t0 = max(
-            st.time,
-            self.ready_time(f.stage_index, "F", f.microbatch_index),
-            self.ready_time(b.stage_index, kinds[bwd_i], b.microbatch_index),
+        # each side starts when its own input is there (see [Note: the OVERLAP_F_B model])
+        t0 = st.time
+        ready = (
+            max(0.0, self.ready_time(f.stage_index, "F", f.microbatch_index) - t0),
+            max(
+                0.0,
+                self.ready_time(b.stage_index, kinds[bwd_i], b.microbatch_index) - t0,
+            ),
         )
         fseg = self.costs[f.stage_index].segments("F")
         bseg = self.costs[b.stage_index].segments(kinds[bwd_i])
-        f_end, b_end, intervals = overlap_pair(fseg, bseg, self.overlap)
+        f_end, b_end, intervals = overlap_pair(fseg, bseg, self.overlap, ready)
         marked = len(fseg) > 1 or len(bseg) > 1
         if not marked and not self.overlap.streams:
             self.unmarked_pairs.add(pair)

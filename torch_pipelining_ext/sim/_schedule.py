@@ -85,6 +85,12 @@ class _PlaceholderStage:
 def _schedule_class(schedule: str | type) -> type:
     if isinstance(schedule, str):
         return _schedules.get_schedule_class(schedule)
+    if not isinstance(schedule, type) or not issubclass(
+        schedule, _schedules._PipelineSchedule
+    ):
+        raise ValueError(
+            f"schedule must be a torch schedule class or its name, got {schedule!r}"
+        )
     return schedule
 
 
@@ -109,6 +115,17 @@ def build_schedule(
         stages_per_rank: stages per rank of a multi-stage schedule (default 2).
         kwargs: passed to the constructor (e.g. ``defer_pp_recv``).
     """
+    for name, value in (("pp", pp), ("n_microbatches", n_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if stages_per_rank is not None and (
+        isinstance(stages_per_rank, bool)
+        or not isinstance(stages_per_rank, int)
+        or stages_per_rank < 1
+    ):
+        raise ValueError(
+            f"stages_per_rank must be an integer >= 1 or None, got {stages_per_rank!r}"
+        )
     cls = _schedule_class(schedule)
     loss_fn = kwargs.pop(
         "loss_fn", lambda output, target: output
@@ -149,6 +166,124 @@ def _infer_stage_to_rank(order: Mapping[int, Sequence[Any]]) -> dict[int, int]:
     if sorted(out) != list(range(len(out))):
         raise ValueError(f"the schedule's stages are not 0..N-1: {sorted(out)}")
     return out
+
+
+def _compute_actions(order: Mapping[int, Sequence[Any]]) -> dict[tuple, int]:
+    """(stage, F/I/W/B, microbatch) -> rank of every compute action, sub-actions included."""
+    out: dict[tuple, int] = {}
+    for rank, actions in order.items():
+        for a in actions:
+            for sub in (a.sub_actions or (a,)) if a is not None else ():
+                if kind(sub) in ("F", "I", "W", "B"):
+                    out[(sub.stage_index, kind(sub), sub.microbatch_index)] = rank
+    return out
+
+
+def _missing_actions(have: Mapping[tuple, int], n_stages: int) -> list[tuple]:
+    """What a complete step lacks: (stage, computation, microbatch)."""
+    mbs = {mb for _, _, mb in have}
+    n_mb = max(mbs) + 1 if mbs else 0
+    backward = any(c != "F" for _, c, _ in have)
+    missing = []
+    for stage in range(n_stages):
+        for mb in range(n_mb):
+            missing += [(stage, "F", mb)] if (stage, "F", mb) not in have else []
+            if not backward:
+                continue
+            full, inp = (stage, "B", mb) in have, (stage, "I", mb) in have
+            weight = (stage, "W", mb) in have
+            if not (full or inp):
+                missing.append((stage, "I" if weight else "B", mb))
+            elif inp and not weight:
+                missing.append((stage, "W", mb))
+    return missing
+
+
+def check_complete(
+    order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int], what: str
+) -> None:
+    """Raise ``ValueError`` naming every missing compute action and its rank.
+
+    A step runs F of every stage and microbatch ``0..M-1`` and, if it has any
+    backward, a full backward (B) or an input backward (I) with its weight
+    backward (W) for each.
+    """
+    have = _compute_actions(order)
+    if not have:
+        raise ValueError(f"{what} has no compute actions; nothing was simulated")
+    both = sorted((s, mb) for s, c, mb in have if c == "B" and (s, "I", mb) in have)
+    if both:
+        s, mb = both[0]
+        raise ValueError(
+            f"{what} runs both {s}B{mb} and {s}I{mb} (stage {s}, microbatch {mb}); nothing was simulated"
+        )
+    missing = _missing_actions(have, len(stage_to_rank))
+    if missing:
+        named = ", ".join(
+            f"{s}{c}{mb} on rank {stage_to_rank[s]}" for s, c, mb in missing[:8]
+        )
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(
+            f"{what} is missing {len(missing)} action(s): {named}{more}; nothing was simulated"
+        )
+
+
+def _needs(stage: int, comp: str, mb: int, n_stages: int) -> list[tuple]:
+    """What compute action ``stage comp mb`` waits for ("I/B": either backward of that stage)."""
+    if comp == "F":
+        return [(stage - 1, "F", mb)] if stage > 0 else []
+    if comp in ("I", "B"):
+        deps = [(stage, "F", mb)]
+        return deps + ([(stage + 1, "I/B", mb)] if stage < n_stages - 1 else [])
+    return [(stage, "I", mb)] if comp == "W" else []  # UNSHARD, REDUCE_GRAD, ...
+
+
+def _name(stage: int, comp: str, mb: int) -> str:
+    """An action's name as torch writes it (``1F0``); "I/B" is either backward."""
+    if comp == "I/B":
+        return f"{stage}I{mb} or {stage}B{mb}"
+    return f"{stage}{comp}{mb}"
+
+
+def check_progress(order: Mapping[int, Sequence[Any]], n_stages: int) -> None:
+    """Raise ``ValueError`` naming each stuck rank if a compute-only ``order`` cannot finish.
+
+    Every rank runs its actions in order; an action runs once what it needs
+    has run on any rank (see :func:`_needs`).
+    """
+    done: set[tuple] = set()
+    pos = dict.fromkeys(order, 0)
+    acts = {r: [a for a in actions if a is not None] for r, actions in order.items()}
+
+    def blocker(a: Any) -> tuple | None:
+        for sub in a.sub_actions or (a,):
+            for need in _needs(
+                sub.stage_index, kind(sub), sub.microbatch_index, n_stages
+            ):
+                s, c, mb = need
+                names = ("I", "B") if c == "I/B" else (c,)
+                if not any((s, n, mb) in done for n in names):
+                    return need
+        return None
+
+    progress = True
+    while progress:
+        progress = False
+        for r in acts:
+            while pos[r] < len(acts[r]) and blocker(acts[r][pos[r]]) is None:
+                a = acts[r][pos[r]]
+                done.update(
+                    (x.stage_index, kind(x), x.microbatch_index)
+                    for x in a.sub_actions or (a,)
+                )
+                pos[r], progress = pos[r] + 1, True
+    stuck = [
+        f"rank {r} at action {acts[r][pos[r]]} waits for {_name(*blocker(acts[r][pos[r]]))}"
+        for r in acts
+        if pos[r] < len(acts[r])
+    ]
+    if stuck:
+        raise ValueError("the schedule deadlocks: " + "; ".join(stuck))
 
 
 def _has_comms(order: Mapping[int, Sequence[Any]]) -> bool:
@@ -210,13 +345,19 @@ def schedule_order(schedule: Any) -> tuple[Order, dict[int, int]]:
         stage_to_rank = _infer_stage_to_rank(order)
         if not _has_comms(order):
             _validate(order, stage_to_rank, "the compute-only order")
+        check_complete(order, stage_to_rank, "the order")
+        if not _has_comms(order):
+            check_progress(order, len(stage_to_rank))
             order = _lower_compute_only(order, stage_to_rank)
         return order, stage_to_rank
     with_comms = getattr(schedule, "pipeline_order_with_comms", None)
     mapping = getattr(schedule, "stage_index_to_group_rank", None)
+    name = type(schedule).__name__
     if with_comms:
         order = {r: list(acts) for r, acts in with_comms.items()}
-        return order, dict(mapping) if mapping else _infer_stage_to_rank(order)
+        stage_to_rank = dict(mapping) if mapping else _infer_stage_to_rank(order)
+        check_complete(order, stage_to_rank, f"the order {name} generates")
+        return order, stage_to_rank
     compute = getattr(schedule, "pipeline_order", None)
     if not compute:
         raise ValueError(
@@ -225,11 +366,10 @@ def schedule_order(schedule: Any) -> tuple[Order, dict[int, int]]:
         )
     compute = copy.copy(compute)
     stage_to_rank = dict(mapping) if mapping else _infer_stage_to_rank(compute)
-    _validate(
-        compute,
-        stage_to_rank,
-        f"the pipeline_order that {type(schedule).__name__} generates",
-    )
+    what = f"the pipeline_order that {name} generates"
+    _validate(compute, stage_to_rank, what)
+    check_complete(compute, stage_to_rank, what)
+    check_progress(compute, len(stage_to_rank))
     return _lower_compute_only(compute, stage_to_rank), stage_to_rank
 
 
@@ -246,9 +386,13 @@ def order_from_csv(
             rank: [_schedules._Action.from_str(s) for s in row]
             for rank, row in enumerate(csv.reader(f))
         }
+    if not any(a is not None for acts in order.values() for a in acts):
+        raise ValueError(f"{path}: the CSV holds no actions; nothing was simulated")
     if format == "compute_comms":
         order = {r: [a for a in acts if a is not None] for r, acts in order.items()}
-        return order, _infer_stage_to_rank(order)
+        stage_to_rank = _infer_stage_to_rank(order)
+        check_complete(order, stage_to_rank, str(path))
+        return order, stage_to_rank
     if _has_comms(order):
         raise ValueError(f"{path}: a compute_only CSV holds communication actions")
     return schedule_order(order)

@@ -34,6 +34,7 @@ from torch_pipelining_ext.sim import (
     write_chrome_trace,
 )
 from torch_pipelining_ext.sim._costs import (
+    check_number,
     even_layer_split,
     stage_params,
     static_memory_bytes,
@@ -164,19 +165,13 @@ def _stage_inputs(
     *,
     seq_len: int,
     global_batch: int,
-    a2a_bytes: int,
-    recompute: bool,
+    options: dict[str, Any],
 ) -> tuple[list[StageCost], list[tuple[float, float]]]:
-    """The per-stage costs and (dense, expert) parameters of ``point``'s even layer split."""
+    """The per-stage costs and (dense, expert) parameters of ``point``'s even layer split
+    (``options``: keyword arguments of :func:`~torch_pipelining_ext.sim.layer_costs`)."""
     tokens = global_batch // (point.dp * point.microbatches) * seq_len
     layers, embed, head = layer_costs(
-        shape,
-        hardware,
-        tokens=tokens,
-        seq_len=seq_len,
-        ep=point.ep,
-        a2a_dtype_bytes=a2a_bytes,
-        recompute=recompute,
+        shape, hardware, tokens=tokens, seq_len=seq_len, ep=point.ep, **options
     )
     split = even_layer_split(shape.num_layers, point.pp * schedule.stages_per_rank)
     costs = stage_costs_from_layers(layers, split, first_extra=embed, last_extra=head)
@@ -264,9 +259,32 @@ def plan(
     schedules: Sequence[str],
     memory_limit: float,
     a2a_bytes: int = 2,
-    recompute: bool = False,
+    recompute: bool | str = False,
+    combine_bytes: int | None = None,
+    fp8_gemms: bool = False,
 ) -> list[Candidate]:
-    """Every feasible candidate, predicted; fitting ones first, fastest first."""
+    """Every feasible candidate, predicted; fitting ones first, fastest first.
+
+    ``a2a_bytes`` (the dispatch's, and the combine's unless
+    ``combine_bytes``), ``recompute`` and ``fp8_gemms`` are the cost model's
+    options (:func:`~torch_pipelining_ext.sim.layer_costs`).
+
+    Raises:
+        ValueError: an argument is invalid (the message names it and its value).
+    """
+    _check_plan_args(
+        {"gpus": gpus, "seq_len": seq_len, "global_batch": global_batch},
+        {"pps": pps, "eps": eps, "microbatches": microbatches},
+        schedules,
+    )
+    check_number("memory_limit", memory_limit, positive=True)
+    check_number("a2a_bytes", a2a_bytes, positive=True)
+    options = dict(
+        a2a_dtype_bytes=a2a_bytes,
+        combine_dtype_bytes=combine_bytes,
+        recompute=recompute,
+        fp8_gemms=fp8_gemms,
+    )
     link = LinkCost(hardware.p2p_latency, hardware.inter_node_a2a_gbps * 1e9)
     rows: list[Candidate] = []
     for label in schedules:
@@ -289,14 +307,35 @@ def plan(
                 point,
                 seq_len=seq_len,
                 global_batch=global_batch,
-                a2a_bytes=a2a_bytes,
-                recompute=recompute,
+                options=options,
             )
             rows.extend(
                 _point_candidates(schedule, point, costs, params, link, memory_limit)
             )
     rows.sort(key=lambda c: (not c.fits, c.step_time))
     return rows
+
+
+def _check_plan_args(
+    counts: dict[str, int],
+    lists: dict[str, Sequence[int] | None],
+    schedules: Sequence[str],
+) -> None:
+    """``ValueError`` naming the first argument of :func:`plan` that is not valid."""
+    for name, value in counts.items():
+        check_number(name, value, positive=True, integer=True)
+    for name, values in lists.items():
+        if values is None and name == "microbatches":
+            continue
+        if not values:
+            raise ValueError(f"{name} must name at least one value, got {values!r}")
+        for v in values:
+            check_number(f"{name} item", v, positive=True, integer=True)
+    unknown = [x for x in schedules if x not in _SCHEDULES]
+    if not schedules or unknown:
+        raise ValueError(
+            f"schedules must be some of {', '.join(_SCHEDULES)}, got {list(schedules)!r}"
+        )
 
 
 def _ints(text: str) -> list[int]:
@@ -356,7 +395,24 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes per element of the all-to-alls (1: FP8 dispatch)",
     )
     p.add_argument(
-        "--recompute", action="store_true", help="full activation checkpointing"
+        "--combine-bytes",
+        type=int,
+        default=None,
+        help="bytes per element of the combine (default: --a2a-bytes; 2 with --a2a-bytes 1: FP8 dispatch, BF16 combine)",
+    )
+    p.add_argument(
+        "--recompute",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=("none", "full", "deepseek"),
+        help="full activation checkpointing (no value or 'full'), or 'deepseek': recompute RMSNorm "
+        "and the MLA up-projections only",
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 weight matmuls (the preset's fp8_tflops)",
     )
     p.add_argument("--top", type=int, default=10)
     p.add_argument(
@@ -398,8 +454,21 @@ def _hardware(
             parser.error(
                 f"--override {item}: not a hardware field ({', '.join(fields)})"
             )
-        overrides[key] = type(getattr(preset, key))(value)
-    return preset.with_overrides(**overrides)
+        try:
+            overrides[key] = type(getattr(preset, key))(value)
+        except ValueError:
+            parser.error(f"--override {item}: {value!r} is not a {key} value")
+    try:
+        return preset.with_overrides(**overrides)
+    except ValueError as e:
+        parser.error(f"--override: {e}")
+
+
+def _peak(args: argparse.Namespace, hardware: Any) -> str:
+    """The peak the cost model uses, for the header."""
+    if args.fp8:
+        return f"FP8 GEMMs {hardware.fp8_tflops:g} TFLOP/s, attention {hardware.bf16_tflops:g}"
+    return f"{hardware.bf16_tflops:g} TFLOP/s"
 
 
 def _print_table(
@@ -413,7 +482,7 @@ def _print_table(
     """The header and the ``--top`` best candidates, one line each."""
     out(
         f"PREDICTIONS (simulated, not measured): {args.model or args.config} on {args.gpus} x {hardware.name} "
-        f"({hardware.bf16_tflops:g} TFLOP/s x {hardware.achieved_fraction:g}), seq {args.seq_len}, "
+        f"({_peak(args, hardware)} x {hardware.achieved_fraction:g}), seq {args.seq_len}, "
         f"global batch {global_batch} sequences, memory limit {limit / 2**30:.0f} GiB"
     )
     out(
@@ -446,26 +515,67 @@ def _write_trace(out: Callable[..., None], directory: str, best: Candidate) -> N
         out("matplotlib is not installed: wrote best.json only (pip install .[plot])")
 
 
+def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """``text`` as comma-separated integers, or a usage error naming ``flag``."""
+    try:
+        return _ints(text)
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
+
+
 def main(argv: Sequence[str] | None = None) -> list[Candidate]:
-    """The command line: parse ``argv``, plan, print the best candidates; returns every candidate."""
+    """The command line: parse ``argv``, plan, print the best candidates; returns every candidate.
+
+    Invalid arguments exit with status 2 and a message naming them.
+    """
     parser = _parser()
     args = parser.parse_args(argv)
-    shape = ModelShape.from_hf_config(_model_config(args))
+    try:
+        shape = ModelShape.from_hf_config(_model_config(args))
+    except (OSError, ValueError, TypeError) as e:
+        parser.error(f"{args.config or args.model}: {e}")
     _check_schedules(parser, args.schedules)
     hardware = _hardware(parser, args.preset, args.override)
-    pps = _ints(args.pp)
+    pps = _int_list(parser, "--pp", args.pp)
     eps = (
-        _ints(args.ep)
+        _int_list(parser, "--ep", args.ep)
         if args.ep
         else ([1] if not shape.num_experts else [8, 16, 32, 64])
     )
-    global_batch = args.global_batch or 64 * (args.gpus // min(pps))
+    if args.gpus < 1 or not pps or min(pps) < 1:
+        parser.error(f"--gpus {args.gpus} and --pp {args.pp} must be positive")
+    global_batch = (
+        args.global_batch
+        if args.global_batch is not None
+        else 64 * max(1, args.gpus // min(pps))
+    )
     limit = (
         (args.memory_limit_gib * 2**30)
-        if args.memory_limit_gib
+        if args.memory_limit_gib is not None
         else 0.9 * hardware.hbm_bytes
     )
-    rows = plan(
+    try:
+        rows = _plan_args(args, shape, hardware, pps, eps, global_batch, limit)
+    except ValueError as e:
+        parser.error(str(e))
+    out = (lambda *a: None) if args.quiet else print
+    _print_table(out, args, hardware, global_batch, limit, rows)
+    if args.trace and rows:
+        _write_trace(out, args.trace, rows[0])
+    return rows
+
+
+def _plan_args(
+    args: argparse.Namespace,
+    shape: ModelShape,
+    hardware: Any,
+    pps: list[int],
+    eps: list[int],
+    global_batch: int,
+    limit: float,
+) -> list[Candidate]:
+    """:func:`plan` with the command line's arguments."""
+    return plan(
         shape,
         hardware,
         gpus=args.gpus,
@@ -478,12 +588,9 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         memory_limit=limit,
         a2a_bytes=args.a2a_bytes,
         recompute=args.recompute,
+        combine_bytes=args.combine_bytes,
+        fp8_gemms=args.fp8,
     )
-    out = (lambda *a: None) if args.quiet else print
-    _print_table(out, args, hardware, global_batch, limit, rows)
-    if args.trace and rows:
-        _write_trace(out, args.trace, rows[0])
-    return rows
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 
 from hypothesis import given, settings, strategies as st
@@ -35,6 +36,7 @@ from torch_pipelining_ext.sim import (
     chrome_trace,
     kind,
     layer_costs,
+    layer_phase_times,
     overlap_pair,
     schedule_order,
     simulate,
@@ -113,6 +115,42 @@ class OverlapPairTest(TestCase):
             total, max(sum(fwd), sum(bwd), sum(fwd[0::2]) + sum(bwd[0::2])) - 1e-12
         )
         self.assertLessEqual(total, sum(fwd) + sum(bwd) + 1e-12)
+
+    def test_each_side_starts_when_its_input_is_there(self):
+        # the gradient arrives at 2 s: the forward computes and communicates meanwhile
+        fwd, bwd = (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)
+        f_end, b_end, intervals = overlap_pair(
+            fwd, bwd, OverlapModel(), ready=(0.0, 2.0)
+        )
+        first = min(intervals, key=lambda x: x[1])
+        self.assertEqual((int(first[0]), first[1], first[3]), (0, 0.0, "compute"))
+        bwd_start = min(s for side, s, _, _ in intervals if int(side) == 1)
+        self.assertEqual(bwd_start, 2.0)
+        # at 2 s the forward hands over after its region: the backward computes
+        # (2-3), opens its region (3-4) while the forward computes its last piece
+        self.assertEqual(f_end, 4.0)
+        self.assertEqual(b_end, 5.0)
+        # waiting for both inputs would have ended at 2 + 4 = 6 s
+        self.assertLess(max(f_end, b_end), 2.0 + 4.0)
+
+    def test_issue_case_overlap_not_slower(self):
+        # 3 ranks, 7 microbatches, F = (1, a2a 1.5, 0), I = 0.5, W = 1.5, latency 1.5:
+        # waiting for both inputs made the overlapped step 91.0 against 89.5
+        cost = StageCost(
+            forward=(1.0, 1.5, 0.0), backward_input=0.5, backward_weight=1.5
+        )
+        on, off = (
+            simulate_schedule(
+                "DualPipeV",
+                3,
+                7,
+                cost,
+                link=LinkCost(1.5),
+                overlap=OverlapModel(enabled=e),
+            ).step_time
+            for e in (True, False)
+        )
+        self.assertLessEqual(on, off)
 
 
 class BubbleFormulaTest(TestCase):
@@ -603,6 +641,147 @@ class CostModelTest(TestCase):
         self.assertLess(zb.bubble, f1b.bubble)
 
 
+class DeepSeekOptionsTest(TestCase):
+    """The cost model's options for what DeepSeek-V3's run used."""
+
+    def setUp(self):
+        self.shape = ModelShape.from_hf_config(plan.MODEL_PRESETS["deepseek-v3"])
+        self.h800 = HARDWARE_PRESETS["H800"]
+
+    def _layer(self, **options):
+        layers, _, _ = layer_costs(
+            self.shape, self.h800, tokens=4096, seq_len=4096, ep=64, **options
+        )
+        return layers[5]  # an MoE layer
+
+    def test_fp8_gemms_halve_the_matmuls_not_the_attention_scores(self):
+        bf16 = layer_phase_times(self.shape, self.h800, 5, tokens=4096, seq_len=4096)
+        fp8 = layer_phase_times(
+            self.shape, self.h800, 5, tokens=4096, seq_len=4096, fp8_gemms=True
+        )
+        ratio = self.h800.bf16_tflops / self.h800.fp8_tflops  # about 1/2
+        for phase in ("mlp(F)", "mlp(B)", "mlp(W)", "attn(W)"):
+            self.assertAlmostEqual(fp8[phase], bf16[phase] * ratio)
+        core = bf16["attn(F)"] - bf16["attn(W)"]  # the scores, bf16 either way
+        self.assertAlmostEqual(fp8["attn(F)"], bf16["attn(W)"] * ratio + core)
+        with self.assertRaisesRegex(ValueError, "no fp8_tflops"):
+            layer_phase_times(
+                self.shape,
+                self.h800.with_overrides(fp8_tflops=0.0),
+                5,
+                tokens=1,
+                seq_len=1,
+                fp8_gemms=True,
+            )
+
+    def test_fp8_dispatch_bf16_combine(self):
+        layer = self._layer(a2a_dtype_bytes=1, combine_dtype_bytes=2)
+        latency = self.h800.a2a_latency
+        self.assertAlmostEqual(
+            layer.combine - latency, 2 * (layer.dispatch - latency), places=9
+        )
+        # the gradient dispatch (combine's backward) is FP8, the gradient combine BF16
+        self.assertEqual(layer.backward_combine, layer.dispatch)
+        self.assertEqual(layer.backward_dispatch, layer.combine)
+        (stage,) = stage_costs_from_layers([layer], [1])
+        self.assertEqual(stage.backward_input[1], layer.dispatch)
+        self.assertEqual(stage.backward_input[3], layer.combine)
+        # without the option both directions are as before: one precision
+        plain = self._layer()
+        self.assertEqual(plain.dispatch, plain.combine)
+
+    def test_routing_imbalance_and_recompute(self):
+        balanced, skewed = self._layer(), self._layer(routing_imbalance=1.5)
+        self.assertGreater(skewed.dispatch, balanced.dispatch)
+        self.assertGreater(skewed.forward, balanced.forward)
+        with self.assertRaisesRegex(ValueError, "routing_imbalance must be >= 1"):
+            self._layer(routing_imbalance=0.5)
+        none, full, selective = (
+            self._layer(recompute=r) for r in ("none", "full", "deepseek")
+        )
+        self.assertAlmostEqual(
+            selective.activation_bytes / none.activation_bytes, 24 / 34
+        )
+        self.assertAlmostEqual(full.activation_bytes / none.activation_bytes, 2 / 34)
+        # the selective recompute re-runs the up-projections: more than none, less than full
+        self.assertLess(none.backward_input, selective.backward_input)
+        self.assertLess(selective.backward_input, full.backward_input)
+        with self.assertRaisesRegex(ValueError, "recompute must be"):
+            self._layer(recompute="some")
+
+
+class TraceCalibrationTest(TestCase):
+    """tools/calibrate_trace.py on a synthetic trace in the profiler's format (no trace is vendored)."""
+
+    def _load(self):
+        import importlib.util
+
+        repo = os.path.dirname(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        )
+        path = os.path.join(repo, "tools", "calibrate_trace.py")
+        spec = importlib.util.spec_from_file_location("calibrate_trace", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        self.addCleanup(sys.modules.pop, spec.name, None)
+        spec.loader.exec_module(module)
+        return module
+
+    def test_phases_from_launches(self):
+        tool = self._load()
+        events = []
+        # two annotated phases; each launches one kernel that runs later on the device
+        for i, (name, dur) in enumerate((("attn(F)", 300), ("dispatch(F)", 500))):
+            t = 1000 * i
+            events.append(dict(cat="user_annotation", name=name, ph="X", ts=t, dur=900))
+            corr = i + 1
+            events.append(
+                dict(
+                    cat="cuda_runtime",
+                    name="cudaLaunchKernel",
+                    ph="X",
+                    ts=t + 10,
+                    dur=5,
+                    args={"correlation": corr},
+                )
+            )
+            events.append(
+                dict(
+                    cat="kernel",
+                    name="k",
+                    ph="X",
+                    ts=t + 2000,
+                    dur=dur,
+                    args={"correlation": corr},
+                )
+            )
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+            measured = tool.read_trace(path)
+        self.assertAlmostEqual(measured.phases["attn(F)"], 300e-6)
+        self.assertAlmostEqual(measured.phases["dispatch(F)"], 500e-6)
+        self.assertEqual(measured.layers, 1)
+        self.assertAlmostEqual(measured.annotated_span, 1900e-6)
+        self.assertAlmostEqual(measured.kernel_span, (3000 + 500 - 2000) * 1e-6)
+        shape = ModelShape.from_hf_config(plan.MODEL_PRESETS["deepseek-v3"])
+        options = dict(
+            tokens=4096,
+            seq_len=4096,
+            ep=64,
+            tp=1,
+            a2a_dtype_bytes=1,
+            combine_dtype_bytes=2,
+            fp8_gemms=True,
+            routing_imbalance=1.0,
+            recompute="deepseek",
+        )
+        phases, pair = tool.predict(shape, HARDWARE_PRESETS["H800"], 1, options)
+        self.assertLessEqual(pair, sum(phases.values()) + 1e-12)
+        self.assertGreaterEqual(pair, sum(phases[p] for p in tool._COMPUTE) - 1e-12)
+
+
 # --------------------------------------------------------------------------- #
 # Property tests                                                               #
 # --------------------------------------------------------------------------- #
@@ -759,6 +938,59 @@ class SimulatorPropertyTest(TestCase):
             result.step_time, sum(cost.total(r.computation) for r in result.records)
         )
         self.assertAlmostEqual(result.ranks[0].bubble, 0.0)
+
+
+@st.composite
+def _dualpipe_case(draw):
+    pp = draw(st.integers(2, 4))
+    m = draw(st.integers(2 * pp, 4 * pp))
+    costs = []
+    for _ in range(2 * pp):
+        comm = draw(st.sampled_from([0.0, 0.5, 1.5]))
+        seg = [draw(st.floats(0.0, 2.0)) for _ in range(5)]
+        fwd = (seg[0], comm, seg[1], comm, seg[2]) if comm else seg[0]
+        bwd = (seg[3], comm, seg[4]) if comm else seg[3]
+        w = draw(st.floats(0.0, 2.0))
+        costs.append(
+            StageCost(
+                forward=fwd, backward_input=bwd, backward_weight=w, send_bytes=1.0
+            )
+        )
+    link = LinkCost(
+        latency=draw(st.sampled_from([0.0, 0.5, 1.5])),
+        bandwidth=draw(st.sampled_from([math.inf, 2.0])),
+        post_overhead=draw(st.sampled_from([0.0, 0.05])),
+    )
+    overlap = OverlapModel(
+        streams=draw(st.booleans()),
+        handover=draw(st.sampled_from([0.0, 0.3])),
+        min_region=draw(st.sampled_from([0.0, 5e-4, 1.0])),
+    )
+    return pp, m, costs, link, overlap
+
+
+class OverlapNeverLosesPropertyTest(TestCase):
+    @settings(max_examples=40, deadline=None)
+    @given(_dualpipe_case())
+    def test_overlap_on_not_slower_than_off_but_for_hand_overs(self, case):
+        # The bound: a side that had to wait pays ``handover`` before a compute
+        # segment, at most once per segment.  So with H = the number of compute
+        # segments of all overlapped sub-actions in the step,
+        #     step(overlap on) <= step(overlap off) + handover * H,
+        # and with handover = 0 overlap on is never slower at all.
+        pp, m, costs, link, overlap = case
+        on = simulate_schedule("DualPipeV", pp, m, costs, link=link, overlap=overlap)
+        off = simulate_schedule(
+            "DualPipeV", pp, m, costs, link=link, overlap=OverlapModel(enabled=False)
+        )
+        hand_overs = sum(
+            len(costs[r.stage].segments(r.computation)[0::2])
+            for r in on.records
+            if r.overlapped
+        )
+        self.assertLessEqual(
+            on.step_time, off.step_time + overlap.handover * hand_overs + 1e-9
+        )
 
 
 instantiate_parametrized_tests(BubbleFormulaTest)
