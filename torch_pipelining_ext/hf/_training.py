@@ -9,11 +9,13 @@ parameters replicated over the expert-parallel group.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
+from torch_pipelining_ext.hf._arrival import GroupArrival
 from torch_pipelining_ext.hf._expert_parallel import is_expert_parameter
 
 
@@ -40,7 +42,9 @@ class CausalLMLoss:
     * call :meth:`set_labels` with the whole step's labels before each
       ``schedule.step``;
     * build the schedule with ``scale_grads=False`` (the division is already
-      in the loss).
+      in the loss);
+    * with expert parallelism, ``set_labels(labels, group=ep_group)`` is a
+      collective over that group: every rank of it calls it, each step.
 
     Example::
 
@@ -56,9 +60,14 @@ class CausalLMLoss:
     def __init__(self, ignore_index: int = -100) -> None:
         self.ignore_index = ignore_index
         self.num_items_in_batch: int | None = None
+        self._arrival = GroupArrival("CausalLMLoss.set_labels")
 
     def set_labels(
-        self, labels: torch.Tensor, group: dist.ProcessGroup | None = None
+        self,
+        labels: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: timedelta = timedelta(minutes=5),
     ) -> None:
         """Count the predicted tokens of the step's whole batch.
 
@@ -69,11 +78,18 @@ class CausalLMLoss:
         gradients of replicated parameters are averaged over the group and
         those of the sharded experts divided by its size
         (:func:`reduce_expert_parallel_gradients`, :func:`fully_shard_replicated`).
+
+        With ``group`` this is a collective: every rank of ``group`` must
+        call it before each step, pipeline ranks without the last stage
+        included.  A rank whose peers do not call it within ``timeout``
+        raises ``RuntimeError`` naming them, before any collective (see
+        ``[Note: HF collective arrival]``).
         """
         count = (labels[..., 1:] != self.ignore_index).sum()
         if group is not None:
             import torch.distributed as dist
 
+            self._arrival.wait(group, timeout)
             count = count.to(group_device(group))
             dist.all_reduce(count, group=group)
             if int(count) == 0:
