@@ -57,8 +57,13 @@ class CausalLMLoss:
         step_loss = torch.stack(losses).sum()  # == model(input_ids, labels=labels).loss
     """
 
-    def __init__(self, ignore_index: int = -100) -> None:
+    def __init__(
+        self, ignore_index: int = -100, *, n_microbatches: int | None = None
+    ) -> None:
+        if n_microbatches is not None and n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         self.ignore_index = ignore_index
+        self.n_microbatches = n_microbatches
         self.num_items_in_batch: int | None = None
         self._arrival = GroupArrival("CausalLMLoss.set_labels")
 
@@ -105,11 +110,22 @@ class CausalLMLoss:
             )
         self.num_items_in_batch = n
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         if self.num_items_in_batch is None:
             raise RuntimeError(
                 "CausalLMLoss: call set_labels(labels) with the whole batch's labels before the step"
             )
+        aux = None
+        if isinstance(output, tuple):  # [Note: HF router auxiliary loss]
+            logits, aux = output
+            if self.n_microbatches is None:
+                raise RuntimeError(
+                    "CausalLMLoss: the last stage returns the router auxiliary loss "
+                    "(config.output_router_logits): build CausalLMLoss(n_microbatches=...) with the "
+                    "schedule's number of microbatches"
+                )
+        else:
+            logits = output
         shifted = nn.functional.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
         loss = nn.functional.cross_entropy(
             logits.float().flatten(0, -2),
@@ -117,7 +133,8 @@ class CausalLMLoss:
             ignore_index=self.ignore_index,
             reduction="sum",
         )
-        return loss / self.num_items_in_batch
+        loss = loss / self.num_items_in_batch
+        return loss if aux is None else loss + aux.reshape(()) / self.n_microbatches
 
 
 def sync_tied_gradients(
