@@ -29,12 +29,15 @@ logger = logging.getLogger(__name__)
 # ranks that did not arrive, without having issued any collective, so the
 # process group stays usable.  The torch launcher then stops the other
 # ranks.  Each rank deletes its key of two calls ago: by then every rank has
-# passed the wait that read it.
+# passed the wait that read it.  The call numbers are per process and group
+# (like the group's own collective sequence), not per loss object: a new
+# CausalLMLoss on the same group must not meet its predecessors' keys.
 
 
 class GroupArrival:
-    """Counts the calls of one rank and checks, before each, that every rank
-    of the group makes the same call (see ``[Note: HF collective arrival]``)."""
+    """Counts this process's calls of ``what`` per group and checks, before
+    each, that every rank of the group makes the same call (see ``[Note: HF
+    collective arrival]``).  One per collective call site, at module level."""
 
     def __init__(self, what: str) -> None:
         self.what = what

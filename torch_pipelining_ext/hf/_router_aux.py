@@ -30,11 +30,11 @@ __all__: list[str] = []
 # ``(hidden, prob_sums [E] float32, counts [E + 1] int64, mask [b, s] int64)``
 # (``counts[E]`` holds the rows; the first stage takes ``input_ids`` and an
 # optional attention mask) and adds its layers' sums, in layer order, as the
-# unsplit forward does.  The last stage returns ``(logits, coef * aux)`` (aux
-# of shape [1]) and
-# CausalLMLoss adds ``coef * aux / n_microbatches``: the step's loss is the
-# token-mean LM loss plus the plain mean of the microbatches' auxiliary
-# losses (neither HF's loss on the whole batch nor its gradient accumulation,
+# unsplit forward does.  The last stage returns ``(logits, coef * aux)``
+# (aux of shape [1], so that the schedule can concatenate the microbatches'
+# outputs) and CausalLMLoss adds ``coef * aux / n_microbatches``: the step's
+# loss is the token-mean LM loss plus the plain mean of the microbatches'
+# auxiliary losses (neither HF's loss on the whole batch nor its gradient accumulation,
 # which adds the terms).  Autograd carries the gradient back through the
 # probability sums; the counts carry none.  Router logits are read with a
 # forward hook on the model's router class (the OutputRecorder transformers

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
+# [Note: HF collective arrival]
+_set_labels_arrival = GroupArrival("CausalLMLoss.set_labels")
+
 
 class CausalLMLoss:
     """Loss for the last stage: Hugging Face's causal-LM loss, split so that
@@ -45,6 +48,16 @@ class CausalLMLoss:
       in the loss);
     * with expert parallelism, ``set_labels(labels, group=ep_group)`` is a
       collective over that group: every rank of it calls it, each step.
+
+    With ``config.output_router_logits`` (Hugging Face's router auxiliary
+    loss) the last stage returns ``(logits, coef * aux)`` and each
+    microbatch's loss adds ``coef * aux / n_microbatches``: build it with
+    ``n_microbatches`` (the schedule's), feed the first stage
+    ``(input_ids, attention_mask)`` with the padding on the right.  The step
+    loss is then the token-mean LM loss plus the *plain mean* over
+    microbatches (and EP ranks) of ``load_balancing_loss_func``: neither
+    Hugging Face's loss on the whole batch nor its gradient accumulation
+    (which adds the terms); see ``[Note: HF router auxiliary loss]``.
 
     Example::
 
@@ -65,7 +78,6 @@ class CausalLMLoss:
         self.ignore_index = ignore_index
         self.n_microbatches = n_microbatches
         self.num_items_in_batch: int | None = None
-        self._arrival = GroupArrival("CausalLMLoss.set_labels")
 
     def set_labels(
         self,
@@ -94,7 +106,7 @@ class CausalLMLoss:
         if group is not None:
             import torch.distributed as dist
 
-            self._arrival.wait(group, timeout)
+            _set_labels_arrival.wait(group, timeout)
             count = count.to(group_device(group))
             dist.all_reduce(count, group=group)
             if int(count) == 0:
