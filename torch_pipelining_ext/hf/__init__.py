@@ -224,6 +224,10 @@ def pipeline_hf_causal_lm(
     Tensors tied across stages (``tie_word_embeddings``) are reported with a
     warning; call :func:`sync_tied_gradients` after each backward.
     Run the schedule with ``scale_grads=False`` and :class:`CausalLMLoss`.
+    With ``config.output_router_logits`` (transformers 5.x; Qwen3-MoE,
+    Mixtral, OLMoE, ...) the stages also carry the router auxiliary loss's
+    running sums (see :class:`CausalLMLoss`); a model without that loss in
+    transformers (DeepSeek-V3) and ``router_jitter_noise > 0`` are refused.
     """
     options = _config.StageOptions(
         num_stages=num_stages,

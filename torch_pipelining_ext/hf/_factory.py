@@ -18,6 +18,7 @@ from torch_pipelining_ext.hf import _compat
 from torch_pipelining_ext.hf._config import StageOptions
 from torch_pipelining_ext.hf._expert_parallel import shard_experts
 from torch_pipelining_ext.hf._layout import DecoderLayout
+from torch_pipelining_ext.hf._router_aux import router_aux_loss
 from torch_pipelining_ext.hf._stage import HFCausalLMStage, TiedGroup
 from torch_pipelining_ext.hf._tensors import init_weights
 
@@ -75,6 +76,7 @@ class StageFactory:
         self.ignore_unexpected = list(
             getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
         )
+        self.router_aux = router_aux_loss(model)
         self.conversions = (
             _compat.conversion_mapping(model)
             if options.checkpoint is not None
@@ -93,6 +95,7 @@ class StageFactory:
             full_state_keys=self.full_state_keys,
             ignore_unexpected=self.ignore_unexpected,
             checkpoint_conversions=self.conversions,
+            router_aux=self.router_aux,
         )
         stage.set_activation_checkpointing(self.options.activation_checkpointing)
         if self.ep_group is not None:

@@ -20,6 +20,11 @@ import torch.nn as nn
 
 from torch_pipelining_ext.hf import _compat
 from torch_pipelining_ext.hf._layout import DecoderLayout
+from torch_pipelining_ext.hf._router_aux import (
+    install_hooks,
+    RouterAuxLoss,
+    RunningSums,
+)
 
 
 __all__: list[str] = []
@@ -78,6 +83,7 @@ class HFCausalLMStage(nn.Module):
         full_state_keys: frozenset[str] = frozenset(),
         ignore_unexpected: Sequence[str] = (),
         checkpoint_conversions: Any = None,
+        router_aux: RouterAuxLoss | None = None,
     ) -> None:
         super().__init__()
         if any(p is not None for p in part._parameters.values()):
@@ -106,6 +112,10 @@ class HFCausalLMStage(nn.Module):
             _compat.embedding_normalizer(base) if base is not None else None
         )
         self._check_placement()
+        # [Note: HF router auxiliary loss]
+        self._router_aux = router_aux
+        if router_aux is not None:
+            install_hooks(self, router_aux)
 
     @property
     def is_first(self) -> bool:
@@ -229,27 +239,26 @@ class HFCausalLMStage(nn.Module):
                 tables[kind].update(dict.fromkeys(keys, table))
         return tables
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run this stage (see the class docstring); see ``[Note: HF stage forward]``."""
-        lay = self._layout
-        if self.is_first:
-            if x.is_floating_point():
-                raise TypeError(
-                    f"the first stage takes token ids, got a {x.dtype} tensor"
-                )
-            h = self._base_child(lay.embed)(x)
-            if self._embedding_normalizer is not None:
-                # in the embeddings' dtype, as the model's own forward rounds it
-                h = h * torch.tensor(self._embedding_normalizer, dtype=h.dtype)
-        else:
-            h = x
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor) -> Any:
+        """Run this stage (see the class docstring); see ``[Note: HF stage forward]``.
+
+        With the router auxiliary loss (``config.output_router_logits``) it
+        also takes and returns the running router sums, and the last stage
+        returns ``(logits, auxiliary loss)``: see ``[Note: HF router
+        auxiliary loss]``."""
+        sums = None
+        if self._router_aux is not None:
+            sums = RunningSums(self._router_aux, x, carried)
+        elif carried:
+            raise TypeError(
+                f"stage {self.stage_index} takes one tensor, got {1 + len(carried)} "
+                "(more only with config.output_router_logits)"
+            )
+        h = self._embed(x) if self.is_first else x
         cache_position = torch.arange(h.shape[1], device=h.device)
         position_ids = cache_position.unsqueeze(0)
         if self.is_first:
-            if lay.pos_embed is not None:
-                h = h + self._base_child(lay.pos_embed)(position_ids)
-            if lay.embed_dropout is not None:
-                h = self._base_child(lay.embed_dropout)(h)
+            h = self._embed_positions(h, position_ids)
         layers = self._layers()
         if layers:
             kinds = {
@@ -271,13 +280,38 @@ class HFCausalLMStage(nn.Module):
             for index, layer in layers:
                 available["attention_mask"] = masks[kinds[index]]
                 available.update(tables[kinds[index]])
-                h = self._call_layer(index, layer, h, available)
+                call = functools.partial(self._call_layer, index, layer, h, available)
+                h = call() if sums is None else sums.record(call)
         if self.is_last:
-            h = self._base_child(lay.norm)(h)
-            h = self._modules[lay.head](h)
-            cap = getattr(self.config, "final_logit_softcapping", None)
-            if cap:
-                h = torch.tanh(h / cap) * cap
+            h = self._head(h)
+            return h if sums is None else (h, sums.loss())
+        return h if sums is None else sums.outputs(h)
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point():
+            raise TypeError(f"the first stage takes token ids, got a {x.dtype} tensor")
+        h = self._base_child(self._layout.embed)(x)
+        if self._embedding_normalizer is not None:
+            # in the embeddings' dtype, as the model's own forward rounds it
+            h = h * torch.tensor(self._embedding_normalizer, dtype=h.dtype)
+        return h
+
+    def _embed_positions(
+        self, h: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        lay = self._layout
+        if lay.pos_embed is not None:
+            h = h + self._base_child(lay.pos_embed)(position_ids)
+        if lay.embed_dropout is not None:
+            h = self._base_child(lay.embed_dropout)(h)
+        return h
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self._base_child(self._layout.norm)(h)
+        h = self._modules[self._layout.head](h)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            h = torch.tanh(h / cap) * cap
         return h
 
 
@@ -301,12 +335,7 @@ def check_not_reentrant(layer: nn.Module, fqn: str) -> None:
 
 def check_trainable(model: nn.Module, layout: DecoderLayout) -> None:
     """Refuse a model whose stages cannot be trained as it is configured:
-    router logits for an auxiliary loss, reentrant activation checkpointing."""
-    if getattr(model.config, "output_router_logits", False):
-        raise ValueError(
-            "config.output_router_logits is set: the router auxiliary loss is computed over all layers in the "
-            "Hugging Face forward and is not part of CausalLMLoss; set it to False (or add the auxiliary loss "
-            "yourself) for pipeline training"
-        )
+    reentrant activation checkpointing (the router auxiliary loss is checked
+    by ``_router_aux.router_aux_loss``)."""
     for i, layer in enumerate(model.get_submodule(layout.layers_prefix)):
         check_not_reentrant(layer, f"{layout.layers_prefix}.{i}")

@@ -9,11 +9,13 @@ parameters replicated over the expert-parallel group.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
+from torch_pipelining_ext.hf._arrival import GroupArrival
 from torch_pipelining_ext.hf._expert_parallel import is_expert_parameter
 
 
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
 
 
 __all__: list[str] = []
+
+# [Note: HF collective arrival]
+_set_labels_arrival = GroupArrival("CausalLMLoss.set_labels")
 
 
 class CausalLMLoss:
@@ -40,7 +45,19 @@ class CausalLMLoss:
     * call :meth:`set_labels` with the whole step's labels before each
       ``schedule.step``;
     * build the schedule with ``scale_grads=False`` (the division is already
-      in the loss).
+      in the loss);
+    * with expert parallelism, ``set_labels(labels, group=ep_group)`` is a
+      collective over that group: every rank of it calls it, each step.
+
+    With ``config.output_router_logits`` (Hugging Face's router auxiliary
+    loss) the last stage returns ``(logits, coef * aux)`` and each
+    microbatch's loss adds ``coef * aux / n_microbatches``: build it with
+    ``n_microbatches`` (the schedule's), feed the first stage
+    ``(input_ids, attention_mask)`` with the padding on the right.  The step
+    loss is then the token-mean LM loss plus the *plain mean* over
+    microbatches (and EP ranks) of ``load_balancing_loss_func``: neither
+    Hugging Face's loss on the whole batch nor its gradient accumulation
+    (which adds the terms); see ``[Note: HF router auxiliary loss]``.
 
     Example::
 
@@ -53,12 +70,21 @@ class CausalLMLoss:
         step_loss = torch.stack(losses).sum()  # == model(input_ids, labels=labels).loss
     """
 
-    def __init__(self, ignore_index: int = -100) -> None:
+    def __init__(
+        self, ignore_index: int = -100, *, n_microbatches: int | None = None
+    ) -> None:
+        if n_microbatches is not None and n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         self.ignore_index = ignore_index
+        self.n_microbatches = n_microbatches
         self.num_items_in_batch: int | None = None
 
     def set_labels(
-        self, labels: torch.Tensor, group: dist.ProcessGroup | None = None
+        self,
+        labels: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: timedelta = timedelta(minutes=5),
     ) -> None:
         """Count the predicted tokens of the step's whole batch.
 
@@ -69,11 +95,18 @@ class CausalLMLoss:
         gradients of replicated parameters are averaged over the group and
         those of the sharded experts divided by its size
         (:func:`reduce_expert_parallel_gradients`, :func:`fully_shard_replicated`).
+
+        With ``group`` this is a collective: every rank of ``group`` must
+        call it before each step, pipeline ranks without the last stage
+        included.  A rank whose peers do not call it within ``timeout``
+        raises ``RuntimeError`` naming them, before any collective (see
+        ``[Note: HF collective arrival]``).
         """
         count = (labels[..., 1:] != self.ignore_index).sum()
         if group is not None:
             import torch.distributed as dist
 
+            _set_labels_arrival.wait(group, timeout)
             count = count.to(group_device(group))
             dist.all_reduce(count, group=group)
             if int(count) == 0:
@@ -89,11 +122,22 @@ class CausalLMLoss:
             )
         self.num_items_in_batch = n
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         if self.num_items_in_batch is None:
             raise RuntimeError(
                 "CausalLMLoss: call set_labels(labels) with the whole batch's labels before the step"
             )
+        aux = None
+        if isinstance(output, tuple):  # [Note: HF router auxiliary loss]
+            logits, aux = output
+            if self.n_microbatches is None:
+                raise RuntimeError(
+                    "CausalLMLoss: the last stage returns the router auxiliary loss "
+                    "(config.output_router_logits): build CausalLMLoss(n_microbatches=...) with the "
+                    "schedule's number of microbatches"
+                )
+        else:
+            logits = output
         shifted = nn.functional.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
         loss = nn.functional.cross_entropy(
             logits.float().flatten(0, -2),
@@ -101,7 +145,8 @@ class CausalLMLoss:
             ignore_index=self.ignore_index,
             reduction="sum",
         )
-        return loss / self.num_items_in_batch
+        loss = loss / self.num_items_in_batch
+        return loss if aux is None else loss + aux.reshape(()) / self.n_microbatches
 
 
 def sync_tied_gradients(

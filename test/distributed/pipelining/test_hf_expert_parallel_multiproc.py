@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import types
 import unittest
+from datetime import timedelta
 from unittest import mock
 
 import torch
@@ -415,6 +416,25 @@ class _HFExpertParallelTests:
         self.assertTrue(all(recording.well_formed))
         with self.assertRaisesRegex(TypeError, "must be an ExpertParallelTransport"):
             hf.set_expert_parallel_transport(dist.all_to_all_single)
+
+    def test_set_labels_on_some_ep_ranks_only_fails_fast(self):
+        _, ep_group, _ = self._mesh()
+        labels = _global_batch(0)[1][:4]
+        loss_fn = hf.CausalLMLoss()
+        if self.rank == 0:  # its EP peer, rank 1, never calls set_labels
+            with self.assertRaisesRegex(
+                RuntimeError,
+                r"rank 0: CausalLMLoss.set_labels is a collective .* ranks \[1\] did not call it",
+            ):
+                loss_fn.set_labels(labels, group=ep_group, timeout=timedelta(seconds=2))
+            self.assertIsNone(loss_fn.num_items_in_batch)
+        dist.barrier()
+        # no collective was left behind: the group works, and the calls of the ranks still pair up
+        loss_fn.set_labels(labels, group=ep_group)
+        self.assertEqual(
+            loss_fn.num_items_in_batch,
+            (labels[:, 1:] != -100).sum().item(),  # the same labels on both EP ranks
+        )
 
     def test_expert_parallel_shards_and_local_experts(self):
         torch.set_num_threads(1)
