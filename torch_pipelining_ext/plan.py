@@ -9,5 +9,5 @@ from torch_pipelining_ext.sim import plan as _plan
 
 
 if __name__ == "__main__":
-    sys.exit(_plan.main())
+    _plan.main()  # exits 2 on bad arguments
 sys.modules[__name__] = _plan

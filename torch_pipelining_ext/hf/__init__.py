@@ -213,21 +213,17 @@ def pipeline_hf_causal_lm(
         **stage_kwargs: further ``PipelineStage`` arguments.
 
     Returns:
-        ``(stages, model_parts)``: this rank's ``PipelineStage`` objects and
-        their :class:`HFCausalLMStage` modules, in ascending stage order.
+        ``(stages, model_parts)``: ``PipelineStage`` s and their modules, by stage id.
 
     Raises:
         ValueError: a model layout this cannot run (the message names what
             is missing), a bad split, a meta model with neither
             ``checkpoint`` nor ``init_weights``, or checkpoint problems.
 
-    Tensors tied across stages (``tie_word_embeddings``) are reported with a
-    warning; call :func:`sync_tied_gradients` after each backward.
-    Run the schedule with ``scale_grads=False`` and :class:`CausalLMLoss`.
-    With ``config.output_router_logits`` (transformers 5.x; Qwen3-MoE,
-    Mixtral, OLMoE, ...) the stages also carry the router auxiliary loss's
-    running sums (see :class:`CausalLMLoss`); a model without that loss in
-    transformers (DeepSeek-V3) and ``router_jitter_noise > 0`` are refused.
+    Tensors tied across stages are reported with a warning (call
+    :func:`sync_tied_gradients` after each backward).  Run the schedule with
+    ``scale_grads=False`` and :class:`CausalLMLoss`, which also says how
+    ``config.output_router_logits`` adds the router auxiliary loss.
     """
     options = _config.StageOptions(
         num_stages=num_stages,

@@ -57,7 +57,9 @@ class CausalLMLoss:
     loss is then the token-mean LM loss plus the *plain mean* over
     microbatches (and EP ranks) of ``load_balancing_loss_func``: neither
     Hugging Face's loss on the whole batch nor its gradient accumulation
-    (which adds the terms); see ``[Note: HF router auxiliary loss]``.
+    (which adds the terms); see ``[Note: HF router auxiliary loss]``.  A
+    model without that loss in transformers (DeepSeek-V3) and
+    ``router_jitter_noise > 0`` are refused when the stages are built.
 
     Example::
 

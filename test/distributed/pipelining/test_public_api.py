@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from torch.testing._internal.common_utils import run_tests, TestCase
@@ -138,6 +140,29 @@ class PublicApiTest(TestCase):
         self.assertIs(ep_overlap, overlap)
         self.assertIs(simulate, sim)
         self.assertIs(plan, sim_plan)
+
+    def test_plan_command_exit_status(self) -> None:
+        """``python -m torch_pipelining_ext.plan`` (the alias) exits 0 after a plan, 2 on bad arguments."""
+        command = [
+            sys.executable,
+            "-m",
+            "torch_pipelining_ext.plan",
+            "--model",
+            "qwen3-235b-a22b",
+        ]
+        ok = subprocess.run(
+            [*command, "--gpus", "256", "--preset", "H100", "--pp", "8", "--ep", "8"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        self.assertEqual(ok.returncode, 0, ok.stderr)
+        self.assertIn("DualPipeV", ok.stdout)
+        bad = subprocess.run(
+            [*command, "--gpus", "0"], capture_output=True, text=True, timeout=300
+        )
+        self.assertEqual(bad.returncode, 2, bad.stdout + bad.stderr)
+        self.assertIn("gpus", bad.stderr)
 
     def test_layout_paths_exist(self) -> None:
         """Every file and folder the README's Layout section names exists, where it says."""
