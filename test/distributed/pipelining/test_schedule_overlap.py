@@ -414,6 +414,21 @@ class _GradientGate(dict):
         super().__setitem__(key, works)
 
 
+def _update(
+    pipelines: tuple[_Pipeline, ...],
+    optimizers: list[torch.optim.Optimizer],
+    ep_group: dist.ProcessGroup | None,
+) -> None:
+    """The optimizer step; with EP (data parallel over the EP group) after summing replicated gradients."""
+    if ep_group is not None:
+        for pipeline in pipelines:
+            for name, p in pipeline.named_parameters().items():
+                if not is_expert_param(name):
+                    dist.all_reduce(p.grad, group=ep_group)
+    for optimizer in optimizers:
+        optimizer.step()
+
+
 class ScheduleOverlapTest(PipelineMultiProcTest):
     world_size = PP * EP
 
@@ -506,14 +521,7 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
                         )
 
             check_on_all_ranks(check, self.device)
-            if ep_group is not None:
-                # data parallelism over the EP group: replicated gradients are summed before the update
-                for pipeline in (overlapped, sequential):
-                    for name, p in pipeline.named_parameters().items():
-                        if not is_expert_param(name):
-                            dist.all_reduce(p.grad, group=ep_group)
-            for optimizer in optimizers:
-                optimizer.step()
+            _update((overlapped, sequential), optimizers, ep_group)
 
     def _gather_gradients(
         self,
@@ -620,6 +628,30 @@ def _fsdp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _fsdp_reference() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(*(FSDPMLPStage(FSDP_DIM) for _ in range(N_STAGES)))
+
+
+def _fsdp_reference_steps(
+    device: torch.device,
+) -> tuple[list[list[torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """Two steps of the unsplit FSDP test model (no update): each step's losses and gradients."""
+    reference = _fsdp_reference().to(device)
+    ref_losses, ref_grads = [], []
+    for step in range(2):
+        x, y = (t.to(device) for t in _fsdp_batch(step))
+        losses = []
+        for xb, yb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
+            loss = mse_loss(reference(xb), yb)
+            (loss / N_MICROBATCHES).backward()
+            losses.append(loss.detach())
+        ref_losses.append(losses)
+        ref_grads.append(
+            {
+                f"{i}.{n}": p.grad.clone()
+                for i, m in enumerate(reference)
+                for n, p in m.named_parameters()
+            }
+        )
+    return ref_losses, ref_grads
 
 
 class _CollectiveLog:
@@ -807,25 +839,9 @@ class ScheduleOverlapFSDPTest(PipelineMultiProcTest):
         dp_logs: list = [None] * 2
         dist.all_gather_object(dp_logs, runs[0][0], group=mesh["dp"].get_group())
 
-        reference = _fsdp_reference().to(self.device)
-        ref_losses, ref_grads = [], []
-        for step in range(2):
-            x, y = (t.to(self.device) for t in _fsdp_batch(step))
-            if random_ops:
-                break
-            losses = []
-            for xb, yb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
-                loss = mse_loss(reference(xb), yb)
-                (loss / N_MICROBATCHES).backward()
-                losses.append(loss.detach())
-            ref_losses.append(losses)
-            ref_grads.append(
-                {
-                    f"{i}.{n}": p.grad.clone()
-                    for i, m in enumerate(reference)
-                    for n, p in m.named_parameters()
-                }
-            )
+        ref_losses, ref_grads = (
+            ([], []) if random_ops else _fsdp_reference_steps(self.device)
+        )
 
         def check() -> None:
             seq_logs, seq_losses, seq_grads = runs[-1]
