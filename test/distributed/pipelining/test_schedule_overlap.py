@@ -23,7 +23,9 @@ The compositions: dropout and random noise on/off x activation checkpointing
 none/full/selective x expert parallelism (marks) on/off x ScheduleDualPipeV and
 a CSV schedule with a same-stage pair; and FSDP2 (PP=2 x DP=2, nested
 ``fully_shard``) with random delays, where the data-parallel collectives each
-rank issues are recorded and must not depend on timing.  The suite runs a
+rank issues are recorded and must not depend on timing; and a delayed gradient
+receive (each overlapped backward's gradients arrive only once its forward has
+started), still bitwise the sequential handler's.  The suite runs a
 covering subset; ``TORCH_PIPELINING_EXT_FULL_MATRIX=1`` runs every composition
 (``tools/overlap_compositions.py``).
 """
