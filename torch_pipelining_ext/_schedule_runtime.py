@@ -74,25 +74,77 @@ def stage_index_to_stage(
     return {stage.stage_index: stage for stage in schedule._stages}
 
 
-def _wait_recv(
-    schedule: _PipelineScheduleRuntime,
-    recv_ops: dict[tuple[int, int], list[dist.Work]],
-    action: _Action,
-    what: str,
-) -> None:
-    key = (action.stage_index, action.microbatch_index)
-    works = recv_ops.pop(key, None)
-    if works is None:
-        raise AssertionError(
-            f"[{rank_label(schedule)}] computing {action} before receiving its {what}"
+class _PendingRecv:
+    """The receives of one compute action, taken from the schedule in schedule order.
+
+    :func:`prepare_compute_action` takes them (RECV_F / RECV_B started them);
+    :meth:`wait` waits for them, on whichever thread computes the action.
+    """
+
+    def __init__(
+        self,
+        schedule: _PipelineScheduleRuntime,
+        recv_ops: dict[tuple[int, int], list[dist.Work]],
+        action: _Action,
+        what: str,
+    ) -> None:
+        works = recv_ops.pop((action.stage_index, action.microbatch_index), None)
+        if works is None:
+            raise AssertionError(
+                f"[{rank_label(schedule)}] computing {action} before receiving its {what}"
+            )
+        self._schedule, self._action, self._works = schedule, action, works
+        self.description = (
+            f"the {what} of stage {action.stage_index} "
+            f"microbatch {action.microbatch_index}"
         )
-    try:
-        _schedules._wait_batch_p2p(works)
-    except Exception as e:
-        raise RuntimeError(
-            f"[{rank_label(schedule)}] {action}: waiting for the {what} of stage "
-            f"{action.stage_index} microbatch {action.microbatch_index} failed"
-        ) from e
+
+    def wait(self) -> None:
+        """Wait for the receives; the error names the rank, the action and what it awaited."""
+        try:
+            _schedules._wait_batch_p2p(self._works)
+        except Exception as e:
+            raise RuntimeError(
+                f"[{rank_label(self._schedule)}] {self._action}: waiting for "
+                f"{self.description} failed"
+            ) from e
+
+
+class _PreparedCompute:
+    """A compute action whose in-order bookkeeping is done: returned by :func:`prepare_compute_action`.
+
+    Calling it waits for the action's receives, if they are still pending,
+    and computes.  :meth:`wait_inputs` waits for them alone, so that a caller
+    (the concurrent OVERLAP_F_B handler) can tell waiting from computing.
+    """
+
+    def __init__(self, compute: Callable[[], None], recv: _PendingRecv | None) -> None:
+        self._compute, self._recv = compute, recv
+
+    @property
+    def inputs(self) -> str | None:
+        """What the action still waits for (its activations or gradients), or None."""
+        return None if self._recv is None else self._recv.description
+
+    def wait_inputs(self) -> None:
+        """Wait for the action's receives, once; nothing if there are none left."""
+        recv, self._recv = self._recv, None
+        if recv is not None:
+            recv.wait()
+
+    def __call__(self) -> None:
+        self.wait_inputs()
+        self._compute()
+
+
+def _wait_now_or_defer(
+    recv: _PendingRecv | None, wait_inputs: bool
+) -> _PendingRecv | None:
+    """``recv`` waited now (``wait_inputs``: returns None), or left pending for the compute."""
+    if recv is not None and wait_inputs:
+        recv.wait()
+        return None
+    return recv
 
 
 def _forward_one_chunk(
@@ -132,8 +184,8 @@ def _finish_last_backward(
 
 
 def prepare_compute_action(
-    action: _Action, ctx: _PipelineContext
-) -> Callable[[], None]:
+    action: _Action, ctx: _PipelineContext, *, wait_inputs: bool = True
+) -> _PreparedCompute:
     """Do ``action``'s in-order bookkeeping now; return its compute as a closure.
 
     For FORWARD, FULL_BACKWARD, BACKWARD_INPUT and BACKWARD_WEIGHT.  On the
@@ -142,21 +194,28 @@ def prepare_compute_action(
     * FSDP: ``schedule._assert_unsharded(stage)`` (waits pending UNSHARD
       ops), as torch does; nested ``fully_shard`` modules are left to FSDP's
       hooks (the concurrent OVERLAP_F_B handler unshards them all first);
-    * waiting the receives of (stage, microbatch), unless the neighbouring
-      stage is local (V-schedule hand-off, no send/recv);
+    * taking the receives of (stage, microbatch) from the schedule and
+      waiting for them, unless the neighbouring stage is local (V-schedule
+      hand-off, no send/recv); with ``wait_inputs=False`` they are only
+      taken, and the returned compute waits for them when called;
     * FULL_BACKWARD / BACKWARD_WEIGHT: counting the backward in
       ``schedule.backward_counter`` to decide ``last_backward``;
     * fetching the loss for a backward of the last stage.
 
-    The returned ``compute()`` runs the stage (forward and loss, or backward),
-    hands outputs or gradients to a local neighbouring stage and, on torches
-    without REDUCE_GRAD, does the last-backward work.  Of the schedule's
-    state it only appends a forward's loss to ``_internal_losses``, so it may
-    run on another thread while another action's closure runs.
+    The returned ``compute()`` waits for receives still pending, runs the
+    stage (forward and loss, or backward), hands outputs or gradients to a
+    local neighbouring stage and, on torches without REDUCE_GRAD, does the
+    last-backward work.  Of the schedule's state it only appends a forward's
+    loss to ``_internal_losses``, so it may run on another thread while
+    another action's closure runs.
 
     Args:
         action: a compute action (not OVERLAP_F_B: prepare its sub-actions).
         ctx: the step's context, as passed to custom functions.
+        wait_inputs: wait for the receives now (default), or leave them to
+            the compute, on whichever thread runs it, so that it can start
+            when its own input is there (``wait_inputs()`` of the result
+            waits for them alone).
     """
     schedule = ctx.schedule_ref
     stages = stage_index_to_stage(schedule)
@@ -168,20 +227,23 @@ def prepare_compute_action(
         raise AssertionError(f"{action=} missing mb_index")
     schedule._assert_unsharded(stages[action.stage_index])
     if action.computation_type == _schedules.FORWARD:
-        return _prepare_forward(action, ctx, stages)
-    return _prepare_backward(action, schedule, stages)
+        return _prepare_forward(action, ctx, stages, wait_inputs)
+    return _prepare_backward(action, schedule, stages, wait_inputs)
 
 
 def _prepare_forward(
     action: _Action,
     ctx: _PipelineContext,
     stages: dict[int, _PipelineStageBase],
-) -> Callable[[], None]:
+    wait_inputs: bool,
+) -> _PreparedCompute:
     schedule = ctx.schedule_ref
     stage_idx, mb_index = action.stage_index, action.microbatch_index
     stage = stages[stage_idx]
+    recv = None
     if not stage.is_first and stage_idx - 1 not in stages:
-        _wait_recv(schedule, schedule.fwd_recv_ops, action, "activations")
+        recv = _PendingRecv(schedule, schedule.fwd_recv_ops, action, "activations")
+    recv = _wait_now_or_defer(recv, wait_inputs)
     state = schedule_state(schedule)
     return_outputs, loss_kwargs = state.return_outputs, state.loss_kwargs
     next_stage = stages.get(stage_idx + 1)
@@ -202,20 +264,22 @@ def _prepare_forward(
         if next_stage is not None:
             next_stage.set_local_fwd_input(output, mb_index)
 
-    return forward
+    return _PreparedCompute(forward, recv)
 
 
 def _prepare_backward(
     action: _Action,
     schedule: _PipelineScheduleRuntime,
     stages: dict[int, _PipelineStageBase],
-) -> Callable[[], None]:
+    wait_inputs: bool,
+) -> _PreparedCompute:
     stage_idx, mb_index = action.stage_index, action.microbatch_index
     stage, ctype = stages[stage_idx], action.computation_type
-    loss = None
+    loss, recv = None, None
     if ctype != _schedules.BACKWARD_WEIGHT:
         if not stage.is_last and stage_idx + 1 not in stages:
-            _wait_recv(schedule, schedule.bwd_recv_ops, action, "gradients")
+            recv = _PendingRecv(schedule, schedule.bwd_recv_ops, action, "gradients")
+        recv = _wait_now_or_defer(recv, wait_inputs)
         loss = schedule._maybe_get_loss(stage, mb_index)
     last_backward = False
     if ctype != _schedules.BACKWARD_INPUT:
@@ -240,7 +304,7 @@ def _prepare_backward(
         if finish_in_backward:
             _finish_last_backward(schedule, stage)
 
-    return backward
+    return _PreparedCompute(backward, recv)
 
 
 def run_action(
@@ -416,10 +480,14 @@ def _perform_action_method(
 
 
 def _prepare_compute_action_method(
-    self: _PipelineScheduleRuntime, action: _Action, ctx: _PipelineContext
-) -> Callable[[], None]:
+    self: _PipelineScheduleRuntime,
+    action: _Action,
+    ctx: _PipelineContext,
+    *,
+    wait_inputs: bool = True,
+) -> _PreparedCompute:
     """``_PipelineScheduleRuntime.prepare_compute_action``: :func:`prepare_compute_action`."""
-    return prepare_compute_action(action, ctx)
+    return prepare_compute_action(action, ctx, wait_inputs=wait_inputs)
 
 
 def _take_marker(schedule: _PipelineScheduleRuntime, name: str, stage_idx: int) -> bool:

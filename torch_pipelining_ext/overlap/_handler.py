@@ -25,11 +25,13 @@ Running one action::
     calling thread                            worker thread
     --------------                            -------------
     prepare_compute_action(F), then (B)
-      (recv waits, FSDP unshard checks, the
-       backward counter and last_backward,
-       the loss: everything order-sensitive)
+      (FSDP unshard checks, taking the
+       receives, the backward counter and
+       last_backward, the loss: everything
+       order-sensitive)
     unshard both stages' fully_shard modules
-    hand B to the worker ------------------> B compute (backward, local hand-off
+    hand B to the worker ------------------> wait for B's gradients
+    wait for F's activations                  B compute (backward, local hand-off
     F compute (forward, loss, local             to the previous stage, last-backward
       hand-off to the next stage)               work on torches without REDUCE_GRAD)
     wait for B <---------------------------- done
@@ -37,7 +39,12 @@ Running one action::
 
 All bookkeeping is done by the runtime's ``prepare_compute_action`` on the
 calling thread in schedule order; the same function serves the sequential
-path, so nothing here duplicates the runtime.  The two compute closures run
+path, so nothing here duplicates the runtime.  Only the receive waits are
+left to each side's thread (``wait_inputs=False``): a side starts when its
+own input is there, and while one side's input is still in flight the other
+side computes, as the sequential handler computes the forward while the
+backward's gradients are in flight (see [Note: a side waiting for its input]
+in ``_turns.py``).  The two compute closures run
 under a :class:`~torch_pipelining_ext.overlap._turns._CommCoordinator` owned by the
 action, so the expert-parallel communication marks of the model
 (:mod:`torch_pipelining_ext.overlap`) make the threads take turns.  The
@@ -102,6 +109,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -127,6 +135,11 @@ from torch_pipelining_ext.overlap._turns import (
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _Action
+
+
+# A side's receive wait, left to its thread by prepare_compute_action(...,
+# wait_inputs=False), and what it awaits.
+_InputWait = tuple[Callable[[], None], str]
 
 
 __all__ = ["overlap_f_b"]
@@ -213,8 +226,9 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
 
     Custom-function protocol: ``(action, ctx: _PipelineContext) -> None``.
     The sub-actions' bookkeeping runs first, on this thread, in schedule
-    order; then the backward computes on a worker thread while the forward
-    computes here.  A pair that is not one forward plus one backward-like
+    order; then the backward waits for its gradients and computes on a
+    worker thread while the forward waits for its activations and computes
+    here.  A pair that is not one forward plus one backward-like
     action (FULL_BACKWARD, BACKWARD_INPUT or BACKWARD_WEIGHT) runs
     sequentially, as does, on CPU, a stage pair whose concurrent run earlier in the step passed no
     communication mark.
@@ -246,9 +260,12 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         "[rank %s] %s: forward and backward run concurrently", global_rank, action
     )
 
-    # In schedule order, on this thread: recv waits, FSDP checks, the backward
-    # counter, the loss.
-    computes = [schedule.prepare_compute_action(sub, ctx) for sub in action.sub_actions]
+    # In schedule order, on this thread: FSDP checks, taking the receives, the
+    # backward counter, the loss.  Each side waits for its receives itself.
+    computes = [
+        schedule.prepare_compute_action(sub, ctx, wait_inputs=False)
+        for sub in action.sub_actions
+    ]
     f, b = pair
     fwd_action, bwd_action = action.sub_actions[f], action.sub_actions[b]
     # Every fully_shard module of both stages is unsharded now, so that
@@ -265,6 +282,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         sub_actions=(str(fwd_action), str(bwd_action)),
         streams=streams,
         worker=_worker_for(state, global_rank),
+        input_waits=(_input_wait(computes[f]), _input_wait(computes[b])),
     )
     if streams is not None:
         streams.record_handoffs(stages, fwd_action, bwd_action)
@@ -279,6 +297,12 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         # on timing; each step decides afresh.  With streams the device may
         # still run the two sides' kernels at once, so the pair stays concurrent.
         state.unmarked_pairs.add(stage_pair)
+
+
+def _input_wait(compute: Any) -> _InputWait | None:
+    """The receive wait a prepared compute left pending, and what it awaits; None if nothing."""
+    inputs = compute.inputs
+    return None if inputs is None else (compute.wait_inputs, inputs)
 
 
 def _run_sequentially(
@@ -452,9 +476,17 @@ def _run_side(
     coordinator: _CommCoordinator,
     profiler_label: str | None,
     streams: _StreamPlan | None,
+    input_wait: _InputWait | None = None,
 ) -> None:
     """Run one side's ``compute`` on its stream with its EP marks bound; with a
-    ``profiler_label`` (the profiler is on), inside a ``record_function`` range."""
+    ``profiler_label`` (the profiler is on), inside a ``record_function`` range.
+
+    ``input_wait`` (the side's receive wait, and what it awaits) runs first,
+    on the side's stream, as the coordinator's ``await_inputs``.
+    """
+    before_start = None
+    if input_wait is not None:
+        before_start = functools.partial(coordinator.await_inputs, side, *input_wait)
     with contextlib.ExitStack() as stack:
         if profiler_label is not None:
             stack.enter_context(
@@ -462,7 +494,7 @@ def _run_side(
             )
         if streams is not None:
             stack.enter_context(streams.current(side))
-        stack.enter_context(_ep_marks.bound(coordinator, side))
+        stack.enter_context(_ep_marks.bound(coordinator, side, before_start))
         compute()
 
 
@@ -476,12 +508,15 @@ def _run_overlapped(
     streams: _StreamPlan | None = None,
     timeout: float | None = None,
     worker: _BackwardWorker | None = None,
+    input_waits: tuple[_InputWait | None, _InputWait | None] = (None, None),
 ) -> _CommCoordinator:
     """Run ``backward`` on the worker thread and ``forward`` here, coordinated; wait for both; re-raise.
 
     ``global_rank`` names the process in messages.  Without ``worker``, a
-    thread is started for this call and joined before it returns.  Returns
-    the action's coordinator (tests inspect it).
+    thread is started for this call and joined before it returns.
+    ``input_waits`` are the two sides' receive waits (forward, backward),
+    each run on its side's thread before the side starts.  Returns the
+    action's coordinator (tests inspect it).
     """
     timeout = _get_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
@@ -498,7 +533,7 @@ def _run_overlapped(
 
     def run(side: _Side, compute: Callable[[], None]) -> None:
         label = sub_actions[side] if state.profiling else None
-        _run_side(side, compute, coordinator, label, streams)
+        _run_side(side, compute, coordinator, label, streams, input_waits[side])
 
     def run_backward() -> None:
         with state.applied():
@@ -525,7 +560,7 @@ def _run_overlapped(
         fail(_Side.FORWARD, e)
     finally:
         # Always waited for, even on KeyboardInterrupt: no work outlives the action.
-        finished = backward_done.wait(wait_timeout)
+        finished = _wait_backward(backward_done, coordinator, wait_timeout)
         if own_worker and finished:
             worker.close(wait_timeout)
         if streams is not None:
@@ -542,6 +577,19 @@ def _run_overlapped(
     if failures:
         _reraise(where, sub_actions, failures)
     return coordinator
+
+
+def _wait_backward(
+    done: threading.Event, coordinator: _CommCoordinator, timeout: float | None
+) -> bool:
+    """Wait for the backward side to finish; False after ``timeout`` seconds of it not waiting for its input.
+
+    Its input wait has its own timeout, the receive's.
+    """
+    while not done.wait(timeout):
+        if not coordinator.awaits_inputs(_Side.BACKWARD):
+            return False
+    return True
 
 
 def _coordinated(

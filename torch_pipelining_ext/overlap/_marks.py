@@ -99,11 +99,17 @@ def _current_binding() -> _Binding | None:
 
 
 @contextmanager
-def bound(coordinator: _CommCoordinator, side: _Side) -> Iterator[None]:
+def bound(
+    coordinator: _CommCoordinator,
+    side: _Side,
+    before_start: Callable[[], None] | None = None,
+) -> Iterator[None]:
     """Run ``side``'s sub-action of ``coordinator``'s action on this thread; marks on it are coordinated.
 
-    On exit ``side`` is finished; on an exception the coordination is
-    stopped first so the other side is released.
+    ``before_start`` runs before ``side`` starts (its input wait, see
+    ``_CommCoordinator.await_inputs``).  On exit ``side`` is finished; on an
+    exception the coordination is stopped first so the other side is
+    released.
     """
     binding = _Binding(coordinator, side)
     previous = getattr(_tls, "binding", None)
@@ -111,6 +117,8 @@ def bound(coordinator: _CommCoordinator, side: _Side) -> Iterator[None]:
     if side is _Side.BACKWARD:
         _register_backward(binding)
     try:
+        if before_start is not None:
+            before_start()
         coordinator.start(side)
         yield
     except BaseException:

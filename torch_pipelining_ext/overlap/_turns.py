@@ -110,6 +110,7 @@ class _TurnState(enum.Enum):
     """Where one side of an action is, as the turn-taking sees it."""
 
     NOT_STARTED = "not started"
+    AWAITING_INPUT = "waiting for its input"  # its receives, before it starts
     COMPUTING = "computing"
     COMMUNICATING = "communicating"  # inside a (possibly nested) region
     DONE = "done"  # finished or failed: gives up its turns
@@ -130,6 +131,9 @@ class _SideTurns:
     waiting: int = 0  # blocked in the coordinator (parked)
     where: str | None = None  # last boundary passed
     opened_at: float = 0.0  # clock() when the current region was entered
+    awaiting: str | None = None  # the input awaited (AWAITING_INPUT)
+    awaiting_since: float = 0.0  # clock() when the input wait began
+    awaited_long: bool = False  # the input wait was long enough to hand over
     profiler_range: Any = None
 
 
@@ -152,6 +156,8 @@ class _CommCoordinator:
       the other thread would cost more than such a region can hide.
       Hand-overs change when each thread computes, never the order of the
       regions.
+    * **Inputs**: a side may first wait for its receives
+      (:meth:`await_inputs`); see [Note: a side waiting for its input].
     * **Random numbers** are drawn as the sequential handler draws them; see
       [Note: random numbers in an overlapped action] in ``_ep_rng.py``.
 
@@ -204,19 +210,11 @@ class _CommCoordinator:
     def start(self, side: _Side) -> None:
         """Before ``side`` computes at all: the side without the first turn waits for the other's first region."""
         with self._cond:
-            other = self._sides[side.other]
             where = "the start of its sub-action"
             self._wait(
                 side,
                 where,
-                lambda: (
-                    self._stopped
-                    or _policy.may_start(
-                        self._turn == side,
-                        other.regions,
-                        other.state is _TurnState.DONE,
-                    )
-                ),
+                lambda: self._may_start(side),
                 f"for the {side.other.thread_name} thread to start communicating before computing",
             )
             self._sides[side].state = _TurnState.COMPUTING
@@ -274,6 +272,7 @@ class _CommCoordinator:
                         where,
                         lambda: (
                             self._stopped
+                            or self._input_wait_is_long(other)
                             or _policy.may_compute_on(
                                 other.regions,
                                 at_hand_over,
@@ -284,6 +283,36 @@ class _CommCoordinator:
                     )
             if not self._in_comm(side):
                 self._resume(side, where)
+
+    def await_inputs(self, side: _Side, wait: Callable[[], None], what: str) -> None:
+        """Run ``wait``, ``side`` waiting for its input (``what``), before ``side`` starts.
+
+        See [Note: a side waiting for its input].  ``wait`` has its own
+        timeout (the receive's): meanwhile the other side's waits for this
+        side do not time out.
+        """
+        me = self._sides[side]
+        with self._cond:
+            me.state, me.awaiting, me.awaiting_since = (
+                _TurnState.AWAITING_INPUT,
+                what,
+                self._clock(),
+            )
+            self._cond.notify_all()
+        try:
+            wait()
+        finally:
+            with self._cond:
+                me.awaited_long = _policy.hands_over(
+                    self._clock() - me.awaiting_since, self._hand_over_min_region_s
+                )
+                me.state, me.awaiting = _TurnState.NOT_STARTED, None
+                self._cond.notify_all()
+
+    def awaits_inputs(self, side: _Side) -> bool:
+        """Whether ``side`` is waiting for its input now."""
+        with self._cond:
+            return self._sides[side].state is _TurnState.AWAITING_INPUT
 
     def finish(self, side: _Side) -> None:
         """``side`` has finished its sub-action (or failed): let the other side run freely."""
@@ -372,6 +401,48 @@ class _CommCoordinator:
 
     # -- internals (call with the lock held) --------------------------------
 
+    # [Note: a side waiting for its input]
+    # A side's receives (the backward's gradients, the forward's activations)
+    # are waited on its own thread, in await_inputs, so that the other side
+    # may compute meanwhile, as the sequential handler computes the forward
+    # while the gradients are in flight.  A wait at least as long as a region
+    # that is handed over counts as communication: the other side may start,
+    # or compute on after handing over, as if this side had opened a region
+    # (a shorter wait -- the input was there -- changes nothing, the hand-over
+    # would cost more).  Once its input is there, a side whose wait was that
+    # long starts only when the other side is not computing (parked, in a
+    # region or done).  Turns to communicate are never given up for a wait:
+    # the order of the regions is the same on every rank.
+
+    def _may_start(self, side: _Side) -> bool:
+        me, other = self._sides[side], self._sides[side.other]
+        if self._stopped or other.state is _TurnState.DONE:
+            return True
+        if (
+            me.awaited_long
+            and other.state is _TurnState.COMPUTING
+            and not other.waiting
+        ):
+            return (
+                False  # the other side ran ahead while this one waited: until it parks
+            )
+        return self._input_wait_is_long(other) or _policy.may_start(
+            self._turn == side, other.regions, False
+        )
+
+    def _input_wait_is_long(self, turns: _SideTurns) -> bool:
+        """Whether ``turns``' side has waited for its input long enough to hand over (see the note)."""
+        return turns.state is _TurnState.AWAITING_INPUT and _policy.hands_over(
+            self._clock() - turns.awaiting_since, self._hand_over_min_region_s
+        )
+
+    def _input_recheck_s(self, turns: _SideTurns) -> float | None:
+        """Seconds until ``turns``' input wait becomes long (see the note); None if it is or none runs."""
+        if turns.state is not _TurnState.AWAITING_INPUT:
+            return None
+        left = turns.awaiting_since + self._hand_over_min_region_s - self._clock()
+        return left if left > 0 else None
+
     def _may_open(self, side: _Side) -> bool:
         other = self._sides[side.other]
         return self._stopped or _policy.may_open(
@@ -397,7 +468,11 @@ class _CommCoordinator:
     def _parked(self, side: _Side) -> bool:
         """``side`` draws no random numbers now: finished, blocked here, or communicating."""
         me = self._sides[side]
-        return me.state is _TurnState.DONE or me.waiting > 0 or self._in_comm(side)
+        return (
+            me.state in (_TurnState.DONE, _TurnState.AWAITING_INPUT)
+            or me.waiting > 0
+            or self._in_comm(side)
+        )
 
     def _resume(self, side: _Side, where: str) -> None:
         """``side`` computes next: inside an RNG window, take the generators over first."""
@@ -432,7 +507,7 @@ class _CommCoordinator:
                 # for (the start of a recomputation, before its RNG window is
                 # recorded, or taking the generators over).
                 self._cond.notify_all()
-            if self._cond.wait_for(predicate, timeout=self._wait_timeout):
+            if self._wait_for(predicate, other):
                 return True
         finally:
             me.waiting -= 1
@@ -449,6 +524,32 @@ class _CommCoordinator:
             f"marks, identically on every rank; raise the limit with ep_overlap.set_wait_timeout() or "
             f"${TIMEOUT_ENV} if the other side's compute is this long."
         )
+
+    def _wait_for(self, predicate: Callable[[], bool], other: _SideTurns) -> bool:
+        """``Condition.wait_for(predicate)`` within the timeout (lock held); False if it ran out.
+
+        While ``other`` waits for its input the timeout does not run (that
+        wait has its own), and the predicate is checked again when that wait
+        becomes long (see [Note: a side waiting for its input]).
+        """
+        deadline = self._deadline()
+        while not predicate():
+            if other.state is _TurnState.AWAITING_INPUT:
+                deadline = self._deadline()
+                timeout = self._input_recheck_s(other)
+            elif deadline is None:
+                timeout = None
+            else:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    return False
+            self._cond.wait(timeout)
+        return True
+
+    def _deadline(self) -> float | None:
+        if self._wait_timeout is None:
+            return None
+        return time.monotonic() + self._wait_timeout
 
 
 class _ObservedCoordinator(_CommCoordinator):
@@ -480,6 +581,36 @@ class _ObservedCoordinator(_CommCoordinator):
 
     def close(self, side: _Side, where: str) -> None:
         self._timed("close", side, super().close, where)
+
+    def await_inputs(self, side: _Side, wait: Callable[[], None], what: str) -> None:
+        """Run ``wait``, ``side`` waiting for its input (``what``), before ``side`` starts.
+
+        See [Note: a side waiting for its input].  ``wait`` has its own
+        timeout (the receive's): meanwhile the other side's waits for this
+        side do not time out.
+        """
+        me = self._sides[side]
+        with self._cond:
+            me.state, me.awaiting, me.awaiting_since = (
+                _TurnState.AWAITING_INPUT,
+                what,
+                self._clock(),
+            )
+            self._cond.notify_all()
+        try:
+            wait()
+        finally:
+            with self._cond:
+                me.awaited_long = _policy.hands_over(
+                    self._clock() - me.awaiting_since, self._hand_over_min_region_s
+                )
+                me.state, me.awaiting = _TurnState.NOT_STARTED, None
+                self._cond.notify_all()
+
+    def awaits_inputs(self, side: _Side) -> bool:
+        """Whether ``side`` is waiting for its input now."""
+        with self._cond:
+            return self._sides[side].state is _TurnState.AWAITING_INPUT
 
     def finish(self, side: _Side) -> None:
         self._timed("finish", side, super().finish)

@@ -726,6 +726,78 @@ class FailureTest(TestCase):
         self.assertIn("[Stage 3] failed to run forward", first_line)
 
 
+class InputWaitTest(TestCase):
+    """A side that waits for its receives (``input_waits``) lets the other side compute meanwhile."""
+
+    @staticmethod
+    def _gate(opened: threading.Event, waits: list[str]):
+        """A receive wait that returns once ``opened`` is set (a bounded wait: fails instead of hanging)."""
+
+        def wait() -> None:
+            waits.append(threading.current_thread().name)
+            if not opened.wait(TIMEOUT):
+                raise TimeoutError("the input never arrived")
+
+        return wait
+
+    def test_forward_computes_while_the_gradients_are_in_flight(self) -> None:
+        # The backward's input arrives only once the forward has computed its
+        # first layer: a handler that waited for both inputs first would not
+        # get there.
+        run = PairRun(2, 2)
+        computed = threading.Event()
+        run.fwd_stage.layers[0].pre.register_forward_hook(lambda *args: computed.set())
+        waits: list[str] = []
+        coordinator = run.run(
+            input_waits=(None, (self._gate(computed, waits), "the gradients of 1B0"))
+        )
+        self.assertEqual(waits, ["OVERLAP_F_B backward (rank 0)"])
+        # the regions' order is the one of inputs that are there at once
+        self.assertEqual(run.comm.violations, [])
+        self.assertEqual(run.comm.log, expected_order("F", 2, "B", 2))
+        self.assertEqual(coordinator.state_of(_Side.BACKWARD)[0], _TurnState.DONE)
+        ref = PairRun(2, 2)
+        ref.forward()
+        ref.backward()
+        torch.testing.assert_close(run.out, ref.out, rtol=0, atol=0)
+        torch.testing.assert_close(run.x_bwd.grad, ref.x_bwd.grad, rtol=0, atol=0)
+
+    def test_backward_computes_while_the_activations_are_in_flight(self) -> None:
+        run = PairRun(2, 2)
+        communicated = threading.Event()
+        run.comm.hook = lambda tag: communicated.set()
+        waits: list[str] = []
+        run.run(
+            input_waits=(
+                (self._gate(communicated, waits), "the activations of 0F0"),
+                None,
+            )
+        )
+        self.assertEqual(waits, [threading.current_thread().name])
+        self.assertEqual(run.comm.violations, [])
+        self.assertEqual(run.comm.log, expected_order("F", 2, "B", 2))
+
+    @parametrize("failing_side", ["forward", "backward"])
+    def test_failed_input_wait_names_the_sub_action(self, failing_side: str) -> None:
+        def failing() -> None:
+            raise RuntimeError("[rank 0] 1B0: waiting for the gradients failed")
+
+        run = PairRun(2, 2)
+        wait = (failing, "the inputs")
+        waits = (wait, None) if failing_side == "forward" else (None, wait)
+        with self.assertRaisesRegex(
+            RuntimeError,
+            rf"^rank 0, action 0F0;1B0: the {failing_side} sub-action .* failed: "
+            "RuntimeError: .* waiting for the gradients failed",
+        ) as cm:
+            run.run(input_waits=waits)
+        self.assertNotIn("then the", str(cm.exception))
+        self.assertEqual(
+            [t.name for t in threading.enumerate() if t.name.startswith("OVERLAP_F_B")],
+            [],
+        )
+
+
 class TimeoutSettingTest(TestCase):
     def tearDown(self) -> None:
         ep_overlap.set_wait_timeout(None)
@@ -1313,6 +1385,7 @@ instantiate_parametrized_tests(MarksTest)
 instantiate_parametrized_tests(ThreadStateTest)
 instantiate_parametrized_tests(StreamPlanTest)
 instantiate_parametrized_tests(PatchTest)
+instantiate_parametrized_tests(InputWaitTest)
 
 
 if __name__ == "__main__":

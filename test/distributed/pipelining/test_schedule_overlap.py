@@ -23,7 +23,9 @@ The compositions: dropout and random noise on/off x activation checkpointing
 none/full/selective x expert parallelism (marks) on/off x ScheduleDualPipeV and
 a CSV schedule with a same-stage pair; and FSDP2 (PP=2 x DP=2, nested
 ``fully_shard``) with random delays, where the data-parallel collectives each
-rank issues are recorded and must not depend on timing.  The suite runs a
+rank issues are recorded and must not depend on timing; and a delayed gradient
+receive (each overlapped backward's gradients arrive only once its forward has
+started), still bitwise the sequential handler's.  The suite runs a
 covering subset; ``TORCH_PIPELINING_EXT_FULL_MATRIX=1`` runs every composition
 (``tools/overlap_compositions.py``).
 """
@@ -349,6 +351,86 @@ class _Reference:
         return results
 
 
+class _GatedWork:
+    """A receive whose wait returns only once ``opened`` is set: gradients still in flight until then."""
+
+    def __init__(self, works, opened: threading.Event, on_wait) -> None:
+        self.works, self.opened, self.on_wait = works, opened, on_wait
+
+    def wait(self) -> bool:
+        # bounded: a handler that waits before the forward runs fails, not hangs
+        if not self.opened.wait(60.0):
+            raise TimeoutError("the gradients were awaited before the forward ran")
+        for work in self.works:
+            work.wait()
+        self.on_wait()
+        return True
+
+
+class _GradientGate(dict):
+    """``bwd_recv_ops`` of a schedule whose overlapped backwards get their gradients after their forward started.
+
+    For each OVERLAP_F_B pair (forward F, backward B with a remote gradient)
+    the receive of B completes only once F's ``forward_one_chunk`` has been
+    entered.  ``log`` records, in order, ("forward", stage, microbatch) and
+    ("gradients", stage, microbatch, thread name).
+    """
+
+    def __init__(self, pipeline: _Pipeline, pp_rank: int) -> None:
+        super().__init__()
+        self.log: list[tuple] = []
+        self.lock = threading.Lock()
+        self.started: dict[tuple[int, int], threading.Event] = {}
+        self.pairs: dict[tuple[int, int], tuple[int, int]] = {}
+        for action in pipeline.schedule.pipeline_order_with_comms[pp_rank]:
+            if action.computation_type == sched.OVERLAP_F_B:
+                fwd, bwd = action.sub_actions
+                f_key = (fwd.stage_index, fwd.microbatch_index)
+                self.pairs[(bwd.stage_index, bwd.microbatch_index)] = f_key
+                self.started[f_key] = threading.Event()
+        for stage in pipeline.schedule._stages:
+            original = stage.forward_one_chunk
+
+            def spy(mb_index, *args, _original=original, _idx=stage.stage_index, **kw):
+                self._record(("forward", _idx, mb_index))
+                if (_idx, mb_index) in self.started:
+                    self.started[(_idx, mb_index)].set()
+                return _original(mb_index, *args, **kw)
+
+            stage.forward_one_chunk = spy
+
+    def _record(self, entry: tuple) -> None:
+        with self.lock:
+            self.log.append(entry)
+
+    def __setitem__(self, key: tuple[int, int], works) -> None:
+        if key in self.pairs:
+            entry = ("gradients", *key)
+            works = [
+                _GatedWork(
+                    works,
+                    self.started[self.pairs[key]],
+                    lambda: self._record((*entry, threading.current_thread().name)),
+                )
+            ]
+        super().__setitem__(key, works)
+
+
+def _update(
+    pipelines: tuple[_Pipeline, ...],
+    optimizers: list[torch.optim.Optimizer],
+    ep_group: dist.ProcessGroup | None,
+) -> None:
+    """The optimizer step; with EP (data parallel over the EP group) after summing replicated gradients."""
+    if ep_group is not None:
+        for pipeline in pipelines:
+            for name, p in pipeline.named_parameters().items():
+                if not is_expert_param(name):
+                    dist.all_reduce(p.grad, group=ep_group)
+    for optimizer in optimizers:
+        optimizer.step()
+
+
 class ScheduleOverlapTest(PipelineMultiProcTest):
     world_size = PP * EP
 
@@ -441,14 +523,7 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
                         )
 
             check_on_all_ranks(check, self.device)
-            if ep_group is not None:
-                # data parallelism over the EP group: replicated gradients are summed before the update
-                for pipeline in (overlapped, sequential):
-                    for name, p in pipeline.named_parameters().items():
-                        if not is_expert_param(name):
-                            dist.all_reduce(p.grad, group=ep_group)
-            for optimizer in optimizers:
-                optimizer.step()
+            _update((overlapped, sequential), optimizers, ep_group)
 
     def _gather_gradients(
         self,
@@ -486,6 +561,46 @@ class ScheduleOverlapTest(PipelineMultiProcTest):
             grads[name] = (grad, seq_params[name].grad, comparable, ref_grad)
         return grads
 
+    def test_forward_runs_while_the_gradients_are_in_flight(self) -> None:
+        # Each overlapped backward's gradients arrive only once its forward
+        # has started: the forward computes while they are in flight, and the
+        # results are still bitwise the sequential handler's.
+        pp_group, ep_group = self._groups()
+        pp_rank, ep_rank = dist.get_rank(pp_group), self.rank % EP
+        pipelines = [
+            _Pipeline("dualpipev", pp_group, ep_group, self.device, overlap=overlap)
+            for overlap in (True, False)
+        ]
+        gate = _GradientGate(pipelines[0], pp_rank)
+        pipelines[0].schedule.bwd_recv_ops = gate
+        results = []
+        for pipeline in pipelines:
+            torch.manual_seed(100)
+            results.append(pipeline.step(0, ep_rank, self.device))
+        grads = [p.named_parameters() for p in pipelines]
+
+        def check() -> None:
+            gradients = [e for e in gate.log if e[0] == "gradients"]
+            self.assertGreater(len(gradients), 0)
+            for _, stage_idx, mb, thread in gradients:
+                forward = ("forward", *gate.pairs[(stage_idx, mb)])
+                self.assertLess(
+                    gate.log.index(forward),
+                    gate.log.index(("gradients", stage_idx, mb, thread)),
+                )
+                self.assertTrue(thread.startswith("OVERLAP_F_B backward"), thread)
+            (out, losses), (seq_out, seq_losses) = results
+            if out is not None:
+                torch.testing.assert_close(out, seq_out, **self._exact)
+                torch.testing.assert_close(losses, seq_losses, **self._exact)
+            self.assertEqual(grads[0].keys(), grads[1].keys())
+            for name, p in grads[0].items():
+                torch.testing.assert_close(
+                    p.grad, grads[1][name].grad, **self._exact, msg=name
+                )
+
+        check_on_all_ranks(check, self.device)
+
     @parametrize("composition", _compositions(), name_fn=_composition_name)
     def test_overlapped_equals_sequential(
         self, composition: tuple[str, bool, bool, str]
@@ -515,6 +630,30 @@ def _fsdp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _fsdp_reference() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(*(FSDPMLPStage(FSDP_DIM) for _ in range(N_STAGES)))
+
+
+def _fsdp_reference_steps(
+    device: torch.device,
+) -> tuple[list[list[torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """Two steps of the unsplit FSDP test model (no update): each step's losses and gradients."""
+    reference = _fsdp_reference().to(device)
+    ref_losses, ref_grads = [], []
+    for step in range(2):
+        x, y = (t.to(device) for t in _fsdp_batch(step))
+        losses = []
+        for xb, yb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
+            loss = mse_loss(reference(xb), yb)
+            (loss / N_MICROBATCHES).backward()
+            losses.append(loss.detach())
+        ref_losses.append(losses)
+        ref_grads.append(
+            {
+                f"{i}.{n}": p.grad.clone()
+                for i, m in enumerate(reference)
+                for n, p in m.named_parameters()
+            }
+        )
+    return ref_losses, ref_grads
 
 
 class _CollectiveLog:
@@ -702,25 +841,9 @@ class ScheduleOverlapFSDPTest(PipelineMultiProcTest):
         dp_logs: list = [None] * 2
         dist.all_gather_object(dp_logs, runs[0][0], group=mesh["dp"].get_group())
 
-        reference = _fsdp_reference().to(self.device)
-        ref_losses, ref_grads = [], []
-        for step in range(2):
-            x, y = (t.to(self.device) for t in _fsdp_batch(step))
-            if random_ops:
-                break
-            losses = []
-            for xb, yb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
-                loss = mse_loss(reference(xb), yb)
-                (loss / N_MICROBATCHES).backward()
-                losses.append(loss.detach())
-            ref_losses.append(losses)
-            ref_grads.append(
-                {
-                    f"{i}.{n}": p.grad.clone()
-                    for i, m in enumerate(reference)
-                    for n, p in m.named_parameters()
-                }
-            )
+        ref_losses, ref_grads = (
+            ([], []) if random_ops else _fsdp_reference_steps(self.device)
+        )
 
         def check() -> None:
             seq_logs, seq_losses, seq_grads = runs[-1]

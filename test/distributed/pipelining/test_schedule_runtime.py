@@ -480,9 +480,9 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         prepared: Counter[Any] = Counter()
         original = rt.prepare_compute_action
 
-        def spy(action: _Action, ctx: sched._PipelineContext):  # type: ignore[no-untyped-def]
+        def spy(action: _Action, ctx: sched._PipelineContext, **kwargs):  # type: ignore[no-untyped-def]
             prepared[action.computation_type] += 1
-            return original(action, ctx)
+            return original(action, ctx, **kwargs)
 
         with unittest.mock.patch.object(rt, "prepare_compute_action", spy):
             run.step(self, 0)
