@@ -582,35 +582,5 @@ class _ObservedCoordinator(_CommCoordinator):
     def close(self, side: _Side, where: str) -> None:
         self._timed("close", side, super().close, where)
 
-    def await_inputs(self, side: _Side, wait: Callable[[], None], what: str) -> None:
-        """Run ``wait``, ``side`` waiting for its input (``what``), before ``side`` starts.
-
-        See [Note: a side waiting for its input].  ``wait`` has its own
-        timeout (the receive's): meanwhile the other side's waits for this
-        side do not time out.
-        """
-        me = self._sides[side]
-        with self._cond:
-            me.state, me.awaiting, me.awaiting_since = (
-                _TurnState.AWAITING_INPUT,
-                what,
-                self._clock(),
-            )
-            self._cond.notify_all()
-        try:
-            wait()
-        finally:
-            with self._cond:
-                me.awaited_long = _policy.hands_over(
-                    self._clock() - me.awaiting_since, self._hand_over_min_region_s
-                )
-                me.state, me.awaiting = _TurnState.NOT_STARTED, None
-                self._cond.notify_all()
-
-    def awaits_inputs(self, side: _Side) -> bool:
-        """Whether ``side`` is waiting for its input now."""
-        with self._cond:
-            return self._sides[side].state is _TurnState.AWAITING_INPUT
-
     def finish(self, side: _Side) -> None:
         self._timed("finish", side, super().finish)
