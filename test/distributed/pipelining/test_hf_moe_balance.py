@@ -140,6 +140,28 @@ class RouterAuxLossTest(TestCase):
             plain(ids, mask)
 
 
+@unittest.skipIf(
+    not HAS_FUSED, "needs transformers 5.x (routers apart from fused experts)"
+)
+class RouterAuxLossRuntimeTest(TestCase):
+    def test_refused_on_the_backport(self):
+        """Refused exactly where torch runs the package's backported step loop (torch 2.9)."""
+        import torch_pipelining_ext
+        from torch_pipelining_ext.hf import _build
+
+        model = tiny_hf_model("qwen3_moe", num_layers=2, output_router_logits=True)
+        status = {r.name: r.status for r in torch_pipelining_ext.patch_report()}
+        if status["runtime_step_loop"] is torch_pipelining_ext.PatchStatus.APPLIED:
+            with self.assertRaisesRegex(
+                ValueError, "verified only under torch's own step loop"
+            ):
+                _build._check_router_aux_runtime(model)
+        else:
+            _build._check_router_aux_runtime(model)  # torch 2.10+: accepted
+        model.config.output_router_logits = False
+        _build._check_router_aux_runtime(model)  # nothing to refuse
+
+
 @unittest.skipIf(not HAS_TRANSFORMERS or HAS_FUSED, "transformers 4.x only")
 class RouterAuxLoss4xTest(TestCase):
     def test_refused_without_fused_experts(self):
