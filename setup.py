@@ -26,6 +26,10 @@ setup(
     license="BSD-3-Clause",
     python_requires=">=3.10",
     packages=find_packages(include=["torch_pipelining_ext", "torch_pipelining_ext.*"]),
+    # the patch table and the planner's model presets are data
+    package_data={
+        "torch_pipelining_ext": ["_patching/patches.json", "sim/model_presets.json"]
+    },
     install_requires=["torch>=2.9,<2.16"],
     extras_require={
         "test": [

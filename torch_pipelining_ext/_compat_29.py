@@ -137,6 +137,11 @@ _RUNTIME_STATE: dict[str, Callable[[], Any]] = {
 }
 
 
+def _lazy_runtime_state(name: str) -> _LazyScheduleAttribute:
+    """The class attribute that gives every schedule its own ``name`` state."""
+    return _LazyScheduleAttribute(name, _RUNTIME_STATE[name])
+
+
 def _runtime_step_microbatches(
     self: _PipelineScheduleRuntime,
     arg_mbs: list | None = None,

@@ -1,5 +1,5 @@
 """The patch machinery: the registry (``_registry.py``), the patch table
-(``_table.py``) and every feature probe (``_probes.py``).
+(``patches.json``, read by ``_table.py``) and every feature probe (``_probes.py``).
 
 Feature modules never import this package; the table imports them.
 """

@@ -13,7 +13,7 @@ Every change the package makes to the installed torch is a :class:`Patch`:
   before (``setattr`` of the saved original, or ``delattr`` when the attribute
   did not exist).
 
-The table of patches lives in ``_table.py``; this module only knows how to
+The table of patches lives in ``patches.json`` (read by ``_table.py``); this module only knows how to
 apply, undo and report them.  Application is atomic per patch (all targets or
 none), idempotent, and guarded by a lock so that two threads importing the
 package at once apply each patch exactly once.

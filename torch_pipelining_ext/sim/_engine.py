@@ -384,14 +384,14 @@ class _Simulation:
 
     def _record(
         self,
-        rank: int,
         a: Any,
         start: float,
         end: float,
         intervals: list,
-        lane: int = 0,
-        ov: bool = False,
-    ):
+        lane: Side | None = None,
+    ) -> None:
+        """Record compute action ``a``; ``lane``: its side of an OVERLAP_F_B pair."""
+        rank = self.stage_to_rank[a.stage_index]
         comp = kind(a)
         key = (a.stage_index, comp, a.microbatch_index)
         if key in self.end:
@@ -408,8 +408,8 @@ class _Simulation:
                 start,
                 end,
                 tuple(intervals),
-                lane,
-                ov,
+                0 if lane is None else int(lane),
+                lane is not None,
             )
         )
 
@@ -428,7 +428,7 @@ class _Simulation:
             if d > 0:
                 intervals.append((t, t + d, "compute" if i % 2 == 0 else "comm"))
             t += d
-        self._record(rank, a, t0, t, intervals)
+        self._record(a, t0, t, intervals)
         return t
 
     def step_rank(self, st: _RankState) -> None:
@@ -510,7 +510,7 @@ class _Simulation:
         for side, sub, end in ((Side.FORWARD, f, f_end), (Side.BACKWARD, b, b_end)):
             iv = [(t0 + s, t0 + e, k) for sd, s, e, k in intervals if sd == side]
             start = min((s for s, _, _ in iv), default=t0 + end)
-            self._record(st.rank, sub, start, t0 + end, iv, lane=int(side), ov=True)
+            self._record(sub, start, t0 + end, iv, lane=side)
         return t0 + max(f_end, b_end)
 
     def run(self) -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -45,41 +46,10 @@ __all__ = ["MODEL_PRESETS", "Candidate", "main", "plan"]
 
 logger = logging.getLogger(__name__)
 
-# Fields of the public config.json files (Hugging Face Hub).
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "deepseek-v3": dict(
-        num_hidden_layers=61,
-        hidden_size=7168,
-        num_attention_heads=128,
-        num_key_value_heads=128,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        intermediate_size=18432,
-        moe_intermediate_size=2048,
-        n_routed_experts=256,
-        n_shared_experts=1,
-        num_experts_per_tok=8,
-        first_k_dense_replace=3,
-        moe_layer_freq=1,
-        vocab_size=129280,
-    ),
-    "qwen3-235b-a22b": dict(
-        num_hidden_layers=94,
-        hidden_size=4096,
-        num_attention_heads=64,
-        num_key_value_heads=4,
-        head_dim=128,
-        intermediate_size=12288,
-        moe_intermediate_size=1536,
-        num_experts=128,
-        num_experts_per_tok=8,
-        decoder_sparse_step=1,
-        vocab_size=151936,
-    ),
-}
+# Fields of the public config.json files (Hugging Face Hub), by preset name.
+MODEL_PRESETS: dict[str, dict[str, Any]] = json.loads(
+    Path(__file__).with_name("model_presets.json").read_text()
+)
 
 
 class _Schedule(NamedTuple):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import types
@@ -300,6 +301,45 @@ class PatchRegistryTest(TestCase):
 
 class PackagePatchTest(TestCase):
     """The real patch table, in this process and in fresh interpreters."""
+
+    def test_table_entries_resolve(self):
+        from torch_pipelining_ext._patching import _probes, _table
+
+        features = json.loads(_table._TABLE.read_text())["features"]
+        seen: list[str] = []
+        for entry in (e for f in features for e in f["patches"]):
+            name = entry["name"]
+            self.assertTrue(callable(getattr(_probes, entry["probe"])), name)
+            self.assertTrue(entry["description"] and entry["upstream"], name)
+            # a patch requires only patches applied before it
+            self.assertLessEqual(set(entry.get("requires", ())), set(seen), name)
+            self.assertTrue(
+                entry.get("env_disable", "TORCH_PIPELINING_EXT_").startswith(
+                    "TORCH_PIPELINING_EXT_"
+                ),
+                name,
+            )
+            for t in entry["targets"]:
+                (kind,) = (k for k in _table._KINDS if k in t)
+                self.assertIsNotNone(_table._obj(t[kind]), f"{name}: {t[kind]}")
+            seen.append(name)
+        self.assertEqual(seen, [p.name for p in _REGISTRY.patches()])
+
+    def test_table_target_needs_one_replacement(self):
+        from torch_pipelining_ext._patching import _table
+
+        target = {"module": "torch", "attr": "x", "install": "a:b", "wrap": "c:d"}
+        table = {
+            "features": [
+                {"patches": [{"name": "p", "probe": "q", "targets": [target]}]}
+            ]
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "patches.json")
+            with open(path, "w") as f:
+                json.dump(table, f)
+            with self.assertRaisesRegex(ValueError, r"torch\.x needs exactly one of"):
+                _table._patches(_table.Path(path))
 
     def test_report_contents(self):
         allowed = {s.value for s in PatchStatus}
