@@ -1,52 +1,105 @@
-"""What scaling only the current step's gradients costs (patch 0002, ``_grad_scaling.py``).
+"""What scaling only the current step's gradients costs (patch 0002).
 
     python tools/upstream/bench_scale_grads.py [--params 1e6,16e6,64e6] [--repeat 5]
 
 When a step starts with gradients carried over from earlier steps (gradient
-accumulation across ``step()`` calls), the fix keeps a copy of them for the
-step and ``scale_grads`` scales only the difference: one ``clone`` at the
-start of the step, one ``sub_`` and one ``add_`` at the end, on top of torch's
-``div_``.  With ``zero_grad()`` before every step nothing is copied.  For each
-size this times, side by side in one run on one stage holding one parameter
-of that many float32 elements:
+accumulation across ``step()`` calls), the fix multiplies each carried
+gradient by the number of microbatches in place when the step starts, so
+that torch's ``scale_grads`` division leaves it as it was (see ``[Note:
+scaling gradients accumulated across steps]``).  For each size this runs, side
+by side in one run, a one-stage ``ScheduleGPipe`` step (world size 1, gloo)
+whose stage holds one float32 parameter of that many elements, with a
+gradient carried in:
 
-* ``stock``: torch's ``clear_runtime_states`` + ``scale_grads`` (``div_``),
-  as they are after ``torch_pipelining_ext.unpatch()``;
-* ``fixed``: the same two methods of ``_PipelineStageBase`` after
-  ``torch_pipelining_ext.patch()``, with a gradient carried in;
+* ``stock``: after ``torch_pipelining_ext.unpatch()``;
+* ``fixed``: after ``torch_pipelining_ext.patch()``;
 * ``adamw``: one ``torch.optim.AdamW(foreach=True)`` step on the same
-  parameter, the per-step cost every training loop pays anyway.
+  parameter, the per-step cost every training loop pays anyway;
+* ``mul_``: the one operation the fix adds per carried gradient, timed alone.
 
-The last line is machine-readable: ``overhead_vs_adamw`` is
-``(fixed - stock) / adamw`` for the largest size, ``extra_bytes`` the memory
-the copy holds during a step (the size of the carried gradients).
+Stock and fixed steps alternate.  Each step is profiled once for memory
+(``torch.profiler``, CPU): ``extra`` is the number of bytes the fixed step
+allocates beyond the stock step.  The last line is machine-readable, for the
+largest size: ``step_ratio`` is fixed / stock (whole steps),
+``overhead_vs_adamw`` is ``mul_ / adamw``, ``extra_bytes`` is ``extra``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
-import types
 
 import torch
-from torch.distributed.pipelining.stage import _PipelineStageBase
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import torch_pipelining_ext
 
 
-def _stage_methods() -> tuple[object, object]:
-    """``_PipelineStageBase``'s ``clear_runtime_states`` and ``scale_grads`` as they are now."""
-    return _PipelineStageBase.clear_runtime_states, _PipelineStageBase.scale_grads
+class _Scale(torch.nn.Module):
+    """``x * w`` summed over ``w``'s elements: a gradient of ``w``'s size, little else."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w).sum(-1, keepdim=True)
 
 
-def _best(fn, repeat: int) -> float:
+def _median_seconds(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _allocated_bytes(fn) -> int:
+    """Bytes ``fn`` allocates on the CPU (every allocation, freed or not)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        fn()
+    return sum(max(0, e.cpu_memory_usage) for e in prof.events())
+
+
+def _measure(size: int, n: int, repeat: int) -> tuple[float, ...]:
+    """Seconds of a stock step, a fixed step, an AdamW step, the added ``mul_``;
+    the fixed step's extra bytes."""
+    module = _Scale(size)
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n, loss_fn=lambda out, y: (out - y).square().mean())
+    x, y = torch.randn(n, 1), torch.randn(n, 1)
+    schedule.step(x, target=y)  # gradients carried into every step below
+    optimizer = torch.optim.AdamW(module.parameters(), foreach=True)
+    optimizer.step()  # its state allocated before timing
+
+    def step() -> None:
+        schedule.step(x, target=y)
+
+    def timed(patched: bool) -> float:
+        (torch_pipelining_ext.patch if patched else torch_pipelining_ext.unpatch)()
+        return _median_seconds(step, 1)
+
+    timed(False), timed(True)  # warm-up
+    # stock and fixed steps alternate, so that drift affects both alike
+    stock, fixed = (
+        statistics.median(ts)
+        for ts in zip(*((timed(False), timed(True)) for _ in range(repeat)))
+    )
+    torch_pipelining_ext.unpatch()
+    stock_bytes = _allocated_bytes(step)
+    torch_pipelining_ext.patch()
+    fixed_bytes = _allocated_bytes(step)
+    adamw = _median_seconds(optimizer.step, repeat)
+    grad = module.w.grad
+    added = _median_seconds(lambda: grad.mul_(n).div_(n), repeat) / 2
+    return stock, fixed, adamw, added, fixed_bytes - stock_bytes
 
 
 def main() -> None:
@@ -57,57 +110,38 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    torch_pipelining_ext.unpatch()
-    stock_clear, stock_scale = _stage_methods()
-    torch_pipelining_ext.patch()
-    status = {r.name: r.status.value for r in torch_pipelining_ext.patch_report()}[
-        "scale_grads_per_step"
-    ]
-    fixed_clear, fixed_scale = _stage_methods()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=0, world_size=1
+        )
+        try:
+            _report(args)
+        finally:
+            dist.destroy_process_group()
+
+
+def _report(args: argparse.Namespace) -> None:
+    status = {r.name: r.status.value for r in torch_pipelining_ext.patch_report()}
     n = args.microbatches
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeat}, {n} microbatches; "
-        f"patch scale_grads_per_step: {status}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of "
+        f"{args.repeat}, {n} microbatches; patch scale_grads_per_step: "
+        f"{status['scale_grads_per_step']}"
     )
     print(
-        f"{'params':>10} {'stock ms':>9} {'fixed ms':>9} {'adamw ms':>9} {'(fixed-stock)/adamw':>20}"
+        f"{'params':>10} {'stock ms':>9} {'fixed ms':>9} {'fixed/stock':>11} "
+        f"{'adamw ms':>9} {'mul_ ms':>8} {'mul_/adamw':>10} {'extra bytes':>12}"
     )
-    last = None
     for size in (int(float(s)) for s in args.params.split(",")):
-        param = torch.nn.Parameter(torch.randn(size))
-        param.grad = torch.randn(size)
-        # the attributes the two methods use, for one stage holding one parameter
-        stage = types.SimpleNamespace(
-            submod=torch.nn.Module(),
-            has_backward=True,
-            fwd_cache={},
-            output_chunks=[],
-            args_recv_info={},
-        )
-        stage.submod.p = param
-        optimizer = torch.optim.AdamW([param], foreach=True)
-        optimizer.step()  # state allocated before timing
-
-        def stock_step() -> None:
-            stock_clear(stage)
-            stock_scale(stage, n)
-
-        def fixed() -> None:
-            fixed_clear(stage)
-            fixed_scale(stage, n)
-
-        stock = _best(stock_step, args.repeat)
-        patched = _best(fixed, args.repeat)
-        adamw = _best(optimizer.step, args.repeat)
-        ratio = (patched - stock) / adamw
+        stock, fixed, adamw, added, extra = _measure(size, n, args.repeat)
         print(
-            f"{size:>10} {stock * 1e3:>9.2f} {patched * 1e3:>9.2f} {adamw * 1e3:>9.2f} {ratio:>20.2f}"
+            f"{size:>10} {stock * 1e3:>9.2f} {fixed * 1e3:>9.2f} {fixed / stock:>11.3f} "
+            f"{adamw * 1e3:>9.2f} {added * 1e3:>8.2f} {added / adamw:>10.2f} {extra:>12}"
         )
-        last = (size, ratio, size * param.element_size())
-    size, ratio, extra = last
     print(
-        f"bench_scale_grads params={size} overhead_vs_adamw={ratio:.2f} extra_bytes={extra}"
+        f"bench_scale_grads params={size} step_ratio={fixed / stock:.3f} "
+        f"overhead_vs_adamw={added / adamw:.2f} extra_bytes={extra}"
     )
 
 

@@ -224,14 +224,17 @@ def _probe_init_p2p_handshake() -> tuple[str, str]:
 
 
 def _probe_scale_grads() -> tuple[str, str]:
+    from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    for name, expected in (
-        ("scale_grads", ["self", "grad_scale_factor"]),
-        ("clear_runtime_states", ["self"]),
-    ):
-        fn = getattr(_PipelineStageBase, name)
-        _expect_params(fn, f"_PipelineStageBase.{name}", expected)
+    _expect_params(
+        _PipelineStageBase.scale_grads,
+        "_PipelineStageBase.scale_grads",
+        ["self", "grad_scale_factor"],
+    )
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if "step" not in vars(cls):
+            raise RuntimeError(f"{cls.__name__} defines no step() of its own")
     return (
         PatchNeeded,
         "scale_grads also divides the gradients carried over from earlier steps",

@@ -223,6 +223,33 @@ class ScheduleSingleRankTest(_OneRankTestCase):
                     )
 
     @parametrize("device", DEVICES)
+    @parametrize("schedule_class", SINGLE_STAGE)
+    def test_eval_between_steps_leaves_gradients(
+        self, schedule_class: type, device: str
+    ) -> None:
+        # eval() runs step() without backward; stock single-stage schedules
+        # still divide the gradients by the microbatch count at its end.
+        # (multi-stage schedules with both stages on one rank cannot eval() on
+        # stock torch 2.13: "can't steal_bwd_input")
+        dev = self._device(device)
+        torch.manual_seed(0)
+        reference = nn.Sequential(MLPStage(DIM)).to(dev)
+        parts = [copy.deepcopy(m) for m in reference]
+        schedule = _build(schedule_class, parts, dev, mse_loss)
+        for step in range(2):  # no zero_grad: the second step accumulates
+            x, y = _batch(step, dev)
+            schedule.step(x, target=y)
+            schedule.eval(x, target=y)
+            reference_step(reference, mse_loss, x, y, N_MICROBATCHES)
+            for i, (part, ref) in enumerate(zip(parts, reference)):
+                for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
+                    torch.testing.assert_close(
+                        p.grad,
+                        ref_p.grad,
+                        msg=lambda m: f"step {step} stage {i} {name}: {m}",
+                    )
+
+    @parametrize("device", DEVICES)
     def test_dualpipev_overlap_bitwise_equal_to_sequential(self, device: str) -> None:
         dev = self._device(device)
         torch.manual_seed(0)

@@ -117,8 +117,33 @@ class ScheduleGradAccumulationTest(MultiProcContinuousTest):
         # step that finalizes it: the first step's gradients are carried.
         self._accumulate(ScheduleClass, True, finalize=[True, False, True])
 
-    def _accumulate(self, ScheduleClass, use_fsdp, finalize):
+    @parametrize("ScheduleClass", [Schedule1F1B, ScheduleInterleaved1F1B])
+    def test_accumulate_with_eval_between_steps(self, ScheduleClass):
+        # eval() runs step() without backward: it scales nothing.
+        self._accumulate(ScheduleClass, False, [True] * N_STEPS, evaluate=True)
+
+    @parametrize("ScheduleClass", [ScheduleGPipe, ScheduleInterleaved1F1B])
+    def test_step_from_zero_gradients_is_unchanged(self, ScheduleClass):
+        # A step that starts without gradients divides the sum of the
+        # microbatches' gradients once, as before: bitwise that division.
         torch.set_num_threads(1)
+        _, modules, _, schedule = self._pipeline(ScheduleClass, False)
+        _, plain_modules, _, plain = self._pipeline(ScheduleClass, False, False)
+        x, y = self._batch(torch.Generator().manual_seed(1))
+        schedule.step(x, target=y)
+        plain.step(x, target=y)
+
+        def check():
+            for module, plain_module in zip(modules, plain_modules):
+                named = zip(module.named_parameters(), plain_module.parameters())
+                for (name, p), plain_p in named:
+                    expected = plain_p.grad / N_MICROBATCHES
+                    self.assertTrue(torch.equal(p.grad, expected), name)
+
+        self._assert_on_all_ranks(check)
+
+    def _pipeline(self, ScheduleClass, use_fsdp, scale_grads=True):
+        """The reference model, this rank's stage modules and indices, the schedule."""
         mesh = self._mesh()
         pp_rank = mesh["pp"].get_local_rank()
         single_stage = ScheduleClass in SINGLE_STAGE_SCHEDULES
@@ -133,17 +158,28 @@ class ScheduleGradAccumulationTest(MultiProcContinuousTest):
             PipelineStage(m, i, n_stages, self.device, group=mesh["pp"].get_group())
             for m, i in zip(modules, stage_indices)
         ]
-        if single_stage:
-            schedule = ScheduleClass(stages[0], N_MICROBATCHES, loss_fn=loss_fn)
-        else:
-            schedule = ScheduleClass(stages, N_MICROBATCHES, loss_fn=loss_fn)
+        schedule = ScheduleClass(
+            stages[0] if single_stage else stages,
+            N_MICROBATCHES,
+            loss_fn=loss_fn,
+            scale_grads=scale_grads,
+        )
+        return ref, modules, stage_indices, schedule
 
+    def _batch(self, gen):
+        x = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen)
+        y = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen)
+        return x.to(self.device), y.to(self.device)
+
+    def _accumulate(self, ScheduleClass, use_fsdp, finalize, evaluate=False):
+        torch.set_num_threads(1)
+        ref, modules, stage_indices, schedule = self._pipeline(ScheduleClass, use_fsdp)
         gen = torch.Generator().manual_seed(1)
         for step, finalize_gradients in enumerate(finalize):  # no zero_grad()
-            x = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen)
-            y = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen)
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = self._batch(gen)
             schedule.step(x, target=y, finalize_gradients=finalize_gradients)
+            if evaluate:
+                schedule.eval(x, target=y)
             for x_mb, y_mb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
                 (loss_fn(ref(x_mb), y_mb) / N_MICROBATCHES).backward()
             if not finalize_gradients:
