@@ -51,6 +51,7 @@ def check(schedule_class: type, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main() -> int:
     torch.set_num_threads(1)
+    torch.manual_seed(1)
     print(f"torch {torch.__version__}, {N} microbatches")
     x, y = torch.randn(2 * N, 4), torch.randn(2 * N, 4)
     with tempfile.TemporaryDirectory() as tmp:
