@@ -80,7 +80,7 @@ UPSTREAM_MODULES = (
     ("torch_pipelining_ext.overlap._turns", "_ep_turns"),
     ("torch_pipelining_ext.overlap._rng", "_ep_rng"),
     ("torch_pipelining_ext.overlap._policy", "_ep_policy"),
-    ("torch_pipelining_ext.overlap._streams", "_overlap_streams"),
+    ("torch_pipelining_ext.overlap._streams", "_ep_streams"),
     ("torch_pipelining_ext.overlap", "ep_overlap"),
 )
 ENV_PREFIXES = ("TORCH_PIPELINING_EXT_", "TORCH_PIPELINING_")
@@ -239,44 +239,44 @@ SERIES: tuple[Patch, ...] = (
     Patch("0010-runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
     Patch(
         "0011-ep-overlap-marks",
-        (
-            _module("ep_overlap.py", "__init__.py"),
-            _module("_ep_marks.py", "_marks.py"),
-        ),
+        (_module("ep_overlap.py", "__init__.py"), _module("_ep_marks.py", "_marks.py")),
     ),
     Patch(
-        "0012-overlap-f-b-concurrent",
-        (
-            _module("_ep_turns.py", "_turns.py"),
-            _module("_overlap.py", "_handler.py"),
-            Extends("extends.diff"),
-        ),
+        "0012-ep-overlap-turns",
+        (_module("_ep_turns.py", "_turns.py"), Extends("extends.diff")),
     ),
     Patch(
-        "0013-overlap-hand-over",
-        (_module("_ep_policy.py", "_policy.py"), Extends("extends.diff")),
+        "0013-overlap-f-b-concurrent",
+        (_module("_overlap.py", "_handler.py"), Extends("extends.diff")),
     ),
     Patch(
-        "0014-overlap-input-waits",
+        "0014-overlap-worker-per-step",
         (Extends("extends.diff"), HandWritten("schedules.diff")),
     ),
     Patch(
-        "0015-overlap-rng-windows",
+        "0015-overlap-hand-over",
+        (_module("_ep_policy.py", "_policy.py"), Extends("extends.diff")),
+    ),
+    Patch(
+        "0016-overlap-input-waits",
+        (Extends("extends.diff"), HandWritten("schedules.diff")),
+    ),
+    Patch(
+        "0017-overlap-rng-windows",
         (
             _module("_ep_rng.py", "_rng.py"),
             Extends("extends.diff"),
             HandWritten("random.diff"),
         ),
     ),
-    Patch("0016-overlap-fsdp", (Extends("extends.diff"),)),
+    Patch("0018-overlap-fsdp", (Extends("extends.diff"),)),
     Patch(
-        "0017-overlap-streams",
-        (_module("_overlap_streams.py", "_streams.py"), Extends("extends.diff")),
+        "0019-overlap-streams",
+        (_module("_ep_streams.py", "_streams.py"), Extends("extends.diff")),
     ),
-    Patch(
-        "0018-overlap-worker-per-step",
-        (Extends("extends.diff"), HandWritten("schedules.diff")),
-    ),
+    Patch("0020-overlap-thread-state", (Extends("extends.diff"),)),
+    Patch("0021-overlap-timeouts", (Extends("extends.diff"),)),
+    Patch("0022-overlap-observer", (Extends("extends.diff"),)),
 )
 
 
@@ -505,7 +505,8 @@ def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[st
       on (``# [Note: X]`` or ``\"\"\"[Note: X]`` on a line of its own);
     * every line the patch adds to the series' own modules is at most
       :data:`LINE_WIDTH` columns; a line it adds to a torch file too, unless
-      that file already has it (code moved, not written).
+      that file already has it, indented otherwise or not (code moved, not
+      written).
     """
     problems = []
     defined_in_torch = (
@@ -530,13 +531,11 @@ def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[st
             if not section:
                 continue
             path = section.split()[2][2:]
-            known = (
-                set()
-                if base is None or path in modules
-                else set(base.get(path, "").splitlines())
-            )
+            known = set()
+            if base is not None and path not in modules:
+                known = {ln.strip() for ln in base.get(path, "").splitlines()}
             for line in _added_lines(section):
-                if len(line) > LINE_WIDTH and line not in known:
+                if len(line) > LINE_WIDTH and line.strip() not in known:
                     problems.append(
                         f"{patch.name}: {path}: {len(line)} columns: {line.strip()[:60]}"
                     )

@@ -1,13 +1,13 @@
 """Expert-parallel communication marks for overlapped pipeline actions.
 
-A concurrent ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``
-(``ScheduleDualPipeV``, or a CSV schedule), once a schedule opts in with
-``schedule.register_custom_function(OVERLAP_F_B, overlap_f_b)``, runs the
-forward of one microbatch on the calling thread and the backward of another
-on a worker thread.  Both may issue the expert-parallel all-to-alls of their
-MoE layers.  Two threads must never issue collectives on one process group
-at once, and every rank must issue its collectives in the same order, so MoE
-code marks where its communication is:
+An ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``
+(``ScheduleDualPipeV``, or a CSV schedule) pairs the forward of one
+microbatch with the backward of another.  A schedule that registers
+:func:`overlap_f_b` for it runs the forward on the calling thread and the
+backward on a worker thread; both may issue the expert-parallel all-to-alls of
+their MoE layers.  Two threads must never issue collectives on one process
+group at once, and every rank must issue its collectives in the same order, so
+MoE code marks where its communication is:
 
 * in forward, :func:`dispatch_begin` / :func:`dispatch_end` around the token
   dispatch and :func:`combine_begin` / :func:`combine_end` around the combine
@@ -74,6 +74,7 @@ __all__ = [
     "overlap_f_b",
     "register_thread_state",
     "set_wait_timeout",
+    "TIMEOUT_ENV",
     "wrap_dispatch_combine",
 ]
 

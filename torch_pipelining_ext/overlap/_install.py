@@ -8,7 +8,7 @@ opt out globally with ``TORCH_PIPELINING_EXT_OVERLAP=0`` (schedules built
 while it is set do not get it) or per schedule by registering another
 OVERLAP_F_B function.  :func:`_register_fork_rng_hook` and
 :func:`_make_fork_rng` are the ``torch.random`` change of upstream patch
-0016, see [Note: fork_rng hooks].
+0017, see [Note: fork_rng hooks].
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
 
 
 # [Note: fork_rng hooks]
-# Upstream patch 0016 adds to torch.random: a hook registered with
+# Upstream patch 0017 adds to torch.random: a hook registered with
 # _register_fork_rng_hook(hook) is called as hook(devices, enabled,
 # device_type) whenever fork_rng is entered, and the context manager it
 # returns is entered before fork_rng saves the generator states and exited
