@@ -460,10 +460,12 @@ _NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 def dependencies(patch: Patch) -> list[str]:
     """The patches ``patch``'s ``PR.md`` declares it depends on (names), in series order."""
     found = _DEPENDS.findall((patch.dir / "PR.md").read_text())
-    if len(found) != 1:
-        raise ValueError(f"{patch.name}/PR.md: expected one 'Depends on:' line")
+    if not found:
+        return []  # reported by check_rules
+    if len(found) > 1:
+        raise ValueError(f"{patch.name}/PR.md: more than one 'Depends on:' line")
     numbers = re.findall(r"\b(\d{4})\b", found[0])
-    if not numbers and found[0].split()[0].lower() != "none":
+    if not numbers and not found[0].lower().startswith("none"):
         raise ValueError(f"{patch.name}/PR.md: 'Depends on: {found[0]}'")
     names = {p.name[:4]: p.name for p in SERIES}
     unknown = [n for n in numbers if n not in names or names[n] >= patch.name]
@@ -515,6 +517,8 @@ def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[st
         else None
     )
     for patch in SERIES:
+        if not _DEPENDS.search((patch.dir / "PR.md").read_text()):
+            problems.append(f"{patch.name}/PR.md has no 'Depends on:' line")
         own = _added_lines(patches[patch.name])
         visible = notes_defined(own)
         for dep in closure(patch):
