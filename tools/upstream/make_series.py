@@ -168,7 +168,7 @@ def upstream_source(
             "the upstream file still names the package:\n" + "\n".join(left)
         )
     compile(text, where, "exec")
-    return text if text.startswith(HEADER) else HEADER + text
+    return HEADER + text.removeprefix(HEADER.splitlines(keepends=True)[0])
 
 
 # --------------------------------------------------------------------------- #

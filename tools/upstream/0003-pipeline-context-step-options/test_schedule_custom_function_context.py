@@ -51,13 +51,17 @@ class ScheduleCustomFunctionContextTest(PipelineTestCase):
                 loss_kwargs=loss_kwargs,
             )
             ref_out, ref_losses = reference_step(ref, x, y, loss_kwargs=loss_kwargs)
-            if last_stage is not None:
-                torch.testing.assert_close(losses, ref_losses)
-                if return_outputs:
-                    torch.testing.assert_close(out, ref_out)
-                else:
-                    self.assertEqual(len(last_stage.output_chunks), 0)
-            self.assert_on_all_ranks(lambda: assert_grads_match(modules, indices, ref))
+
+            def check():
+                if last_stage is not None:
+                    torch.testing.assert_close(losses, ref_losses)
+                    if return_outputs:
+                        torch.testing.assert_close(out, ref_out)
+                    else:
+                        self.assertEqual(len(last_stage.output_chunks), 0)
+                assert_grads_match(modules, indices, ref)
+
+            self.assert_on_all_ranks(check)
             for module in (*modules, ref):
                 module.zero_grad()
 
