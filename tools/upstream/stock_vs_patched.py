@@ -89,19 +89,13 @@ def _run_case(rank: int, case: tuple, mesh, results: dict) -> None:
     optimizer = torch.optim.SGD(params, lr=0.1)
     gen = torch.Generator().manual_seed(1)
     out_of_steps = []
-    for step, (return_outputs, loss_kwargs) in enumerate(
-        [(True, None), (False, {"scale": 2.0})]
-    ):
+    # the second step without outputs and with loss kwargs
+    options = ({}, {"return_outputs": False, "loss_kwargs": {"scale": 2.0}})
+    for step_options in options:
         x = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen)
         y = torch.randn(N_MICROBATCHES * MB_SIZE, DIM, generator=gen)
         losses: list[torch.Tensor] = []
-        out = schedule.step(
-            x,
-            target=y,
-            losses=losses,
-            return_outputs=return_outputs,
-            loss_kwargs=loss_kwargs,
-        )
+        out = schedule.step(x, target=y, losses=losses, **step_options)
         optimizer.step()
         optimizer.zero_grad()
         out_of_steps.append((out, [loss.detach() for loss in losses]))

@@ -8,17 +8,7 @@ single-process reference step (losses, outputs, every gradient), and a check
 that fails on one rank fails on every rank.
 """
 
-from pipeline_test_utils import (
-    assert_grads_match,
-    build_pipeline,
-    loss_fn,
-    N_MICROBATCHES,
-    nccl_variant,
-    PipelineTestCase,
-    random_batch,
-    reference_step,
-    stage_indices,
-)
+import pipeline_test_utils as ptu
 
 import torch
 from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
@@ -29,22 +19,22 @@ from torch.testing._internal.common_utils import (
 )
 
 
-class PipelineTestUtilsTest(PipelineTestCase):
+class PipelineTestUtilsTest(ptu.PipelineTestCase):
     @parametrize("ScheduleClass", [ScheduleInterleaved1F1B, ScheduleDualPipeV])
     def test_schedule_matches_reference(self, ScheduleClass):
-        indices = stage_indices(ScheduleClass, self.rank, self.world_size)
-        ref, modules, stages = build_pipeline(indices, 4, self.device)
-        schedule = ScheduleClass(stages, N_MICROBATCHES, loss_fn=loss_fn)
-        x, y = random_batch(self.device)
+        indices = ptu.stage_indices(ScheduleClass, self.rank, self.world_size)
+        ref, modules, stages = ptu.build_pipeline(indices, 4, self.device)
+        schedule = ScheduleClass(stages, ptu.N_MICROBATCHES, loss_fn=ptu.loss_fn)
+        x, y = ptu.random_batch(self.device)
         losses: list[torch.Tensor] = []
         out = schedule.step(x, target=y, losses=losses)
-        ref_out, ref_losses = reference_step(ref, x, y)
+        ref_out, ref_losses = ptu.reference_step(ref, x, y)
 
         def check():
             if any(s.is_last for s in stages):
                 torch.testing.assert_close(out, ref_out)
                 torch.testing.assert_close(losses, ref_losses)
-            assert_grads_match(modules, indices, ref)
+            ptu.assert_grads_match(modules, indices, ref)
 
         self.assert_on_all_ranks(check)
 
@@ -57,7 +47,7 @@ class PipelineTestUtilsTest(PipelineTestCase):
 
 
 instantiate_parametrized_tests(PipelineTestUtilsTest)
-PipelineTestUtilsTestNCCL = nccl_variant(PipelineTestUtilsTest)
+PipelineTestUtilsTestNCCL = ptu.nccl_variant(PipelineTestUtilsTest)
 
 
 if __name__ == "__main__":

@@ -8,19 +8,7 @@ too (the usual FSDP2 recipe), both data-parallel replicas see the same batch,
 so every gradient must equal the one of a single-process reference.
 """
 
-from pipeline_test_utils import (
-    assert_grads_match,
-    build_pipeline,
-    DIM,
-    full_grads,
-    loss_fn,
-    N_MICROBATCHES,
-    nccl_variant,
-    PipelineTestCase,
-    random_batch,
-    reference_step,
-    stage_indices,
-)
+import pipeline_test_utils as ptu
 
 import torch
 import torch.nn as nn
@@ -56,7 +44,7 @@ class SquaredWeightLinear(nn.Module):
 class StageModule(nn.Module):
     """Two Linear+ReLU layers, a squared-weight layer and a gain owned by the root."""
 
-    def __init__(self, dim: int = DIM) -> None:
+    def __init__(self, dim: int = ptu.DIM) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
         self.squared = SquaredWeightLinear(dim)
@@ -68,7 +56,7 @@ class StageModule(nn.Module):
         return self.squared(x) * self.gain
 
 
-class ScheduleFSDPSplitBackwardTest(PipelineTestCase):
+class ScheduleFSDPSplitBackwardTest(ptu.PipelineTestCase):
     world_size = PP * DP
 
     @parametrize(
@@ -83,22 +71,22 @@ class ScheduleFSDPSplitBackwardTest(PipelineTestCase):
                 fully_shard(layer, mesh=mesh["dp"])
             return fully_shard(module, mesh=mesh["dp"])
 
-        indices = stage_indices(ScheduleClass, mesh["pp"].get_local_rank(), PP)
-        ref, modules, stages = build_pipeline(
+        indices = ptu.stage_indices(ScheduleClass, mesh["pp"].get_local_rank(), PP)
+        ref, modules, stages = ptu.build_pipeline(
             indices, 2 * PP, self.device, mesh["pp"].get_group(), StageModule, shard
         )
-        schedule = ScheduleClass(stages, N_MICROBATCHES, loss_fn=loss_fn)
-        x, y = random_batch(self.device)
+        schedule = ScheduleClass(stages, ptu.N_MICROBATCHES, loss_fn=ptu.loss_fn)
+        x, y = ptu.random_batch(self.device)
         schedule.step(x, target=y)
-        reference_step(ref, x, y)
-        grads = full_grads(modules)  # the same collectives on every rank
+        ptu.reference_step(ref, x, y)
+        grads = ptu.full_grads(modules)  # the same collectives on every rank
         self.assert_on_all_ranks(
-            lambda: assert_grads_match(modules, indices, ref, grads)
+            lambda: ptu.assert_grads_match(modules, indices, ref, grads)
         )
 
 
 instantiate_parametrized_tests(ScheduleFSDPSplitBackwardTest)
-ScheduleFSDPSplitBackwardTestNCCL = nccl_variant(ScheduleFSDPSplitBackwardTest)
+ScheduleFSDPSplitBackwardTestNCCL = ptu.nccl_variant(ScheduleFSDPSplitBackwardTest)
 
 
 if __name__ == "__main__":

@@ -8,26 +8,21 @@ only.  The exception that reaches the caller carries a note naming the
 pipeline rank, the global rank, the time step and the action.
 """
 
-from pipeline_test_utils import (
-    build_pipeline,
-    loss_fn,
-    N_MICROBATCHES,
-    nccl_variant,
-    PipelineTestCase,
-    random_batch,
-)
+import pipeline_test_utils as ptu
 
 import torch.distributed as dist
 from torch.distributed.pipelining import ScheduleInterleaved1F1B
 from torch.testing._internal.common_utils import run_tests
 
 
-class ScheduleStepErrorTest(PipelineTestCase):
+class ScheduleStepErrorTest(ptu.PipelineTestCase):
     def test_step_error_names_rank(self):
         group, _ = dist.new_subgroups(group_size=1)
-        _, modules, stages = build_pipeline([0, 1], 2, self.device, group)
-        schedule = ScheduleInterleaved1F1B(stages, N_MICROBATCHES, loss_fn=loss_fn)
-        x, y = random_batch(self.device)
+        _, modules, stages = ptu.build_pipeline([0, 1], 2, self.device, group)
+        schedule = ScheduleInterleaved1F1B(
+            stages, ptu.N_MICROBATCHES, loss_fn=ptu.loss_fn
+        )
+        x, y = ptu.random_batch(self.device)
         schedule.step(x, target=y)  # a good step first
         modules[1].fail = self.rank == 1
         if self.rank != 1:
@@ -41,7 +36,7 @@ class ScheduleStepErrorTest(PipelineTestCase):
         self.assertIn("running action 1F0", notes)
 
 
-ScheduleStepErrorTestNCCL = nccl_variant(ScheduleStepErrorTest)
+ScheduleStepErrorTestNCCL = ptu.nccl_variant(ScheduleStepErrorTest)
 
 
 if __name__ == "__main__":

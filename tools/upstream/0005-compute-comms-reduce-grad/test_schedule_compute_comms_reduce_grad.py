@@ -16,17 +16,7 @@ import os
 import re
 import tempfile
 
-from pipeline_test_utils import (
-    assert_grads_match,
-    build_pipeline,
-    full_grads,
-    loss_fn,
-    N_MICROBATCHES,
-    nccl_variant,
-    PipelineTestCase,
-    random_batch,
-    reference_step,
-)
+import pipeline_test_utils as ptu
 
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import ScheduleInterleaved1F1B
@@ -46,7 +36,7 @@ PP = 2
 DP = 2
 
 
-class ScheduleComputeCommsReduceGradTest(PipelineTestCase):
+class ScheduleComputeCommsReduceGradTest(ptu.PipelineTestCase):
     world_size = PP * DP
 
     def _stages(self, use_fsdp: bool):
@@ -54,7 +44,7 @@ class ScheduleComputeCommsReduceGradTest(PipelineTestCase):
         pp_rank = mesh["pp"].get_local_rank()
         indices = [pp_rank, pp_rank + PP]
         wrap = (lambda m: fully_shard(m, mesh=mesh["dp"])) if use_fsdp else None
-        ref, modules, stages = build_pipeline(
+        ref, modules, stages = ptu.build_pipeline(
             indices, 2 * PP, self.device, mesh["pp"].get_group(), wrap=wrap
         )
         return ref, modules, indices, stages
@@ -62,7 +52,7 @@ class ScheduleComputeCommsReduceGradTest(PipelineTestCase):
     def _load_lowered(self, stages, keep_reduce_grad=lambda stage_index: True):
         """Load the lowered 1F1B schedule as compute_comms, keeping some REDUCE_GRADs."""
         lowered = ScheduleInterleaved1F1B(
-            stages, N_MICROBATCHES, loss_fn=loss_fn
+            stages, ptu.N_MICROBATCHES, loss_fn=ptu.loss_fn
         ).pipeline_order_with_comms
         rows = [
             [
@@ -73,7 +63,9 @@ class ScheduleComputeCommsReduceGradTest(PipelineTestCase):
             ]
             for rank in sorted(lowered)
         ]
-        schedule = _PipelineScheduleRuntime(stages, N_MICROBATCHES, loss_fn=loss_fn)
+        schedule = _PipelineScheduleRuntime(
+            stages, ptu.N_MICROBATCHES, loss_fn=ptu.loss_fn
+        )
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "schedule.csv")
             with open(path, "w") as f:
@@ -86,12 +78,12 @@ class ScheduleComputeCommsReduceGradTest(PipelineTestCase):
         ref, modules, indices, stages = self._stages(use_fsdp)
         schedule = self._load_lowered(stages)
         for step in range(2):
-            x, y = random_batch(self.device, seed=step)
+            x, y = ptu.random_batch(self.device, seed=step)
             schedule.step(x, target=y)
-            reference_step(ref, x, y)
-            grads = full_grads(modules)
+            ptu.reference_step(ref, x, y)
+            grads = ptu.full_grads(modules)
             self.assert_on_all_ranks(
-                lambda: assert_grads_match(modules, indices, ref, grads)
+                lambda: ptu.assert_grads_match(modules, indices, ref, grads)
             )
             for module in (*modules, ref):
                 module.zero_grad()
@@ -111,7 +103,7 @@ class ScheduleComputeCommsReduceGradTest(PipelineTestCase):
 
 
 instantiate_parametrized_tests(ScheduleComputeCommsReduceGradTest)
-ScheduleComputeCommsReduceGradTestNCCL = nccl_variant(
+ScheduleComputeCommsReduceGradTestNCCL = ptu.nccl_variant(
     ScheduleComputeCommsReduceGradTest
 )
 

@@ -8,14 +8,7 @@ again in later actions of the step, and a new step brings a new context;
 the results equal the built-in path's and a single-process reference's.
 """
 
-from pipeline_test_utils import (
-    N_MICROBATCHES,
-    nccl_variant,
-    PipelineTestCase,
-    random_batch,
-    run_step,
-    stage_api_forward,
-)
+import pipeline_test_utils as ptu
 
 import torch
 from torch.distributed.pipelining import ScheduleInterleaved1F1B
@@ -34,30 +27,30 @@ class CountingForward:
         ctx.forwards = getattr(ctx, "forwards", 0) + 1
         self.counts.append(ctx.forwards)
         self.contexts.append(id(ctx))
-        stage_api_forward(action, ctx)
+        ptu.stage_api_forward(action, ctx)
 
 
-class ScheduleContextPerStepTest(PipelineTestCase):
+class ScheduleContextPerStepTest(ptu.PipelineTestCase):
     def test_custom_functions_share_the_step_context(self):
-        builtin = run_step(self, ScheduleInterleaved1F1B)[1]
+        builtin = ptu.run_step(self, ScheduleInterleaved1F1B)[1]
         forward = CountingForward()
 
         def register(schedule):
             schedule.register_custom_function(FORWARD, forward)
 
-        schedule, custom = run_step(self, ScheduleInterleaved1F1B, register)
-        n_forwards = 2 * N_MICROBATCHES  # two stages per rank
+        schedule, custom = ptu.run_step(self, ScheduleInterleaved1F1B, register)
+        n_forwards = 2 * ptu.N_MICROBATCHES  # two stages per rank
         self.assertEqual(forward.counts, list(range(1, n_forwards + 1)))
         self.assertEqual(len(set(forward.contexts)), 1)
         torch.testing.assert_close(custom, builtin, rtol=0, atol=0)
         # the next step has a context of its own
         forward.counts.clear()
-        x, y = random_batch(self.device, seed=2)
+        x, y = ptu.random_batch(self.device, seed=2)
         schedule.step(x, target=y)
         self.assertEqual(forward.counts, list(range(1, n_forwards + 1)))
 
 
-ScheduleContextPerStepTestNCCL = nccl_variant(ScheduleContextPerStepTest)
+ScheduleContextPerStepTestNCCL = ptu.nccl_variant(ScheduleContextPerStepTest)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,7 @@ a single-process reference.
 import threading
 from collections.abc import Callable
 
-from pipeline_test_utils import (
-    assert_grads_match,
-    build_pipeline,
-    DIM,
-    full_grads,
-    loss_fn,
-    N_MICROBATCHES,
-    random_batch,
-    reference_step,
-    stage_indices,
-)
+import pipeline_test_utils as ptu
 
 import torch
 import torch.nn as nn
@@ -57,7 +47,7 @@ class _Communicate(torch.autograd.Function):
 class MarkedBlock(nn.Module):
     """Linear layers around a dispatch and a combine, each between its marks."""
 
-    def __init__(self, dim: int = DIM, dropout: float = 0.0) -> None:
+    def __init__(self, dim: int = ptu.DIM, dropout: float = 0.0) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, dim)
         self.w2 = nn.Linear(dim, dim)
@@ -108,22 +98,22 @@ def run_dual_pipe_v(
     """
     pp_rank = test.rank if pp_rank is None else pp_rank
     pp_size = test.world_size if pp_size is None else pp_size
-    indices = stage_indices(ScheduleDualPipeV, pp_rank, pp_size)
-    ref, modules, stages = build_pipeline(
+    indices = ptu.stage_indices(ScheduleDualPipeV, pp_rank, pp_size)
+    ref, modules, stages = ptu.build_pipeline(
         indices, 2 * pp_size, test.device, group, make_stage, wrap
     )
-    schedule = ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=loss_fn)
+    schedule = ScheduleDualPipeV(stages, ptu.N_MICROBATCHES, loss_fn=ptu.loss_fn)
     if overlap:
         schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)
     if prepare is not None:
         prepare(schedule)
-    x, y = random_batch(test.device, seed)
+    x, y = ptu.random_batch(test.device, seed)
     losses: list[torch.Tensor] = []
     out = schedule.step(x, target=y, losses=losses)
-    grads = full_grads(modules)
+    grads = ptu.full_grads(modules)
     if check_reference:
-        reference_step(ref, x, y)
+        ptu.reference_step(ref, x, y)
         test.assert_on_all_ranks(
-            lambda: assert_grads_match(modules, indices, ref, grads)
+            lambda: ptu.assert_grads_match(modules, indices, ref, grads)
         )
     return out, losses, grads

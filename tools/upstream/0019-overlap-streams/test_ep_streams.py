@@ -40,6 +40,18 @@ class FakeStream:
         )
 
 
+def run_pair(compute, plan):
+    """The two sides' ``compute(side)`` as one overlapped action on ``plan``."""
+    _run_overlapped(
+        compute("forward"),
+        compute("backward"),
+        global_rank=0,
+        action="a",
+        streams=plan,
+        timeout=60.0,
+    )
+
+
 class StreamPlanTest(TestCase):
     @parametrize("failing", ["none", "forward", "backward"])
     def test_streams_joined_around_the_action(self, failing):
@@ -59,14 +71,7 @@ class StreamPlanTest(TestCase):
             return fn
 
         try:
-            _run_overlapped(
-                compute("forward"),
-                compute("backward"),
-                global_rank=0,
-                action="a",
-                streams=plan,
-                timeout=30.0,
-            )
+            run_pair(compute, plan)
         except RuntimeError:
             self.assertNotEqual(failing, "none")
         self.assertEqual(seen, {"forward": "s0", "backward": "s3"})
@@ -107,14 +112,7 @@ class StreamPlanTest(TestCase):
 
             return fn
 
-        _run_overlapped(
-            compute("forward"),
-            compute("backward"),
-            global_rank=0,
-            action="a",
-            streams=plan,
-            timeout=60.0,
-        )
+        run_pair(compute, plan)
         self.assertEqual(seen["forward"], state.stage_streams[0])
         self.assertEqual(seen["backward"], state.stage_streams[3])
         self.assertEqual(torch.cuda.current_stream(device), plan.caller)
