@@ -199,9 +199,13 @@ outcome() {
         fi
         return
     fi
-    # an assertion, or an error the code raised, is behaviour; a missing name is not
-    if grep -qE '^(AssertionError|[A-Za-z_.]*(Runtime|Value|Type|Timeout|CommWaitTimeout)Error|FAIL: )' "${log}" \
-        || grep -qE 'AssertionError|^FAIL: ' "${log}"; then
+    # An assertion, or an error the code raised, is behaviour; a missing name
+    # (a module, an attribute, a keyword argument) is not.  The harness's
+    # "Exception in worker process" only wraps the rank's own error.
+    if grep -E '^([A-Za-z_]+\.)*[A-Za-z_]*(Error|Exception)\b' "${log}" \
+        | grep -vE '^RuntimeError: Exception in worker process' \
+        | grep -vE '^((ModuleNotFound|Import|Attribute|Name)Error|TypeError: .*unexpected keyword argument)' \
+        | grep -q .; then
         echo "FAIL (behaviour)"
     else
         echo "FAIL (import)"

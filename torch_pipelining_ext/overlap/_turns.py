@@ -538,6 +538,10 @@ class _CommCoordinator:
             if other.state is _TurnState.AWAITING_INPUT:
                 deadline = self._deadline()
                 timeout = self._input_recheck_s(other)
+                # the wait became long since the predicate was evaluated: nothing
+                # will notify about that, so evaluate it again before waiting
+                if timeout is None and predicate():
+                    break
             elif deadline is None:
                 timeout = None
             else:

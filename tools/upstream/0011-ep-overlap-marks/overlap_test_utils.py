@@ -65,16 +65,19 @@ class MarkedBlock(nn.Module):
 
 
 class ThreadLog:
-    """The threads that ran backward communication, recorded by a comm hook."""
+    """The threads that ran backward communication, recorded by a comm hook.
+
+    Keeps the thread objects, not their idents, which a new thread may reuse.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.backward_threads: set[int] = set()
+        self.backward_threads: set[threading.Thread] = set()
 
     def __call__(self, tag: str) -> None:
         if tag.endswith("backward"):
             with self.lock:
-                self.backward_threads.add(threading.get_ident())
+                self.backward_threads.add(threading.current_thread())
 
 
 def run_dual_pipe_v(

@@ -48,7 +48,7 @@ class ScheduleOverlapFBTest(PipelineTestCase):
         finally:
             COMM_HOOKS.clear()
         self.assertGreater(
-            len(threads.backward_threads - {threading.get_ident()}),
+            len(threads.backward_threads - {threading.current_thread()}),
             0,
             "no backward sub-action ran on the worker thread",
         )

@@ -25,7 +25,7 @@ class ScheduleOverlapWorkerTest(PipelineTestCase):
                 run_dual_pipe_v(self, overlap=True)
             finally:
                 COMM_HOOKS.clear()
-            workers = threads.backward_threads - {threading.get_ident()}
+            workers = threads.backward_threads - {threading.current_thread()}
             self.assertEqual(len(workers), 1, "one worker thread serves the step")
             left = [
                 t.name

@@ -88,7 +88,7 @@ class ScheduleOverlapHandOverTest(PipelineTestCase):
         # every region long enough to hand over: whenever a side computes,
         # the other is communicating, parked in the coordinator, or done
         _BackwardProbe.log.clear()
-        with mock.patch.object(_ep_turns, "_HAND_OVER_MIN_REGION_S", 0.0):
+        with mock.patch.object(_ep_turns, "_HAND_OVER_MIN_REGION_S", 0.0, create=True):
             run_dual_pipe_v(self, overlap=True, make_stage=ProbedMarkedBlock)
         states = [other for _, other in _BackwardProbe.log if other is not None]
         self.assertGreater(len(states), 0)
