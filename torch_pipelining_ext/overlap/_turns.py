@@ -498,9 +498,9 @@ class _CommCoordinator:
         me.waiting += 1
         try:
             if other.waiting:
-                # This side is parked now, which the other side may be waiting
-                # for (the start of a recomputation, before its RNG window is
-                # recorded, or taking the generators over).
+                # This side is parked now, which the other side may wait for: to
+                # start after a long input wait, at the start of a recomputation
+                # or to take the generators over.
                 self._cond.notify_all()
             if self._wait_for(predicate, other):
                 return True
