@@ -453,7 +453,9 @@ def torch_base(torch_dir: str | None) -> dict[str, str] | None:
 # --------------------------------------------------------------------------- #
 
 _DEPENDS = re.compile(r"(?m)^Depends on: (.+)$")
-_NOTE_DEFINED = re.compile(r'^\s*(?:#|""")\s*\[Note: ([^\]]+)\]\s*$')
+# a note is defined by a line of its own: ``# [Note: X]``, ``"""[Note: X]``
+# or, in a docstring, ``[Note: X]``
+_NOTE_DEFINED = re.compile(r'^\s*(?:#\s*|"""\s*)?\[Note: ([^\]]+)\]\s*$')
 _NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 
 
@@ -504,7 +506,7 @@ def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[st
 
     * every ``[Note: X]`` a patch's added lines refer to is defined in torch's
       files (``base``; skipped without it), by the patch or by one it depends
-      on (``# [Note: X]`` or ``\"\"\"[Note: X]`` on a line of its own);
+      on (``[Note: X]`` on a line of its own, in a comment or a docstring);
     * every line the patch adds to the series' own modules is at most
       :data:`LINE_WIDTH` columns; a line it adds to a torch file too, unless
       that file already has it, indented otherwise or not (code moved, not
