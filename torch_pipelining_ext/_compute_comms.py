@@ -1,10 +1,11 @@
 """compute_comms schedules without REDUCE_GRAD: the missing actions are added.
 
-:func:`_add_missing_reduce_grad` is upstream code (spliced into
-``schedules.py`` by the patch series, where ``REDUCE_GRAD`` and
-``WAIT_REDUCE_GRAD`` are the module's names); :func:`_make_prepare_comms`
-is how the package calls it, by wrapping
-``_PipelineScheduleRuntime._prepare_schedule_with_comms``.
+Package only.  Upstream patch 0005 rejects such a schedule when it is loaded
+(the check is ``schedules.py``'s, with nothing inserted); the package must run
+schedules written for torches before REDUCE_GRAD unchanged, so
+:func:`_make_prepare_comms` wraps
+``_PipelineScheduleRuntime._prepare_schedule_with_comms`` and
+:func:`_add_missing_reduce_grad` completes them first.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ an action copies it.  This module writes it once:
 * :func:`stage_index_to_stage` -- the schedule's local stages by index.
 
 The patch table also installs them as the schedule methods upstream's
-patches 0007/0008 add (``_local_stages``, ``perform_action``,
+patches 0007-0010 add (``_local_stages``, ``perform_action``,
 ``prepare_compute_action``), which the OVERLAP_F_B handler calls.
 
 On every supported torch every action custom functions may replace runs this
@@ -468,7 +468,7 @@ def perform_action(action: _Action, ctx: _PipelineContext) -> None:
     run_action(action, ctx)
 
 
-# The schedule methods upstream's patches 0007/0008 add, installed by the patch
+# The schedule methods upstream's patches 0007-0010 add, installed by the patch
 # table (the OVERLAP_F_B handler calls them).
 
 

@@ -175,7 +175,11 @@ def _unknown_name_error(
     )
     msg = f"{fqn!r} names no submodule, parameter or buffer of {type(model).__name__}"
     if at._modules.get(parts[depth], 0) is None:
-        msg += f": {'.'.join(parts[: depth + 1])!r} was removed from the model (moved into a stage by move=True?)"
+        removed = ".".join(parts[: depth + 1])
+        msg += (
+            f": {removed!r} was removed from the model (moved into a stage by "
+            "move=True?)"
+        )
     else:
         child_keys = [k for k, v in at._modules.items() if v is not None]
         msg += f": {where} has {_describe_keys(child_keys)}"
@@ -227,8 +231,8 @@ def _resolve_stage(model: nn.Module, module_names: Any, stage_desc: str) -> list
     """
     if isinstance(module_names, (str, bytes)) or not isinstance(module_names, Iterable):
         raise TypeError(
-            f"{stage_desc}: module names must be a sequence of strings, got {type(module_names).__name__} "
-            f"{module_names!r}"
+            f"{stage_desc}: module names must be a sequence of strings, got "
+            f"{type(module_names).__name__} {module_names!r}"
             + (
                 f" (did you mean [{module_names!r}]?)"
                 if isinstance(module_names, str)
@@ -271,14 +275,15 @@ def _validate_split(
 
 
 def _check_disjoint(owners: dict[tuple[str, ...], list[tuple[int, _Item]]]) -> None:
-    """No stateful module in two stages, none inside a module another stage keeps whole."""
+    """No stateful module in two stages, none in a module another stage keeps whole."""
     for parts, entries in owners.items():
         stages = sorted({s for s, _ in entries})
         if len(stages) > 1 and not entries[0][1].replicable:
             raise ValueError(
-                f"{entries[0][1].fqn!r} is listed in stages {stages}; a module that owns parameters or "
-                "persistent buffers must belong to exactly one stage (only parameter-free modules, such as "
-                "a rotary embedding, may be replicated)"
+                f"{entries[0][1].fqn!r} is listed in stages {stages}; a module that "
+                "owns parameters or persistent buffers must belong to exactly one "
+                "stage (only parameter-free modules, such as a rotary embedding, may "
+                "be replicated)"
             )
     for parts, entries in owners.items():
         for i in range(1, len(parts)):
@@ -286,13 +291,14 @@ def _check_disjoint(owners: dict[tuple[str, ...], list[tuple[int, _Item]]]) -> N
                 for s_in, it_in in entries:
                     if s_out != s_in and not it_out.replicable:
                         raise ValueError(
-                            f"{it_in.fqn!r} (stage {s_in}) is inside {it_out.fqn!r}, which stage {s_out} keeps "
-                            "whole; a module can belong to only one stage"
+                            f"{it_in.fqn!r} (stage {s_in}) is inside {it_out.fqn!r}, "
+                            f"which stage {s_out} keeps whole; a module can belong to "
+                            "only one stage"
                         )
 
 
 def _state_aliases(model: nn.Module) -> dict[int, list[str]]:
-    """Every parameter and persistent buffer of ``model`` (by identity) -> all its FQNs."""
+    """Every parameter and persistent buffer of ``model`` (by identity) -> its FQNs."""
     aliases: dict[int, list[str]] = defaultdict(list)
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases[id(p)].append(name)
@@ -308,7 +314,10 @@ def _check_coverage(
     owners: dict[tuple[str, ...], list[tuple[int, _Item]]],
     allow_uncovered: bool,
 ) -> None:
-    """Every tensor in some stage (unless ``allow_uncovered``); a warning for each tensor tied across stages."""
+    """Every tensor in some stage (unless ``allow_uncovered``).
+
+    Warns for each tensor tied across stages.
+    """
 
     def covering_stages(fqn: str) -> set[int]:
         parts = tuple(fqn.split("."))
@@ -328,10 +337,11 @@ def _check_coverage(
                 for n, st in stage_sets.items()
             )
             warnings.warn(
-                f"a tensor is shared across pipeline stages {sorted(all_stages)}: {where}. The split does not keep "
-                "this tie (each stage holds its own copy; with move=True, stages built in one process hold the "
-                "same object): keep the tied modules in one stage, untie them, or reduce their gradients across "
-                "the stages yourself",
+                f"a tensor is shared across pipeline stages {sorted(all_stages)}: "
+                f"{where}. The split does not keep this tie (each stage holds its own "
+                "copy; with move=True, stages built in one process hold the same "
+                "object): keep the tied modules in one stage, untie them, or reduce "
+                "their gradients across the stages yourself",
                 UserWarning,
                 stacklevel=4,
             )
@@ -339,8 +349,9 @@ def _check_coverage(
         shown = ", ".join(repr(n) for n in uncovered[:10])
         more = f" and {len(uncovered) - 10} more" if len(uncovered) > 10 else ""
         raise ValueError(
-            f"{len(uncovered)} parameters/persistent buffers belong to no stage: {shown}{more}. List their "
-            "modules (or the tensors themselves) in a stage, or pass allow_uncovered=True to drop them"
+            f"{len(uncovered)} parameters/persistent buffers belong to no stage: "
+            f"{shown}{more}. List their modules (or the tensors themselves) in a "
+            "stage, or pass allow_uncovered=True to drop them"
         )
 
 
@@ -407,7 +418,7 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
             elif is_container:
                 continue  # dropped: the kept entries keep their keys
             elif isinstance(child, _CONTAINERS):
-                # an empty container, so that `for layer in self.layers` just runs nothing
+                # an empty container: `for layer in self.layers` runs nothing
                 new._modules[key] = _shallow_module_copy(child)
             else:
                 new._modules[key] = None
@@ -480,10 +491,13 @@ def build_stage_module(
 def split_module(
     model: nn.Module, module_names: Sequence[str], *, move: bool = False
 ) -> nn.Module:
-    """Deprecated name of :func:`build_stage_module` (it clashed with ``torch.fx.passes.split_module``)."""
+    """Deprecated name of :func:`build_stage_module`.
+
+    It clashed with ``torch.fx.passes.split_module``.
+    """
     warnings.warn(
-        "stage_split.split_module is deprecated and will be removed: use stage_split.build_stage_module "
-        "(same arguments)",
+        "stage_split.split_module is deprecated and will be removed: use "
+        "stage_split.build_stage_module (same arguments)",
         FutureWarning,
         stacklevel=2,
     )
@@ -527,8 +541,8 @@ def build_stage_modules(
         module_names_per_stage, Sequence
     ):
         raise TypeError(
-            "module_names_per_stage must be a sequence with one sequence of FQNs per stage, got "
-            f"{type(module_names_per_stage).__name__}"
+            "module_names_per_stage must be a sequence with one sequence of FQNs per "
+            f"stage, got {type(module_names_per_stage).__name__}"
         )
     if not module_names_per_stage:
         raise ValueError(
@@ -553,7 +567,8 @@ def build_stage_modules(
 def _check_names(arg: str, value: Any) -> list[str]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(
-            f"{arg} must be a sequence of module names, got {type(value).__name__} {value!r}"
+            f"{arg} must be a sequence of module names, got {type(value).__name__} "
+            f"{value!r}"
         )
     names = list(value)
     for n in names:
@@ -579,8 +594,9 @@ def _check_no_shared_module(named: Sequence[tuple[str, str]]) -> None:
                 else "overlap (one module contains the other)"
             )
             raise ValueError(
-                f"{where} {relation}: every module must belong to one place in the pipeline (input modules, "
-                "one layer, output modules, or replicated parameter-free modules)"
+                f"{where} {relation}: every module must belong to one place in the "
+                "pipeline (input modules, one layer, output modules, or replicated "
+                "parameter-free modules)"
             )
 
 
@@ -777,8 +793,9 @@ def generate_module_names_per_stage(
 
     Example::
 
-        >>> generate_module_names_per_stage(2, 4)
-        [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
+        >>> generate_module_names_per_stage(2, 4)  # doctest: +NORMALIZE_WHITESPACE
+        [['tok_embeddings', 'layers.0', 'layers.1'],
+         ['layers.2', 'layers.3', 'norm', 'output']]
     """
     units, replicated = _partition_units(
         num_stages,
@@ -819,8 +836,9 @@ def resolve_schedule_class(schedule: type | str) -> type:
     if isinstance(schedule, type):
         if not issubclass(schedule, schedules._PipelineSchedule):
             raise TypeError(
-                f"{schedule.__name__} is not a pipeline schedule class; pass a schedule class such as "
-                "ScheduleInterleaved1F1B, its name, or 'loop' / 'v'"
+                f"{schedule.__name__} is not a pipeline schedule class; pass a "
+                "schedule class such as ScheduleInterleaved1F1B, its name, or 'loop' "
+                "/ 'v'"
             )
         return schedule
     if isinstance(schedule, str):
@@ -832,7 +850,8 @@ def resolve_schedule_class(schedule: type | str) -> type:
         except ValueError as e:
             raise ValueError(f"unknown pipeline schedule {schedule!r}: {e}") from None
     raise TypeError(
-        f"schedule must be a schedule class or name, got {type(schedule).__name__} {schedule!r}"
+        f"schedule must be a schedule class or name, got {type(schedule).__name__} "
+        f"{schedule!r}"
     )
 
 
@@ -899,16 +918,20 @@ def stage_ids_this_rank(
         raise ValueError(f"pp_rank {pp_rank} is out of range for pp_size {pp_size}")
     if num_stages % pp_size != 0:
         raise ValueError(
-            f"num_stages ({num_stages}) must be divisible by the pipeline size ({pp_size}) so that every rank "
-            "runs the same number of stages"
+            f"num_stages ({num_stages}) must be divisible by the pipeline size "
+            f"({pp_size}) so that every rank runs the same number of stages"
         )
     resolved = _style(style)
     per_rank = num_stages // pp_size
     if resolved == "v":
         if per_rank != 2:
+            name = (
+                style if isinstance(style, str) else getattr(style, "__name__", style)
+            )
             raise ValueError(
-                f"a V-style schedule ({style if isinstance(style, str) else getattr(style, '__name__', style)}) "
-                f"runs exactly 2 stages per rank, but {num_stages} stages on {pp_size} ranks give {per_rank}"
+                f"a V-style schedule ({name}) "
+                f"runs exactly 2 stages per rank, but {num_stages} stages on {pp_size} "
+                f"ranks give {per_rank}"
             )
         return (pp_rank, num_stages - 1 - pp_rank)
     return tuple(range(pp_rank, num_stages, pp_size))
@@ -937,7 +960,8 @@ def pipeline_group(pp_mesh_or_group: Any) -> tuple[dist.ProcessGroup, int, int]:
     if isinstance(pp_mesh_or_group, DeviceMesh):
         if pp_mesh_or_group.ndim != 1:
             raise ValueError(
-                f"pipeline_module_split needs a 1-D pipeline mesh, got a {pp_mesh_or_group.ndim}-D mesh; pass "
+                "pipeline_module_split needs a 1-D pipeline mesh, got a "
+                f"{pp_mesh_or_group.ndim}-D mesh; pass "
                 'the pipeline dimension, e.g. mesh["pp"]'
             )
         group = pp_mesh_or_group.get_group()
@@ -950,26 +974,28 @@ def pipeline_group(pp_mesh_or_group: Any) -> tuple[dist.ProcessGroup, int, int]:
             )
         return pp_mesh_or_group, rank, dist.get_world_size(pp_mesh_or_group)
     raise TypeError(
-        f"pp_mesh_or_group must be a 1-D DeviceMesh or a ProcessGroup, got {type(pp_mesh_or_group).__name__}"
+        "pp_mesh_or_group must be a 1-D DeviceMesh or a ProcessGroup, got "
+        f"{type(pp_mesh_or_group).__name__}"
     )
 
 
 def _check_placement(cls: type, module_names_per_stage: Any, pp_size: int) -> int:
-    """The number of stages, checked against the schedule class and the pipeline size."""
+    """The number of stages, checked against the schedule class and pipeline size."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     if isinstance(module_names_per_stage, (str, bytes)) or not isinstance(
         module_names_per_stage, Sequence
     ):
         raise TypeError(
-            "module_names_per_stage must be a sequence with one sequence of FQNs per stage, got "
-            f"{type(module_names_per_stage).__name__}"
+            "module_names_per_stage must be a sequence with one sequence of FQNs per "
+            f"stage, got {type(module_names_per_stage).__name__}"
         )
     num_stages = len(module_names_per_stage)
     if issubclass(cls, PipelineScheduleSingle) and num_stages != pp_size:
         raise ValueError(
-            f"{cls.__name__} runs one stage per rank, but {num_stages} stages were given for {pp_size} ranks; "
-            "use a multi-stage schedule such as ScheduleInterleaved1F1B"
+            f"{cls.__name__} runs one stage per rank, but {num_stages} stages were "
+            f"given for {pp_size} ranks; use a multi-stage schedule such as "
+            "ScheduleInterleaved1F1B"
         )
     return num_stages
 
@@ -981,13 +1007,14 @@ def _check_stage_kwargs(
     device: Any,
     group: Any,
 ) -> None:
-    """``stage_kwargs`` are further ``PipelineStage`` arguments, none of those the split sets itself."""
+    """``stage_kwargs``: more ``PipelineStage`` arguments, none the split sets."""
     from torch.distributed.pipelining import PipelineStage
 
     for reserved in ("group", "submodule", "stage_index", "num_stages", "device"):
         if reserved in stage_kwargs:
             raise TypeError(
-                f"pipeline_module_split sets {reserved!r} itself; do not pass it in stage_kwargs"
+                f"pipeline_module_split sets {reserved!r} itself; do not pass it in "
+                "stage_kwargs"
             )
     try:
         inspect.signature(PipelineStage).bind(

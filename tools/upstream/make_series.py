@@ -2,29 +2,37 @@
 
     python tools/upstream/make_series.py            # rewrite every NNNN-*/patch.diff
     python tools/upstream/make_series.py --check    # compare instead; exit 1 if any differs
-    python tools/upstream/make_series.py --torch-dir DIR   # DIR/torch/distributed/pipelining is 2.15.0's
+    python tools/upstream/make_series.py --torch-dir DIR   # DIR/torch is 2.15.0's
 
-The base is torch 2.15.0's ``torch/distributed/pipelining/`` (by default the
-installed torch's, which must then be 2.15.x).  Each patch of :data:`SERIES`
-is made of parts, applied in order on top of the previous patches:
+The base is torch 2.15.0's ``torch/distributed/pipelining/`` and the few other
+torch files a patch edits (:data:`BASE_FILES`), by default the installed
+torch's (which must then be 2.15.x).  Each patch of :data:`SERIES` is made of
+parts, applied in order on top of the previous patches:
 
 * :class:`NewModule` -- a new upstream file that is a package module, copied
   under :func:`upstream_source` (the one fixed rule: module and environment
-  names);
-* :class:`SpliceFunction` -- a whole package function, copied under the same
-  rule, added to an upstream file after a named top-level definition (one
-  algorithm for the package and the PR);
-* :class:`HandWritten` -- hunks written for upstream, kept in the patch's
+  names, torch's file header);
+* :class:`Extends` -- hunks (kept in the patch's directory) that add to a
+  module an earlier patch of the series added.  The package module is the
+  last patch's text; each earlier patch gets it with the later patches'
+  hunks taken out (``git apply -R``, no fuzz), so the package holds one
+  version of the code and the stack shows it growing;
+* :class:`HandWritten` -- hunks for torch's own files, kept in the patch's
   directory, for changes the package makes by wrapping torch instead of
   editing it (the package's wrapper and the upstream edit are tested against
   each other by ``check.sh``, not derived from each other).
 
 ``patch.diff`` is the difference of the result from the previous patch's, as
-``git diff`` prints it; it applies with
-``git apply`` / ``patch -p1 --fuzz=0``.  New modules and spliced functions
-need no torch file to be produced; hand-written hunks and the diffs of edited
-files do, so ``--check`` without torch 2.15.0 compares the new files only
+``git diff`` prints it; it applies with ``git apply`` / ``patch -p1
+--fuzz=0``.  New modules and their extensions need no torch file to be
+produced; hand-written hunks and the diffs of torch's files do, so
+``--check`` without torch 2.15.0 compares the series' modules only
 (``--new-files-only``).
+
+Each patch's ``PR.md`` declares ``Depends on:`` (patch numbers, or
+``none``); :func:`check_rules` checks that every ``[Note: ...]`` a patch
+refers to is defined by torch, the patch or one it depends on, and that the
+series' modules fit torch's line width.
 """
 
 from __future__ import annotations
@@ -44,7 +52,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PACKAGE = REPO / "torch_pipelining_ext"
 PIPELINING = "torch/distributed/pipelining"
+# torch files outside PIPELINING that a patch edits
+BASE_FILES = ("torch/random.py",)
 TORCH_VERSION = "2.15"
+LINE_WIDTH = 88  # torch's pyproject.toml: [tool.ruff] line-length
+HEADER = (
+    "# mypy: allow-untyped-defs\n# Copyright (c) Meta Platforms, Inc. and affiliates\n"
+)
 
 
 # --------------------------------------------------------------------------- #
@@ -52,12 +66,13 @@ TORCH_VERSION = "2.15"
 # --------------------------------------------------------------------------- #
 
 # A package module that the series proposes is written as it lands upstream;
-# it is copied, with only these names changed:
+# it is copied, with only these changes:
 #   the package modules below become the upstream modules of
 #   torch/distributed/pipelining (in imports: relative imports);
 #   TORCH_PIPELINING_EXT_ environment variables become TORCH_PIPELINING_;
 #   the module docstring's paragraph that starts with "Upstream file" or
-#   "Upstream target" (where the code goes) is dropped.
+#   "Upstream target" (where the code goes) is dropped;
+#   torch's file header (HEADER) goes first.
 # Nothing may be left that names the package.
 UPSTREAM_MODULES = (
     ("torch_pipelining_ext.overlap._handler", "_overlap"),
@@ -65,6 +80,7 @@ UPSTREAM_MODULES = (
     ("torch_pipelining_ext.overlap._turns", "_ep_turns"),
     ("torch_pipelining_ext.overlap._rng", "_ep_rng"),
     ("torch_pipelining_ext.overlap._policy", "_ep_policy"),
+    ("torch_pipelining_ext.overlap._streams", "_ep_streams"),
     ("torch_pipelining_ext.overlap", "ep_overlap"),
 )
 ENV_PREFIXES = ("TORCH_PIPELINING_EXT_", "TORCH_PIPELINING_")
@@ -137,7 +153,8 @@ def upstream_source(
     for old, new in substitute:
         if text.count(old) != 1:
             raise ValueError(
-                f"{where}: substitution {old[:60]!r} matches {text.count(old)} times, expected once"
+                f"{where}: substitution {old[:60]!r} matches {text.count(old)} "
+                "times, expected once"
             )
         text = text.replace(old, new)
     text = _upstream_names(text)
@@ -151,7 +168,7 @@ def upstream_source(
             "the upstream file still names the package:\n" + "\n".join(left)
         )
     compile(text, where, "exec")
-    return text
+    return HEADER + text.removeprefix(HEADER.splitlines(keepends=True)[0])
 
 
 # --------------------------------------------------------------------------- #
@@ -167,6 +184,10 @@ class NewModule:
     module: str
     substitute: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def path(self) -> str:
+        return f"{PIPELINING}/{self.target}"
+
     def source(self) -> str:
         return upstream_source(
             (PACKAGE / self.module).read_text(), self.module, self.substitute
@@ -174,109 +195,88 @@ class NewModule:
 
 
 @dataclasses.dataclass(frozen=True)
-class SpliceFunction:
-    """Package function ``module:function`` is added to ``target`` after its top-level ``after``.
-
-    ``alias`` is the name under which the package module refers to the
-    target module (``_schedules`` for ``schedules.py``): ``alias.name`` becomes
-    ``name``.
-    """
-
-    target: str
-    module: str
-    function: str
-    after: str
-    alias: str = ""
-
-    def source(self) -> str:
-        text = (PACKAGE / self.module).read_text()
-        tree = ast.parse(text)
-        nodes = [
-            n
-            for n in tree.body
-            if isinstance(n, ast.FunctionDef) and n.name == self.function
-        ]
-        if len(nodes) != 1:
-            raise ValueError(f"{self.module}: expected one function {self.function!r}")
-        node = nodes[0]
-        lines = text.splitlines(keepends=True)
-        start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-        text = upstream_source(
-            "".join(lines[start : node.end_lineno]), f"{self.module}:{self.function}"
-        )
-        return re.sub(rf"\b{self.alias}\.", "", text) if self.alias else text
-
-    def apply(self, files: dict[str, str]) -> None:
-        text = files[self.target]
-        tree = ast.parse(text)
-        nodes = [n for n in tree.body if getattr(n, "name", None) == self.after]
-        if len(nodes) != 1:
-            raise ValueError(f"{self.target}: expected one top-level {self.after!r}")
-        lines = text.splitlines(keepends=True)
-        end = nodes[0].end_lineno
-        lines[end:end] = ["\n", "\n", *self.source().splitlines(keepends=True)]
-        files[self.target] = "".join(lines)
-
-
-@dataclasses.dataclass(frozen=True)
-class HandWritten:
-    """Hunks (``a/torch/...`` paths) kept as ``file`` in the patch's directory."""
+class Extends:
+    """Hunks (kept as ``file`` in the patch's directory) into modules an earlier patch added."""
 
     file: str
 
 
 @dataclasses.dataclass(frozen=True)
+class HandWritten:
+    """Hunks (``a/torch/...`` paths) of torch's own files, kept as ``file`` in the patch's directory."""
+
+    file: str
+
+
+Part = NewModule | Extends | HandWritten
+
+
+@dataclasses.dataclass(frozen=True)
 class Patch:
     name: str
-    parts: tuple[NewModule | SpliceFunction | HandWritten, ...]
+    parts: tuple[Part, ...] = ()
 
     @property
     def dir(self) -> Path:
         return HERE / self.name
 
 
-def _overlap_modules() -> tuple[NewModule, ...]:
-    return tuple(
-        NewModule(target, module)
-        for target, module in (
-            ("_overlap.py", "overlap/_handler.py"),
-            ("ep_overlap.py", "overlap/__init__.py"),
-            ("_ep_marks.py", "overlap/_marks.py"),
-            ("_ep_rng.py", "overlap/_rng.py"),
-            ("_ep_turns.py", "overlap/_turns.py"),
-            ("_ep_policy.py", "overlap/_policy.py"),
-        )
-    )
+def _module(target: str, module: str) -> NewModule:
+    return NewModule(target, f"overlap/{module}")
 
 
 SERIES: tuple[Patch, ...] = (
+    Patch("0000-test-helpers"),
     Patch("0001-fsdp-split-backward", (HandWritten("patch.diff"),)),
     Patch("0002-scale-grads-per-step", (HandWritten("patch.diff"),)),
     Patch("0003-pipeline-context-step-options", (HandWritten("patch.diff"),)),
     Patch("0004-step-error-names-rank", (HandWritten("patch.diff"),)),
+    Patch("0005-compute-comms-reduce-grad", (HandWritten("patch.diff"),)),
+    Patch("0006-stage-split", (NewModule("stage_split.py", "stage_split.py"),)),
+    Patch("0007-runtime-action-methods", (HandWritten("patch.diff"),)),
+    Patch("0008-runtime-context-per-step", (HandWritten("patch.diff"),)),
+    Patch("0009-runtime-perform-action", (HandWritten("patch.diff"),)),
+    Patch("0010-runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
     Patch(
-        "0005-compute-comms-reduce-grad",
+        "0011-ep-overlap-marks",
+        (_module("ep_overlap.py", "__init__.py"), _module("_ep_marks.py", "_marks.py")),
+    ),
+    Patch(
+        "0012-ep-overlap-turns",
+        (_module("_ep_turns.py", "_turns.py"), Extends("extends.diff")),
+    ),
+    Patch(
+        "0013-overlap-f-b-concurrent",
+        (_module("_overlap.py", "_handler.py"), Extends("extends.diff")),
+    ),
+    Patch(
+        "0014-overlap-worker-per-step",
+        (Extends("extends.diff"), HandWritten("schedules.diff")),
+    ),
+    Patch(
+        "0015-overlap-hand-over",
+        (_module("_ep_policy.py", "_policy.py"), Extends("extends.diff")),
+    ),
+    Patch(
+        "0016-overlap-input-waits",
+        (Extends("extends.diff"), HandWritten("schedules.diff")),
+    ),
+    Patch(
+        "0017-overlap-rng-windows",
         (
-            HandWritten("validate.diff"),
-            SpliceFunction(
-                "schedules.py",
-                "_compute_comms.py",
-                "_add_missing_reduce_grad",
-                "_add_reduce_grad",
-                "_schedules",
-            ),
+            _module("_ep_rng.py", "_rng.py"),
+            Extends("extends.diff"),
+            HandWritten("random.diff"),
         ),
     ),
+    Patch("0018-overlap-fsdp", (Extends("extends.diff"),)),
     Patch(
-        "0006-stage-split",
-        (NewModule("stage_split.py", "stage_split.py"),),
+        "0019-overlap-streams",
+        (_module("_ep_streams.py", "_streams.py"), Extends("extends.diff")),
     ),
-    Patch("0007-runtime-per-action-functions", (HandWritten("patch.diff"),)),
-    Patch("0008-runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
-    Patch(
-        "0009-overlap-f-b-ep-overlap",
-        (*_overlap_modules(), HandWritten("schedules.diff")),
-    ),
+    Patch("0020-overlap-thread-state", (Extends("extends.diff"),)),
+    Patch("0021-overlap-timeouts", (Extends("extends.diff"),)),
+    Patch("0022-overlap-observer", (Extends("extends.diff"),)),
 )
 
 
@@ -286,28 +286,42 @@ SERIES: tuple[Patch, ...] = (
 
 
 def _read_tree(root: Path) -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted((root / PIPELINING).glob("*.py"))}
+    """torch's files the series edits, by path under ``root`` (``torch/...``)."""
+    files = {
+        f"{PIPELINING}/{p.name}": p.read_text()
+        for p in sorted((root / PIPELINING).glob("*.py"))
+    }
+    for path in BASE_FILES:
+        files[path] = (root / path).read_text()
+    return files
 
 
-def _apply_hunks(files: dict[str, str], diff: Path) -> None:
-    """``git apply`` (no fuzz) of ``diff`` to ``files``."""
+def _apply_hunks(files: dict[str, str], diff: Path, reverse: bool = False) -> None:
+    """``git apply`` (no fuzz; ``-R`` when ``reverse``) of ``diff`` to ``files``, in place."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        (root / PIPELINING).mkdir(parents=True)
-        for name, text in files.items():
-            (root / PIPELINING / name).write_text(text)
+        for path, text in files.items():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text)
         done = subprocess.run(
-            ["git", "apply", "--whitespace=nowarn", str(diff)],
+            [
+                "git",
+                "apply",
+                "--whitespace=nowarn",
+                *(["-R"] if reverse else []),
+                str(diff),
+            ],
             cwd=root,
             capture_output=True,
             text=True,
         )
         if done.returncode:
             raise RuntimeError(
-                f"{diff.relative_to(REPO)} does not apply: {done.stderr.strip()}"
+                f"{diff.relative_to(REPO)} does not apply"
+                f"{' in reverse' if reverse else ''}: {done.stderr.strip()}"
             )
-        files.clear()
-        files.update(_read_tree(root))
+        for path in files:
+            files[path] = (root / path).read_text()
 
 
 _GIT_ENV = {
@@ -318,9 +332,8 @@ _GIT_ENV = {
 }
 
 
-def _file_diff(name: str, old: str | None, new: str) -> str:
+def _file_diff(path: str, old: str | None, new: str) -> str:
     """``git diff`` of one file (``a/torch/...`` and ``b/torch/...``, function names in hunk headers)."""
-    path = f"{PIPELINING}/{name}"
     with tempfile.TemporaryDirectory() as tmp:
         for side, text in (("a", old), ("b", new)):
             if text is not None:
@@ -346,7 +359,7 @@ def _file_diff(name: str, old: str | None, new: str) -> str:
     if done.returncode not in (0, 1):
         raise RuntimeError(f"git diff failed: {done.stderr.strip()}")
     if "\\ No newline at end of file" in done.stdout:
-        raise ValueError(f"{name}: a file must end with a newline")
+        raise ValueError(f"{path}: a file must end with a newline")
     # (against /dev/null, git names the new file twice on the first line)
     return done.stdout.replace(
         f"diff --git b/{path} b/{path}\n", f"diff --git a/{path} b/{path}\n", 1
@@ -354,43 +367,76 @@ def _file_diff(name: str, old: str | None, new: str) -> str:
 
 
 def patch_text(before: dict[str, str], after: dict[str, str]) -> str:
-    names = sorted(n for n in after if before.get(n) != after[n])
-    return "".join(_file_diff(n, before.get(n), after[n]) for n in names)
+    paths = sorted(p for p in after if before.get(p) != after[p])
+    return "".join(_file_diff(p, before.get(p), after[p]) for p in paths)
+
+
+def series_modules() -> set[str]:
+    """Paths of the files the series adds (they depend on the package alone)."""
+    return {
+        part.path
+        for patch in SERIES
+        for part in patch.parts
+        if isinstance(part, NewModule)
+    }
+
+
+def _module_states() -> list[dict[str, str]]:
+    """For each patch, the text of the series' modules once it is applied.
+
+    The package holds the last patch's text; an earlier patch's is that with
+    the ``Extends`` hunks of the patches after it reversed, newest first.
+    """
+    state = {
+        part.path: part.source()
+        for patch in SERIES
+        for part in patch.parts
+        if isinstance(part, NewModule)
+    }
+    states: list[dict[str, str]] = []
+    for patch in reversed(SERIES):
+        states.append(dict(state))
+        for part in reversed(patch.parts):
+            if isinstance(part, Extends):
+                _apply_hunks(state, patch.dir / part.file, reverse=True)
+            elif isinstance(part, NewModule):
+                del state[part.path]
+    return states[::-1]
 
 
 def generate(base: dict[str, str] | None) -> dict[str, str]:
     """patch name -> patch.diff text.
 
     With ``base=None`` (no torch 2.15 at hand): for each patch, only the
-    sections of its new files (see :func:`new_file_sections`).
+    sections of the series' own modules (see :func:`module_sections`).
     """
     result: dict[str, str] = {}
     files = dict(base or {})
-    for patch in SERIES:
+    for patch, state in zip(SERIES, _module_states()):
         before = dict(files)
         for part in patch.parts:
             if isinstance(part, NewModule):
-                if part.target in before:
+                if part.path in before:
                     raise ValueError(f"{patch.name}: {part.target} exists already")
-                files[part.target] = part.source()
-            elif base is None:
-                continue
-            elif isinstance(part, SpliceFunction):
-                part.apply(files)
-            else:
+            elif isinstance(part, HandWritten) and base is not None:
                 _apply_hunks(files, patch.dir / part.file)
+        files.update(state)
         result[patch.name] = patch_text(before, files)
     return result
 
 
-def new_file_sections(text: str) -> str:
-    """The sections of a patch that create files (they need no torch file to be made)."""
-    sections = re.split(r"(?m)^(?=diff --git )", text)
-    return "".join(s for s in sections if "\nnew file mode " in s[:300])
+def _sections(text: str) -> list[str]:
+    return re.split(r"(?m)^(?=diff --git )", text)
+
+
+def module_sections(text: str) -> str:
+    """The sections of a patch that write the series' own modules (no torch file needed)."""
+    modules = series_modules()
+    return "".join(s for s in _sections(text) if s and s.split()[2][2:] in modules)
 
 
 def torch_base(torch_dir: str | None) -> dict[str, str] | None:
-    """torch 2.15's pipelining sources: from ``torch_dir``, else the installed torch if it is 2.15.x."""
+    """torch 2.15's files: from ``torch_dir``, else the installed torch if it is 2.15.x."""
     if torch_dir is not None:
         return _read_tree(Path(torch_dir))
     try:
@@ -402,6 +448,106 @@ def torch_base(torch_dir: str | None) -> dict[str, str] | None:
     return _read_tree(Path(torch.__file__).parent.parent)
 
 
+# --------------------------------------------------------------------------- #
+# Rules every patch keeps                                                      #
+# --------------------------------------------------------------------------- #
+
+_DEPENDS = re.compile(r"(?m)^Depends on: (.+)$")
+# a note is defined by a line of its own: ``# [Note: X]``, ``"""[Note: X]``
+# or, in a docstring, ``[Note: X]``
+_NOTE_DEFINED = re.compile(r'^\s*(?:#\s*|"""\s*)?\[Note: ([^\]]+)\]\s*$')
+_NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+
+
+def dependencies(patch: Patch) -> list[str]:
+    """The patches ``patch``'s ``PR.md`` declares it depends on (names), in series order."""
+    found = _DEPENDS.findall((patch.dir / "PR.md").read_text())
+    if not found:
+        return []  # reported by check_rules
+    if len(found) > 1:
+        raise ValueError(f"{patch.name}/PR.md: more than one 'Depends on:' line")
+    numbers = re.findall(r"\b(\d{4})\b", found[0])
+    if not numbers and not found[0].lower().startswith("none"):
+        raise ValueError(f"{patch.name}/PR.md: 'Depends on: {found[0]}'")
+    names = {p.name[:4]: p.name for p in SERIES}
+    unknown = [n for n in numbers if n not in names or names[n] >= patch.name]
+    if unknown:
+        raise ValueError(f"{patch.name}: depends on unknown or later patches {unknown}")
+    return [names[n] for n in sorted(set(numbers))]
+
+
+def closure(patch: Patch) -> list[str]:
+    """``patch``'s dependencies and theirs, in series order (``patch`` excluded)."""
+    by_name = {p.name: p for p in SERIES}
+    seen: set[str] = set()
+    todo = list(dependencies(patch))
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(dependencies(by_name[name]))
+    return [p.name for p in SERIES if p.name in seen]
+
+
+def _added_lines(diff: str) -> list[str]:
+    return [
+        line[1:]
+        for line in diff.splitlines()
+        if line.startswith("+") and not line.startswith("+++ ")
+    ]
+
+
+def notes_defined(lines: list[str]) -> set[str]:
+    return {m.group(1) for line in lines if (m := _NOTE_DEFINED.match(line))}
+
+
+def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[str]:
+    """What breaks the series' rules (an empty list when nothing does).
+
+    * every ``[Note: X]`` a patch's added lines refer to is defined in torch's
+      files (``base``; skipped without it), by the patch or by one it depends
+      on (``[Note: X]`` on a line of its own, in a comment or a docstring);
+    * every line the patch adds to the series' own modules is at most
+      :data:`LINE_WIDTH` columns; a line it adds to a torch file too, unless
+      that file already has it, indented otherwise or not (code moved, not
+      written).
+    """
+    problems = []
+    defined_in_torch = (
+        notes_defined([ln for t in base.values() for ln in t.splitlines()])
+        if base is not None
+        else None
+    )
+    for patch in SERIES:
+        if not _DEPENDS.search((patch.dir / "PR.md").read_text()):
+            problems.append(f"{patch.name}/PR.md has no 'Depends on:' line")
+        own = _added_lines(patches[patch.name])
+        visible = notes_defined(own)
+        for dep in closure(patch):
+            visible |= notes_defined(_added_lines(patches[dep]))
+        if defined_in_torch is not None:
+            visible |= defined_in_torch
+            referred = {n for line in own for n in _NOTE.findall(line)}
+            for note in sorted(referred - visible):
+                problems.append(
+                    f"{patch.name}: [Note: {note}] is defined nowhere it can see"
+                )
+        modules = series_modules()
+        for section in _sections(patches[patch.name]):
+            if not section:
+                continue
+            path = section.split()[2][2:]
+            known = set()
+            if base is not None and path not in modules:
+                known = {ln.strip() for ln in base.get(path, "").splitlines()}
+            for line in _added_lines(section):
+                if len(line) > LINE_WIDTH and line.strip() not in known:
+                    problems.append(
+                        f"{patch.name}: {path}: {len(line)} columns: {line.strip()[:60]}"
+                    )
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -411,18 +557,19 @@ def main() -> int:
     )
     parser.add_argument(
         "--torch-dir",
-        help="a directory holding torch/distributed/pipelining of torch 2.15.0",
+        help="a directory holding torch/ of torch 2.15.0 (its site-packages)",
     )
     parser.add_argument(
         "--new-files-only",
         action="store_true",
-        help="check only the new files of each patch (no torch needed)",
+        help="check only the series' own modules (no torch needed)",
     )
     args = parser.parse_args()
     base = None if args.new_files_only else torch_base(args.torch_dir)
     if base is None and not args.new_files_only:
         print(
-            f"make_series: needs torch {TORCH_VERSION}.x (installed, or --torch-dir); or --new-files-only",
+            f"make_series: needs torch {TORCH_VERSION}.x (installed, or "
+            "--torch-dir); or --new-files-only",
             file=sys.stderr,
         )
         return 2
@@ -430,9 +577,9 @@ def main() -> int:
     stale = []
     for name, text in patches.items():
         target = HERE / name / "patch.diff"
-        committed = target.read_text() if target.exists() else None
-        if base is None and committed is not None:
-            committed = new_file_sections(committed)
+        committed = target.read_text() if target.exists() else ""
+        if base is None:
+            committed = module_sections(committed)
         if args.check or base is None:
             if committed != text:
                 stale.append(name)
@@ -444,6 +591,10 @@ def main() -> int:
             "stale (run python tools/upstream/make_series.py): " + ", ".join(stale),
             file=sys.stderr,
         )
+        return 1
+    problems = check_rules(patches, base)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
         return 1
     return 0
 

@@ -1,57 +1,45 @@
-"""Expert-parallel communication boundaries for overlapped pipeline actions.
+"""Expert-parallel communication marks for overlapped pipeline actions.
 
-A concurrent ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``
-(``ScheduleDualPipeV``, or a CSV schedule) runs the forward of one microbatch
-on the calling thread and the backward of another on a worker thread
-(``_overlap.py``).  Both threads may issue the
-expert-parallel all-to-alls of their MoE layers.  Two threads must never issue
-collectives on one process group at once, and every rank must issue its
-collectives in the same order, so MoE code marks where its communication is:
+An ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``
+(``ScheduleDualPipeV``, or a CSV schedule) pairs the forward of one
+microbatch with the backward of another.  A schedule that registers
+:func:`overlap_f_b` for it runs the forward on the calling thread and the
+backward on a worker thread; both may issue the expert-parallel all-to-alls of
+their MoE layers.  Two threads must never issue collectives on one process
+group at once, and every rank must issue its collectives in the same order, so
+MoE code marks where its communication is:
 
 * in forward, :func:`dispatch_begin` / :func:`dispatch_end` around the token
   dispatch and :func:`combine_begin` / :func:`combine_end` around the combine
-  (each takes and returns tensors);
+  (each takes and returns tensors); :func:`wrap_dispatch_combine` puts them
+  around existing ``dispatch`` and ``combine`` methods;
 * autograd mirrors the marks in backward: the backward of ``*_end`` opens the
-  backward communication region and the backward of ``*_begin`` closes it;
-* :func:`wrap_dispatch_combine` applies the marks to existing ``dispatch`` and
-  ``combine`` methods of the MoE modules of a model, without editing it.
+  backward communication region and the backward of ``*_begin`` closes it.
 
 Outside an overlapped action a mark only passes its tensors through (one
 autograd node when they require grad, so that a backward run later inside an
-overlapped action is coordinated).  Inside one, a coordinator owned by that
-action makes the two threads take turns: at most one thread is inside a
-communication region at any moment, the regions are granted strictly
-alternately -- the backward thread's first, then the forward thread's first,
-and so on -- and once one thread has finished its sub-action the other runs
-its remaining regions freely.  At each boundary the threads also hand the
-processor over, so that while one thread communicates the other computes (the
-engine: ``_ep_turns.py``, ``_ep_rng.py`` and ``_ep_marks.py``).  The order of collectives on each rank therefore
-depends only on the two sub-actions, not on timing, and is the same on every
-rank of an EP group (all of them run the same two stages in the same action).
+overlapped action is coordinated).  Inside one, the two threads take turns:
+at most one is inside a communication region at any moment, regions are
+granted alternately, the backward thread's first, and once one thread has
+finished its sub-action the other runs its remaining regions freely.  The
+order of collectives on each rank therefore depends only on the two
+sub-actions, never on timing, and is the same on every rank of an EP group.
 
 Rules for MoE code:
 
-* every collective that the stage's forward or backward issues from inside a
-  stage must be inside a region (the token-count exchange of a dispatch
-  included);
-* code inside a region must not draw random numbers (it runs while the other
-  thread may own the generators, see [Note: random numbers in an overlapped
-  action] in ``_ep_rng.py``);
-* regions do not need to match across the two threads: the sides may have
-  different numbers of MoE layers (none, too), and one side may finish long
-  before the other;
-* activation checkpointing around layers with marks works: the recomputation
-  runs on the backward thread, re-issues the layer's forward collectives, and
-  its marks open regions of the backward side.  A mark met while the same
-  thread is already inside a region nests (the region closes when the
-  outermost one does), so recomputation triggered from inside a backward region
-  cannot break the alternation.
+* every collective that a stage's forward or backward issues must be inside a
+  region (the token-count exchange of a dispatch included);
+* code inside a region must not draw random numbers (the other thread may
+  own the generators then);
+* the two sides may have different numbers of regions (none, too);
+* activation checkpointing around marked layers works: the recomputation
+  re-issues the layer's forward collectives on the backward thread, its marks
+  open regions of the backward side, and a mark met inside a region nests.
 
-Failures: an exception in either thread stops the coordination and releases
-the other thread (which finishes its sub-action uncoordinated); the action
-then re-raises the error on the calling thread.  A thread that waits for its
-turn longer than :func:`get_wait_timeout` seconds raises
-:class:`CommWaitTimeoutError` naming the boundary, the action and the rank.
+A failure in either thread releases the other; the action re-raises it on the
+calling thread.  A thread that waits for its turn longer than
+:func:`get_wait_timeout` seconds raises :class:`CommWaitTimeoutError` naming
+the boundary, the action and the rank.
 """
 
 from __future__ import annotations
@@ -86,12 +74,13 @@ __all__ = [
     "overlap_f_b",
     "register_thread_state",
     "set_wait_timeout",
+    "TIMEOUT_ENV",
     "wrap_dispatch_combine",
 ]
 
 
 def set_wait_timeout(seconds: float | None) -> None:
-    """Set how long a thread of an overlapped action may wait for the other, in seconds.
+    """Set how long a thread of an overlapped action may wait for the other (seconds).
 
     Applies to actions started afterwards, in this process, and takes
     precedence over ``$TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT``.  The wait
@@ -111,7 +100,7 @@ def set_wait_timeout(seconds: float | None) -> None:
 
 
 def get_wait_timeout() -> float:
-    """The timeout that :func:`set_wait_timeout` describes, in seconds (``math.inf``: no limit).
+    """The timeout :func:`set_wait_timeout` describes, in seconds (``math.inf``: none).
 
     ``$TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT`` takes the same values as
     :func:`set_wait_timeout`, written as a number (``inf`` for no limit).
@@ -133,7 +122,7 @@ class ActionObserver:
     """
 
     def sub_action(self, side: str, start: float, end: float) -> None:
-        """The compute of ``side``'s sub-action ran from ``start`` to ``end`` (its bookkeeping excluded)."""
+        """``side``'s sub-action computed from ``start`` to ``end``."""
 
     def transition(self, name: str, side: str, call: float, ret: float) -> None:
         """``side`` called the turn-taking at ``call`` and went on at ``ret``.
@@ -147,7 +136,7 @@ class ActionObserver:
 
 @contextmanager
 def observe_actions(observer: ActionObserver) -> Iterator[ActionObserver]:
-    """Report the overlapped actions that start inside the ``with`` block to ``observer``.
+    """Report the overlapped actions that start in the ``with`` block to ``observer``.
 
     For benchmarks and for debugging the turn-taking; one observer per
     process at a time (an inner block replaces an outer one until it exits).
@@ -158,7 +147,8 @@ def observe_actions(observer: ActionObserver) -> Iterator[ActionObserver]:
     """
     if not isinstance(observer, ActionObserver):
         raise TypeError(
-            f"observe_actions: expected an ActionObserver, got {type(observer).__name__}"
+            "observe_actions: expected an ActionObserver, got "
+            f"{type(observer).__name__}"
         )
     previous = _ep_turns._set_observer(observer)
     try:
@@ -168,7 +158,7 @@ def observe_actions(observer: ActionObserver) -> Iterator[ActionObserver]:
 
 
 def dispatch_begin(*tensors: Any) -> Any:
-    """Mark the start of an expert-parallel dispatch (token all-to-all, count exchange included).
+    """Mark the start of an expert-parallel dispatch (its count exchange included).
 
     Args:
         tensors: the tensors the dispatch sends (anything else passes through).
@@ -241,7 +231,7 @@ def register_thread_state(
     capture: Callable[[], Any],
     apply: Callable[[Any], AbstractContextManager[Any]],
 ) -> RemovableHandle:
-    """Carry a library's thread-local state over to the backward thread of overlapped actions.
+    """Carry a library's thread-local state to the backward thread of an action.
 
     An overlapped OVERLAP_F_B runs its backward sub-action on a worker thread.
     The worker already runs in a copy of the calling thread's ``contextvars``
@@ -277,8 +267,8 @@ def overlap_f_b(action: Any, ctx: Any) -> None:
 
         schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)
 
-    See ``torch/distributed/pipelining/_overlap.py``.
+    The threads are started on first use (see ``_overlap.py``).
     """
-    from torch_pipelining_ext.overlap._handler import overlap_f_b as _overlap_f_b
+    from torch_pipelining_ext.overlap import _handler
 
-    _overlap_f_b(action, ctx)
+    _handler.overlap_f_b(action, ctx)

@@ -1,107 +1,33 @@
-"""Concurrent OVERLAP_F_B: the forward and the backward sub-actions run on two threads.
+"""Concurrent OVERLAP_F_B: the forward and the backward sub-actions on two threads.
 
 A schedule opts in with
 ``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``.
-
-:func:`overlap_f_b` is a custom function (``register_custom_function``
-protocol) for the ``OVERLAP_F_B`` action that ``ScheduleDualPipeV`` emits (and
-that any ``_PipelineScheduleRuntime`` runs from a CSV schedule).
-
-What overlaps: the two threads take turns at the expert-parallel
-communication marks (:mod:`torch_pipelining_ext.overlap`), so while one
-side communicates the other computes; outside communication regions they hand
-the processor over rather than compute at once.  A pair without marks (a dense
-model) therefore runs one sub-action after the other on CPU -- nothing is
-hidden, the cost is the thread hand-overs -- so once a stage pair's concurrent
-run has passed no mark, its later OVERLAP_F_B actions of the step run
-sequentially on CPU (see [Note: stage pairs without marks]).  On accelerators
-the stream plan below also lets the two sides' kernels run concurrently on the
-device, so there every pair stays concurrent.  A pair
-on one stage that holds ``fully_shard`` modules runs sequentially (FSDP2's
-per-module state is not meant for a forward and a backward at once).
 
 Running one action::
 
     calling thread                            worker thread
     --------------                            -------------
     prepare_compute_action(F), then (B)
-      (FSDP unshard checks, taking the
-       receives, the backward counter and
-       last_backward, the loss: everything
-       order-sensitive)
-    unshard both stages' fully_shard modules
+      (everything order-sensitive)
     hand B to the worker ------------------> wait for B's gradients
-    wait for F's activations                  B compute (backward, local hand-off
-    F compute (forward, loss, local             to the previous stage, last-backward
-      hand-off to the next stage)               work on torches without REDUCE_GRAD)
+    wait for F's activations                  B compute
+    F compute                                 (communication regions
+    (communication regions take turns          take turns with F's)
+     with B's)
     wait for B <---------------------------- done
     re-raise the first failure, naming rank and action
 
-All bookkeeping is done by the runtime's ``prepare_compute_action`` on the
-calling thread in schedule order; the same function serves the sequential
-path, so nothing here duplicates the runtime.  Only the receive waits are
-left to each side's thread (``wait_inputs=False``): a side starts when its
-own input is there, and while one side's input is still in flight the other
-side computes, as the sequential handler computes the forward while the
-backward's gradients are in flight (see [Note: a side waiting for its input]
-in ``_turns.py``).  The two compute closures run
-under a :class:`~torch_pipelining_ext.overlap._turns._CommCoordinator` owned by the
-action, so the expert-parallel communication marks of the model
-(:mod:`torch_pipelining_ext.overlap`) make the threads take turns.  The
-worker inherits the caller's grad mode, autocast state and current
-accelerator device, intra-op thread count, in a copy of the caller's
-``contextvars`` context, plus what ``ep_overlap.register_thread_state``
-registered; random numbers are drawn as under the sequential handler
-(see [Note: random numbers in an overlapped action] in ``_ep_rng.py``);
-profiler ranges are added for both threads only when the
-profiler is on (the worker's appear in traces recorded with
-``_ExperimentalConfig(profile_all_threads=True)``).  An action returns or
-raises only once its backward has finished.  The worker thread serves every
-OVERLAP_F_B action of one step (a fresh thread per action would cost
-milliseconds of cold allocator and math-library state each time); it is kept
-in the schedule's ``_overlap_state`` (:class:`_OverlapState`) and joined when the step ends,
-however it ends: no thread outlives a step.
+The bookkeeping is the runtime's own (``prepare_compute_action``), done on
+the calling thread in schedule order; only the two computes run concurrently,
+under a ``_CommCoordinator`` owned by the action, so that the model's
+communication marks (``ep_overlap``) make the threads take turns.  The worker
+runs under the caller's grad mode, autocast state, accelerator device,
+intra-op thread count, a copy of its ``contextvars`` context and what
+``ep_overlap.register_thread_state`` registered.  An action returns or raises
+only once both sides are done.
 
-Ranks: "rank R" in messages and thread names is the global rank (of the
-default process group); ``schedule.rank`` is the pipeline rank.
-
-Streams (CUDA and other accelerators)
--------------------------------------
-With a single stream, a collective issued by one thread would be queued
-behind the kernels the other thread queued before it, so one thread's
-communication would wait for the other's compute -- exactly what overlapping
-is meant to avoid.  The design, implemented by :class:`_StreamPlan` through
-the device-neutral ``torch.accelerator`` / ``torch.Stream`` API:
-
-* **One stream per thread, chosen by stage.**  Inside an overlapped action the
-  thread running a sub-action of stage ``s`` makes the stage's own stream
-  current (one stream per stage and schedule, created once).  By stage rather
-  than by thread because autograd runs each backward kernel on the stream of
-  its forward kernel: a backward is only off the forward thread's stream if
-  its forward ran on a different stream, and the two sub-actions of an
-  OVERLAP_F_B are on different stages in every built-in schedule.  (A CSV pair
-  on one stage shares the stream: correct, not overlapped on the device.)
-* **Joined to the caller's stream at both ends.**  Before either thread starts,
-  both streams wait for the caller's current stream (inputs received and
-  computed before the action are complete); before the action returns, the
-  caller's stream waits for both, so everything after the action -- sends,
-  plain actions, the optimizer -- is ordered after it.
-* **Allocator safety.**  The caching allocator hands a freed block to the next
-  allocation on the stream it was allocated on, unaware of other streams
-  still reading it.  Within an action each pool is allocated from by one
-  thread only (the forward thread on its stage's stream; the backward thread on
-  the streams of its stage's forward kernels), and the caller's stream is not
-  allocated from at all, so a block freed during the action cannot be reused
-  under a kernel still reading it.  Tensors that cross stages -- the
-  activations and gradients handed locally between the two stages of a
-  V-schedule rank -- are used later on the consumer stage's stream, so they
-  are ``record_stream``-ed on it: when they are freed, the allocator waits for
-  that stream.
-* Collectives issued inside a sub-action are queued behind that thread's own
-  kernels only; the communication marks keep two threads from issuing
-  collectives at once.
-
-On CPU (gloo) there are no streams and the plan is ``None``.
+"rank R" in messages and thread names is the global rank (of the default
+process group); ``schedule.rank`` is the pipeline rank.
 """
 
 from __future__ import annotations
@@ -124,6 +50,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from torch_pipelining_ext.overlap import _marks as _ep_marks
 from torch_pipelining_ext.overlap import _turns as _ep_turns
+from torch_pipelining_ext.overlap._streams import _StreamPlan
 from torch_pipelining_ext.overlap._turns import (
     _CommCoordinator,
     _get_timeout,
@@ -147,11 +74,6 @@ __all__ = ["overlap_f_b"]
 logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- #
-# The handler's state on the schedule                                          #
-# --------------------------------------------------------------------------- #
-
-
 @dataclasses.dataclass
 class _OverlapState:
     """What concurrent OVERLAP_F_B keeps on a schedule, as its ``_overlap_state``.
@@ -169,7 +91,11 @@ class _OverlapState:
     unmarked_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
     def end_step(self, owner: str) -> None:
-        """The step of ``owner`` (a schedule's name) ended: close its backward thread, forget its pairs."""
+        """The step of ``owner`` (a schedule's name) ended, however it ended.
+
+        Closes and joins the step's backward thread and forgets its unmarked
+        pairs.
+        """
         self.unmarked_pairs.clear()
         if self.backward_worker is not None:
             worker, self.backward_worker = self.backward_worker, None
@@ -184,21 +110,9 @@ def _state(schedule: Any) -> _OverlapState:
     return state
 
 
-def _close_worker(schedule: Any) -> None:
-    """The step ended, however it ended: close and join its backward thread, forget its unmarked pairs."""
-    state = getattr(schedule, "_overlap_state", None)
-    if state is not None:
-        state.end_step(type(schedule).__name__)
-
-
 def _global_rank(schedule: Any) -> int:
-    """This process's rank in the default group (``schedule.rank``, the pipeline rank, without one)."""
+    """This process's rank in the default group (else ``schedule.rank``)."""
     return dist.get_rank() if dist.is_initialized() else getattr(schedule, "rank", 0)
-
-
-# --------------------------------------------------------------------------- #
-# The custom function                                                          #
-# --------------------------------------------------------------------------- #
 
 
 def _schedules() -> Any:
@@ -208,7 +122,7 @@ def _schedules() -> Any:
 
 
 def _forward_and_backward(action: _Action) -> tuple[int, int] | None:
-    """Positions of the forward and the backward-like sub-action, or None if not such a pair."""
+    """Positions of the forward and the backward-like sub-action (None: not a pair)."""
     s = _schedules()
     subs = action.sub_actions or ()
     if len(subs) != 2:
@@ -226,12 +140,9 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
 
     Custom-function protocol: ``(action, ctx: _PipelineContext) -> None``.
     The sub-actions' bookkeeping runs first, on this thread, in schedule
-    order; then the backward waits for its gradients and computes on a
-    worker thread while the forward waits for its activations and computes
-    here.  A pair that is not one forward plus one backward-like
-    action (FULL_BACKWARD, BACKWARD_INPUT or BACKWARD_WEIGHT) runs
-    sequentially, as does, on CPU, a stage pair whose concurrent run earlier in the step passed no
-    communication mark.
+    order; then the backward computes on a worker thread while the forward
+    computes here.  A pair that is not one forward plus one FULL_BACKWARD,
+    BACKWARD_INPUT or BACKWARD_WEIGHT runs sequentially.
 
     Raises:
         RuntimeError: a sub-action failed (or waited too long at a
@@ -243,25 +154,20 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     pair = _forward_and_backward(action)
     state = _state(schedule)
     stages = schedule._local_stages()
-    stage_pair = (
-        None if pair is None else tuple(action.sub_actions[i].stage_index for i in pair)
-    )
+    stage_pair = None
+    if pair is not None:
+        stage_pair = tuple(action.sub_actions[i].stage_index for i in pair)
     if (
         pair is None
         or _same_fsdp_stage(stages, action)
         or stage_pair in state.unmarked_pairs
     ):
-        logger.debug(
-            "[rank %s] %s: sub-actions run one after the other", global_rank, action
-        )
+        logger.debug("[rank %s] %s: sub-actions run in turn", global_rank, action)
         _run_sequentially(schedule, action, ctx, pair)
         return
-    logger.debug(
-        "[rank %s] %s: forward and backward run concurrently", global_rank, action
-    )
-
-    # In schedule order, on this thread: FSDP checks, taking the receives, the
-    # backward counter, the loss.  Each side waits for its receives itself.
+    logger.debug("[rank %s] %s: sub-actions run concurrently", global_rank, action)
+    # In schedule order, on this thread: everything order-sensitive.  Each
+    # side waits for its receives itself.
     computes = [
         schedule.prepare_compute_action(sub, ctx, wait_inputs=False)
         for sub in action.sub_actions
@@ -285,22 +191,22 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         input_waits=(_input_wait(computes[f]), _input_wait(computes[b])),
     )
     if streams is not None:
+        # the device may run the two sides' kernels at once: it stays concurrent
         streams.record_handoffs(stages, fwd_action, bwd_action)
     elif not any(coordinator.regions_opened(side) for side in _Side):
         # [Note: stage pairs without marks]
         # Neither sub-action passed a communication mark, so the forward side
-        # waited for the backward side to finish: nothing overlapped, and on
-        # CPU (no streams) the two threads only added their hand-overs.  The
-        # rest of the step runs this stage pair's OVERLAP_F_B sequentially --
-        # same results, by the bitwise contract.  The decision depends only
-        # on the marks passed, which every rank of a group passes alike, never
-        # on timing; each step decides afresh.  With streams the device may
-        # still run the two sides' kernels at once, so the pair stays concurrent.
+        # waited for the backward side to finish: nothing overlapped, and the
+        # two threads only added their hand-overs.  The rest of the step runs
+        # this stage pair's OVERLAP_F_B sequentially -- same results, by the
+        # bitwise contract.  The decision depends only on the marks passed,
+        # which every rank of a group passes alike, never on timing; each step
+        # decides afresh.
         state.unmarked_pairs.add(stage_pair)
 
 
 def _input_wait(compute: Any) -> _InputWait | None:
-    """The receive wait a prepared compute left pending, and what it awaits; None if nothing."""
+    """The receive wait a prepared compute left pending, and what it awaits."""
     inputs = compute.inputs
     return None if inputs is None else (compute.wait_inputs, inputs)
 
@@ -308,26 +214,26 @@ def _input_wait(compute: Any) -> _InputWait | None:
 def _run_sequentially(
     schedule: Any, action: _Action, ctx: Any, pair: tuple[int, int] | None
 ) -> None:
-    """The sub-actions one after the other; a forward-backward pair's computes report to the observer, if set."""
+    """The sub-actions one after the other (reported to the observer, if one is set)."""
     observer = _ep_turns._observer  # see ep_overlap.observe_actions
     for i, sub_action in enumerate(action.sub_actions):
         if observer is None or pair is None:
             schedule.perform_action(sub_action, ctx)
         else:
             side = _Side.FORWARD if i == pair[0] else _Side.BACKWARD
-            _observed(
-                observer, side, schedule.prepare_compute_action(sub_action, ctx)
-            )()
+            compute = schedule.prepare_compute_action(sub_action, ctx)
+            _observed(observer, side, compute)()
 
 
 def _same_fsdp_stage(stages: dict[int, Any], action: _Action) -> bool:
-    """Both sub-actions on one stage that holds ``fully_shard`` modules: run them one after the other.
+    """Both sub-actions on one stage that holds ``fully_shard`` modules.
 
-    FSDP2 keeps per-module state (training state, unsharded parameters) that
-    its forward and backward hooks change.  Run concurrently on one stage,
-    the backward's pre-backward hook would all-gather a layer or not
-    depending on whether the forward thread had resharded it yet, so the
-    data-parallel collectives of a rank would depend on thread timing.
+    Such a pair runs sequentially: FSDP2 keeps per-module state (training
+    state, unsharded parameters) that its forward and backward hooks change.
+    Run concurrently on one stage, the backward's pre-backward hook would
+    all-gather a layer or not depending on whether the forward thread had
+    resharded it yet, so the data-parallel collectives of a rank would
+    depend on thread timing.
     """
     fwd, bwd = action.sub_actions
     if fwd.stage_index != bwd.stage_index:
@@ -346,15 +252,15 @@ class _ThreadState:
     """The calling thread's state that the worker thread must run under."""
 
     grad_enabled: bool
-    autocast: tuple[
-        tuple[str, torch.dtype], ...
-    ]  # (device type, dtype) of enabled autocast
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) enabled
     autocast_cache: bool
     device_index: int | None  # current accelerator device
     profiling: bool
-    num_threads: int  # intra-op threads: OpenMP keeps this per thread, a new thread gets the default
+    # intra-op threads: OpenMP keeps this per thread, a new thread gets the default
+    num_threads: int
     context: contextvars.Context  # a copy of the caller's contextvars
-    # other libraries' thread-local state: (apply, captured value), see ep_overlap.register_thread_state
+    # other libraries' thread-local state: (apply, captured value), see
+    # ep_overlap.register_thread_state
     registered: tuple[tuple[Callable[[Any], Any], Any], ...]
 
     @staticmethod
@@ -369,6 +275,7 @@ class _ThreadState:
             for dt in device_types
             if torch.is_autocast_enabled(dt)
         )
+        hooks = list(_ep_marks._thread_state_hooks.values())
         return _ThreadState(
             grad_enabled=torch.is_grad_enabled(),
             autocast=autocast,
@@ -377,10 +284,7 @@ class _ThreadState:
             profiling=torch.autograd.profiler._is_profiler_enabled,
             num_threads=torch.get_num_threads(),
             context=contextvars.copy_context(),
-            registered=tuple(
-                (apply, capture())
-                for capture, apply in list(_ep_marks._thread_state_hooks.values())
-            ),
+            registered=tuple((apply, capture()) for capture, apply in hooks),
         )
 
     @contextlib.contextmanager
@@ -412,14 +316,14 @@ class _BackwardWorker:
     A thread that has run torch code once runs it faster the next time (its
     allocator and math-library state are warm: a fresh thread costs
     milliseconds per action), so one worker serves every OVERLAP_F_B action
-    of a step; it is held in the schedule's state, and closed and joined
-    when the step ends, however it ends.
-    Each action still waits for its own backward to finish before it returns.
+    of a step; it is held in the schedule's :class:`_OverlapState`, and closed
+    and joined when the step ends, however it ends.
     """
 
     def __init__(self, name: str) -> None:
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.stuck = False  # a task did not finish in time: the thread cannot be joined
+        # a task did not finish in time: the thread cannot be joined
+        self.stuck = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -428,7 +332,7 @@ class _BackwardWorker:
             task()
 
     def submit(self, task: Callable[[], None]) -> threading.Event:
-        """Run ``task`` (which must not raise) on the worker; the event is set when it returns."""
+        """Run ``task`` (which must not raise) on the worker; set when it returns."""
         done = threading.Event()
 
         def run() -> None:
@@ -441,13 +345,13 @@ class _BackwardWorker:
         return done
 
     def close(self, timeout: float | None) -> bool:
-        """Stop the thread after its current task; False if it did not end within ``timeout`` (None: no limit)."""
+        """Stop the thread after its task; False if it lives on after ``timeout``."""
         self._tasks.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
     def close_after_step(self, owner: str) -> None:
-        """Close and join the thread at the end of a step (``owner``'s); log if it is stuck."""
+        """Close and join the thread at the end of ``owner``'s step; log if stuck."""
         if self.stuck or not self.close(_wait_arg(_get_timeout())):
             logger.error(
                 "the OVERLAP_F_B backward thread of %s is stuck; it is left behind",
@@ -464,7 +368,7 @@ def _worker_name(global_rank: int) -> str:
 
 
 def _worker_for(state: _OverlapState, global_rank: int) -> _BackwardWorker:
-    """The backward thread of the schedule's step in progress (in ``state``), started on first use."""
+    """The backward thread of the schedule's step in progress, started on first use."""
     if state.backward_worker is None or not state.backward_worker.alive:
         state.backward_worker = _BackwardWorker(_worker_name(global_rank))
     return state.backward_worker
@@ -478,11 +382,11 @@ def _run_side(
     streams: _StreamPlan | None,
     input_wait: _InputWait | None = None,
 ) -> None:
-    """Run one side's ``compute`` on its stream with its EP marks bound; with a
-    ``profiler_label`` (the profiler is on), inside a ``record_function`` range.
+    """Run one side's ``compute`` on its stream with its marks bound.
 
     ``input_wait`` (the side's receive wait, and what it awaits) runs first,
-    on the side's stream, as the coordinator's ``await_inputs``.
+    on the side's stream, as the coordinator's ``await_inputs``.  With a
+    ``profiler_label`` (the profiler is on) it runs in a ``record_function``.
     """
     before_start = None
     if input_wait is not None:
@@ -510,13 +414,13 @@ def _run_overlapped(
     worker: _BackwardWorker | None = None,
     input_waits: tuple[_InputWait | None, _InputWait | None] = (None, None),
 ) -> _CommCoordinator:
-    """Run ``backward`` on the worker thread and ``forward`` here, coordinated; wait for both; re-raise.
+    """Run ``backward`` on the worker thread and ``forward`` here, coordinated.
 
-    ``global_rank`` names the process in messages.  Without ``worker``, a
-    thread is started for this call and joined before it returns.
-    ``input_waits`` are the two sides' receive waits (forward, backward),
-    each run on its side's thread before the side starts.  Returns the
-    action's coordinator (tests inspect it).
+    Waits for both and re-raises the first failure.  ``global_rank`` names the
+    process in messages.  Without ``worker``, a thread is started for this
+    call and joined before it returns.  ``input_waits`` are the two sides'
+    receive waits (forward, backward), each run on its side's thread before
+    the side starts.  Returns the action's coordinator.
     """
     timeout = _get_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
@@ -548,8 +452,9 @@ def _run_overlapped(
             fail(_Side.BACKWARD, e)
 
     own_worker = worker is None
+    _ep_marks._register_fork_rng_window()
     state = _ThreadState.capture()
-    if own_worker:
+    if worker is None:
         worker = _BackwardWorker(_worker_name(global_rank))
     if streams is not None:
         streams.start()
@@ -571,8 +476,8 @@ def _run_overlapped(
         worker.stuck = True
         raise RuntimeError(
             f"{where}: the backward sub-action {sub_actions[_Side.BACKWARD]} "
-            f"did not finish within {timeout:g} s after the forward sub-action did (see "
-            "ep_overlap.set_wait_timeout)"
+            f"did not finish within {timeout:g} s after the forward sub-action "
+            "did (see ep_overlap.set_wait_timeout)"
         )
     if failures:
         _reraise(where, sub_actions, failures)
@@ -582,9 +487,10 @@ def _run_overlapped(
 def _wait_backward(
     done: threading.Event, coordinator: _CommCoordinator, timeout: float | None
 ) -> bool:
-    """Wait for the backward side to finish; False after ``timeout`` seconds of it not waiting for its input.
+    """Wait for the backward side to finish; False after ``timeout`` seconds.
 
-    Its input wait has its own timeout, the receive's.
+    The time it waits for its input does not count (that wait has its own
+    timeout, the receive's).
     """
     while not done.wait(timeout):
         if not coordinator.awaits_inputs(_Side.BACKWARD):
@@ -599,18 +505,15 @@ def _coordinated(
     forward: Callable[[], None],
     backward: Callable[[], None],
 ) -> tuple[_CommCoordinator, Callable[[], None], Callable[[], None]]:
-    """The action's coordinator and its two computes; they report to the observer, if one is set.
+    """The action's coordinator and its two computes, reporting to the observer.
 
     See ``ep_overlap.observe_actions``: without an observer this is the plain
     coordinator and the computes as given.
     """
     observer = _ep_turns._observer
     if observer is None:
-        return (
-            _CommCoordinator(rank=global_rank, action=action, timeout=timeout),
-            forward,
-            backward,
-        )
+        coordinator = _CommCoordinator(rank=global_rank, action=action, timeout=timeout)
+        return coordinator, forward, backward
     coordinator = _ObservedCoordinator(
         observer, rank=global_rank, action=action, timeout=timeout
     )
@@ -641,16 +544,20 @@ def _reraise(
     sub_actions: tuple[str, str],
     failures: list[tuple[_Side, BaseException]],
 ) -> None:
-    """Raise the first failure of an overlapped action, naming ``where`` and the sub-action (and a second one)."""
+    """Raise an action's first failure, naming ``where`` and the sub-action."""
     side, error = failures[0]
     if not isinstance(error, Exception):
         raise error  # KeyboardInterrupt, SystemExit: as they are
     also = ""
     if len(failures) > 1:
         other_side, other = failures[1]
-        also = f" (then the {other_side.thread_name} sub-action failed: {_describe(other)})"
+        also = (
+            f" (then the {other_side.thread_name} sub-action failed: "
+            f"{_describe(other)})"
+        )
     raise RuntimeError(
-        f"{where}: the {side.thread_name} sub-action {sub_actions[side]} failed: {_describe(error)}{also}"
+        f"{where}: the {side.thread_name} sub-action {sub_actions[side]} failed: "
+        f"{_describe(error)}{also}"
     ) from error
 
 
@@ -664,102 +571,10 @@ def _root_cause(error: BaseException) -> BaseException:
 
 
 def _describe(error: BaseException) -> str:
-    """``Type: message`` of the root cause, then of ``error`` if that is a wrapper around it."""
+    """``Type: message`` of the root cause, then of ``error`` if it wraps it."""
     root = _root_cause(error)
     text = f"{type(root).__name__}: {root}"
     if root is not error:
         first_line = str(error).split("\n", 1)[0]
         text += f" (raised as {type(error).__name__}: {first_line})"
     return text
-
-
-# --------------------------------------------------------------------------- #
-# Streams on accelerators (see the module docstring)                           #
-# --------------------------------------------------------------------------- #
-
-
-class _StreamPlan:
-    """The streams of one overlapped action: the caller's, and one per side.
-
-    Args:
-        caller: the calling thread's current stream.
-        stage_streams: stage index -> that stage's stream, for every local stage.
-        fwd_stage: stage of the forward sub-action.
-        bwd_stage: stage of the backward sub-action.
-        set_stream: makes a stream current on the calling thread.
-    """
-
-    def __init__(
-        self,
-        caller: Any,
-        stage_streams: dict[int, Any],
-        fwd_stage: int,
-        bwd_stage: int,
-        set_stream: Callable[[Any], None],
-    ) -> None:
-        self.caller = caller
-        self.stage_streams = stage_streams
-        self.side_streams = (stage_streams[fwd_stage], stage_streams[bwd_stage])
-        self._set_stream = set_stream
-
-    @classmethod
-    def for_action(
-        cls, state: _OverlapState, stages: dict[int, Any], fwd: _Action, bwd: _Action
-    ) -> _StreamPlan | None:
-        """The plan for this action, or None on CPU."""
-        device = getattr(stages[fwd.stage_index], "device", None)
-        device = (
-            None if device is None else torch.device(device)
-        )  # a stage may hold "cuda:0" as given
-        if device is None or device.type == "cpu" or not _accelerator_available():
-            return None
-        if torch.accelerator.current_accelerator().type != device.type:
-            return None
-        if state.stage_streams is None:  # one stream per stage, created once
-            state.stage_streams = {idx: torch.Stream(device=device) for idx in stages}
-        stage_streams = state.stage_streams
-        caller = torch.accelerator.current_stream(device)
-        return cls(
-            caller,
-            stage_streams,
-            fwd.stage_index,
-            bwd.stage_index,
-            torch.accelerator.set_stream,
-        )
-
-    def start(self) -> None:
-        """Both side streams wait for the work queued on the caller's stream."""
-        for s in self.side_streams:
-            s.wait_stream(self.caller)
-
-    @contextlib.contextmanager
-    def current(self, side: _Side) -> Iterator[None]:
-        """Make ``side``'s stream current on this thread."""
-        self._set_stream(self.side_streams[side])
-        try:
-            yield
-        finally:
-            self._set_stream(self.caller)
-
-    def join(self) -> None:
-        """The caller's stream waits for everything both sides queued."""
-        for s in self.side_streams:
-            self.caller.wait_stream(s)
-
-    def record_handoffs(
-        self, stages: dict[int, Any], fwd: _Action, bwd: _Action
-    ) -> None:
-        """``record_stream`` the tensors handed to a local neighbouring stage on that stage's stream."""
-        handoffs = (
-            (fwd.stage_index + 1, "args_recv_info", fwd.microbatch_index),
-            (bwd.stage_index - 1, "grad_recv_info", bwd.microbatch_index),
-        )
-        for consumer_idx, infos_attr, mb in handoffs:
-            consumer = stages.get(consumer_idx)
-            if consumer is None:
-                continue
-            stream = self.stage_streams.get(consumer_idx, self.caller)
-            for info in getattr(consumer, infos_attr, {}).get(mb, ()):
-                buffer = getattr(info, "buffer", None)
-                if isinstance(buffer, torch.Tensor) and buffer.device.type != "cpu":
-                    buffer.record_stream(stream)

@@ -1,4 +1,4 @@
-"""How this package installs concurrent OVERLAP_F_B on torch (the ``overlap_f_b`` patch).
+"""How this package installs concurrent OVERLAP_F_B (the ``overlap_f_b`` patch).
 
 Upstream, a schedule opts in by registering ``ep_overlap.overlap_f_b``.  Here
 the patch table puts :class:`_FunctionMapWithOverlap` over the runtime's
@@ -6,9 +6,9 @@ default custom-function map, so every ``_PipelineScheduleRuntime`` built
 while the package is patched runs OVERLAP_F_B with :func:`default_overlap_f_b`;
 opt out globally with ``TORCH_PIPELINING_EXT_OVERLAP=0`` (schedules built
 while it is set do not get it) or per schedule by registering another
-OVERLAP_F_B function.  :func:`_make_fork_rng` is the ``torch.random.fork_rng``
-hook of [Note: random numbers in an overlapped action] (``_rng.py``), which
-upstream would place in ``torch.random`` or ``torch.utils.checkpoint``.
+OVERLAP_F_B function.  :func:`_register_fork_rng_hook` and
+:func:`_make_fork_rng` are the ``torch.random`` change of upstream patch
+0017, see [Note: fork_rng hooks].
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ import contextlib
 import functools
 import inspect
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
+from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext import _schedule_runtime
-from torch_pipelining_ext.overlap import _marks as _ep_marks
 from torch_pipelining_ext.overlap._handler import overlap_f_b
-from torch_pipelining_ext.overlap._rng import _RNGDevices
-from torch_pipelining_ext.overlap._turns import _Side
 
 
 __all__: list[str] = []
@@ -40,7 +38,10 @@ def overlap_enabled() -> bool:
 
 
 def _patch_applied() -> bool:
-    """Whether the ``overlap_f_b`` patch is applied now (a schedule built before ``unpatch()`` keeps its map)."""
+    """Whether the ``overlap_f_b`` patch is applied now.
+
+    (A schedule built before ``unpatch()`` keeps its map.)
+    """
     from torch.distributed.pipelining import schedules
 
     descriptor = inspect.getattr_static(
@@ -63,7 +64,7 @@ def default_overlap_f_b(action: Any, ctx: Any) -> None:
 
 
 class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
-    """The runtime's default custom-function map, with :func:`default_overlap_f_b` for OVERLAP_F_B.
+    """The runtime's default function map, :func:`default_overlap_f_b` for OVERLAP_F_B.
 
     Installed over ``_schedule_runtime._FunctionMapWithDefaults`` by the
     ``overlap_f_b`` patch: a schedule created while it is installed runs
@@ -93,50 +94,43 @@ class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
         return super().is_default(computation_type, function)
 
 
-def _rng_devices(devices: Any, device_type: str | None) -> _RNGDevices:
-    """The generators ``torch.random.fork_rng(devices, device_type=...)`` forks, resolved as it does."""
-    if device_type == "meta":
-        return _RNGDevices(None, ())
-    if device_type is None:
-        accelerator = (
-            torch.accelerator.current_accelerator()
-            if hasattr(torch, "accelerator")
-            else None
-        )
-        device_type = accelerator.type if accelerator is not None else "cuda"
-    module = torch.get_device_module(device_type)
-    if devices is None:
-        devices = range(module.device_count())
-    indices = tuple(
-        d if isinstance(d, int) else (torch.device(d).index or 0) for d in devices
-    )
-    return _RNGDevices(device_type, indices)
+# [Note: fork_rng hooks]
+# Upstream patch 0017 adds to torch.random: a hook registered with
+# _register_fork_rng_hook(hook) is called as hook(devices, enabled,
+# device_type) whenever fork_rng is entered, and the context manager it
+# returns is entered before fork_rng saves the generator states and exited
+# after it restores them.  The overlap's hook (_marks._fork_rng_window) opens
+# an RNG window on the backward side of an overlapped action.  On torches
+# without it the patch table installs these two.
+_fork_rng_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+
+
+def _register_fork_rng_hook(hook: Callable[..., Any]) -> RemovableHandle:
+    """``torch.random._register_fork_rng_hook``: see [Note: fork_rng hooks]."""
+    handle = RemovableHandle(_fork_rng_hooks)
+    _fork_rng_hooks[handle.id] = hook
+    return handle
 
 
 def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.random.fork_rng`` that, on the backward side of an overlapped action, opens an RNG window.
-
-    Activation checkpointing recomputes inside ``fork_rng``; see [Note:
-    random numbers in an overlapped action] in ``_rng.py``.  Anywhere
-    else it is the original.
-    """
+    """``torch.random.fork_rng`` entering the registered hooks around the original."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     @contextlib.contextmanager
     def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
-        binding = _ep_marks._current_binding()
-        if binding is None or binding.side is not _Side.BACKWARD:
-            with original(*args, **kwargs):
-                yield
-            return
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        devices = _rng_devices(
-            bound.arguments.get("devices"), bound.arguments.get("device_type")
-        )
-        preserve = bool(bound.arguments.get("enabled", True))
-        with binding.coordinator.rng_window(binding.side, devices, preserve):
+        arguments = bound.arguments
+        with contextlib.ExitStack() as hooks:
+            for hook in tuple(_fork_rng_hooks.values()):
+                hooks.enter_context(
+                    hook(
+                        arguments.get("devices"),
+                        bool(arguments.get("enabled", True)),
+                        arguments.get("device_type"),
+                    )
+                )
             with original(*args, **kwargs):
                 yield
 

@@ -1,6 +1,6 @@
-"""The communication marks of :mod:`torch_pipelining_ext.overlap` and the threads they bind to.
+"""The communication marks of ``ep_overlap`` and the threads they bind to.
 
-Private: a mark finds the coordinator (``_ep_turns._CommCoordinator``) of the
+A mark finds the coordinator (``_ep_turns._CommCoordinator``) of the
 overlapped action its thread runs a side of -- through a thread-local binding
 set by :func:`bound`, or, for the autograd engine's device threads, the one
 overlapped backward running in the process -- and passes its boundary there.
@@ -8,6 +8,7 @@ overlapped backward running in the process -- and passes its boundary there.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import threading
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from torch_pipelining_ext.overlap._rng import _rng_devices
 from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side
 
 
@@ -72,21 +74,20 @@ def _unregister_backward(binding: _Binding) -> None:
 
 
 def _engine_thread_binding() -> _Binding | None:
-    """The binding of an autograd-engine device thread running an overlapped backward."""
+    """The binding of an autograd device thread running an overlapped backward."""
     if not isinstance(threading.current_thread(), threading._DummyThread):
-        return (
-            None  # a Python thread that is not bound: not inside an overlapped action
-        )
+        return None  # a Python thread that is not bound: not in an overlapped action
     if torch._C._current_graph_task_id() == -1:
         return None
     with _active_lock:
         candidates = list(_active_backward)
     if len(candidates) > 1:
+        actions = ", ".join(b.coordinator.action for b in candidates)
         raise RuntimeError(
-            "ep_overlap: an autograd device thread reached a communication boundary while "
-            f"{len(candidates)} overlapped actions run backward in this process "
-            f"({', '.join(b.coordinator.action for b in candidates)}); it cannot tell which one it "
-            "belongs to. Run one pipeline schedule step at a time per process."
+            "ep_overlap: an autograd device thread reached a communication "
+            f"boundary while {len(candidates)} overlapped actions run backward "
+            f"in this process ({actions}); it cannot tell which one it belongs "
+            "to. Run one pipeline schedule step at a time per process."
         )
     return candidates[0] if candidates else None
 
@@ -104,7 +105,7 @@ def bound(
     side: _Side,
     before_start: Callable[[], None] | None = None,
 ) -> Iterator[None]:
-    """Run ``side``'s sub-action of ``coordinator``'s action on this thread; marks on it are coordinated.
+    """Run ``side`` of ``coordinator``'s action on this thread: its marks coordinate.
 
     ``before_start`` runs before ``side`` starts (its input wait, see
     ``_CommCoordinator.await_inputs``).  On exit ``side`` is finished; on an
@@ -239,7 +240,7 @@ _NOT_DISPATCHERS = (
 
 
 def _dispatcher_candidates(target: object) -> Iterator[tuple[str, object]]:
-    """``target``; if it is a module, its submodules and the plain objects they hold as attributes."""
+    """``target``; if it is a module, its submodules and the plain objects they hold."""
     if not isinstance(target, nn.Module):
         yield "", target
         return
@@ -257,7 +258,8 @@ def wrap_dispatch_combine(
     """The body of ``ep_overlap.wrap_dispatch_combine``."""
     if dispatch == combine:
         raise ValueError(
-            f"wrap_dispatch_combine: dispatch and combine must be different methods, both are {dispatch!r}"
+            "wrap_dispatch_combine: dispatch and combine must be different "
+            f"methods, both are {dispatch!r}"
         )
     wrapped: list[str] = []
     seen: set[int] = set()
@@ -276,20 +278,23 @@ def wrap_dispatch_combine(
                 object.__setattr__(obj, method, _MarkedMethod(fn, begin, end))
             except AttributeError as e:
                 raise TypeError(
-                    f"wrap_dispatch_combine: cannot wrap {type(obj).__name__}.{method} of {name or 'the target'!r}: "
-                    f"{e}; mark the communication in its code with dispatch_begin/dispatch_end and "
-                    "combine_begin/combine_end instead"
+                    f"wrap_dispatch_combine: cannot wrap {type(obj).__name__}."
+                    f"{method} of {name or 'the target'!r}: {e}; mark the "
+                    "communication in its code with dispatch_begin/dispatch_end "
+                    "and combine_begin/combine_end instead"
                 ) from e
         wrapped.append(name)
     if not wrapped:
         raise ValueError(
-            f"wrap_dispatch_combine: nothing in {type(target).__name__} (itself, a submodule, or an object a module "
-            f"holds) has both a {dispatch!r} and a {combine!r} method"
+            f"wrap_dispatch_combine: nothing in {type(target).__name__} (itself, "
+            f"a submodule, or an object a module holds) has both a {dispatch!r} "
+            f"and a {combine!r} method"
         )
     return wrapped
 
 
-# handle id -> (capture, apply); an OrderedDict, as RemovableHandle holds a weak reference to it
+# handle id -> (capture, apply); an OrderedDict: RemovableHandle holds a weak
+# reference to it
 _thread_state_hooks: OrderedDict[
     int, tuple[Callable[[], Any], Callable[[Any], AbstractContextManager[Any]]]
 ] = OrderedDict()
@@ -304,3 +309,35 @@ def register_thread_state(
     handle = RemovableHandle(_thread_state_hooks)
     _thread_state_hooks[handle.id] = (capture, apply)
     return handle
+
+
+@contextlib.contextmanager
+def _fork_rng_window(
+    devices: Any, enabled: bool, device_type: str | None
+) -> Iterator[None]:
+    """The ``torch.random.fork_rng`` hook: on the backward side, an RNG window.
+
+    Activation checkpointing recomputes inside ``fork_rng``; see [Note: random
+    numbers in an overlapped action].  On any other thread it does nothing.
+    """
+    binding = _current_binding()
+    if binding is None or binding.side is not _Side.BACKWARD:
+        yield
+        return
+    window = binding.coordinator.rng_window(
+        binding.side, _rng_devices(devices, device_type), enabled
+    )
+    with window:
+        yield
+
+
+_fork_rng_hook: RemovableHandle | None = None
+_fork_rng_hook_lock = threading.Lock()
+
+
+def _register_fork_rng_window() -> None:
+    """Register :func:`_fork_rng_window` with ``torch.random``, once per process."""
+    global _fork_rng_hook
+    with _fork_rng_hook_lock:
+        if _fork_rng_hook is None:
+            _fork_rng_hook = torch.random._register_fork_rng_hook(_fork_rng_window)

@@ -1,10 +1,9 @@
-"""When the two sides of an overlapped OVERLAP_F_B action may communicate and compute.
+"""When the two sides of an overlapped OVERLAP_F_B action communicate and compute.
 
-The turn-taking policy of :class:`~torch_pipelining_ext.overlap._turns._CommCoordinator`,
-as pure functions of what each side has done so far: no threads, no clock, no
-torch.  The coordinator applies them under its lock to measured region
-lengths; the schedule simulator (``sim/_engine.py``) applies them to modelled
-ones, so the two cannot drift apart.  See [Note: the hand-over policy].
+The turn-taking policy of ``_ep_turns._CommCoordinator``, as pure functions of
+what each side has done so far: no threads, no clock, no torch, so that a
+model of the schedule can apply the rule the coordinator applies.  See [Note:
+the hand-over policy].
 """
 
 from __future__ import annotations
@@ -47,12 +46,18 @@ def may_open(has_turn: bool, other_communicating: bool, other_done: bool) -> boo
 
 
 def hands_over(region_s: float, min_region_s: float = HAND_OVER_MIN_REGION_S) -> bool:
-    """Whether a side that left a region of ``region_s`` seconds waits for the other side before computing on."""
+    """Whether a side that left a region of ``region_s`` seconds waits for the other.
+
+    (Before computing on: see :func:`may_compute_on`.)
+    """
     return region_s >= min_region_s
 
 
 def may_compute_on(
     other_regions: int, other_regions_at_hand_over: int, other_done: bool
 ) -> bool:
-    """Whether a side that handed over may compute on: the other side opened a region since (or is done)."""
+    """Whether a side that handed over may compute on.
+
+    It may once the other side has opened a region since (or is done).
+    """
     return other_done or other_regions > other_regions_at_hand_over

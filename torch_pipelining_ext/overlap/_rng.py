@@ -1,15 +1,15 @@
 """Random-number generator windows of an overlapped OVERLAP_F_B action.
 
-Private to :mod:`torch_pipelining_ext.overlap`; the turn-taking
-(``_ep_turns._CommCoordinator``) decides *when* the generators move between
-the two sides, this module keeps *what* moves.  See [Note: random numbers in
-an overlapped action].
+The turn-taking (``_ep_turns._CommCoordinator``) decides *when* the generators
+move between the two sides; this module keeps *what* moves.  See [Note:
+random numbers in an overlapped action].
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 # draw from the recomputation's states and the recomputation's exit would
 # discard the forward's draws.
 #
-# So fork_rng on the backward side opens an "RNG window".  Outside windows the
-# forward side owns the generators.  Inside one, exactly one side may compute
-# at a time -- the owner -- and ownership moves only while the other side is
+# So fork_rng on the backward side opens an "RNG window" (a fork_rng hook,
+# see [Note: fork_rng hooks] in torch/random.py).  Outside windows the forward
+# side owns the generators.  Inside one, exactly one side may compute at a
+# time -- the owner -- and ownership moves only while the other side is
 # parked: blocked in the coordinator, inside a communication region (marked
 # communication draws no random numbers), or finished.  Each move saves the
 # generator states of the side that stops and installs those of the side that
@@ -54,7 +55,7 @@ class _RNGState(NamedTuple):
 
 
 class _RNGDevices(NamedTuple):
-    """The generators an RNG window covers: the CPU one and ``devices`` of ``device_type``."""
+    """The generators an RNG window covers: CPU's, ``devices`` of ``device_type``."""
 
     device_type: str | None
     devices: tuple[int, ...]
@@ -82,6 +83,24 @@ class _RNGDevices(NamedTuple):
         )
 
 
+def _rng_devices(
+    devices: Iterable[int | str | torch.device] | None, device_type: str | None
+) -> _RNGDevices:
+    """The generators ``fork_rng(devices, device_type=...)`` forks, found as it does."""
+    if device_type == "meta":
+        return _RNGDevices(None, ())
+    if device_type is None:
+        accelerator = torch.accelerator.current_accelerator()
+        device_type = accelerator.type if accelerator is not None else "cuda"
+    module = torch.get_device_module(device_type)
+    if devices is None:
+        devices = range(module.device_count())
+    indices = tuple(
+        d if isinstance(d, int) else (torch.device(d).index or 0) for d in devices
+    )
+    return _RNGDevices(device_type, indices)
+
+
 class _RNGWindowState(enum.Enum):
     """Whose generator states are installed (sides as in ``_ep_turns._Side``)."""
 
@@ -104,25 +123,26 @@ class _RNGWindows:
     def __init__(self, side: int, other: int) -> None:
         self.side, self.other = side, other
         self.state = _RNGWindowState.CLOSED
-        self.depths: list[
-            int
-        ] = []  # the side's region depth when each open window began
+        # the side's region depth when each open window began
+        self.depths: list[int] = []
         self._devices = _RNGDevices(None, ())
-        self._saved: dict[
-            int, _RNGState
-        ] = {}  # the states of the side that does not own them
+        # the states of the side that does not own the generators
+        self._saved: dict[int, _RNGState] = {}
 
     @property
     def is_open(self) -> bool:
         return bool(self.depths)
 
     def owner(self) -> int:
-        return (
-            self.other if self.state is not _RNGWindowState.WINDOW_OWNER else self.side
-        )
+        if self.state is _RNGWindowState.WINDOW_OWNER:
+            return self.side
+        return self.other
 
     def begin(self, devices: _RNGDevices, region_depth: int) -> bool:
-        """Open a window at ``region_depth``; the outermost one takes the generators. True if outermost."""
+        """Open a window at ``region_depth``; the outermost one takes the generators.
+
+        Returns whether it is the outermost.
+        """
         outermost = not self.depths
         if outermost:
             self._devices = devices
@@ -156,7 +176,7 @@ class _RNGWindows:
         logger.debug("ep_overlap: random-number generators handed to side %d", side)
 
     def saved_state_of_other(self) -> _RNGState | None:
-        """The other side's states as saved when the outermost window began (for ``drew_since``)."""
+        """The other side's states when the outermost window began."""
         return self._saved.get(self.other)
 
     def drew_since(self, start: _RNGState) -> bool:

@@ -1,9 +1,7 @@
 """Turn-taking of the two threads of an overlapped OVERLAP_F_B action.
 
-Private to :mod:`torch_pipelining_ext.overlap`: one
-:class:`_CommCoordinator` per action decides when each side may communicate
-and compute; :mod:`._ep_marks` calls it at the marks, :mod:`._ep_rng` keeps
-the generator states it moves between the sides.
+One :class:`_CommCoordinator` per action decides when each side may
+communicate and compute; ``_ep_marks`` calls it at the marks.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ __all__ = ["CommWaitTimeoutError", "DEFAULT_WAIT_TIMEOUT_S", "TIMEOUT_ENV"]
 
 TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
 DEFAULT_WAIT_TIMEOUT_S = 600.0
-_HAND_OVER_MIN_REGION_S = (
-    _policy.HAND_OVER_MIN_REGION_S
-)  # see [Note: the hand-over policy]
+# see [Note: the hand-over policy]
+_HAND_OVER_MIN_REGION_S = _policy.HAND_OVER_MIN_REGION_S
 _timeout_s: float | None = None  # set_wait_timeout(); None: environment or default
 _observer: Any = None  # observe_actions(); None: nothing is timed
 
@@ -43,15 +40,17 @@ class CommWaitTimeoutError(RuntimeError):
 
 
 def _check_timeout(value: object, source: str) -> float:
-    """``value`` as a timeout in seconds: a positive number, ``math.inf`` for no limit."""
+    """``value`` as a timeout in seconds: a positive number, ``math.inf`` for none."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
-            f"{source}: the timeout must be a number of seconds, got {type(value).__name__} {value!r}"
+            f"{source}: the timeout must be a number of seconds, got "
+            f"{type(value).__name__} {value!r}"
         )
     seconds = float(value)
     if math.isnan(seconds) or seconds <= 0:
         raise ValueError(
-            f"{source}: the timeout must be a positive number of seconds (inf: no limit), got {value!r}"
+            f"{source}: the timeout must be a positive number of seconds "
+            f"(inf: no limit), got {value!r}"
         )
     return seconds
 
@@ -82,7 +81,7 @@ def _get_timeout() -> float:
 
 
 def _set_observer(observer: Any) -> Any:
-    """Make ``observer`` the one that actions started from now on report to; returns the previous one."""
+    """Make ``observer`` the one later actions report to; returns the previous one."""
     global _observer
     previous, _observer = _observer, observer
     return previous
@@ -138,7 +137,7 @@ class _SideTurns:
 
 
 class _CommCoordinator:
-    """Turn-taking of the two threads of one overlapped action at communication boundaries.
+    """Turn-taking of the two threads of one overlapped action.
 
     The policy (it depends only on the order of boundaries on each thread,
     never on timing):
@@ -146,34 +145,25 @@ class _CommCoordinator:
     * **Communication turns alternate**, the backward side first: its first
       region, then the forward side's first, and so on; a side that is DONE
       gives up its turns.  Regions are exclusive.
-    * **Compute is handed over at each boundary**: a side that closes its
-      region waits, before computing on, until the other side has opened its
-      next region (or finished); at the start the forward side waits likewise
-      for the backward side's first region.  So while one thread
-      communicates the other computes -- the phase pattern of DualPipe, which
-      is why the backward side communicates first.  After a region shorter
-      than ``hand_over_min_region_s`` the closing side does not wait: waking
-      the other thread would cost more than such a region can hide.
-      Hand-overs change when each thread computes, never the order of the
-      regions.
+    * **Compute is handed over at each boundary**, see [Note: the hand-over
+      policy].
     * **Inputs**: a side may first wait for its receives
       (:meth:`await_inputs`); see [Note: a side waiting for its input].
     * **Random numbers** are drawn as the sequential handler draws them; see
-      [Note: random numbers in an overlapped action] in ``_ep_rng.py``.
+      [Note: random numbers in an overlapped action].
 
     State, guarded by one ``threading.Condition``: the coordinator's
     :class:`_CoordinatorState`, ``turn`` (whose region is next), a
     :class:`_SideTurns` per side and the backward side's :class:`_RNGWindows`.
-    Waiting on a ``Condition`` rather than a ``Barrier`` means a side woken
-    because the other failed merely finds the coordinator STOPPED.
+    A side woken because the other failed finds the coordinator STOPPED.
 
     Args:
         rank: the global rank, for messages.
         action: the action, for messages.
         timeout: seconds a side may wait for the other (``math.inf``: no limit).
         clock: measures region lengths (tests inject one).
-        hand_over_min_region_s: shorter regions are not handed over
-            (default: ``_HAND_OVER_MIN_REGION_S``, read when the coordinator is made).
+        hand_over_min_region_s: shorter regions are not handed over (default:
+            ``_HAND_OVER_MIN_REGION_S``, read when the coordinator is made).
     """
 
     def __init__(
@@ -208,14 +198,15 @@ class _CommCoordinator:
     # -- transitions --------------------------------------------------------
 
     def start(self, side: _Side) -> None:
-        """Before ``side`` computes at all: the side without the first turn waits for the other's first region."""
+        """Before ``side`` computes at all (see [Note: the hand-over policy])."""
         with self._cond:
             where = "the start of its sub-action"
             self._wait(
                 side,
                 where,
                 lambda: self._may_start(side),
-                f"for the {side.other.thread_name} thread to start communicating before computing",
+                f"for the {side.other.thread_name} thread to start communicating "
+                "before computing",
             )
             self._sides[side].state = _TurnState.COMPUTING
             self._resume(side, where)
@@ -227,19 +218,16 @@ class _CommCoordinator:
             if me.depth:
                 me.depth += 1  # nested, e.g. recomputation inside a region
                 if self._sides[side.other].waiting:
-                    self._cond.notify_all()  # may have parked this side (inside an RNG window)
+                    # it may wait for this side to park (inside an RNG window)
+                    self._cond.notify_all()
                 return
             self._wait(
                 side, where, lambda: self._may_open(side), "for its turn to communicate"
             )
             if self._stopped:
                 return
-            me.state, me.depth, me.where, me.opened_at = (
-                _TurnState.COMMUNICATING,
-                1,
-                where,
-                self._clock(),
-            )
+            me.state, me.depth, me.where = _TurnState.COMMUNICATING, 1, where
+            me.opened_at = self._clock()
             me.regions += 1
             self._cond.notify_all()  # the other side may compute now
         if torch.autograd.profiler._is_profiler_enabled:
@@ -255,7 +243,7 @@ class _CommCoordinator:
         Leaving the outermost region hands the turn over and then waits until
         the other side has opened its next region (or finished).
         """
-        me, other = self._sides[side], self._sides[side.other]
+        me = self._sides[side]
         with self._cond:
             me.where = where
             if me.depth == 0:
@@ -263,29 +251,12 @@ class _CommCoordinator:
             me.depth -= 1
             if me.depth == 0:
                 self._release(side, _TurnState.COMPUTING)
-                if _policy.hands_over(
-                    self._clock() - me.opened_at, self._hand_over_min_region_s
-                ):
-                    at_hand_over = other.regions
-                    self._wait(
-                        side,
-                        where,
-                        lambda: (
-                            self._stopped
-                            or self._input_wait_is_long(other)
-                            or _policy.may_compute_on(
-                                other.regions,
-                                at_hand_over,
-                                other.state is _TurnState.DONE,
-                            )
-                        ),
-                        f"for the {side.other.thread_name} thread to start communicating before computing on",
-                    )
+                self._hand_over(side, where)
             if not self._in_comm(side):
                 self._resume(side, where)
 
     def await_inputs(self, side: _Side, wait: Callable[[], None], what: str) -> None:
-        """Run ``wait``, ``side`` waiting for its input (``what``), before ``side`` starts.
+        """Run ``wait``, ``side`` waiting for its input (``what``), before it starts.
 
         See [Note: a side waiting for its input].  ``wait`` has its own
         timeout (the receive's): meanwhile the other side's waits for this
@@ -293,11 +264,8 @@ class _CommCoordinator:
         """
         me = self._sides[side]
         with self._cond:
-            me.state, me.awaiting, me.awaiting_since = (
-                _TurnState.AWAITING_INPUT,
-                what,
-                self._clock(),
-            )
+            me.state, me.awaiting = _TurnState.AWAITING_INPUT, what
+            me.awaiting_since = self._clock()
             self._cond.notify_all()
         try:
             wait()
@@ -315,7 +283,7 @@ class _CommCoordinator:
             return self._sides[side].state is _TurnState.AWAITING_INPUT
 
     def finish(self, side: _Side) -> None:
-        """``side`` has finished its sub-action (or failed): let the other side run freely."""
+        """``side`` has finished its sub-action (or failed): the other runs freely."""
         with self._cond:
             if self._sides[side].depth:
                 self._sides[side].depth = 0
@@ -333,7 +301,9 @@ class _CommCoordinator:
     def rng_window(
         self, side: _Side, devices: _RNGDevices, preserve: bool
     ) -> Iterator[None]:
-        """A recomputation of ``side`` (inside ``torch.random.fork_rng``); see the RNG note.
+        """A recomputation of ``side`` (inside ``torch.random.fork_rng``).
+
+        See [Note: random numbers in an overlapped action].
 
         Args:
             side: the side that recomputes (the backward side).
@@ -352,27 +322,29 @@ class _CommCoordinator:
                     side,
                     "the start of a recomputation",
                     lambda: self._stopped or self._parked(other),
-                    f"for the {other.thread_name} thread to pause before the recomputation draws random numbers",
+                    f"for the {other.thread_name} thread to pause before the "
+                    "recomputation draws random numbers",
                 )
             self._rng.begin(devices, self._sides[side].depth)
-            start = (
-                None if preserve or not outermost else self._rng.saved_state_of_other()
-            )
+            start = None
+            if not preserve and outermost:
+                start = self._rng.saved_state_of_other()
         failed = False
         try:
             yield
         except BaseException as e:
             # non-reentrant checkpoint ends a recomputation early with an exception
             early_stop = getattr(
-                sys.modules.get("torch.utils.checkpoint"), "_StopRecomputationError", ()
+                sys.modules.get("torch.utils.checkpoint"),
+                "_StopRecomputationError",
+                (),
             )
             failed = not isinstance(e, early_stop)
             raise
         finally:
             with self._cond:
                 drew = (
-                    outermost
-                    and start is not None
+                    start is not None
                     and not failed
                     and not self._stopped
                     and self._rng.drew_since(start)
@@ -382,20 +354,23 @@ class _CommCoordinator:
                 self._cond.notify_all()
             if drew:
                 raise RuntimeError(
-                    f"rank {self.rank}, action {self.action}: an activation-checkpointing recomputation "
-                    "without RNG state preservation (preserve_rng_state=False) drew random numbers on the "
-                    f"{side.thread_name} thread of an overlapped OVERLAP_F_B; it cannot draw the numbers "
-                    "the sequential handler would. Use preserve_rng_state=True, or run OVERLAP_F_B "
-                    "sequentially (register another OVERLAP_F_B function)."
+                    f"rank {self.rank}, action {self.action}: an "
+                    "activation-checkpointing recomputation without RNG state "
+                    "preservation (preserve_rng_state=False) drew random numbers "
+                    f"on the {side.thread_name} thread of an overlapped "
+                    "OVERLAP_F_B; it cannot draw the numbers the sequential "
+                    "handler would. Use preserve_rng_state=True, or run "
+                    "OVERLAP_F_B sequentially (register another OVERLAP_F_B "
+                    "function)."
                 )
 
     def regions_opened(self, side: _Side) -> int:
-        """Regions ``side`` has opened so far (for tests and the unmarked-pair rule)."""
+        """Regions ``side`` has opened so far."""
         with self._cond:
             return self._sides[side].regions
 
     def state_of(self, side: _Side) -> tuple[_TurnState, bool]:
-        """``side``'s state, and whether it is parked in this coordinator (for tests)."""
+        """``side``'s state, and whether it is parked in this coordinator."""
         with self._cond:
             return self._sides[side].state, self._sides[side].waiting > 0
 
@@ -423,25 +398,10 @@ class _CommCoordinator:
             and other.state is _TurnState.COMPUTING
             and not other.waiting
         ):
-            return (
-                False  # the other side ran ahead while this one waited: until it parks
-            )
+            return False  # the other side ran ahead while this one waited
         return self._input_wait_is_long(other) or _policy.may_start(
             self._turn == side, other.regions, False
         )
-
-    def _input_wait_is_long(self, turns: _SideTurns) -> bool:
-        """Whether ``turns``' side has waited for its input long enough to hand over (see the note)."""
-        return turns.state is _TurnState.AWAITING_INPUT and _policy.hands_over(
-            self._clock() - turns.awaiting_since, self._hand_over_min_region_s
-        )
-
-    def _input_recheck_s(self, turns: _SideTurns) -> float | None:
-        """Seconds until ``turns``' input wait becomes long (see the note); None if it is or none runs."""
-        if turns.state is not _TurnState.AWAITING_INPUT:
-            return None
-        left = turns.awaiting_since + self._hand_over_min_region_s - self._clock()
-        return left if left > 0 else None
 
     def _may_open(self, side: _Side) -> bool:
         other = self._sides[side.other]
@@ -449,8 +409,43 @@ class _CommCoordinator:
             self._turn == side, other.depth > 0, other.state is _TurnState.DONE
         )
 
+    def _hand_over(self, side: _Side, where: str) -> None:
+        """After a long enough region, wait until the other side opens its next one."""
+        me, other = self._sides[side], self._sides[side.other]
+        if not _policy.hands_over(
+            self._clock() - me.opened_at, self._hand_over_min_region_s
+        ):
+            return
+        at_hand_over = other.regions
+        self._wait(
+            side,
+            where,
+            lambda: (
+                self._stopped
+                or self._input_wait_is_long(other)
+                or _policy.may_compute_on(
+                    other.regions, at_hand_over, other.state is _TurnState.DONE
+                )
+            ),
+            f"for the {side.other.thread_name} thread to start communicating "
+            "before computing on",
+        )
+
+    def _input_wait_is_long(self, turns: _SideTurns) -> bool:
+        """Whether ``turns``' side has waited for its input long enough to hand over."""
+        return turns.state is _TurnState.AWAITING_INPUT and _policy.hands_over(
+            self._clock() - turns.awaiting_since, self._hand_over_min_region_s
+        )
+
+    def _input_recheck_s(self, turns: _SideTurns) -> float | None:
+        """Seconds until ``turns``' input wait becomes long (None: it is, or none)."""
+        if turns.state is not _TurnState.AWAITING_INPUT:
+            return None
+        left = turns.awaiting_since + self._hand_over_min_region_s - self._clock()
+        return left if left > 0 else None
+
     def _release(self, side: _Side, state: _TurnState) -> None:
-        """``side`` leaves its outermost region for ``state``; the turn passes to the other side."""
+        """``side`` leaves its outermost region for ``state``; the turn passes on."""
         me = self._sides[side]
         me.state, self._turn = state, side.other
         rf, me.profiler_range = me.profiler_range, None
@@ -459,14 +454,14 @@ class _CommCoordinator:
         self._cond.notify_all()
 
     def _in_comm(self, side: _Side) -> bool:
-        """Inside a communication region opened after this side's innermost RNG window began."""
-        base = (
-            self._rng.depths[-1] if side == self._rng.side and self._rng.is_open else 0
-        )
+        """Inside a region opened after this side's innermost RNG window began."""
+        base = 0
+        if side == self._rng.side and self._rng.is_open:
+            base = self._rng.depths[-1]
         return self._sides[side].depth > base
 
     def _parked(self, side: _Side) -> bool:
-        """``side`` draws no random numbers now: finished, blocked here, or communicating."""
+        """``side`` draws no random numbers now: finished, blocked or communicating."""
         me = self._sides[side]
         return (
             me.state in (_TurnState.DONE, _TurnState.AWAITING_INPUT)
@@ -475,7 +470,7 @@ class _CommCoordinator:
         )
 
     def _resume(self, side: _Side, where: str) -> None:
-        """``side`` computes next: inside an RNG window, take the generators over first."""
+        """``side`` computes next: in an RNG window, it takes the generators first."""
         if not self._rng.is_open or self._rng.owner() == side:
             return
         other = side.other
@@ -503,30 +498,36 @@ class _CommCoordinator:
         me.waiting += 1
         try:
             if other.waiting:
-                # This side is parked now, which the other side may be waiting
-                # for (the start of a recomputation, before its RNG window is
-                # recorded, or taking the generators over).
+                # This side is parked now, which the other side may wait for: to
+                # start after a long input wait, at the start of a recomputation
+                # or to take the generators over.
                 self._cond.notify_all()
             if self._wait_for(predicate, other):
                 return True
         finally:
             me.waiting -= 1
+        raise CommWaitTimeoutError(self._timeout_message(side, where, what))
+
+    def _timeout_message(self, side: _Side, where: str, what: str) -> str:
+        me, other = self._sides[side], self._sides[side.other]
         if other.depth:
             state = f"is inside its communication region (entered at {other.where})"
         elif other.where is None:
             state = "has not reached its first boundary"
         else:
             state = f"last passed {other.where} and has not reached its next boundary"
-        raise CommWaitTimeoutError(
-            f"rank {self.rank}, action {self.action}: the {side.thread_name} thread waited more than "
-            f"{self.timeout:g} s at {where} {what} (after {me.regions} regions of its own); the "
-            f"{side.other.thread_name} thread {state}. Every collective inside a stage must be between ep_overlap "
-            f"marks, identically on every rank; raise the limit with ep_overlap.set_wait_timeout() or "
+        return (
+            f"rank {self.rank}, action {self.action}: the {side.thread_name} "
+            f"thread waited more than {self.timeout:g} s at {where} {what} "
+            f"(after {me.regions} regions of its own); the "
+            f"{side.other.thread_name} thread {state}. Every collective inside "
+            "a stage must be between ep_overlap marks, identically on every "
+            "rank; raise the limit with ep_overlap.set_wait_timeout() or "
             f"${TIMEOUT_ENV} if the other side's compute is this long."
         )
 
     def _wait_for(self, predicate: Callable[[], bool], other: _SideTurns) -> bool:
-        """``Condition.wait_for(predicate)`` within the timeout (lock held); False if it ran out.
+        """``Condition.wait_for(predicate)`` within the timeout; False if it ran out.
 
         While ``other`` waits for its input the timeout does not run (that
         wait has its own), and the predicate is checked again when that wait
@@ -537,6 +538,10 @@ class _CommCoordinator:
             if other.state is _TurnState.AWAITING_INPUT:
                 deadline = self._deadline()
                 timeout = self._input_recheck_s(other)
+                # the wait became long since the predicate was evaluated: nothing
+                # will notify about that, so evaluate it again before waiting
+                if timeout is None and predicate():
+                    break
             elif deadline is None:
                 timeout = None
             else:
@@ -553,11 +558,10 @@ class _CommCoordinator:
 
 
 class _ObservedCoordinator(_CommCoordinator):
-    """A :class:`_CommCoordinator` that reports each transition to an ``ActionObserver``.
+    """A :class:`_CommCoordinator` reporting each transition to an ``ActionObserver``.
 
-    Used instead of the plain one for the actions started while an observer
-    is set (``ep_overlap.observe_actions``), so that the plain one pays
-    nothing for it.
+    Used for the actions started while an observer is set
+    (``ep_overlap.observe_actions``), so that the plain one pays nothing.
     """
 
     def __init__(self, observer: Any, *args: Any, **kwargs: Any) -> None:

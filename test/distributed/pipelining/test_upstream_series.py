@@ -1,13 +1,16 @@
 # Owner(s): ["oncall: distributed"]
-"""The upstream patch series (``tools/upstream/``) is current and applies to torch 2.15.0.
+"""The upstream patch series (``tools/upstream/``) is current, keeps its rules, applies.
 
 ``make_series.py`` regenerates every ``patch.diff`` from the package's
 sources; these tests regenerate the series into memory and compare it with the
-committed patches byte for byte, then apply the committed patches in order to
-a copy of torch 2.15.0's ``torch/distributed/pipelining`` without fuzz.  Edits
-of torch's own files need torch 2.15's sources, so with another torch
-installed only the new files of each patch are compared (they depend on the
-package alone) and the apply check is skipped.
+committed patches byte for byte, check the rules every patch keeps (a
+``Depends on:`` line; every ``[Note: ...]`` it refers to defined by torch, the
+patch or one it depends on; the width of the lines it adds), then apply the
+committed patches in order to a copy of torch 2.15.0's files without fuzz.
+Edits of torch's own files need torch 2.15's sources, so with another torch
+installed only the series' own modules are compared (they depend on the
+package alone), the notes are checked against the patches only and the apply
+check is skipped.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class UpstreamSeriesTest(TestCase):
         for name, text in generated.items():
             committed = self._committed(name)
             if base is None:
-                committed = make_series.new_file_sections(committed)
+                committed = make_series.module_sections(committed)
             # assertTrue, not assertEqual: a diff of diffs helps nobody; the command does
             self.assertTrue(
                 text == committed,
@@ -64,18 +67,30 @@ class UpstreamSeriesTest(TestCase):
                 "the new files of the series were not generated",
             )
 
+    def test_rules(self) -> None:
+        base = make_series.torch_base(None) if _IS_2_15 else None
+        generated = make_series.generate(base)
+        problems = make_series.check_rules(generated, base)
+        self.assertEqual(problems, [], "\n".join(problems))
+
     def test_series_applies_to_torch_2_15_without_fuzz(self) -> None:
         if not _IS_2_15:
             self.skipTest(_NOT_2_15)
-        installed = Path(torch.__file__).parent / "distributed" / "pipelining"
+        site = Path(torch.__file__).parent.parent
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             target = root / make_series.PIPELINING
             shutil.copytree(
-                installed, target, ignore=shutil.ignore_patterns("__pycache__")
+                site / make_series.PIPELINING,
+                target,
+                ignore=shutil.ignore_patterns("__pycache__"),
             )
+            for path in make_series.BASE_FILES:
+                shutil.copy(site / path, root / path)
             for patch in make_series.SERIES:
                 diff = str(patch.dir / "patch.diff")
+                if not Path(diff).read_text():
+                    continue  # a patch of tests only
                 done = subprocess.run(
                     ["git", "apply", "--check", diff],
                     cwd=root,
@@ -98,14 +113,12 @@ class UpstreamSeriesTest(TestCase):
                         f"{patch.name}: patch --fuzz=0 refuses it: {done.stdout}",
                     )
                 subprocess.run(["git", "apply", diff], cwd=root, check=True)
-            for name in (
-                "_overlap.py",
-                "ep_overlap.py",
-                "stage_split.py",
-                "schedules.py",
-                "stage.py",
-            ):
-                compile((target / name).read_text(), name, "exec")
+            for path in sorted(make_series.series_modules()) + [
+                f"{make_series.PIPELINING}/schedules.py",
+                f"{make_series.PIPELINING}/stage.py",
+                *make_series.BASE_FILES,
+            ]:
+                compile((root / path).read_text(), path, "exec")
 
     def test_rule_copies_with_upstream_names(self) -> None:
         source = (
@@ -118,7 +131,7 @@ class UpstreamSeriesTest(TestCase):
         )
         self.assertEqual(
             make_series.upstream_source(source, "m.py"),
-            '"""Doc.\n"""\n\n'
+            make_series.HEADER + '"""Doc.\n"""\n\n'
             "from . import _ep_marks\n"
             "from . import _ep_turns as turns\n"
             "from ._ep_rng import _RNGDevices\n"

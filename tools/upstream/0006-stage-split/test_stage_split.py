@@ -1,3 +1,4 @@
+# Copyright (c) Meta Platforms, Inc. and affiliates
 # Owner(s): ["oncall: distributed"]
 # Upstream path: test/distributed/pipelining/test_stage_split.py
 """``torch.distributed.pipelining.stage_split``: pipeline stages by module names.
@@ -11,6 +12,8 @@ gives the losses and every gradient of a single-process reference.
 
 import copy
 
+from pipeline_test_utils import nccl_variant, PipelineTestCase
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -23,18 +26,13 @@ from torch.distributed.pipelining.stage_split import (
     call_if_present,
     generate_module_names_per_stage,
     pipeline_module_split,
-    split_module,
+    build_stage_module,
     stage_ids_this_rank,
-)
-from torch.testing._internal.common_distributed import (
-    MultiProcContinuousTest,
-    requires_nccl,
 )
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    skip_but_pass_in_sandcastle_if,
     TestCase,
 )
 
@@ -86,7 +84,7 @@ class StageSplitTest(TestCase):
     def test_stages_keep_original_fqns(self):
         model = make_model()
         names = generate_module_names_per_stage(3, N_LAYERS)
-        parts = [split_module(model, stage_names) for stage_names in names]
+        parts = [build_stage_module(model, stage_names) for stage_names in names]
         keys = [set(part.state_dict()) for part in parts]
         self.assertEqual(set().union(*keys), set(model.state_dict()))
         self.assertEqual(sum(len(k) for k in keys), len(model.state_dict()))
@@ -111,7 +109,8 @@ class StageSplitTest(TestCase):
     def test_chained_stages_match_model(self):
         model = make_model()
         parts = [
-            split_module(model, n) for n in generate_module_names_per_stage(4, N_LAYERS)
+            build_stage_module(model, n)
+            for n in generate_module_names_per_stage(4, N_LAYERS)
         ]
         tokens = torch.randint(VOCAB, (2, SEQ))
         h = tokens
@@ -122,7 +121,7 @@ class StageSplitTest(TestCase):
     def test_move_takes_modules_out_of_model(self):
         model = make_model()
         layer = model.layers[1]
-        part = split_module(model, ["layers.1"], move=True)
+        part = build_stage_module(model, ["layers.1"], move=True)
         self.assertIs(dict(part.layers.named_children())["1"], layer)
         self.assertNotIn("1", dict(model.layers.named_children()))
 
@@ -153,36 +152,18 @@ class StageSplitTest(TestCase):
     def test_bad_names_raise(self):
         model = make_model()
         with self.assertRaisesRegex(ValueError, "layer"):
-            split_module(model, ["layer.0"])
+            build_stage_module(model, ["layer.0"])
         with self.assertRaises(ValueError):
-            split_module(model, ["layers.7"])
+            build_stage_module(model, ["layers.7"])
 
 
 N_MICROBATCHES = 4
 MB_SIZE = 2
 
 
-class StageSplitMultiProcTest(MultiProcContinuousTest):
-    world_size = 2
-
-    @classmethod
-    def backend_str(cls) -> str:
-        return "gloo"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cpu"
-
-    @property
-    def device(self) -> torch.device:
-        if self.device_type() == "cuda":
-            torch.cuda.set_device(self.rank)
-            return torch.device("cuda", self.rank)
-        return torch.device("cpu")
-
+class StageSplitMultiProcTest(PipelineTestCase):
     @parametrize("ScheduleClass", [ScheduleInterleaved1F1B, ScheduleDualPipeV])
     def test_pipeline_module_split_gradients(self, ScheduleClass):
-        torch.set_num_threads(1)
         ref = make_model().to(self.device)
         names = generate_module_names_per_stage(2 * self.world_size, N_LAYERS)
         stages, parts = pipeline_module_split(
@@ -223,18 +204,7 @@ class StageSplitMultiProcTest(MultiProcContinuousTest):
 instantiate_parametrized_tests(StageSplitMultiProcTest)
 
 
-@requires_nccl()
-@skip_but_pass_in_sandcastle_if(
-    torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs"
-)
-class StageSplitMultiProcTestNCCL(StageSplitMultiProcTest):
-    @classmethod
-    def backend_str(cls) -> str:
-        return "nccl"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cuda"
+StageSplitMultiProcTestNCCL = nccl_variant(StageSplitMultiProcTest)
 
 
 if __name__ == "__main__":
