@@ -232,7 +232,7 @@ SERIES: tuple[Patch, ...] = (
     Patch("0003-pipeline-context-step-options", (HandWritten("patch.diff"),)),
     Patch("0004-step-error-names-rank", (HandWritten("patch.diff"),)),
     Patch("0005-compute-comms-reduce-grad", (HandWritten("patch.diff"),)),
-    Patch("0006-stage-split", (NewModule("stage_split.py", "stage_split.py"),)),
+    Patch("0006-stage-split", (NewModule("stage_split.py", "_stage_split.py"),)),
     Patch("0007-runtime-action-methods", (HandWritten("patch.diff"),)),
     Patch("0008-runtime-context-per-step", (HandWritten("patch.diff"),)),
     Patch("0009-runtime-perform-action", (HandWritten("patch.diff"),)),

@@ -543,7 +543,7 @@ def _upstream_probe() -> tuple[str, str]:
 
     if not hasattr(pipelining, "PipelineStage"):
         raise RuntimeError("torch.distributed.pipelining has no PipelineStage")
-    for attr in ("stage_split", "build_stage_module", "split_module"):
+    for attr in ("stage_split", "build_stage_module"):
         if hasattr(pipelining, attr):
             return AlreadyUpstream, f"torch.distributed.pipelining.{attr} exists"
     if importlib.util.find_spec("torch.distributed.pipelining.stage_split") is not None:

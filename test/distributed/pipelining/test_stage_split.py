@@ -26,7 +26,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_pipelining_ext
-from torch_pipelining_ext import stage_split as ss
+from torch_pipelining_ext import _stage_split, stage_split as ss
 from torch_pipelining_ext._patching._registry import Target
 from torch_pipelining_ext.stage_split import (
     build_stage_module,
@@ -465,7 +465,9 @@ class TestBadInput(TestCase):
             ["tok_embeddings", "layers.0"],
             ["layers.1", "layers.2", "norm", "outptu"],
         ]
-        with mock.patch.object(ss, "_build_stage", wraps=ss._build_stage) as build:
+        with mock.patch.object(
+            _stage_split, "_build_stage", wraps=_stage_split._build_stage
+        ) as build:
             with self.assertRaisesRegex(ValueError, "did you mean 'output'"):
                 _split_all(model, names, move=True)
             with self.assertRaisesRegex(ValueError, "belong to no stage"):
@@ -871,7 +873,7 @@ class TestPipelineModuleSplit(TestCase):
 
         model = ToyLLM(n_layers=4)
         names = generate_module_names_per_stage(2, 4)
-        with mock.patch.object(ss, "_build_stage") as build:
+        with mock.patch.object(_stage_split, "_build_stage") as build:
             with self.assertRaisesRegex(
                 ValueError, "Schedule1F1B runs one stage per rank, but 2 stages"
             ):
@@ -915,6 +917,10 @@ class TestPipelineModuleSplit(TestCase):
 
 class TestPublicNames(TestCase):
     def test_split_module_is_a_deprecated_alias(self):
+        # the public face hands on every name of the upstream module
+        self.assertLessEqual(set(_stage_split.__all__), set(ss.__all__))
+        for name in _stage_split.__all__:
+            self.assertIs(getattr(ss, name), getattr(_stage_split, name), name)
         model = ToyLLM(n_layers=4)
         with self.assertWarnsRegex(
             FutureWarning, "split_module is deprecated.*build_stage_module"
@@ -929,7 +935,9 @@ class TestPublicNames(TestCase):
     def test_build_stage_modules_builds_only_the_given_stages(self):
         model = ToyLLM(n_layers=4)
         names = generate_module_names_per_stage(4, 4)
-        with mock.patch.object(ss, "_build_stage", wraps=ss._build_stage) as build:
+        with mock.patch.object(
+            _stage_split, "_build_stage", wraps=_stage_split._build_stage
+        ) as build:
             parts = build_stage_modules(model, names, [2, 0])
         self.assertEqual(build.call_count, 2)
         self.assertEqual(
@@ -971,9 +979,11 @@ class TestPatch(TestCase):
                 r.name: r.status.value for r in torch_pipelining_ext.patch_report()
             }["stage_split"]
             self.assertEqual(status, "applied")
-            self.assertIs(pipelining.stage_split, ss)
+            # torch gets the upstream form, without the package's deprecated name
+            self.assertIs(pipelining.stage_split, _stage_split)
+            self.assertFalse(hasattr(pipelining.stage_split, "split_module"))
             mod = importlib.import_module("torch.distributed.pipelining.stage_split")
-            self.assertIs(mod, ss)
+            self.assertIs(mod, _stage_split)
             from torch.distributed.pipelining.stage_split import (
                 build_stage_module as imported,
             )
@@ -986,7 +996,7 @@ class TestPatch(TestCase):
                 importlib.import_module("torch.distributed.pipelining.stage_split")
         finally:
             torch_pipelining_ext.patch()
-        self.assertIs(pipelining.stage_split, ss)
+        self.assertIs(pipelining.stage_split, _stage_split)
 
     def test_probe(self):
         import torch.distributed.pipelining as pipelining
