@@ -240,6 +240,16 @@ class PipelineTestCase(MultiProcContinuousTest):
         if failed.item():
             raise AssertionError(f"the check failed on {int(failed.item())} rank(s)")
 
+    def assert_grads_match_reference(
+        self, modules: Sequence[nn.Module], indices: Sequence[int], ref: nn.Module
+    ) -> None:
+        """:func:`assert_grads_match` on every rank, the gradients gathered first
+        (the same collectives on every rank)."""
+        grads = full_grads(modules)
+        self.assert_on_all_ranks(
+            lambda: assert_grads_match(modules, indices, ref, grads)
+        )
+
     def mesh(self, shape: tuple[int, ...], names: tuple[str, ...]):
         """A device mesh over all ranks, made once per test class."""
         from torch.distributed.device_mesh import init_device_mesh

@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -30,8 +31,6 @@ from torch.testing._internal.common_utils import (
 
 PP = 2
 DP = 2
-N_STEPS = 3
-SINGLE_STAGE_SCHEDULES = (ScheduleGPipe, Schedule1F1B)
 
 
 class ScheduleGradAccumulationTest(ptu.PipelineTestCase):
@@ -43,7 +42,7 @@ class ScheduleGradAccumulationTest(ptu.PipelineTestCase):
     )
     @parametrize("use_fsdp", [False, True])
     def test_accumulate_without_zero_grad(self, ScheduleClass, use_fsdp):
-        self._accumulate(ScheduleClass, use_fsdp, finalize=[True] * N_STEPS)
+        self._accumulate(ScheduleClass, use_fsdp, finalize=[True, True, True])
 
     @parametrize("ScheduleClass", [Schedule1F1B, ScheduleInterleaved1F1B])
     def test_accumulate_with_deferred_fsdp_reduction(self, ScheduleClass):
@@ -54,7 +53,7 @@ class ScheduleGradAccumulationTest(ptu.PipelineTestCase):
     @parametrize("ScheduleClass", [ScheduleGPipe, Schedule1F1B])
     def test_accumulate_with_eval_between_steps(self, ScheduleClass):
         # eval() runs step() without backward: it scales nothing.
-        self._accumulate(ScheduleClass, False, [True] * N_STEPS, evaluate=True)
+        self._accumulate(ScheduleClass, False, [True, True, True], evaluate=True)
 
     @parametrize("ScheduleClass", [ScheduleGPipe, ScheduleInterleaved1F1B])
     def test_step_from_zero_gradients_is_unchanged(self, ScheduleClass):
@@ -79,7 +78,7 @@ class ScheduleGradAccumulationTest(ptu.PipelineTestCase):
         """The reference model, this rank's stage modules and indices, the schedule."""
         mesh = self.mesh((PP, DP), ("pp", "dp"))
         pp_rank = mesh["pp"].get_local_rank()
-        single_stage = ScheduleClass in SINGLE_STAGE_SCHEDULES
+        single_stage = issubclass(ScheduleClass, PipelineScheduleSingle)
         indices = ptu.stage_indices(
             ScheduleClass, pp_rank, PP, stages_per_rank=1 if single_stage else 2
         )
@@ -106,13 +105,8 @@ class ScheduleGradAccumulationTest(ptu.PipelineTestCase):
             if evaluate:
                 schedule.eval(x, target=y)
             ptu.reference_step(ref, x, y)
-            if not finalize_gradients:
-                continue  # .grad is only valid once the reduction is finalized
-            # Gather first (the same collectives on every rank), then compare.
-            grads = ptu.full_grads(modules)
-            self.assert_on_all_ranks(
-                lambda: ptu.assert_grads_match(modules, indices, ref, grads)
-            )
+            if finalize_gradients:  # .grad is valid once the reduction is finalized
+                self.assert_grads_match_reference(modules, indices, ref)
 
 
 instantiate_parametrized_tests(ScheduleGradAccumulationTest)
