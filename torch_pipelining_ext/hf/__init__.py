@@ -43,10 +43,12 @@ from torch_pipelining_ext.hf import (
     _compat,
     _config,
     _costs,
+    _expert_load,
     _expert_parallel,
     _selfcheck,
     _training,
 )
+from torch_pipelining_ext.hf._expert_load import ExpertLoad
 from torch_pipelining_ext.hf._expert_parallel import (
     ExpertParallelTransport,
     ExpertShard,
@@ -63,10 +65,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CausalLMLoss",
+    "ExpertLoad",
     "ExpertParallelTransport",
     "ExpertShard",
     "HFCausalLMStage",
     "estimate_layer_costs",
+    "expert_load",
     "expert_parallel_shards",
     "fully_shard_replicated",
     "has_fused_experts",
@@ -79,6 +83,7 @@ __all__ = [
     "self_check",
     "set_expert_parallel_transport",
     "sync_tied_gradients",
+    "update_expert_bias",
 ]
 
 
@@ -174,6 +179,8 @@ def pipeline_hf_causal_lm(
     activation_checkpointing: str | Callable | Sequence | None = None,
     verify: bool | None = None,
     ep_group: Any = None,
+    router_aux_loss: str | None = None,
+    router_aux_loss_coef: float | None = None,
     **stage_kwargs: Any,
 ) -> tuple[list[PipelineStage], list[HFCausalLMStage]]:
     """Build this rank's pipeline stages of a Hugging Face causal LM.
@@ -210,6 +217,17 @@ def pipeline_hf_causal_lm(
             of its fused experts (transformers 5.x; ``[Note: HF expert parallelism]``).
             Its ranks feed different data: see :func:`reduce_expert_parallel_gradients`
             (each step) or :func:`fully_shard_replicated` (once).
+        router_aux_loss: the router auxiliary (load-balancing) loss added to
+            the loss of a MoE model (transformers 5.x): ``None`` (Hugging
+            Face's own where ``config.output_router_logits`` is set, else
+            none), ``"pooled"`` (Hugging Face's ``load_balancing_loss_func``:
+            all MoE layers' statistics pooled into one product),
+            ``"per_layer"`` (that function on each layer alone, summed: the
+            Switch Transformer / Megatron-Core form) or ``"sequence"``
+            (DeepSeek-V3's sequence-wise loss); see :class:`CausalLMLoss`
+            and ``[Note: HF router auxiliary loss]``.
+        router_aux_loss_coef: its coefficient (default:
+            ``config.router_aux_loss_coef``; required for ``"sequence"``).
         **stage_kwargs: further ``PipelineStage`` arguments.
 
     Returns:
@@ -218,7 +236,9 @@ def pipeline_hf_causal_lm(
     Raises:
         ValueError: a model layout this cannot run (the message names what
             is missing), a bad split, a meta model with neither
-            ``checkpoint`` nor ``init_weights``, or checkpoint problems.
+            ``checkpoint`` nor ``init_weights``, checkpoint problems, or an
+            auxiliary loss the model cannot have (no router, DeepSeek-V3
+            with ``"pooled"``/``"per_layer"``, a missing coefficient).
 
     Tensors tied across stages are reported with a warning (call
     :func:`sync_tied_gradients` after each backward).  Run the schedule with
@@ -234,6 +254,8 @@ def pipeline_hf_causal_lm(
         activation_checkpointing=activation_checkpointing,
         verify=verify,
         ep_group=ep_group,
+        router_aux_loss=router_aux_loss,
+        router_aux_loss_coef=router_aux_loss_coef,
         stage_kwargs=stage_kwargs,
     )
     return _build.build_stages(
@@ -340,6 +362,59 @@ def fully_shard_replicated(
     this rank's stages once, before the first step.
     """
     _training.fully_shard_replicated(parts, mesh, **fsdp_kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Expert load and balancing
+# ---------------------------------------------------------------------------
+
+
+def expert_load(
+    parts: Sequence[HFCausalLMStage], group: dist.ProcessGroup | None = None
+) -> ExpertLoad:
+    """The expert load of the step: per MoE layer, the (token, expert) slots
+    routed to each expert, summed over every microbatch and over ``group``.
+
+    Call it after ``schedule.step()``: it returns the counts of every forward
+    since the last call and starts the next step's from zero (a second call
+    without a step in between raises ``RuntimeError``).  The counts
+    accumulate on the stages' device; this call adds one all-reduce (of
+    ``num_hidden_layers x (2 E + 3)`` integers) and one host
+    synchronisation.  See ``[Note: HF expert load]``.
+
+    Args:
+        parts: this rank's stage modules (a MoE model's).
+        group: the ranks to sum over: the expert-parallel group (with the
+            data-parallel ranks, if any) for the global batch's counts of
+            this rank's layers; the whole world (``dist.group.WORLD``) to
+            get every layer on every rank; ``None``: this rank's counts only.
+            A collective: every rank of ``group`` calls it.
+
+    Returns:
+        :class:`ExpertLoad` (tokens per expert, max/mean load, padding and
+        dropped slots per layer; ``summary()`` is one line).
+    """
+    return _expert_load.expert_load(parts, group)
+
+
+def update_expert_bias(
+    parts: Sequence[HFCausalLMStage], load: ExpertLoad, rate: float
+) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: after
+    ``optimizer.step()``, add ``rate * sign(mean load - load_i)`` to every
+    MoE layer's ``e_score_correction_bias`` (per layer, expert ``i``), from
+    ``load = expert_load(parts, group)`` of the same step.
+
+    With ``group`` covering every rank that trains on other data (the
+    expert-parallel and data-parallel ranks), every replica of a layer gets
+    the same load and the same update, bitwise; each pipeline rank updates
+    its own layers.  No communication.
+
+    Raises:
+        ValueError: the stages' routers have no ``e_score_correction_bias``,
+            ``load`` lacks one of their layers, or ``rate`` is not > 0.
+    """
+    _expert_load.update_expert_bias(parts, load, rate)
 
 
 # ---------------------------------------------------------------------------

@@ -108,7 +108,6 @@ def build_stages(
         )
     layout = detect_layout(model)
     check_trainable(model, layout)
-    _check_router_aux_runtime(model)
     _config.check_checkpointing_schedule(options.activation_checkpointing, schedule_cls)
     model_type = getattr(model.config, "model_type", None)
     if options.verify or (
@@ -182,23 +181,3 @@ def _place_weights(
             part.to(
                 device=device, dtype=options.dtype
             ) if options.dtype is not None else part.to(device)
-
-
-def _check_router_aux_runtime(model: nn.Module) -> None:
-    """The router auxiliary loss is verified under torch's own step loop only.
-
-    Where torch has no custom-function runtime (torch 2.9: the package runs its
-    backport, the ``runtime_step_loop`` patch), the stages' extra outputs are
-    not verified and a step was seen not to finish: refused.
-    """
-    if not getattr(model.config, "output_router_logits", False):
-        return
-    import torch_pipelining_ext
-
-    status = {r.name: r.status for r in torch_pipelining_ext.patch_report()}
-    if status.get("runtime_step_loop") is torch_pipelining_ext.PatchStatus.APPLIED:
-        raise ValueError(
-            "config.output_router_logits: the router auxiliary loss through pipeline stages is verified "
-            "only under torch's own step loop (torch 2.10+); this torch runs the package's backport of it. "
-            "Set output_router_logits=False or use torch 2.10 or newer"
-        )
