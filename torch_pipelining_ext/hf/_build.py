@@ -21,6 +21,7 @@ from torch_pipelining_ext import stage_split
 from torch_pipelining_ext.hf import _compat, _config
 from torch_pipelining_ext.hf._checkpoint import load_stage_weights
 from torch_pipelining_ext.hf._costs import module_names_per_stage
+from torch_pipelining_ext.hf._expert_load import count_schedule_forwards
 from torch_pipelining_ext.hf._factory import StageFactory
 from torch_pipelining_ext.hf._layout import detect_layout, VERIFIED_MODEL_TYPES
 from torch_pipelining_ext.hf._loading import checkpoint_entries
@@ -142,6 +143,8 @@ def build_stages(
         **options.stage_kwargs,
     )
     _place_weights(parts, on_meta, device, options)
+    for stage, part in zip(stages, parts):
+        count_schedule_forwards(stage, part)  # [Note: HF expert load]
     return stages, parts
 
 

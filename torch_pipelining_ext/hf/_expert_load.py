@@ -8,9 +8,11 @@ load]``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +29,14 @@ logger = logging.getLogger(__name__)
 # its experts were given (``[Note: HF routing records]``: once per layer and
 # microbatch, never in a recomputation), split into slots of real tokens and
 # of padding tokens (the attention mask travels with the stages only with an
-# auxiliary loss; without it every token counts as real).  The counts
-# accumulate on the stages' device by ``scatter_add`` (no host
-# synchronisation).  ``expert_load(parts, group)`` packs them into one int64
+# auxiliary loss; without it every token counts as real).  A stage that
+# pipeline_hf_causal_lm wrapped in a PipelineStage counts only the forwards
+# that PipelineStage runs for a microbatch (``forward_maybe_with_nosync``,
+# the one call of every torch release's forward_one_chunk): torch 2.13 and
+# newer also run the stage once on uninitialised tensors of the right shapes
+# to infer the stages' metadata, on the first step, which must not count.  A
+# stage used on its own counts every forward.  The counts accumulate on the
+# stages' device by ``scatter_add`` (no host synchronisation).  ``expert_load(parts, group)`` packs them into one int64
 # tensor ``[num_hidden_layers, 2 (E + 1) + 1]`` (real slots per expert,
 # padding slots per expert, the last column of each set for slots routed to
 # no expert -- transformers' index ``E`` -- and one column counting the ranks
@@ -54,11 +61,29 @@ class LoadCounter:
         self.num_experts = num_experts
         self.counts: torch.Tensor | None = None
         self.forwards = 0
+        self.schedule_forwards_only = False
+        self._in_schedule_forward = threading.local()
+
+    @contextlib.contextmanager
+    def schedule_forward(self) -> Iterator[None]:
+        """The block is a forward its PipelineStage runs for a microbatch."""
+        depth = getattr(self._in_schedule_forward, "depth", 0)
+        self._in_schedule_forward.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._in_schedule_forward.depth = depth
+
+    def counting(self, x: torch.Tensor) -> bool:
+        """Whether the forward of ``x`` running on this thread counts."""
+        if x.is_meta:
+            return False
+        return not self.schedule_forwards_only or bool(
+            getattr(self._in_schedule_forward, "depth", 0)
+        )
 
     def add(self, layer: int, indices: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Count one MoE layer's top-k ``indices`` ``[T, k]`` (``mask``: ``[b, s]``, 1 for real tokens)."""
-        if indices.is_meta:
-            return
         e1 = self.num_experts + 1
         if self.counts is None:
             self.counts = torch.zeros(
@@ -82,6 +107,22 @@ class LoadCounter:
         if self.counts is not None:
             self.counts.zero_()
         self.forwards = 0
+
+
+def count_schedule_forwards(stage: Any, part: nn.Module) -> None:
+    """Count only the microbatch forwards ``stage`` (the PipelineStage of
+    ``part``) runs; see ``[Note: HF expert load]``."""
+    counter: LoadCounter | None = getattr(part, "_expert_load", None)
+    if counter is None:
+        return
+    run = stage.forward_maybe_with_nosync
+
+    def forward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
+        with counter.schedule_forward():
+            return run(*args, **kwargs)
+
+    stage.forward_maybe_with_nosync = forward_maybe_with_nosync
+    counter.schedule_forwards_only = True
 
 
 @dataclass(frozen=True)

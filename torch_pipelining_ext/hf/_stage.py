@@ -277,6 +277,7 @@ class HFCausalLMStage(nn.Module):
                 f"stage {self.stage_index} takes one tensor, got {1 + len(carried)} "
                 "(more only with a router auxiliary loss)"
             )
+        counted = self._expert_load is not None and self._expert_load.counting(x)
         h = self._embed(x) if self.is_first else x
         cache_position = torch.arange(h.shape[1], device=h.device)
         position_ids = cache_position.unsqueeze(0)
@@ -304,8 +305,8 @@ class HFCausalLMStage(nn.Module):
                 available["attention_mask"] = masks[kinds[index]]
                 available.update(tables[kinds[index]])
                 call = functools.partial(self._call_layer, index, layer, h, available)
-                h = self._run_layer(index, call, sums)
-        if self._expert_load is not None and not x.is_meta:
+                h = self._run_layer(index, call, sums, counted)
+        if counted:
             self._expert_load.forwards += 1
         if self.is_last:
             h = self._head(h)
@@ -313,16 +314,21 @@ class HFCausalLMStage(nn.Module):
         return h if sums is None else sums.outputs(h)
 
     def _run_layer(
-        self, index: int, call: Callable[[], torch.Tensor], sums: RunningSums | None
+        self,
+        index: int,
+        call: Callable[[], torch.Tensor],
+        sums: RunningSums | None,
+        counted: bool,
     ) -> torch.Tensor:
-        """Run one layer; for a MoE model, record its routing (expert load,
-        auxiliary loss)."""
+        """Run one layer; for a MoE model, record its routing (auxiliary
+        loss; expert load if ``counted``)."""
         if self._routing is None:
             return call()
         h, record = record_layer(call)
         if record.indices is not None:
-            mask = None if sums is None else sums.mask
-            self._expert_load.add(index, record.indices, mask)
+            if counted:
+                mask = None if sums is None else sums.mask
+                self._expert_load.add(index, record.indices, mask)
             if sums is not None:
                 sums.add(record)
         return h

@@ -11,7 +11,12 @@ from __future__ import annotations
 import unittest
 
 import torch
-from hf_model_registry import tiny_hf_model
+from hf_model_registry import (
+    per_layer_loss_by_hand,
+    routing_counts,
+    sequence_loss_by_hand,
+    tiny_hf_model,
+)
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -76,80 +81,6 @@ def _run_chain(stages, loss_fn, ids, mask, labels, n_microbatches=2) -> torch.Te
     return torch.stack(losses).sum()
 
 
-def _router_records(model, ids, mask=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(router logits [T, E], routed top-k indices [T, k]) of every MoE layer
-    of the unsplit ``model``'s forward, from hooks on transformers' router class."""
-    recorder = model.get_submodule(model.base_model_prefix)._can_record_outputs
-    router_cls = recorder["router_logits"].target_class
-    records = []
-    handles = [
-        m.register_forward_hook(lambda mod, a, out: records.append((out[0], out[2])))
-        for m in model.modules()
-        if isinstance(m, router_cls)
-    ]
-    try:
-        out = model(input_ids=ids, attention_mask=mask)
-    finally:
-        for h in handles:
-            h.remove()
-    return out, records
-
-
-def _per_layer_by_hand(model, ids, mask) -> torch.Tensor:
-    """Sum over MoE layers of transformers' load_balancing_loss_func on that layer alone."""
-    import sys
-
-    func = sys.modules[type(model).__module__].load_balancing_loss_func
-    _, records = _router_records(model, ids, mask)
-    e, k = model.num_experts, model.num_experts_per_tok
-    return sum(func((logits,), e, k, mask) for logits, _ in records)
-
-
-def _sequence_by_hand(model, ids, mask, sigmoid: bool) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss (without alpha), written out:
-    per layer, the mean over sequences with a real token of
-    sum_i f_i P_i, f_i = E/(K T) #{t: i routed}, P_i = mean_t s'_{t,i}; summed over layers."""
-    _, records = _router_records(model, ids, mask)
-    b, s = ids.shape
-    total = torch.zeros(())
-    for logits, indices in records:
-        e, k = logits.shape[-1], indices.shape[-1]
-        terms = []
-        for row in range(b):
-            tokens = [t for t in range(s) if mask[row, t]]
-            if not tokens:
-                continue
-            f = torch.zeros(e)
-            p = torch.zeros(e)
-            for t in tokens:
-                u = logits[row * s + t].float()
-                score = u.sigmoid() if sigmoid else u.softmax(-1)
-                p = p + score / score.sum()
-                for i in indices[row * s + t].tolist():
-                    f[i] += 1
-            f = f * e / (k * len(tokens))
-            p = p / len(tokens)
-            terms.append((f * p).sum())
-        total = total + torch.stack(terms).mean()
-    return total
-
-
-def _routing_counts(model, ids, mask) -> dict[int, torch.Tensor]:
-    """Per MoE layer index: real-token slots per expert in the unsplit model's routing."""
-    _, records = _router_records(model, ids, mask)
-    moe_layers = [
-        i
-        for i, layer in enumerate(model.model.layers)
-        if _routing.experts_modules(layer)
-    ]
-    e = records[0][0].shape[-1]
-    out = {}
-    for layer, (_, indices) in zip(moe_layers, records):
-        weights = mask.reshape(-1, 1).expand_as(indices).reshape(-1)
-        out[layer] = torch.bincount(indices.reshape(-1), weights, minlength=e).long()
-    return out
-
-
 @unittest.skipIf(not HAS_FUSED, "needs transformers 5.x")
 @instantiate_parametrized_tests
 class RouterAuxLossTest(TestCase):
@@ -195,7 +126,8 @@ class RouterAuxLossTest(TestCase):
         ids, mask, labels = _batch()
         lm = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         aux = [
-            _per_layer_by_hand(model, i, m) for i, m in zip(ids.chunk(2), mask.chunk(2))
+            per_layer_loss_by_hand(model, i, m)
+            for i, m in zip(ids.chunk(2), mask.chunk(2))
         ]
         want = lm + COEF * torch.stack(aux).mean()
         stages = _stages(model, 3, ac, mode="per_layer")
@@ -223,7 +155,7 @@ class RouterAuxLossTest(TestCase):
         lm = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         sigmoid = family == "deepseek_v3"
         aux = [
-            _sequence_by_hand(model, i, m, sigmoid)
+            sequence_loss_by_hand(model, i, m, sigmoid)
             for i, m in zip(ids.chunk(2), mask.chunk(2))
         ]
         want = lm + COEF * torch.stack(aux).mean()
@@ -335,7 +267,7 @@ class ExpertLoadTest(TestCase):
             loss = _run_chain(stages, loss_fn, ids, mask, labels)
         loss.backward()  # recomputations in backward count nothing
         load = hf.expert_load(stages)
-        want = _routing_counts(model, ids, out_mask)
+        want = routing_counts(model, ids, out_mask)
         self.assertEqual(load.layers, tuple(want))
         torch.testing.assert_close(
             load.tokens_per_expert, torch.stack(list(want.values()))
@@ -362,7 +294,7 @@ class ExpertLoadTest(TestCase):
         load = hf.expert_load(stages)
         rate = 0.01
         hf.update_expert_bias(stages, load, rate)
-        want = _routing_counts(model, ids, torch.ones_like(mask))
+        want = routing_counts(model, ids, torch.ones_like(mask))
         routers = {
             int(n.split(".")[2]): m
             for stage in stages
