@@ -125,7 +125,7 @@ def count_schedule_forwards(stage: Any, part: nn.Module) -> None:
     counter.schedule_forwards_only = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ExpertLoad:
     """The expert load of one step, per MoE layer: what
     :func:`torch_pipelining_ext.hf.expert_load` returns.

@@ -142,7 +142,7 @@ class RouterAuxLossTest(TestCase):
         torch.testing.assert_close(pooled(ids, mask)[1], per_layer(ids, mask)[1])
 
     @parametrize("ac", [None, "full"])
-    @parametrize("family", ["deepseek_v3", "qwen3_moe"])
+    @parametrize("family", ["deepseek_v3", "glm4_moe", "qwen3_moe"])
     def test_sequence_matches_hand_computation(self, family, ac):
         model = tiny_hf_model(family, num_layers=3)
         with torch.no_grad():  # a bias that changes the routing
@@ -153,7 +153,7 @@ class RouterAuxLossTest(TestCase):
                     )
         ids, mask, labels = _batch()
         lm = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        sigmoid = family == "deepseek_v3"
+        sigmoid = family != "qwen3_moe"  # DeepSeek-V3-style routers score by sigmoid
         aux = [
             sequence_loss_by_hand(model, i, m, sigmoid)
             for i, m in zip(ids.chunk(2), mask.chunk(2))
@@ -285,8 +285,9 @@ class ExpertLoadTest(TestCase):
         with self.assertRaisesRegex(RuntimeError, "statistics requested before a step"):
             hf.expert_load(stages)
 
-    def test_bias_update_follows_the_rule(self):
-        model = tiny_hf_model("deepseek_v3", num_layers=3)
+    @parametrize("family", ["deepseek_v3", "glm4_moe"])
+    def test_bias_update_follows_the_rule(self, family):
+        model = tiny_hf_model(family, num_layers=3)
         ids, mask, _ = _batch()
         stages = _stages(model, 2)
         for i in ids.chunk(2):
