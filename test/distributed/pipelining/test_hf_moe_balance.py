@@ -85,7 +85,9 @@ def _run_chain(stages, loss_fn, ids, mask, labels, n_microbatches=2) -> torch.Te
 @instantiate_parametrized_tests
 class RouterAuxLossTest(TestCase):
     @parametrize("ac", [None, "full"])
-    @parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
+    @parametrize(
+        "family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen2_moe", "qwen3_next"]
+    )
     def test_pooled_matches_the_unsplit_model(self, family, ac):
         model = tiny_hf_model(
             family, num_layers=3, output_router_logits=True, router_aux_loss_coef=COEF
