@@ -199,34 +199,24 @@ def pipeline_hf_causal_lm(
         num_stages: number of stages when the lists are generated (default:
             the pipeline size for single-stage schedules, twice it otherwise).
         layer_costs: see :func:`hf_module_names_per_stage`.
-        checkpoint: a safetensors checkpoint to read this rank's tensors from
-            (see :func:`load_stage_weights`).
-        init_weights: for a meta model without checkpoint, initialise the
-            stage weights with the model's own ``_init_weights``.
+        checkpoint: a safetensors checkpoint to read this rank's tensors from (:func:`load_stage_weights`).
+        init_weights: initialise a meta model's stage weights (no checkpoint) by its ``_init_weights``.
         dtype: cast floating-point weights to this dtype.
         activation_checkpointing: recompute each decoder layer in backward
-            (non-reentrant): ``"full"``, or selective with a policy function
-            or a sequence of ops to save (see
-            :meth:`HFCausalLMStage.set_activation_checkpointing`).  Hugging
+            (non-reentrant): ``"full"`` or selective (see
+            :meth:`HFCausalLMStage.set_activation_checkpointing`); Hugging
             Face's reentrant ``gradient_checkpointing_enable()`` is refused.
         verify: compare the stages of this model type with its unsplit
             forward on a tiny config first (:func:`self_check`); default:
             only for unverified model types, refused if the check fails.
-        ep_group: the expert-parallel dimension (``ProcessGroup`` or 1-D ``DeviceMesh``,
-            or the ``"ep"`` dimension of a 2-D mesh): every MoE layer keeps ``E / ep``
-            of its fused experts (transformers 5.x; ``[Note: HF expert parallelism]``).
-            Its ranks feed different data: see :func:`reduce_expert_parallel_gradients`
-            (each step) or :func:`fully_shard_replicated` (once).
-        router_aux_loss: the router auxiliary (load-balancing) loss added to
-            the loss of a MoE model (transformers 5.x): ``None`` (Hugging
-            Face's own where ``config.output_router_logits`` is set, else
-            none), ``"pooled"`` (Hugging Face's ``load_balancing_loss_func``:
-            all MoE layers' statistics pooled into one product),
-            ``"per_layer"`` (that function on each layer alone, summed: the
-            Switch Transformer / Megatron-Core form) or ``"sequence"``
-            (DeepSeek-V3's sequence-wise loss); see :class:`CausalLMLoss`
-            and ``[Note: HF router auxiliary loss]``.
-        router_aux_loss_coef: its coefficient (default:
+        ep_group: the expert-parallel dimension (``ProcessGroup``, 1-D ``DeviceMesh``
+            or the ``"ep"`` dimension of a 2-D mesh): every MoE layer keeps ``E / ep`` of
+            its fused experts (``[Note: HF expert parallelism]``); its ranks feed different
+            data (:func:`reduce_expert_parallel_gradients`, :func:`fully_shard_replicated`).
+        router_aux_loss: a MoE's router auxiliary loss: ``"pooled"`` (Hugging
+            Face's, the default where ``config.output_router_logits``),
+            ``"per_layer"`` or ``"sequence"`` (DeepSeek-V3's); see :class:`CausalLMLoss`.
+        router_aux_loss_coef: its coefficient (default
             ``config.router_aux_loss_coef``; required for ``"sequence"``).
         **stage_kwargs: further ``PipelineStage`` arguments.
 
@@ -237,27 +227,19 @@ def pipeline_hf_causal_lm(
         ValueError: a model layout this cannot run (the message names what
             is missing), a bad split, a meta model with neither
             ``checkpoint`` nor ``init_weights``, checkpoint problems, or an
-            auxiliary loss the model cannot have (no router, DeepSeek-V3
-            with ``"pooled"``/``"per_layer"``, a missing coefficient).
+            auxiliary loss the model cannot have.
 
     Tensors tied across stages are reported with a warning (call
     :func:`sync_tied_gradients` after each backward).  Run the schedule with
-    ``scale_grads=False`` and :class:`CausalLMLoss`, which also says how
-    ``config.output_router_logits`` adds the router auxiliary loss.
+    ``scale_grads=False`` and :class:`CausalLMLoss`.
     """
     options = _config.StageOptions(
-        num_stages=num_stages,
-        layer_costs=layer_costs,
-        checkpoint=checkpoint,
-        init_weights=init_weights,
-        dtype=dtype,
+        num_stages=num_stages, layer_costs=layer_costs, checkpoint=checkpoint,
+        init_weights=init_weights, dtype=dtype, verify=verify, ep_group=ep_group,
         activation_checkpointing=activation_checkpointing,
-        verify=verify,
-        ep_group=ep_group,
-        router_aux_loss=router_aux_loss,
-        router_aux_loss_coef=router_aux_loss_coef,
+        router_aux_loss=router_aux_loss, router_aux_loss_coef=router_aux_loss_coef,
         stage_kwargs=stage_kwargs,
-    )
+    )  # fmt: skip
     return _build.build_stages(
         model, pp_mesh_or_group, schedule, device, module_names_per_stage, options
     )

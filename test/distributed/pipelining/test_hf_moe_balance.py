@@ -86,7 +86,8 @@ def _run_chain(stages, loss_fn, ids, mask, labels, n_microbatches=2) -> torch.Te
 class RouterAuxLossTest(TestCase):
     @parametrize("ac", [None, "full"])
     @parametrize(
-        "family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen2_moe", "qwen3_next"]
+        "family",
+        ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen2_moe", "qwen3_next"],
     )
     def test_pooled_matches_the_unsplit_model(self, family, ac):
         model = tiny_hf_model(
