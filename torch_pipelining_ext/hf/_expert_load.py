@@ -115,11 +115,9 @@ def count_schedule_forwards(stage: Any, part: nn.Module) -> None:
     counter: LoadCounter | None = getattr(part, "_expert_load", None)
     if counter is None:
         return
-    run = stage.forward_maybe_with_nosync
-
     def forward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
         with counter.schedule_forward():
-            return run(*args, **kwargs)
+            return type(stage).forward_maybe_with_nosync(stage, *args, **kwargs)
 
     stage.forward_maybe_with_nosync = forward_maybe_with_nosync
     counter.schedule_forwards_only = True

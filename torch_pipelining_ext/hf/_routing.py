@@ -46,8 +46,9 @@ _SIGMOID_ROUTERS = frozenset({"deepseek_v3", "glm4_moe"})
 class Routing:
     """How one model routes: the router class and the index of the logits in
     its output (``None`` where transformers records no router logits), the
-    number of routed experts ``E``, ``top_k`` and the score function
-    (``"softmax"``, ``"sigmoid"`` or ``None`` when not known)."""
+    number of routed experts ``E``, ``top_k``, the score function
+    (``"softmax"``, ``"sigmoid"`` or ``None`` when not known) and whether
+    transformers has ``load_balancing_loss_func`` for it."""
 
     router_cls: type | None
     logits_index: int
