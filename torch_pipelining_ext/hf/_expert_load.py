@@ -115,6 +115,7 @@ def count_schedule_forwards(stage: Any, part: nn.Module) -> None:
     counter: LoadCounter | None = getattr(part, "_expert_load", None)
     if counter is None:
         return
+
     def forward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
         with counter.schedule_forward():
             return type(stage).forward_maybe_with_nosync(stage, *args, **kwargs)
