@@ -186,16 +186,7 @@ class ExpertLoad:
 
 def expert_load(parts: Sequence[nn.Module], group: Any = None) -> ExpertLoad:
     """See :func:`torch_pipelining_ext.hf.expert_load`."""
-    counters = [
-        (part, part._expert_load)
-        for part in parts
-        if getattr(part, "_expert_load", None) is not None
-    ]
-    if not counters:
-        raise ValueError(
-            "expert_load: none of these stages holds a MoE model's layers (fused experts of transformers 5.x); "
-            "pass the model_parts pipeline_hf_causal_lm returned for a MoE model"
-        )
+    counters = _counters(parts, "expert_load")
     if not any(counter.forwards for _, counter in counters):
         raise RuntimeError(
             "expert_load: no forward ran through these stages since the last call (statistics requested "
@@ -228,6 +219,21 @@ def expert_load(parts: Sequence[nn.Module], group: Any = None) -> ExpertLoad:
     )
 
 
+def _counters(parts: Sequence[nn.Module], what: str) -> list:
+    """(stage, its LoadCounter) of every stage of ``parts`` of a MoE model."""
+    counters = [
+        (part, part._expert_load)
+        for part in parts
+        if getattr(part, "_expert_load", None) is not None
+    ]
+    if not counters:
+        raise ValueError(
+            f"{what}: none of these stages holds a MoE model's layers (fused experts of transformers 5.x); "
+            "pass the model_parts pipeline_hf_causal_lm returned for a MoE model"
+        )
+    return counters
+
+
 def _device(counters: list, group: Any) -> torch.device:
     for _, counter in counters:
         if counter.counts is not None:
@@ -243,18 +249,10 @@ def update_expert_bias(
     parts: Sequence[nn.Module], load: ExpertLoad, rate: float
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.update_expert_bias`."""
-    if not isinstance(load, ExpertLoad):
-        raise TypeError(
-            f"load must be the ExpertLoad of expert_load(parts, group), got {type(load).__name__}"
-        )
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-        raise TypeError(f"rate must be a number, got {type(rate).__name__}")
-    if not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"rate must be finite and > 0, got {rate}")
     routers = [
         (layer, router)
-        for part in parts
-        for layer, router in getattr(part, "_routers", {}).items()
+        for part, _ in _counters(parts, "update_expert_bias")
+        for layer, router in part._routers.items()
     ]
     biased = [(i, r) for i, r in routers if hasattr(r, "e_score_correction_bias")]
     if not biased:
@@ -268,6 +266,14 @@ def update_expert_bias(
             "the auxiliary-loss-free bias update is DeepSeek-V3's (and GLM-4-MoE's); balance other MoEs with "
             "router_aux_loss"
         )
+    if not isinstance(load, ExpertLoad):
+        raise TypeError(
+            f"load must be the ExpertLoad of expert_load(parts, group), got {type(load).__name__}"
+        )
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise TypeError(f"rate must be a number, got {type(rate).__name__}")
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be finite and > 0, got {rate}")
     with torch.no_grad():
         for layer, router in biased:
             if layer not in load.layers:

@@ -353,6 +353,11 @@ class RouterAuxLoss4xTest(TestCase):
             _router_aux.router_aux_loss(model, None, "sequence", 0.1)
         layout = hf.detect_layout(model)
         self.assertIsNone(_routing.model_routing(model, layout.layers_prefix))
+        stages = _stages(tiny_hf_model("deepseek_v3", num_layers=2), 1)
+        with self.assertRaisesRegex(ValueError, "fused experts of transformers 5.x"):
+            hf.expert_load(stages)
+        with self.assertRaisesRegex(ValueError, "fused experts of transformers 5.x"):
+            hf.update_expert_bias(stages, None, 0.01)
 
 
 if __name__ == "__main__":
