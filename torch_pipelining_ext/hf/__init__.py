@@ -24,7 +24,9 @@ stages, builds only this rank's stages, materialises them and reads only
 their tensors from a safetensors checkpoint.  :class:`CausalLMLoss` is the
 last stage's loss (its microbatch losses add up to Hugging Face's loss on the
 whole batch), and :func:`sync_tied_gradients` makes gradients of weights
-tied across stages (GPT-2's embedding and head) right.
+tied across stages (GPT-2's embedding and head) right.  A MoE stays balanced
+with a router auxiliary loss (``router_aux_loss=``), :func:`expert_load` and
+DeepSeek-V3's :func:`update_expert_bias`.
 """
 
 from __future__ import annotations
