@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,9 +117,15 @@ def count_schedule_forwards(stage: Any, part: nn.Module) -> None:
     if counter is None:
         return
 
+    # a weak reference: a closure holding the stage, stored on the stage, would
+    # keep it (and its process group) alive until a garbage collection, which
+    # may then run in a forked child, where the group's destructor hangs
+    stage_ref = weakref.ref(stage)
+
     def forward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
+        owner = stage_ref()
         with counter.schedule_forward():
-            return type(stage).forward_maybe_with_nosync(stage, *args, **kwargs)
+            return type(owner).forward_maybe_with_nosync(owner, *args, **kwargs)
 
     stage.forward_maybe_with_nosync = forward_maybe_with_nosync
     counter.schedule_forwards_only = True

@@ -343,6 +343,60 @@ class ExpertLoadTest(TestCase):
             hf.update_expert_bias(deepseek, other, 0.01)
 
 
+@unittest.skipIf(not HAS_FUSED, "needs transformers 5.x")
+class SchedulePipelineTest(TestCase):
+    """What pipeline_hf_causal_lm adds for the statistics, in one process (a group of one rank)."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self.addCleanup(dist.destroy_process_group)
+
+    def test_stage_freed_without_garbage_collection(self):
+        """No reference cycle keeps a PipelineStage (and its process group)
+        alive: a cycle freed by a later collection, in a forked child, would
+        run the group's destructor there, which hangs."""
+        import gc
+        import weakref
+
+        from torch.distributed.pipelining import Schedule1F1B
+
+        model = tiny_hf_model("qwen3_moe", num_layers=2)
+        gc.disable()
+        self.addCleanup(gc.enable)
+        stages, parts = hf.pipeline_hf_causal_lm(
+            model, torch.distributed.group.WORLD, Schedule1F1B, "cpu"
+        )
+        refs = [weakref.ref(x) for x in (*stages, *parts)]
+        del stages, parts
+        self.assertTrue(all(r() is None for r in refs))
+
+    def test_counts_the_schedule_forwards_only(self):
+        """The metadata inference of torch 2.13+ runs the stage outside the
+        schedule's forward: not counted; one step counts each microbatch once."""
+        from torch.distributed.pipelining import Schedule1F1B
+
+        model = tiny_hf_model("qwen3_moe", num_layers=2)
+        ids, _, labels = _batch()
+        (stage,), parts = hf.pipeline_hf_causal_lm(
+            model, torch.distributed.group.WORLD, Schedule1F1B, "cpu"
+        )
+        loss_fn = hf.CausalLMLoss()
+        schedule = Schedule1F1B(stage, 2, loss_fn=loss_fn, scale_grads=False)
+        loss_fn.set_labels(labels)
+        schedule.step(ids, target=labels)
+        load = hf.expert_load(parts)
+        want = routing_counts(model, ids, torch.ones_like(ids))
+        torch.testing.assert_close(
+            load.tokens_per_expert, torch.stack(list(want.values()))
+        )
+        parts[0](ids)  # a stage used outside its schedule counts nothing
+        with self.assertRaisesRegex(RuntimeError, "statistics requested before a step"):
+            hf.expert_load(parts)
+
+
 @unittest.skipIf(not HAS_TRANSFORMERS or HAS_FUSED, "transformers 4.x only")
 class RouterAuxLoss4xTest(TestCase):
     def test_refused_without_fused_experts(self):
