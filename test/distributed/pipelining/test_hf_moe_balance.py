@@ -3,7 +3,8 @@
 auxiliary losses (Hugging Face's pooled form, the per-layer form, DeepSeek-V3's
 sequence-wise form) against hand computations on the unsplit model, with
 padding and full activation checkpointing; the expert-load statistics and
-DeepSeek-V3's bias update against the unsplit model's routing; the errors.
+DeepSeek-V3's bias update against the unsplit model's routing; in a group of
+one rank, what pipeline_hf_causal_lm adds for the statistics; the errors.
 The schedules under PP x EP are in ``test_hf_moe_balance_multiproc.py``."""
 
 from __future__ import annotations
