@@ -146,6 +146,7 @@ class Report:
         self.local_losses: dict[str, list[list[torch.Tensor]]] = {m: [] for m in runs}
         self.global_loss: dict[str, list[float]] = {m: [] for m in runs}
         self.identical_steps: list[bool] = []
+        self.loads: dict[str, Any] = {}  # mode -> the last step's hf.ExpertLoad
         self.params_equal = False
         self.reference_losses: list[float] = []
         if args.trace is not None:
@@ -208,6 +209,9 @@ class Report:
             total
         )  # the last stages' losses of the EP ranks average to the global batch's loss
         self.global_loss[mode].append(total.item() / self.args.ep)
+
+    def expert_load(self, mode: str, load: hf.ExpertLoad) -> None:
+        self.loads[mode] = load
 
     def print_step(self, step: int) -> None:
         a, b = self.local_losses["overlap"][step], self.local_losses["sequential"][step]
@@ -338,10 +342,12 @@ class Report:
             f"steps ({'float rounding' if r['reference_ok'] else 'UNEXPECTEDLY LARGE'})",
             flush=True,
         )
+        if "overlap" in self.loads:
+            print(f"step {n}, all ranks: {self.loads['overlap'].summary()}", flush=True)
 
     def _finish_trace(self) -> None:
         """Every rank extracts the phases of its traces, rank 0 draws them all (works across nodes)."""
-        from torch_pipelining_ext.demo import _timeline
+        from torch_pipelining_ext.demo import _load_plot, _timeline
 
         files = [
             os.path.join(self.args.trace, f"trace_{mode}_rank{self.rank}.json")
@@ -367,8 +373,13 @@ class Report:
             print(
                 "note: no timeline.png: matplotlib is not installed (pip install 'torch_pipelining_ext[plot]')"
             )
-        else:
-            print(f"timeline: {png}", flush=True)
+            return
+        print(f"timeline: {png}", flush=True)
+        if "overlap" in self.loads:
+            png = os.path.join(self.args.trace, "expert_load.png")
+            title = f"tiny {self.args.model}, step {self.args.steps}: tokens per expert, all ranks and microbatches"
+            _load_plot.plot_expert_load(self.loads["overlap"], png, title=title)
+            print(f"expert load: {png}", flush=True)
 
 
 def _transformers_version() -> str:

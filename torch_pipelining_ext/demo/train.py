@@ -15,7 +15,10 @@ config -- no download -- and trains it on synthetic data with
 * each step runs twice from the same weights: with the package's concurrent
   OVERLAP_F_B and with the sequential one (what stock torch runs).  Their
   losses and weights must be bitwise equal; rank 0 then trains the unsplit
-  Hugging Face model on the global batch as the reference (float tolerance).
+  Hugging Face model on the global batch as the reference (float tolerance);
+* after each step :func:`torch_pipelining_ext.hf.expert_load` sums the tokens
+  routed to each expert of every MoE layer over all ranks; the last step's
+  balance is printed (and plotted with ``--trace``).
 
 Exit status: 0 when all of that holds, 1 when not, 2 for bad arguments.
 Under ``torchrun`` the demo joins its env:// rendezvous instead of spawning.
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import ScheduleDualPipeV
 from torch.distributed.pipelining.schedules import OVERLAP_F_B
@@ -231,6 +235,8 @@ def train(args: argparse.Namespace, rank: int) -> int:
             with report.timed(mode, step):
                 losses = runs[mode].train_step(ids)
             report.losses(mode, step, losses)
+            # tokens per expert of every MoE layer, summed over all ranks and microbatches
+            report.expert_load(mode, hf.expert_load(runs[mode].parts, dist.group.WORLD))
         report.print_step(step)
 
     report.params_identical(runs["overlap"].parts, runs["sequential"].parts)

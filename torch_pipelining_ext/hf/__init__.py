@@ -24,7 +24,9 @@ stages, builds only this rank's stages, materialises them and reads only
 their tensors from a safetensors checkpoint.  :class:`CausalLMLoss` is the
 last stage's loss (its microbatch losses add up to Hugging Face's loss on the
 whole batch), and :func:`sync_tied_gradients` makes gradients of weights
-tied across stages (GPT-2's embedding and head) right.
+tied across stages (GPT-2's embedding and head) right.  A MoE stays balanced
+with a router auxiliary loss (``router_aux_loss=``), :func:`expert_load` and
+DeepSeek-V3's :func:`update_expert_bias`.
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ from torch_pipelining_ext.hf import (
     _compat,
     _config,
     _costs,
+    _expert_load,
     _expert_parallel,
     _selfcheck,
     _training,
 )
+from torch_pipelining_ext.hf._expert_load import ExpertLoad
 from torch_pipelining_ext.hf._expert_parallel import (
     ExpertParallelTransport,
     ExpertShard,
@@ -63,10 +67,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CausalLMLoss",
+    "ExpertLoad",
     "ExpertParallelTransport",
     "ExpertShard",
     "HFCausalLMStage",
     "estimate_layer_costs",
+    "expert_load",
     "expert_parallel_shards",
     "fully_shard_replicated",
     "has_fused_experts",
@@ -79,6 +85,7 @@ __all__ = [
     "self_check",
     "set_expert_parallel_transport",
     "sync_tied_gradients",
+    "update_expert_bias",
 ]
 
 
@@ -174,6 +181,8 @@ def pipeline_hf_causal_lm(
     activation_checkpointing: str | Callable | Sequence | None = None,
     verify: bool | None = None,
     ep_group: Any = None,
+    router_aux_loss: str | None = None,
+    router_aux_loss_coef: float | None = None,
     **stage_kwargs: Any,
 ) -> tuple[list[PipelineStage], list[HFCausalLMStage]]:
     """Build this rank's pipeline stages of a Hugging Face causal LM.
@@ -192,24 +201,25 @@ def pipeline_hf_causal_lm(
         num_stages: number of stages when the lists are generated (default:
             the pipeline size for single-stage schedules, twice it otherwise).
         layer_costs: see :func:`hf_module_names_per_stage`.
-        checkpoint: a safetensors checkpoint to read this rank's tensors from
-            (see :func:`load_stage_weights`).
-        init_weights: for a meta model without checkpoint, initialise the
-            stage weights with the model's own ``_init_weights``.
+        checkpoint: a safetensors checkpoint to read this rank's tensors from (:func:`load_stage_weights`).
+        init_weights: initialise a meta model's stage weights (no checkpoint) by its ``_init_weights``.
         dtype: cast floating-point weights to this dtype.
         activation_checkpointing: recompute each decoder layer in backward
-            (non-reentrant): ``"full"``, or selective with a policy function
-            or a sequence of ops to save (see
-            :meth:`HFCausalLMStage.set_activation_checkpointing`).  Hugging
+            (non-reentrant): ``"full"`` or selective (see
+            :meth:`HFCausalLMStage.set_activation_checkpointing`); Hugging
             Face's reentrant ``gradient_checkpointing_enable()`` is refused.
         verify: compare the stages of this model type with its unsplit
             forward on a tiny config first (:func:`self_check`); default:
             only for unverified model types, refused if the check fails.
-        ep_group: the expert-parallel dimension (``ProcessGroup`` or 1-D ``DeviceMesh``,
-            or the ``"ep"`` dimension of a 2-D mesh): every MoE layer keeps ``E / ep``
-            of its fused experts (transformers 5.x; ``[Note: HF expert parallelism]``).
-            Its ranks feed different data: see :func:`reduce_expert_parallel_gradients`
-            (each step) or :func:`fully_shard_replicated` (once).
+        ep_group: the expert-parallel dimension (``ProcessGroup``, 1-D ``DeviceMesh``
+            or the ``"ep"`` dimension of a 2-D mesh): every MoE layer keeps ``E / ep`` of
+            its fused experts (``[Note: HF expert parallelism]``); its ranks feed different
+            data (:func:`reduce_expert_parallel_gradients`, :func:`fully_shard_replicated`).
+        router_aux_loss: a MoE's router auxiliary loss: ``"pooled"`` (Hugging
+            Face's, the default where ``config.output_router_logits``),
+            ``"per_layer"`` or ``"sequence"`` (DeepSeek-V3's); see :class:`CausalLMLoss`.
+        router_aux_loss_coef: its coefficient (default
+            ``config.router_aux_loss_coef``; required for ``"sequence"``).
         **stage_kwargs: further ``PipelineStage`` arguments.
 
     Returns:
@@ -218,24 +228,20 @@ def pipeline_hf_causal_lm(
     Raises:
         ValueError: a model layout this cannot run (the message names what
             is missing), a bad split, a meta model with neither
-            ``checkpoint`` nor ``init_weights``, or checkpoint problems.
+            ``checkpoint`` nor ``init_weights``, checkpoint problems, or an
+            auxiliary loss the model cannot have.
 
     Tensors tied across stages are reported with a warning (call
     :func:`sync_tied_gradients` after each backward).  Run the schedule with
-    ``scale_grads=False`` and :class:`CausalLMLoss`, which also says how
-    ``config.output_router_logits`` adds the router auxiliary loss.
+    ``scale_grads=False`` and :class:`CausalLMLoss`.
     """
     options = _config.StageOptions(
-        num_stages=num_stages,
-        layer_costs=layer_costs,
-        checkpoint=checkpoint,
-        init_weights=init_weights,
-        dtype=dtype,
+        num_stages=num_stages, layer_costs=layer_costs, checkpoint=checkpoint,
+        init_weights=init_weights, dtype=dtype, verify=verify, ep_group=ep_group,
         activation_checkpointing=activation_checkpointing,
-        verify=verify,
-        ep_group=ep_group,
+        router_aux_loss=router_aux_loss, router_aux_loss_coef=router_aux_loss_coef,
         stage_kwargs=stage_kwargs,
-    )
+    )  # fmt: skip
     return _build.build_stages(
         model, pp_mesh_or_group, schedule, device, module_names_per_stage, options
     )
@@ -340,6 +346,59 @@ def fully_shard_replicated(
     this rank's stages once, before the first step.
     """
     _training.fully_shard_replicated(parts, mesh, **fsdp_kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Expert load and balancing
+# ---------------------------------------------------------------------------
+
+
+def expert_load(
+    parts: Sequence[HFCausalLMStage], group: dist.ProcessGroup | None = None
+) -> ExpertLoad:
+    """The expert load of the step: per MoE layer, the (token, expert) slots
+    routed to each expert, summed over every microbatch and over ``group``.
+
+    Call it after ``schedule.step()``: it returns the counts of every forward
+    since the last call and starts the next step's from zero (a second call
+    without a step in between raises ``RuntimeError``).  The counts
+    accumulate on the stages' device; this call adds one all-reduce (of
+    ``num_hidden_layers x (2 E + 3)`` integers) and one host
+    synchronisation.  See ``[Note: HF expert load]``.
+
+    Args:
+        parts: this rank's stage modules (a MoE model's).
+        group: the ranks to sum over: the expert-parallel group (with the
+            data-parallel ranks, if any) for the global batch's counts of
+            this rank's layers; the whole world (``dist.group.WORLD``) to
+            get every layer on every rank; ``None``: this rank's counts only.
+            A collective: every rank of ``group`` calls it.
+
+    Returns:
+        :class:`ExpertLoad` (tokens per expert, max/mean load, padding and
+        dropped slots per layer; ``summary()`` is one line).
+    """
+    return _expert_load.expert_load(parts, group)
+
+
+def update_expert_bias(
+    parts: Sequence[HFCausalLMStage], load: ExpertLoad, rate: float
+) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: after
+    ``optimizer.step()``, add ``rate * sign(mean load - load_i)`` to every
+    MoE layer's ``e_score_correction_bias`` (per layer, expert ``i``), from
+    ``load = expert_load(parts, group)`` of the same step.
+
+    With ``group`` covering every rank that trains on other data (the
+    expert-parallel and data-parallel ranks), every replica of a layer gets
+    the same load and the same update, bitwise; each pipeline rank updates
+    its own layers.  No communication.
+
+    Raises:
+        ValueError: the stages' routers have no ``e_score_correction_bias``,
+            ``load`` lacks one of their layers, or ``rate`` is not > 0.
+    """
+    _expert_load.update_expert_bias(parts, load, rate)
 
 
 # ---------------------------------------------------------------------------

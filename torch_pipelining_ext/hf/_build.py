@@ -21,6 +21,7 @@ from torch_pipelining_ext import stage_split
 from torch_pipelining_ext.hf import _compat, _config
 from torch_pipelining_ext.hf._checkpoint import load_stage_weights
 from torch_pipelining_ext.hf._costs import module_names_per_stage
+from torch_pipelining_ext.hf._expert_load import count_schedule_forwards
 from torch_pipelining_ext.hf._factory import StageFactory
 from torch_pipelining_ext.hf._layout import detect_layout, VERIFIED_MODEL_TYPES
 from torch_pipelining_ext.hf._loading import checkpoint_entries
@@ -108,7 +109,6 @@ def build_stages(
         )
     layout = detect_layout(model)
     check_trainable(model, layout)
-    _check_router_aux_runtime(model)
     _config.check_checkpointing_schedule(options.activation_checkpointing, schedule_cls)
     model_type = getattr(model.config, "model_type", None)
     if options.verify or (
@@ -143,6 +143,8 @@ def build_stages(
         **options.stage_kwargs,
     )
     _place_weights(parts, on_meta, device, options)
+    for stage, part in zip(stages, parts):
+        count_schedule_forwards(stage, part)  # [Note: HF expert load]
     return stages, parts
 
 
@@ -182,23 +184,3 @@ def _place_weights(
             part.to(
                 device=device, dtype=options.dtype
             ) if options.dtype is not None else part.to(device)
-
-
-def _check_router_aux_runtime(model: nn.Module) -> None:
-    """The router auxiliary loss is verified under torch's own step loop only.
-
-    Where torch has no custom-function runtime (torch 2.9: the package runs its
-    backport, the ``runtime_step_loop`` patch), the stages' extra outputs are
-    not verified and a step was seen not to finish: refused.
-    """
-    if not getattr(model.config, "output_router_logits", False):
-        return
-    import torch_pipelining_ext
-
-    status = {r.name: r.status for r in torch_pipelining_ext.patch_report()}
-    if status.get("runtime_step_loop") is torch_pipelining_ext.PatchStatus.APPLIED:
-        raise ValueError(
-            "config.output_router_logits: the router auxiliary loss through pipeline stages is verified "
-            "only under torch's own step loop (torch 2.10+); this torch runs the package's backport of it. "
-            "Set output_router_logits=False or use torch 2.10 or newer"
-        )

@@ -33,6 +33,8 @@ class StageOptions:
     activation_checkpointing: str | Callable | Sequence | None = None
     verify: bool | None = None
     ep_group: Any = None
+    router_aux_loss: str | None = None
+    router_aux_loss_coef: float | None = None
     stage_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

@@ -7,7 +7,6 @@ parallelism]``.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import types
 from typing import Any
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext.hf._routing import fused_experts_problem
 from torch_pipelining_ext.hf._selfcheck import tiny_config
 
 
@@ -159,33 +159,6 @@ class ExpertShard:
 
     def __deepcopy__(self, memo: dict) -> ExpertShard:
         return self  # holds a process group
-
-
-_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
-
-
-def fused_experts_problem(module: nn.Module, hidden_size: int) -> str | None:
-    """Why ``module`` (named ``experts``) is not a fused experts module this
-    expert parallelism can shard, or ``None`` if it is."""
-    params = dict(module.named_parameters())
-    if set(params) != {"gate_up_proj", "down_proj"}:
-        return f"parameters {sorted(params)}, expected exactly gate_up_proj and down_proj (no biases)"
-    gate_up, down = params["gate_up_proj"], params["down_proj"]
-    if (
-        gate_up.dim() != 3
-        or down.dim() != 3
-        or gate_up.shape[2] != hidden_size
-        or down.shape[1] != hidden_size
-    ):
-        return f"gate_up_proj {list(gate_up.shape)} / down_proj {list(down.shape)} are not [E, 2I, H] / [E, H, I]"
-    if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2]:
-        return f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} do not match"
-    names = tuple(inspect.signature(type(module).forward).parameters)[1:4]
-    if names != _FORWARD_ARGS:
-        return f"its forward takes {names}, expected {_FORWARD_ARGS}"
-    if not callable(getattr(module, "act_fn", None)):
-        return "it has no act_fn"
-    return None
 
 
 def shard_experts(

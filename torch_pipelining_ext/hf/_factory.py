@@ -19,6 +19,7 @@ from torch_pipelining_ext.hf._config import StageOptions
 from torch_pipelining_ext.hf._expert_parallel import shard_experts
 from torch_pipelining_ext.hf._layout import DecoderLayout
 from torch_pipelining_ext.hf._router_aux import router_aux_loss
+from torch_pipelining_ext.hf._routing import model_routing
 from torch_pipelining_ext.hf._stage import HFCausalLMStage, TiedGroup
 from torch_pipelining_ext.hf._tensors import init_weights
 
@@ -76,7 +77,10 @@ class StageFactory:
         self.ignore_unexpected = list(
             getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
         )
-        self.router_aux = router_aux_loss(model)
+        self.routing = model_routing(model, layout.layers_prefix)
+        self.router_aux = router_aux_loss(
+            model, self.routing, options.router_aux_loss, options.router_aux_loss_coef
+        )
         self.conversions = (
             _compat.conversion_mapping(model)
             if options.checkpoint is not None
@@ -96,6 +100,7 @@ class StageFactory:
             ignore_unexpected=self.ignore_unexpected,
             checkpoint_conversions=self.conversions,
             router_aux=self.router_aux,
+            routing=self.routing,
         )
         stage.set_activation_checkpointing(self.options.activation_checkpointing)
         if self.ep_group is not None:

@@ -1,189 +1,303 @@
 # mypy: allow-untyped-defs
-"""Hugging Face's router auxiliary (load-balancing) loss through the stages.
+"""Router auxiliary (load-balancing) losses through the stages.
 
 Private helper of :mod:`torch_pipelining_ext.hf`; see ``[Note: HF router
-auxiliary loss]``.
+auxiliary loss]`` and ``[Note: HF carried router tensors]``.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from torch_pipelining_ext.hf import _compat
+from torch_pipelining_ext.hf._routing import LayerRecord, Routing
 
 
 __all__: list[str] = []
 
 # [Note: HF router auxiliary loss]
-# transformers' ``load_balancing_loss_func`` (Qwen3-MoE, Mixtral, OLMoE, ...)
-# sums, over every MoE layer of one forward, the per-expert count of top-k
-# assignments and the per-expert sum of router probabilities (both masked by
-# the attention mask), divides both by the rows summed over the layers, and
-# only then multiplies them: ``E * sum(counts / rows * probs / rows)``.  The
-# layers' statistics meet in one product, so the stages carry running sums:
-# with ``config.output_router_logits`` a stage takes and returns
-# ``(hidden, prob_sums [E] float32, counts [E + 1] int64, mask [b, s] int64)``
-# (``counts[E]`` holds the rows; the first stage takes ``input_ids`` and an
-# optional attention mask) and adds its layers' sums, in layer order, as the
-# unsplit forward does.  The last stage returns ``(logits, coef * aux)``
-# (aux of shape [1], so that the schedule can concatenate the microbatches'
-# outputs) and CausalLMLoss adds ``coef * aux / n_microbatches``: the step's
-# loss is the token-mean LM loss plus the plain mean of the microbatches'
-# auxiliary losses (neither HF's loss on the whole batch nor its gradient accumulation,
-# which adds the terms).  Autograd carries the gradient back through the
-# probability sums; the counts carry none.  Router logits are read with a
-# forward hook on the model's router class (the OutputRecorder transformers
-# itself uses), into a collector of the thread running this stage's forward:
-# an activation-checkpointing recomputation, or the other side of an
-# overlapped OVERLAP_F_B, records nothing.  The stage forward takes no
-# attention mask, so the padding must be on the right.
+# Three forms, each the microbatch's term; the step's loss adds
+# ``term / n_microbatches`` per microbatch (CausalLMLoss), i.e. the plain
+# mean over the microbatches (and, through the gradient averaging, over the
+# EP ranks) -- neither the loss of the whole batch nor Hugging Face's gradient
+# accumulation, which adds the terms.
+#
+# * "pooled" (Hugging Face's own, ``config.output_router_logits``):
+#   transformers' ``load_balancing_loss_func`` sums, over every MoE layer,
+#   the per-expert count of top-k assignments and the per-expert sum of
+#   softmax probabilities (both masked by the attention mask), divides both
+#   by the rows summed over the layers, and only then multiplies them:
+#   ``coef * E * sum_i(counts_i / rows * probs_i / rows)``.  The layers meet
+#   in one product, so the stages carry the running sums and the last stage
+#   evaluates it.
+# * "per_layer" (the Switch Transformer / Megatron-Core form): that function
+#   on each MoE layer alone, summed over the layers; each stage adds its
+#   layers' terms to a running sum.
+# * "sequence" (DeepSeek-V3's complementary sequence-wise loss): per MoE layer
+#   and sequence of T real tokens, ``f_i = E / (k T) * #tokens routed to i``
+#   (the experts the layer really routes to: DeepSeek-V3's group-limited
+#   top-k of sigmoid scores plus ``e_score_correction_bias``) and
+#   ``P_i = mean_t s'_{t,i}`` with ``s'`` the token's affinities normalised
+#   to sum 1 (sigmoid scores, or softmax probabilities for softmax routers);
+#   the layer's term is ``coef * mean over sequences of sum_i f_i P_i``
+#   (sequences without a real token left out), summed over the layers.
+#
+# Counts carry no gradient; probabilities and affinities do, and autograd
+# carries it back through the running sums.  The first stage takes
+# ``(input_ids[, attention_mask])`` (no mask: no padding); the stage forward
+# takes no attention mask, so the padding must be on the right.
+
+
+# [Note: HF carried router tensors]
+# With an auxiliary loss a stage takes and returns ``(hidden, *sums, mask)``:
+# "pooled" carries ``prob_sums [E] float32`` and ``counts [E + 1] float64``
+# (``counts[E]``: the rows; float64 holds integers exactly), the others a
+# running loss ``[1] float32``; ``mask [b, s] float32`` is the attention
+# mask.  The last stage returns ``(logits, term [1])`` (shape [1], so that
+# the schedule can concatenate the microbatches' outputs).  Three rules keep
+# this within what every supported torch's PipelineStage runs:
+#   * every carried tensor is floating point: torch 2.9 makes every received
+#     tensor require grad, which an integer tensor cannot;
+#   * every carried tensor gets a gradient: torch 2.9 sends one back for
+#     every received tensor, so the last stage adds ``(t * 0).sum()`` of
+#     the tensors that carry none (the counts, the mask: zero, exactly);
+#   * no stage returns a tensor it received: torch 2.9's input backward
+#     detaches the stage's outputs in place, which would detach the receive
+#     buffer itself, so tensors passed on unchanged are cloned.
+
+_MODES = ("pooled", "per_layer", "sequence")
 
 
 @dataclass(frozen=True)
 class RouterAuxLoss:
-    """What the auxiliary loss of one model needs: its router class, the index
-    of the logits in the router's output, ``E``, ``top_k`` and the coefficient."""
+    """The auxiliary loss of one model: its form (``"pooled"``,
+    ``"per_layer"`` or ``"sequence"``), routing and coefficient."""
 
-    router_cls: type
-    index: int
-    num_experts: int
-    top_k: int
+    mode: str
+    routing: Routing
     coef: float
 
+    @property
+    def num_experts(self) -> int:
+        return self.routing.num_experts
 
-def router_aux_loss(model: nn.Module) -> RouterAuxLoss | None:
-    """The auxiliary loss ``model``'s config asks for (``output_router_logits``),
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
+
+def router_aux_loss(
+    model: nn.Module,
+    routing: Routing | None,
+    mode: str | None = None,
+    coef: float | None = None,
+) -> RouterAuxLoss | None:
+    """The auxiliary loss asked for by ``mode`` (default: Hugging Face's,
+    "pooled", where ``config.output_router_logits`` is set) and ``coef``
+    (default: ``config.router_aux_loss_coef``; required for "sequence");
     ``None`` if none; ``ValueError`` when it cannot be computed exactly."""
     config = model.config
-    if not getattr(config, "output_router_logits", False):
-        return None
-    what = f"config.output_router_logits is set on a {type(model).__name__}"
-    if not _compat.has_fused_experts():
+    if mode is None:
+        if not getattr(config, "output_router_logits", False):
+            if coef is not None:
+                raise ValueError(
+                    f"router_aux_loss_coef={coef} but no auxiliary loss is asked for: pass router_aux_loss "
+                    "('pooled', 'per_layer' or 'sequence') or set config.output_router_logits=True"
+                )
+            return None
+        mode, what = "pooled", "config.output_router_logits is set"
+    else:
+        what = f"router_aux_loss={mode!r}"
+    if mode not in _MODES:
         raise ValueError(
-            f"{what}: the router auxiliary loss through pipeline stages needs transformers 5.x (routers apart "
-            "from the experts); set it to False on this transformers"
+            f"router_aux_loss must be one of {_MODES} or None, got {mode!r}"
         )
-    modeling = sys.modules[type(model).__module__]
-    base = model.get_submodule(model.base_model_prefix)
-    recorder = getattr(base, "_can_record_outputs", None) or {}
-    recorder = recorder.get("router_logits")
-    names = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
-    if (
-        recorder is None
-        or not hasattr(modeling, "load_balancing_loss_func")
-        or not all(hasattr(model, n) for n in names)
-    ):
-        raise ValueError(
-            f"{what}, but {config.model_type} has no router auxiliary loss in transformers "
-            "(no load_balancing_loss_func on router logits); set it to False"
-        )
+    what = f"{what} on a {type(model).__name__}"
+    _check_routing(model, routing, mode, what)
+    assert routing is not None
     if getattr(config, "router_jitter_noise", 0):
         raise ValueError(
             f"{what} with router_jitter_noise={config.router_jitter_noise}: random routing in training, which "
             "overlapped and sequential runs could not reproduce; set router_jitter_noise=0"
         )
-    return RouterAuxLoss(
-        recorder.target_class,
-        recorder.index,
-        model.num_experts,
-        model.num_experts_per_tok,
-        float(model.router_aux_loss_coef),
-    )
+    return RouterAuxLoss(mode, routing, _coefficient(model, mode, coef, what))
 
 
-class _Collector(threading.local):
-    logits: list[torch.Tensor] | None = None
+def _check_routing(
+    model: nn.Module, routing: Routing | None, mode: str, what: str
+) -> None:
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    if not _compat.has_fused_experts():
+        raise ValueError(
+            f"{what}: the router auxiliary loss through pipeline stages needs transformers 5.x (routers apart "
+            "from the experts); set it to False on this transformers"
+        )
+    if routing is None or routing.router_cls is None:
+        raise ValueError(
+            f"{what}, but {model_type} has no router whose logits transformers records (no fused MoE "
+            "experts): a router auxiliary loss needs a MoE model; leave it off"
+        )
+    if mode in ("pooled", "per_layer") and not routing.has_balancing_loss:
+        raise ValueError(
+            f"{what}, but {model_type} has no router auxiliary loss in transformers (no "
+            "load_balancing_loss_func on router logits): it balances with e_score_correction_bias "
+            "(hf.update_expert_bias); for DeepSeek-V3's sequence-wise loss pass router_aux_loss='sequence' "
+            "and router_aux_loss_coef"
+        )
+    if mode == "sequence" and routing.score is None:
+        raise ValueError(
+            f"{what}, but the score function of {model_type}'s router is not known here (softmax routers "
+            "with load_balancing_loss_func, DeepSeek-V3 and GLM-4-MoE are)"
+        )
 
 
-_collector = _Collector()
-
-
-def install_hooks(part: nn.Module, aux: RouterAuxLoss) -> int:
-    """Record router logits of ``part`` into the current thread's collector;
-    returns the number of routers."""
-
-    def record(module, args, output):
-        if _collector.logits is not None:
-            _collector.logits.append(output[aux.index])
-
-    routers = [m for m in part.modules() if isinstance(m, aux.router_cls)]
-    for router in routers:
-        router.register_forward_hook(record)
-    return len(routers)
+def _coefficient(model: nn.Module, mode: str, coef: float | None, what: str) -> float:
+    if coef is None:
+        if mode == "sequence":
+            raise ValueError(
+                f"{what} needs router_aux_loss_coef (DeepSeek-V3's alpha, e.g. 1e-4): transformers' config "
+                "has no coefficient for this loss"
+            )
+        coef = getattr(model.config, "router_aux_loss_coef", None)
+        if coef is None:
+            raise ValueError(
+                f"{what}: the config has no router_aux_loss_coef; pass router_aux_loss_coef"
+            )
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)):
+        raise ValueError(
+            f"router_aux_loss_coef must be a number, got {type(coef).__name__}"
+        )
+    if not (math.isfinite(coef) and coef >= 0):
+        raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {coef}")
+    return float(coef)
 
 
 class RunningSums:
-    """The running sums of one microbatch through one stage."""
+    """The carried router tensors of one microbatch through one stage (see
+    ``[Note: HF carried router tensors]``)."""
 
     def __init__(self, aux: RouterAuxLoss, x: torch.Tensor, carried: tuple) -> None:
         self.aux = aux
-        first = _is_ids(x)
-        if (first and len(carried) > 1) or (not first and len(carried) != 3):
-            takes = (
-                "(input_ids[, attention_mask])"
-                if first
-                else "(hidden, prob_sums, counts, mask)"
-            )
+        first = not x.is_floating_point()
+        width = 2 if aux.mode == "pooled" else 1
+        if (first and len(carried) > 1) or (not first and len(carried) != width + 1):
             raise ValueError(
-                f"a stage with the router auxiliary loss takes {takes}, got {1 + len(carried)} tensors"
+                f"a stage with the router auxiliary loss ({aux.mode}) takes "
+                f"{self._signature(first)}, got {1 + len(carried)} tensors"
             )
         if first:
             mask = carried[0] if carried else torch.ones_like(x)
             check_mask(mask, x)
-            e = aux.num_experts
-            self.probs = torch.zeros(e, dtype=torch.float32, device=x.device)
-            self.counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
-            self.mask = mask.to(torch.int64)
+            self.mask = mask.to(torch.float32)
+            self.sums = self._zeros(x.device)
         else:
-            self.probs, self.counts, self.mask = carried
+            *sums, self.mask = carried
+            self.sums = list(sums)
 
-    def record(self, layer_call):
-        """Run ``layer_call()`` recording its routers' logits; add their sums."""
-        _collector.logits = []
-        try:
-            out = layer_call()
-            logits = _collector.logits
-        finally:
-            _collector.logits = None
-        for layer_logits in logits:
-            self.add(layer_logits)
-        return out
+    def _signature(self, first: bool) -> str:
+        if first:
+            return "(input_ids[, attention_mask])"
+        if self.aux.mode == "pooled":
+            return "(hidden, prob_sums, counts, mask)"
+        return "(hidden, loss, mask)"
 
-    def add(self, router_logits: torch.Tensor) -> None:
-        """One MoE layer's sums, as ``load_balancing_loss_func`` forms them."""
-        top_k, e = self.aux.top_k, self.aux.num_experts
-        weights = torch.nn.functional.softmax(router_logits, dim=-1)
-        _, selected = torch.topk(weights, top_k, dim=-1)
-        flat = self.mask.reshape(-1)
-        counts = torch.zeros(e, dtype=torch.int64, device=flat.device).scatter_add(
-            0, selected.reshape(-1), flat.repeat_interleave(top_k)
-        )
-        rows = flat.sum().reshape(1)
-        self.counts = self.counts + torch.cat([counts, rows])
-        self.probs = self.probs + (weights.float() * flat.float().unsqueeze(-1)).sum(
-            dim=0
-        )
+    def _zeros(self, device: torch.device) -> list[torch.Tensor]:
+        if self.aux.mode != "pooled":
+            return [torch.zeros(1, dtype=torch.float32, device=device)]
+        e = self.aux.num_experts
+        return [
+            torch.zeros(e, dtype=torch.float32, device=device),
+            torch.zeros(e + 1, dtype=torch.float64, device=device),
+        ]
+
+    def add(self, record: LayerRecord) -> None:
+        """Add one MoE layer's terms."""
+        if record.logits is None or record.indices is None:
+            raise RuntimeError(
+                "a MoE layer ran without a recorded router call: the auxiliary loss cannot be computed"
+            )
+        mask = self.mask.detach()
+        if self.aux.mode == "pooled":
+            probs, counts = self.sums
+            p, c = _switch_sums(record.logits, mask, self.aux.top_k)
+            self.sums = [probs + p, counts + c.double()]
+            return
+        if self.aux.mode == "per_layer":
+            p, c = _switch_sums(record.logits, mask, self.aux.top_k)
+            term = _switch_product(p, c, self.aux.num_experts)
+        else:
+            term = _sequence_term(record, mask, self.aux)
+        self.sums = [self.sums[0] + self.aux.coef * term.reshape(1)]
 
     def outputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return h, self.probs, self.counts, self.mask
+        """What a stage other than the last returns (no received tensor
+        returned itself: [Note: HF carried router tensors])."""
+        return (h, *(t.clone() for t in self.sums), self.mask.clone())
 
     def loss(self) -> torch.Tensor:
-        """``coef * load_balancing_loss_func`` of the microbatch, shape ``[1]``
-        (so that the schedule can concatenate the microbatches' outputs)."""
-        rows = self.counts[-1].float()
-        tokens_per_expert = self.counts[:-1].float() / rows
-        probs_per_expert = self.probs / rows
-        aux = torch.sum(tokens_per_expert * probs_per_expert.unsqueeze(0))
-        return (self.aux.coef * (aux * self.aux.num_experts)).reshape(1)
+        """The microbatch's term, shape ``[1]``."""
+        if self.aux.mode == "pooled":
+            probs, counts = self.sums
+            term = self.aux.coef * _switch_product(
+                probs, counts.detach().float(), self.aux.num_experts
+            )
+            no_grad = [counts, self.mask]
+        else:
+            term, no_grad = self.sums[0], [self.mask]
+        for t in no_grad:
+            term = term + (t * 0).sum().to(term.dtype)
+        return term.reshape(1)
 
 
-def _is_ids(x: torch.Tensor) -> bool:
-    return not x.is_floating_point()
+def _switch_sums(
+    logits: torch.Tensor, mask: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's masked probability sums ``[E]`` and top-k counts with the
+    rows ``[E + 1]``, as ``load_balancing_loss_func`` forms them."""
+    weights = torch.nn.functional.softmax(logits, dim=-1)
+    _, selected = torch.topk(weights, top_k, dim=-1)
+    flat = mask.reshape(-1)
+    e = logits.shape[-1]
+    counts = torch.zeros(e, dtype=torch.float32, device=flat.device).scatter_add(
+        0, selected.reshape(-1), flat.repeat_interleave(top_k)
+    )
+    probs = (weights.float() * flat.unsqueeze(-1)).sum(dim=0)
+    return probs, torch.cat([counts, flat.sum().reshape(1)])
+
+
+def _switch_product(
+    probs: torch.Tensor, counts: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """``E * sum_i(counts_i / rows * probs_i / rows)``, ``rows = counts[E]``."""
+    rows = counts[-1]
+    return num_experts * torch.sum((counts[:-1] / rows) * (probs / rows))
+
+
+def _sequence_term(
+    record: LayerRecord, mask: torch.Tensor, aux: RouterAuxLoss
+) -> torch.Tensor:
+    """One layer's sequence-wise term (without the coefficient)."""
+    logits = record.logits.float()
+    if aux.routing.score == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    b, s = mask.shape
+    e, k = aux.num_experts, aux.top_k
+    affinity = (scores / scores.sum(dim=-1, keepdim=True)).view(b, s, e)
+    routed = torch.zeros(b * s, e, dtype=torch.float32, device=mask.device)
+    routed = routed.scatter_(1, record.indices.reshape(b * s, -1), 1.0).view(b, s, e)
+    m = mask.unsqueeze(-1)
+    tokens = mask.sum(dim=-1, keepdim=True)
+    denom = tokens.clamp(min=1)
+    f = (e / k) * (routed * m).sum(dim=1) / denom
+    p = (affinity * m).sum(dim=1) / denom
+    per_sequence = (f * p).sum(dim=-1)
+    return per_sequence.sum() / (tokens > 0).sum().clamp(min=1)
 
 
 def check_mask(mask: torch.Tensor, ids: torch.Tensor) -> None:

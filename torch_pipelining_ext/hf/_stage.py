@@ -20,10 +20,13 @@ import torch.nn as nn
 
 from torch_pipelining_ext.hf import _compat
 from torch_pipelining_ext.hf._layout import DecoderLayout
-from torch_pipelining_ext.hf._router_aux import (
+from torch_pipelining_ext.hf._expert_load import LoadCounter
+from torch_pipelining_ext.hf._router_aux import RouterAuxLoss, RunningSums
+from torch_pipelining_ext.hf._routing import (
+    experts_modules,
     install_hooks,
-    RouterAuxLoss,
-    RunningSums,
+    record_layer,
+    Routing,
 )
 
 
@@ -84,6 +87,7 @@ class HFCausalLMStage(nn.Module):
         ignore_unexpected: Sequence[str] = (),
         checkpoint_conversions: Any = None,
         router_aux: RouterAuxLoss | None = None,
+        routing: Routing | None = None,
     ) -> None:
         super().__init__()
         if any(p is not None for p in part._parameters.values()):
@@ -112,10 +116,29 @@ class HFCausalLMStage(nn.Module):
             _compat.embedding_normalizer(base) if base is not None else None
         )
         self._check_placement()
-        # [Note: HF router auxiliary loss]
+        # [Note: HF routing records], [Note: HF router auxiliary loss]
         self._router_aux = router_aux
-        if router_aux is not None:
-            install_hooks(self, router_aux)
+        self._routing = routing or (router_aux.routing if router_aux else None)
+        self._routers: dict[int, nn.Module] = {}
+        self._expert_load: LoadCounter | None = None
+        if self._routing is not None:
+            self._record_routing(self._routing)
+
+    def _record_routing(self, routing: Routing) -> None:
+        """Hooks that record the routing; this stage's MoE layers, their
+        routers and the counter of their expert load."""
+        install_hooks(self, routing)
+        moe_layers = []
+        for index, layer in self._layers():
+            if not experts_modules(layer):
+                continue
+            moe_layers.append(index)
+            if routing.router_cls is not None:
+                for m in layer.modules():
+                    if isinstance(m, routing.router_cls):
+                        self._routers[index] = m
+                        break
+        self._expert_load = LoadCounter(moe_layers, routing.num_experts)
 
     @property
     def is_first(self) -> bool:
@@ -242,18 +265,19 @@ class HFCausalLMStage(nn.Module):
     def forward(self, x: torch.Tensor, *carried: torch.Tensor) -> Any:
         """Run this stage (see the class docstring); see ``[Note: HF stage forward]``.
 
-        With the router auxiliary loss (``config.output_router_logits``) it
-        also takes and returns the running router sums, and the last stage
-        returns ``(logits, auxiliary loss)``: see ``[Note: HF router
-        auxiliary loss]``."""
+        With a router auxiliary loss (``config.output_router_logits`` or
+        ``router_aux_loss``) it also takes and returns the carried router
+        tensors, and the last stage returns ``(logits, auxiliary loss)``:
+        see ``[Note: HF carried router tensors]``."""
         sums = None
         if self._router_aux is not None:
             sums = RunningSums(self._router_aux, x, carried)
         elif carried:
             raise TypeError(
                 f"stage {self.stage_index} takes one tensor, got {1 + len(carried)} "
-                "(more only with config.output_router_logits)"
+                "(more only with a router auxiliary loss)"
             )
+        counted = self._expert_load is not None and self._expert_load.counting(x)
         h = self._embed(x) if self.is_first else x
         cache_position = torch.arange(h.shape[1], device=h.device)
         position_ids = cache_position.unsqueeze(0)
@@ -281,11 +305,33 @@ class HFCausalLMStage(nn.Module):
                 available["attention_mask"] = masks[kinds[index]]
                 available.update(tables[kinds[index]])
                 call = functools.partial(self._call_layer, index, layer, h, available)
-                h = call() if sums is None else sums.record(call)
+                h = self._run_layer(index, call, sums, counted)
+        if counted:
+            self._expert_load.forwards += 1
         if self.is_last:
             h = self._head(h)
             return h if sums is None else (h, sums.loss())
         return h if sums is None else sums.outputs(h)
+
+    def _run_layer(
+        self,
+        index: int,
+        call: Callable[[], torch.Tensor],
+        sums: RunningSums | None,
+        counted: bool,
+    ) -> torch.Tensor:
+        """Run one layer; for a MoE model, record its routing (auxiliary
+        loss; expert load if ``counted``)."""
+        if self._routing is None:
+            return call()
+        h, record = record_layer(call)
+        if record.indices is not None:
+            if counted:
+                mask = None if sums is None else sums.mask
+                self._expert_load.add(index, record.indices, mask)
+            if sums is not None:
+                sums.add(record)
+        return h
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():

@@ -49,16 +49,18 @@ class CausalLMLoss:
     * with expert parallelism, ``set_labels(labels, group=ep_group)`` is a
       collective over that group: every rank of it calls it, each step.
 
-    With ``config.output_router_logits`` (Hugging Face's router auxiliary
-    loss) the last stage returns ``(logits, coef * aux)`` and each
-    microbatch's loss adds ``coef * aux / n_microbatches``: build it with
-    ``n_microbatches`` (the schedule's), feed the first stage
-    ``(input_ids, attention_mask)`` with the padding on the right.  The step
-    loss is then the token-mean LM loss plus the *plain mean* over
-    microbatches (and EP ranks) of ``load_balancing_loss_func``: neither
-    Hugging Face's loss on the whole batch nor its gradient accumulation
-    (which adds the terms); see ``[Note: HF router auxiliary loss]``.  A
-    model without that loss in transformers (DeepSeek-V3) and
+    With a router auxiliary loss (``config.output_router_logits``: Hugging
+    Face's; or ``pipeline_hf_causal_lm(router_aux_loss=...)``: "pooled",
+    "per_layer", DeepSeek-V3's "sequence") the last stage returns
+    ``(logits, coef * aux)`` and each microbatch's loss adds
+    ``coef * aux / n_microbatches``: build it with ``n_microbatches`` (the
+    schedule's), feed the first stage ``(input_ids, attention_mask)`` with
+    the padding on the right.  The step loss is then the token-mean LM loss
+    plus the *plain mean* over microbatches (and EP ranks) of the
+    microbatches' auxiliary terms: neither the auxiliary loss of the whole
+    batch nor Hugging Face's gradient accumulation (which adds the terms);
+    see ``[Note: HF router auxiliary loss]``.  A form the model does not
+    have (Hugging Face's on DeepSeek-V3, any on a dense model) and
     ``router_jitter_noise > 0`` are refused when the stages are built.
 
     Example::

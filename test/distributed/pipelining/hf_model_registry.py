@@ -5,9 +5,15 @@ on two CPU cores (hidden size 32, 4 heads, a few experts), with dropout off so
 that split and unsplit runs compute the same thing.  Mixed attention types
 use a window of 4 < the tests' sequence length 8, so a wrong mask shows.
 No download: every model is built from its config.
+
+The reference computations of the MoE balancing tests (the router auxiliary
+losses written out, the routing counts) read the unsplit model's routing with
+hooks on transformers' own router class.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -217,3 +223,84 @@ def tiny_hf_model(family: str, seed: int = 0, **kwargs):
 
     torch.manual_seed(seed)
     return tf.AutoModelForCausalLM.from_config(tiny_hf_config(family, **kwargs)).float()
+
+
+# ---------------------------------------------------------------------------
+# References of the MoE balancing tests, from the unsplit model's routing
+# ---------------------------------------------------------------------------
+
+
+def _is_moe_layer(layer) -> bool:
+    return any(
+        name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules()
+    )
+
+
+def router_records(model, ids, mask=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(router logits [T, E], routed top-k indices [T, k]) of every MoE layer
+    of the unsplit ``model``'s forward, from hooks on transformers' router class."""
+    recorder = model.get_submodule(model.base_model_prefix)._can_record_outputs
+    router_cls = recorder["router_logits"].target_class
+    records = []
+    handles = [
+        m.register_forward_hook(lambda mod, a, out: records.append((out[0], out[2])))
+        for m in model.modules()
+        if isinstance(m, router_cls)
+    ]
+    try:
+        model(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    return records
+
+
+def per_layer_loss_by_hand(model, ids, mask) -> torch.Tensor:
+    """Sum over MoE layers of transformers' load_balancing_loss_func on that layer alone."""
+    func = sys.modules[type(model).__module__].load_balancing_loss_func
+    records = router_records(model, ids, mask)
+    e, k = model.num_experts, model.num_experts_per_tok
+    return sum(func((logits,), e, k, mask) for logits, _ in records)
+
+
+def sequence_loss_by_hand(model, ids, mask, sigmoid: bool) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (without alpha), written out:
+    per layer, the mean over sequences with a real token of
+    sum_i f_i P_i, f_i = E/(K T) #{t: i routed}, P_i = mean_t s'_{t,i}; summed over layers."""
+    records = router_records(model, ids, mask)
+    b, s = ids.shape
+    total = torch.zeros(())
+    for logits, indices in records:
+        e, k = logits.shape[-1], indices.shape[-1]
+        terms = []
+        for row in range(b):
+            tokens = [t for t in range(s) if mask[row, t]]
+            if not tokens:
+                continue
+            f = torch.zeros(e)
+            p = torch.zeros(e)
+            for t in tokens:
+                u = logits[row * s + t].float()
+                score = u.sigmoid() if sigmoid else u.softmax(-1)
+                p = p + score / score.sum()
+                for i in indices[row * s + t].tolist():
+                    f[i] += 1
+            f = f * e / (k * len(tokens))
+            p = p / len(tokens)
+            terms.append((f * p).sum())
+        total = total + torch.stack(terms).mean()
+    return total
+
+
+def routing_counts(model, ids, mask) -> dict[int, torch.Tensor]:
+    """Per MoE layer index: real-token slots per expert in the unsplit model's routing."""
+    records = router_records(model, ids, mask)
+    moe_layers = [
+        i for i, layer in enumerate(model.model.layers) if _is_moe_layer(layer)
+    ]
+    e = records[0][0].shape[-1]
+    out = {}
+    for layer, (_, indices) in zip(moe_layers, records):
+        weights = mask.reshape(-1, 1).expand_as(indices).reshape(-1)
+        out[layer] = torch.bincount(indices.reshape(-1), weights, minlength=e).long()
+    return out

@@ -103,6 +103,12 @@ class DemoRunTest(TestCase):
             self.assertIn("losses identical: yes (torch.equal", out)
             self.assertIn("weights after step 2 identical: yes", out)
             self.assertIn("(float rounding)", out)
+            # the last step's expert load: both MoE layers, all ranks and microbatches
+            self.assertRegex(
+                out,
+                r"(?m)^step 2, all ranks: expert load max/mean per MoE layer \(1\.00 = balanced\): "
+                r"0: \d+\.\d\d, 1: \d+\.\d\d; padding 0\.0% of slots, 0 dropped$",
+            )
             for mode in ("overlap", "sequential"):
                 for rank in (0, 1):
                     self.assertTrue(
@@ -111,8 +117,9 @@ class DemoRunTest(TestCase):
                         )
                         > 0
                     )
-            with open(os.path.join(tmp, "timeline.png"), "rb") as f:
-                self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+            for png in ("timeline.png", "expert_load.png"):
+                with open(os.path.join(tmp, png), "rb") as f:
+                    self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n", png)
 
     def test_reference_mismatch_exits_1(self) -> None:
         # in this process: the forked ranks inherit the patch; rank 0's reference is off by 1%
