@@ -13,29 +13,12 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-from torch_pipelining_ext._stage_split import (
-    build_stage_module,
-    build_stage_modules,
-    call_if_present,
-    generate_module_names_per_stage,
-    pipeline_group,
-    pipeline_module_split,
-    resolve_schedule_class,
-    stage_ids_this_rank,
-)
+from torch_pipelining_ext._stage_split import *  # noqa: F403
+from torch_pipelining_ext._stage_split import __all__ as _upstream_names
 
 
-__all__ = [
-    "build_stage_module",
-    "build_stage_modules",
-    "call_if_present",
-    "generate_module_names_per_stage",
-    "pipeline_group",
-    "pipeline_module_split",
-    "resolve_schedule_class",
-    "split_module",
-    "stage_ids_this_rank",
-]
+# every name of the upstream module, and the deprecated one
+__all__ = [*_upstream_names, "split_module"]  # noqa: PLE0604
 
 
 def split_module(

@@ -232,13 +232,12 @@ def _probe_scale_grads() -> tuple[str, str]:
         "_PipelineStageBase.scale_grads",
         ["self", "grad_scale_factor"],
     )
-    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-        if "step" not in vars(cls):
-            raise RuntimeError(f"{cls.__name__} defines no step() of its own")
-    return (
-        PatchNeeded,
-        "scale_grads also divides the gradients carried over from earlier steps",
-    )
+    bases = (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti)
+    missing = [cls.__name__ for cls in bases if "step" not in vars(cls)]
+    if missing:
+        raise RuntimeError(f"no step() of their own: {', '.join(missing)}")
+    reason = "scale_grads also divides the gradients carried over from earlier steps"
+    return PatchNeeded, reason
 
 
 # --- _schedule_runtime.py ---
