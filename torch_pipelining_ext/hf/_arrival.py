@@ -1,5 +1,6 @@
 # mypy: allow-untyped-defs
-"""A bounded check that every rank of a group has reached the same call.
+"""A bounded check that every rank of a group has reached the same call, and
+the device a group's collectives take their tensors on.
 
 Private helper of :mod:`torch_pipelining_ext.hf`; see ``[Note: HF
 collective arrival]``.
@@ -11,6 +12,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -74,3 +76,11 @@ class GroupArrival:
         logger.debug(
             "rank %d: %s call %d, ranks %s arrived", me, self.what, call, ranks
         )
+
+
+def group_device(group: Any) -> torch.device:
+    """The device of the tensors that ``group``'s collectives take: the
+    current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from torch_pipelining_ext.hf._arrival import group_device
+
 
 __all__: list[str] = []
 
@@ -246,8 +248,6 @@ def _device(counters: list, group: Any) -> torch.device:
         if counter.counts is not None:
             return counter.counts.device
     if group is not None:
-        from torch_pipelining_ext.hf._training import group_device
-
         return group_device(group)
     return torch.device("cpu")
 

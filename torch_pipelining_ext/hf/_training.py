@@ -15,7 +15,7 @@ from typing import Any, TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from torch_pipelining_ext.hf._arrival import GroupArrival
+from torch_pipelining_ext.hf._arrival import group_device, GroupArrival
 from torch_pipelining_ext.hf._expert_parallel import is_expert_parameter
 
 
@@ -240,12 +240,3 @@ def fully_shard_replicated(
         fully_shard(part, mesh=mesh, ignored_params=set(experts), **fsdp_kwargs)
         for p in experts:
             p.register_hook(lambda grad: grad / size)
-
-
-def group_device(group: Any) -> torch.device:
-    import torch.distributed as dist
-
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -5,6 +5,9 @@ the tools and the docs use public names only.
 * Every ``torch_pipelining_ext.<name>`` the README, CONTRIBUTING and the docs
   mention (dotted references and the imports of their code blocks) resolves,
   and every public module lists what it exports in ``__all__``.
+* The package's modules import each other without a cycle (a cycle works
+  only while every import in it stays lazy or in the right order, and it hides
+  which module is the lower layer).
 * No Python file of ``tools/`` or ``torch_pipelining_ext/demo/`` and no code
   block of the docs imports a private name of the package (a module or a name
   that starts with ``_``); the demo's own private modules
@@ -92,6 +95,82 @@ def _resolve(dotted: str) -> object:
     raise ImportError(dotted)
 
 
+def _package_imports() -> dict[str, set[str]]:
+    """For every module of the package, the package modules it imports
+    (anywhere in the file: at module level, in functions, under TYPE_CHECKING)."""
+    files = {}
+    for path in (REPO / PACKAGE).rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[
+                        : len(package.split(".")) - node.level + 1
+                    ]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for a in node.names:
+                    if f"{source}.{a.name}" in files:
+                        targets.add(f"{source}.{a.name}")
+                    elif source in files:
+                        targets.add(source)
+        graph[module] = targets - {module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one node
+    (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
 class PublicApiTest(TestCase):
     def test_documented_names_exist(self) -> None:
         checked = 0
@@ -163,6 +242,20 @@ class PublicApiTest(TestCase):
         )
         self.assertEqual(bad.returncode, 2, bad.stdout + bad.stderr)
         self.assertIn("gpus", bad.stderr)
+
+    def test_package_imports_have_no_cycles(self) -> None:
+        graph = _package_imports()
+        self.assertGreater(len(graph), 40)
+        self.assertEqual(
+            _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}), [["a", "b", "c"]]
+        )
+        cycles = _cycles(graph)
+        self.assertEqual(
+            cycles,
+            [],
+            "modules of the package that import each other in a cycle:\n"
+            + "\n".join(" <-> ".join(c) for c in cycles),
+        )
 
     def test_layout_paths_exist(self) -> None:
         """Every file and folder the README's Layout section names exists, where it says."""
