@@ -64,7 +64,14 @@ if [[ ! -x "$VENV_PY" || ! -f "$stamp" || "$REPO_ROOT/setup.py" -nt "$stamp" ]];
     # unpinned: the newest 5.x, what a user installing the hf extra gets today
     _tf_req="transformers>=5,<6"
     [[ -z "$TRANSFORMERS_VERSION" ]] || _tf_req="transformers==$TRANSFORMERS_VERSION"
+    # The editable install writes the package's egg-info into the checkout:
+    # environments built at the same time (.ci/run builds the next one in the
+    # background) take turns here.
+    mkdir -p "$REPO_ROOT/.venv"
+    exec {_env_lock}>"$REPO_ROOT/.venv/.editable-install.lock"
+    if command -v flock >/dev/null; then flock "$_env_lock"; fi
     _env_pip_install -e "$REPO_ROOT[$EXTRAS]" "torch==$TORCH_VERSION" "$_tf_req"
+    exec {_env_lock}>&-
     "$VENV_PY" -c "import torch, torch_pipelining_ext" >/dev/null \
         || _env_failed "torch or torch_pipelining_ext does not import in $VENV_DIR"
     touch "$stamp"

@@ -30,13 +30,14 @@ _FAKE = "_tpe_fake_torch_module"
 
 # The status every patch gets on each supported torch minor (A: applied,
 # U: upstream -- torch has the behaviour, or the patch does not apply to it;
-# ?: not established on that release, not checked).
+# ?: not established on that release, not checked -- none today: every
+# cell is the report of `python -m torch_pipelining_ext` on that release).
 # A probe that misreads a torch release fails test_status_pinned_per_torch_minor
 # instead of warning on import.
 _PINNED_STATUS = """
 patch                              2.9 2.10 2.11 2.12 2.13 2.14 2.15
 stage_init_handshake                 A    A    A    A    A    A    U
-p2p_to_own_rank                      A    ?    ?    ?    A    ?    A
+p2p_to_own_rank                      A    A    A    A    A    A    A
 schedule_backward_counter            A    A    A    A    A    A    A
 runtime_custom_functions             A    U    U    U    U    U    U
 runtime_step_loop                    A    U    U    U    U    U    U
@@ -46,8 +47,8 @@ runtime_action_functions             A    A    A    A    A    A    A
 scale_grads_per_step                 A    A    A    A    A    A    A
 compute_comms_reduce_grad            U    A    A    A    A    A    A
 fsdp_split_backward_params           A    A    A    A    A    A    A
-split_backward_weight                A    ?    ?    ?    U    ?    U
-split_backward_non_tensor_inputs     A    ?    ?    ?    U    ?    U
+split_backward_weight                A    A    A    A    U    U    U
+split_backward_non_tensor_inputs     A    A    A    A    U    U    U
 overlap_f_b                          A    A    A    A    A    A    A
 stage_split                          A    A    A    A    A    A    A
 """
