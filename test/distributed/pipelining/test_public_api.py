@@ -8,6 +8,8 @@ the tools and the docs use public names only.
 * The package's modules import each other without a cycle (a cycle works
   only while every import in it stays lazy or in the right order, and it hides
   which module is the lower layer).
+* No function or method of the package is longer than 80 lines (docstring
+  included): a longer one is split into named steps.
 * No Python file of ``tools/`` or ``torch_pipelining_ext/demo/`` and no code
   block of the docs imports a private name of the package (a module or a name
   that starts with ``_``); the demo's own private modules
@@ -256,6 +258,17 @@ class PublicApiTest(TestCase):
             "modules of the package that import each other in a cycle:\n"
             + "\n".join(" <-> ".join(c) for c in cycles),
         )
+
+    def test_no_function_over_80_lines(self) -> None:
+        long = []
+        for path in sorted((REPO / PACKAGE).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 80:
+                        where = path.relative_to(REPO)
+                        long.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
+        self.assertEqual(long, [], "functions over 80 lines:\n" + "\n".join(long))
 
     def test_layout_paths_exist(self) -> None:
         """Every file and folder the README's Layout section names exists, where it says."""
