@@ -17,7 +17,9 @@ gradient carried in:
   parameter, the per-step cost every training loop pays anyway;
 * ``mul_``: the one operation the fix adds per carried gradient, timed alone.
 
-Stock and fixed steps alternate.  Each step is profiled once for memory
+Stock and fixed steps alternate (after each switch one step runs untimed:
+the first step after ``patch()`` or ``unpatch()`` pays one-time costs that
+would be counted against whichever side comes second).  Each step is profiled once for memory
 (``torch.profiler``, CPU): ``extra`` is the number of bytes the fixed step
 allocates beyond the stock step.  The last line is machine-readable, for the
 largest size: ``step_ratio`` is fixed / stock (whole steps),
@@ -84,6 +86,7 @@ def _measure(size: int, n: int, repeat: int) -> tuple[float, ...]:
 
     def timed(patched: bool) -> float:
         (torch_pipelining_ext.patch if patched else torch_pipelining_ext.unpatch)()
+        step()  # the first step after patch() / unpatch() warms up again: not timed
         return _median_seconds(step, 1)
 
     timed(False), timed(True)  # warm-up
