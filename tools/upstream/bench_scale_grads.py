@@ -19,8 +19,8 @@ gradient carried in:
 
 Stock and fixed steps alternate (after each switch one step runs untimed:
 the first step after ``patch()`` or ``unpatch()`` pays one-time costs that
-would be counted against whichever side comes second).  Each step is profiled once for memory
-(``torch.profiler``, CPU): ``extra`` is the number of bytes the fixed step
+would be counted against whichever side comes second).  Each step is
+profiled once for memory (``torch.profiler``, CPU): ``extra`` is the number of bytes the fixed step
 allocates beyond the stock step.  The last line is machine-readable, for the
 largest size: ``step_ratio`` is fixed / stock (whole steps),
 ``overhead_vs_adamw`` is ``mul_ / adamw``, ``extra_bytes`` is ``extra``.

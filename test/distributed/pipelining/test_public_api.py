@@ -115,9 +115,8 @@ def _package_imports() -> dict[str, set[str]]:
                 targets |= {a.name for a in node.names if a.name in files}
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = package.split(".")[
-                        : len(package.split(".")) - node.level + 1
-                    ]
+                    parts = package.split(".")
+                    base = parts[: len(parts) - node.level + 1]
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
@@ -130,46 +129,27 @@ def _package_imports() -> dict[str, set[str]]:
     return graph
 
 
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every node a path of one or more edges leads to from ``start``."""
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return seen
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of ``graph`` with more than one node
-    (Tarjan's algorithm, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, successors = work[-1]
-            for succ in successors:
-                if succ not in index:
-                    index[succ] = low[succ] = len(index)
-                    stack.append(succ)
-                    on_stack.add(succ)
-                    work.append((succ, iter(sorted(graph[succ]))))
-                    break
-                if succ in on_stack:
-                    low[node] = min(low[node], index[succ])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    if len(component) > 1:
-                        found.append(sorted(component))
+    """The groups of nodes of ``graph`` that reach each other (each a sorted
+    list; the package has about sixty modules, so reachability per node is
+    cheap)."""
+    reach = {node: _reachable(graph, node) for node in graph}
+    found: list[list[str]] = []
+    for node in sorted(graph):
+        if node in reach[node] and not any(node in group for group in found):
+            found.append(sorted(n for n in reach[node] if node in reach[n]))
     return found
 
 
