@@ -165,6 +165,13 @@ copy_tests() {
     done
 }
 
+# The environment of every test run. With $CI set (CI services set it), torch's
+# run_tests() writes XML reports through xmlrunner, which a test environment
+# need not have: every test would then fail on the import. The tests run as on
+# a developer's machine.
+TEST_ENV=(-u PYTHONSTARTUP -u CI PYTHONDONTWRITEBYTECODE=1 TORCH_PIPELINING_EXT_DISABLE=1
+    OMP_NUM_THREADS=1)
+
 # run_file TREE FILE LOG [ARG...]: run FILE (in TREE's test dir) with TREE first
 # on the path
 run_file() {
@@ -172,8 +179,7 @@ run_file() {
     shift 3
     (
         cd "${tree}/test/distributed/pipelining" || exit 1
-        env -u PYTHONSTARTUP PYTHONPATH="${tree}/site:." PYTHONDONTWRITEBYTECODE=1 \
-            TORCH_PIPELINING_EXT_DISABLE=1 OMP_NUM_THREADS=1 \
+        env "${TEST_ENV[@]}" PYTHONPATH="${tree}/site:." \
             timeout "${TEST_TIMEOUT}" "${PY}" - "${tree}" "${file}" "$@" <<'PYEOF'
 import os, runpy, sys
 tree, target = sys.argv[1], os.path.abspath(sys.argv[2])
@@ -235,8 +241,8 @@ refactor_check() {
             tree="${before}"
             [[ "${side}" == after ]] && tree="${after}"
             cp "${UPSTREAM_TORCH_TESTS}"/*.py "${tree}/test/distributed/pipelining/"
-            (cd "${tree}/test/distributed/pipelining" && env PYTHONPATH="${tree}/site:." \
-                TORCH_PIPELINING_EXT_DISABLE=1 OMP_NUM_THREADS=1 timeout "${TEST_TIMEOUT}" \
+            (cd "${tree}/test/distributed/pipelining" && env "${TEST_ENV[@]}" \
+                PYTHONPATH="${tree}/site:." timeout "${TEST_TIMEOUT}" \
                 "${PY}" -m pytest -q -rA --tb=no -p no:cacheprovider test_schedule.py \
                 | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | sort) >"${log}.torch_tests.${side}"
         done
@@ -258,7 +264,7 @@ selected() {
 STOCK="${CHECK_DIR}/stock"
 make_tree "${STOCK}"
 echo "torch ${TORCH_VERSION} from ${SITE}"
-declare -a ROWS
+declare -a ROWS FAILED_LOGS=()
 for name in "${ALL[@]}"; do
     selected "${name}" || continue
     kind="${KIND[${name}]}"
@@ -295,7 +301,7 @@ for name in "${ALL[@]}"; do
         run_file "${after}" "${test_name}" "${LOG_DIR}/${name}.patched.log"
         got="$(outcome "${LOG_DIR}/${name}.patched.log" $?)"
         ROWS+=("${name}|${lines}|${depends}|${got}|-")
-        [[ "${got}" == PASS ]] || status=1
+        [[ "${got}" == PASS ]] || { status=1; FAILED_LOGS+=("${LOG_DIR}/${name}.patched.log"); }
         continue
     fi
     make_tree "${before}"
@@ -307,6 +313,7 @@ for name in "${ALL[@]}"; do
     run_file "${after}" "${test_name}" "${LOG_DIR}/${name}.patched.log"
     got="$(outcome "${LOG_DIR}/${name}.patched.log" $?)"
     ROWS+=("${name}|${lines}|${depends}|${was} -> ${got}|")
+    [[ "${got}" == PASS ]] || FAILED_LOGS+=("${LOG_DIR}/${name}.patched.log")
     case "${kind}" in
         test) [[ "${was}" == PASS && "${got}" == PASS ]] || status=1 ;;
         "new module"|"new api") [[ "${was}" == FAIL* && "${got}" == PASS ]] || status=1 ;;
@@ -328,7 +335,8 @@ if [[ ${QUICK} -eq 0 ]]; then
             echo "${name}: $(basename "${test_file}") on the whole series ..."
             run_file "${series}" "$(basename "${test_file}")" "${LOG_DIR}/${name}.series.log"
             SERIES_RESULT["${name}"]="$(outcome "${LOG_DIR}/${name}.series.log" $?)"
-            [[ "${SERIES_RESULT[${name}]}" == PASS ]] || status=1
+            [[ "${SERIES_RESULT[${name}]}" == PASS ]] \
+                || { status=1; FAILED_LOGS+=("${LOG_DIR}/${name}.series.log"); }
         done
     else
         status=1
@@ -348,5 +356,10 @@ for row in "${ROWS[@]}"; do
 done
 echo
 echo "logs: ${LOG_DIR}"
+# the logs of the failed test runs, last lines (CI removes the scratch directory)
+for log in "${FAILED_LOGS[@]}"; do
+    echo "--- the last 30 lines of ${log}"
+    tail -n 30 "${log}"
+done
 [[ ${status} -eq 0 ]] || echo "MISMATCH: see the rules at the top of check.sh"
 exit ${status}

@@ -296,6 +296,23 @@ def _read_tree(root: Path) -> dict[str, str]:
     return files
 
 
+def _git_env(cwd: str | Path) -> dict[str, str]:
+    """The environment of the git commands run in the scratch directory ``cwd``.
+
+    No user or system configuration, and no repository found above ``cwd``:
+    inside a repository's work tree (a ``TMPDIR`` there), ``git apply`` takes
+    paths as relative to the repository's top and skips those outside ``cwd``,
+    without an error.
+    """
+    return {
+        **os.environ,
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_CEILING_DIRECTORIES": str(Path(cwd).resolve().parent),
+        "LC_ALL": "C",
+    }
+
+
 def _apply_hunks(files: dict[str, str], diff: Path, reverse: bool = False) -> None:
     """``git apply`` (no fuzz; ``-R`` when ``reverse``) of ``diff`` to ``files``, in place."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -314,6 +331,7 @@ def _apply_hunks(files: dict[str, str], diff: Path, reverse: bool = False) -> No
             cwd=root,
             capture_output=True,
             text=True,
+            env=_git_env(root),
         )
         if done.returncode:
             raise RuntimeError(
@@ -322,14 +340,6 @@ def _apply_hunks(files: dict[str, str], diff: Path, reverse: bool = False) -> No
             )
         for path in files:
             files[path] = (root / path).read_text()
-
-
-_GIT_ENV = {
-    **os.environ,
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_CONFIG_GLOBAL": os.devnull,
-    "LC_ALL": "C",
-}
 
 
 def _file_diff(path: str, old: str | None, new: str) -> str:
@@ -354,7 +364,7 @@ def _file_diff(path: str, old: str | None, new: str) -> str:
             cwd=tmp,
             capture_output=True,
             text=True,
-            env=_GIT_ENV,
+            env=_git_env(tmp),
         )
     if done.returncode not in (0, 1):
         raise RuntimeError(f"git diff failed: {done.stderr.strip()}")

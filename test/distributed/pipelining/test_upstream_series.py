@@ -96,6 +96,7 @@ class UpstreamSeriesTest(TestCase):
                     cwd=root,
                     capture_output=True,
                     text=True,
+                    env=make_series._git_env(root),
                 )
                 self.assertEqual(
                     done.returncode, 0, f"{patch.name} does not apply: {done.stderr}"
@@ -112,7 +113,12 @@ class UpstreamSeriesTest(TestCase):
                         0,
                         f"{patch.name}: patch --fuzz=0 refuses it: {done.stdout}",
                     )
-                subprocess.run(["git", "apply", diff], cwd=root, check=True)
+                subprocess.run(
+                    ["git", "apply", diff],
+                    cwd=root,
+                    check=True,
+                    env=make_series._git_env(root),
+                )
             for path in sorted(make_series.series_modules()) + [
                 f"{make_series.PIPELINING}/schedules.py",
                 f"{make_series.PIPELINING}/stage.py",
