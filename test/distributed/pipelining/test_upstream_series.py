@@ -10,16 +10,19 @@ committed patches in order to a copy of torch 2.15.0's files without fuzz.
 Edits of torch's own files need torch 2.15's sources, so with another torch
 installed only the series' own modules are compared (they depend on the
 package alone), the notes are checked against the patches only and the apply
-check is skipped.
+check is skipped. On 2.15, ``check.sh --quick`` runs one patch's test with
+``$CI`` set, as CI services run it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import unittest
 from pathlib import Path
 
 import torch
@@ -49,6 +52,44 @@ class UpstreamSeriesTest(TestCase):
         return (_TOOLS / name / "patch.diff").read_text()
 
     def test_patches_are_current(self) -> None:
+        self._assert_current()
+
+    def test_generation_ignores_a_repository_around_the_scratch_directory(self) -> None:
+        # git apply inside a work tree takes paths as relative to its top and
+        # skips, without an error, those outside its directory
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(["git", "init", "-q", tmp], check=True)
+            scratch = Path(tmp) / "scratch"
+            scratch.mkdir()
+            saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
+            try:
+                self._assert_current()
+            finally:
+                tempfile.tempdir = saved
+
+    @unittest.skipUnless(_IS_2_15, _NOT_2_15)
+    def test_check_script_passes_where_ci_is_set(self) -> None:
+        # CI services set $CI; torch's run_tests() then writes XML reports
+        # through xmlrunner, which a test environment need not have
+        if shutil.which("patch") is None:
+            self.skipTest("check.sh needs the patch tool")
+        with tempfile.TemporaryDirectory() as tmp:
+            done = subprocess.run(
+                ["bash", str(_TOOLS / "check.sh"), "--quick", "0012"],
+                env={
+                    **os.environ,
+                    "CI": "true",
+                    "UPSTREAM_TORCH_PYTHON": sys.executable,
+                    "UPSTREAM_CHECK_DIR": tmp,
+                },
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+        self.assertEqual(done.returncode, 0, done.stdout[-4000:] + done.stderr[-2000:])
+        self.assertRegex(done.stdout, r"(?m)^0012-ep-overlap-turns .* PASS")
+
+    def _assert_current(self) -> None:
         base = make_series.torch_base(None) if _IS_2_15 else None
         generated = make_series.generate(base)
         self.assertEqual(sorted(generated), sorted(p.name for p in make_series.SERIES))
