@@ -297,7 +297,8 @@ def _prepare_backward(
                 full_backward=ctype == _schedules.FULL_BACKWARD,
                 last_backward=last_backward,
             )
-            if prev_stage is not None:
+            # eval() runs the backward actions as no-ops: no gradient to hand on
+            if prev_stage is not None and stage.has_backward:
                 prev_stage.set_local_bwd_input(
                     stage.get_local_bwd_output(mb_index), mb_index
                 )

@@ -5,7 +5,8 @@ Single-process: lowering that keeps OVERLAP_F_B, REDUCE_GRAD added to
 compute_comms schedules.  Multi-process (2 ranks, 4 stages): custom FORWARD and
 OVERLAP_F_B functions built on ``prepare_compute_action`` / ``run_action``,
 registration semantics, gradient accumulation across steps for every
-multi-stage schedule, and errors raised inside custom functions -- every
+multi-stage schedule, eval() after a step (two adjacent stages on one rank
+included), and errors raised inside custom functions -- every
 numerical test compares outputs, losses and every gradient with a
 single-process reference.
 """
@@ -534,6 +535,32 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         self.assertIn("custom UNSHARD failed", str(cm.exception))
         self.assertIn(f"[rank {self.rank}]", notes)
         self.assertIn(f"time step 0 running action {first}", notes)
+
+    @parametrize("schedule_class", MULTI_STAGE_SCHEDULES)
+    def test_eval_after_step(self, schedule_class: type) -> None:
+        # The V schedules put stages 1 and 2 on rank 1: stock torch's eval()
+        # raises there ("can't steal_bwd_input") and rank 0 waits for it.
+        run = self._run(schedule_class)
+        run.step(self, 0)
+        x, y = (t.to(self.device) for t in _batch(1))
+        losses: list[torch.Tensor] = []
+        out = run.schedule.eval(x, target=y, losses=losses)
+        with torch.no_grad():
+            ref_out = run.ref(x)
+            ref_losses = [
+                mse_loss(o, t)
+                for o, t in zip(ref_out.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES))
+            ]
+
+        def check() -> None:
+            if N_STAGES - 1 in run.stage_indices:
+                torch.testing.assert_close(out, ref_out)
+                self.assertEqual(len(losses), N_MICROBATCHES)
+                for got, want in zip(losses, ref_losses):
+                    torch.testing.assert_close(got, want)
+            run.check_gradients(self)  # the step's, untouched by eval()
+
+        check_on_all_ranks(check, self.device)
 
     @parametrize("layout", ["v_shaped", "unbalanced"])
     def test_adjacent_stages_on_one_rank(self, layout: str) -> None:

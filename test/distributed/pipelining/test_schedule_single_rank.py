@@ -223,24 +223,38 @@ class ScheduleSingleRankTest(_OneRankTestCase):
                     )
 
     @parametrize("device", DEVICES)
-    @parametrize("schedule_class", SINGLE_STAGE)
-    def test_eval_between_steps_leaves_gradients(
-        self, schedule_class: type, device: str
-    ) -> None:
-        # eval() runs step() without backward; stock single-stage schedules
-        # still divide the gradients by the microbatch count at its end.
-        # (multi-stage schedules with both stages on one rank cannot eval() on
-        # stock torch 2.13: "can't steal_bwd_input")
+    @parametrize("schedule_class", MULTI_STAGE + SINGLE_STAGE)
+    def test_eval_between_steps(self, schedule_class: type, device: str) -> None:
+        # eval() runs step() without backward: the model's outputs and losses,
+        # the gradients left as they are.  Stock single-stage schedules still
+        # divide the gradients by the microbatch count at its end; stock
+        # multi-stage schedules with two adjacent stages on one rank (here,
+        # every one; in a multi-rank job, the V schedules' last rank) raise
+        # "can't steal_bwd_input if this stage doesn't have backward".
         dev = self._device(device)
+        n_stages = 1 if issubclass(schedule_class, sched.PipelineScheduleSingle) else 2
         torch.manual_seed(0)
-        reference = nn.Sequential(MLPStage(DIM)).to(dev)
+        reference = nn.Sequential(*(MLPStage(DIM) for _ in range(n_stages))).to(dev)
         parts = [copy.deepcopy(m) for m in reference]
         schedule = _build(schedule_class, parts, dev, mse_loss)
         for step in range(2):  # no zero_grad: the second step accumulates
             x, y = _batch(step, dev)
             schedule.step(x, target=y)
-            schedule.eval(x, target=y)
+            losses: list[torch.Tensor] = []
+            output = schedule.eval(x, target=y, losses=losses)
             reference_step(reference, mse_loss, x, y, N_MICROBATCHES)
+            with torch.no_grad():
+                expected = reference(x)
+                expected_losses = [
+                    mse_loss(out, target)
+                    for out, target in zip(
+                        expected.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)
+                    )
+                ]
+            torch.testing.assert_close(output, expected)
+            self.assertEqual(len(losses), N_MICROBATCHES)
+            for got, want in zip(losses, expected_losses):
+                torch.testing.assert_close(got, want)
             for i, (part, ref) in enumerate(zip(parts, reference)):
                 for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
                     torch.testing.assert_close(
