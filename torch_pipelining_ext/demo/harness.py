@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
-import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -23,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_pipelining_ext import hf
+from torch_pipelining_ext import hf, launcher
 
 
 __all__ = [
@@ -45,17 +42,8 @@ _CALIBRATION_REPEATS = 20
 # ---------------------------------------------------------------------------
 
 
-def under_torchrun(environ: dict[str, str]) -> bool:
-    """Whether ``environ`` is that of a rank started by torchrun."""
-    return "RANK" in environ and "WORLD_SIZE" in environ
-
-
-def cpu_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+under_torchrun = launcher.under_torchrun
+cpu_cores = launcher.cpu_cores
 
 
 def fused_experts_problem() -> str | None:
@@ -76,51 +64,21 @@ def launch(
     args: argparse.Namespace, fn: Callable[[argparse.Namespace, int], Any]
 ) -> Any:
     """Run ``fn(args, rank)`` on every rank (torchrun's, or ``pp * ep`` local
-    processes, gloo); returns what it returned on rank 0 (under torchrun: on
-    this rank)."""
-    if under_torchrun(os.environ):
-        return _rank_entry(
-            int(os.environ["RANK"]), args, fn, "env://", int(os.environ["WORLD_SIZE"])
-        )
-    import torch.multiprocessing as mp
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # forked, as PyTorch's multi-process tests do: no rank imports torch again
-    method = "fork" if sys.platform == "linux" else "spawn"
-    queue = mp.get_context(method).SimpleQueue()
-    world = args.pp * args.ep
-    mp.start_processes(
-        _spawned,
-        args=(args, fn, f"tcp://127.0.0.1:{port}", world, queue),
-        nprocs=world,
-        start_method=method,
-    )
-    if queue.empty():
-        raise RuntimeError("rank 0 finished without a result")
-    return queue.get()
-
-
-def _spawned(rank: int, args, fn, init_method: str, world: int, queue) -> None:
-    result = _rank_entry(rank, args, fn, init_method, world)
-    if rank == 0:
-        queue.put(result)
-
-
-def _rank_entry(rank: int, args, fn, init_method: str, world: int) -> Any:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
+    gloo processes, one intra-op thread each) with
+    :func:`torch_pipelining_ext.launcher.launch`; returns what it returned on
+    rank 0 (under torchrun: on this rank)."""
+    return launcher.launch(
+        _with_args_first,
+        args.pp * args.ep,
+        fn,
+        args,
         timeout=_PG_TIMEOUT,
+        threads_per_rank=1,
     )
-    try:
-        return fn(args, rank)
-    finally:
-        dist.destroy_process_group()
+
+
+def _with_args_first(rank: int, fn: Callable, args: argparse.Namespace) -> Any:
+    return fn(args, rank)
 
 
 # ---------------------------------------------------------------------------

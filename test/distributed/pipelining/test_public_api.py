@@ -45,6 +45,7 @@ PUBLIC_MODULES = (
     "torch_pipelining_ext",
     "torch_pipelining_ext.ep_overlap",
     "torch_pipelining_ext.hf",
+    "torch_pipelining_ext.launcher",
     "torch_pipelining_ext.overlap",
     "torch_pipelining_ext.plan",
     "torch_pipelining_ext.runtime",

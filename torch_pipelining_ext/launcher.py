@@ -1,0 +1,233 @@
+"""Start the ranks of a job: under ``torchrun``, or as local processes.
+
+:func:`launch` runs a function on every rank of a process group.  Started by
+``torchrun`` (``RANK`` and ``WORLD_SIZE`` in the environment), it joins that
+rendezvous and runs the function on this process's rank; otherwise it starts
+the ranks itself on this machine (forked on Linux, as PyTorch's own
+multi-process tests are), gives each a process group over a store in a
+temporary directory, and returns rank 0's result::
+
+    def train(rank: int, steps: int) -> float:
+        ...  # the default process group is initialised
+        return loss
+
+
+    loss = launcher.launch(train, 4, 100)  # 4 gloo ranks, train(rank, 100) on each
+
+The ranks started here form one group: when one of them fails (an
+exception, a signal such as SIGKILL, a non-zero exit), the others are stopped
+at once, so that none is left waiting in a collective for a peer that is gone,
+and :func:`launch` raises :class:`RankFailedError` naming the rank and how it
+ended.  The demo (``python -m torch_pipelining_ext.demo``), the trainer and the
+tools start their ranks through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "RankFailedError",
+    "cpu_cores",
+    "launch",
+    "under_torchrun",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+"""How long a collective of a launched rank may wait for its peers."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank started by :func:`launch` failed; the other ranks were stopped.
+
+    Attributes:
+        rank: the rank that failed first.
+        exit_code: its exit code (negative: the signal that ended it, as
+            :attr:`multiprocessing.Process.exitcode` has it); ``1`` for an
+            exception.
+    """
+
+    def __init__(self, message: str, rank: int, exit_code: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+
+
+def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``environ`` (default ``os.environ``) is that of a rank started
+    by ``torchrun`` (it sets ``RANK`` and ``WORLD_SIZE``)."""
+    environ = os.environ if environ is None else environ
+    return "RANK" in environ and "WORLD_SIZE" in environ
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def launch(
+    fn: Callable[..., T],
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    threads_per_rank: int | None = None,
+) -> T:
+    """Run ``fn(rank, *args)`` on every rank of a new default process group.
+
+    Under ``torchrun`` this process is one rank: it joins the ``env://``
+    rendezvous (``WORLD_SIZE`` must equal ``nprocs``) and returns its own
+    result.  Otherwise ``nprocs`` local processes are started and rank 0's
+    result is returned (it must be picklable); the other ranks' results are
+    dropped.  Each rank destroys its process group when ``fn`` returns.
+
+    Args:
+        fn: the rank's work; it receives the rank, then ``args``.
+        nprocs: the world size.
+        *args: further arguments of ``fn`` (with local processes on Linux,
+            they reach the ranks by ``fork``, unpickled).
+        backend: the process group's backend (``"gloo"``: CPU).
+        timeout: how long each collective may wait for its peers.
+        threads_per_rank: intra-op threads of each rank
+            (``torch.set_num_threads``); default: the cores divided among
+            local ranks, untouched under ``torchrun``.
+
+    Raises:
+        ValueError: ``nprocs`` is not positive, or differs from torchrun's
+            world size.
+        RankFailedError: a local rank failed; the others were stopped.
+    """
+    if nprocs < 1:
+        raise ValueError(f"launch needs at least one rank, got nprocs={nprocs}")
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != nprocs:
+            raise ValueError(
+                f"torchrun started {world} processes but this job needs {nprocs}: "
+                f"run torchrun --nproc-per-node {nprocs} (over all nodes), or change "
+                "the layout"
+            )
+        rank = int(os.environ["RANK"])
+        return _run_rank(
+            fn, rank, nprocs, "env://", backend, timeout, threads_per_rank, args
+        )
+    if threads_per_rank is None:
+        threads_per_rank = max(1, cpu_cores() // nprocs)
+    return _launch_local(fn, nprocs, args, backend, timeout, threads_per_rank)
+
+
+def _launch_local(
+    fn: Callable[..., T],
+    nprocs: int,
+    args: tuple[Any, ...],
+    backend: str,
+    timeout: timedelta,
+    threads: int,
+) -> T:
+    import torch.multiprocessing as mp
+
+    # forked, as PyTorch's multi-process tests do: no rank imports torch again
+    method = "fork" if sys.platform == "linux" else "spawn"
+    store_dir = tempfile.mkdtemp(prefix="tpe-launch-")
+    init_method = f"file://{os.path.join(store_dir, 'store')}"
+    queue = mp.get_context(method).SimpleQueue()
+    try:
+        context = mp.start_processes(
+            _local_rank,
+            args=(fn, nprocs, init_method, backend, timeout, threads, args, queue),
+            nprocs=nprocs,
+            join=False,
+            start_method=method,
+        )
+        _join(context)
+        if queue.empty():
+            raise RuntimeError("rank 0 finished without handing back a result")
+        return queue.get()
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _join(context: Any) -> None:
+    """Wait for every rank; on the first failure stop the others and raise
+    :class:`RankFailedError`.  (``ProcessContext.join`` terminates the
+    remaining processes before it raises.)"""
+    import torch.multiprocessing as mp
+
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as e:
+        raise RankFailedError(
+            f"rank {e.error_index} raised an exception; the other ranks were "
+            f"stopped.\n{e}",
+            e.error_index,
+            1,
+        ) from None
+    except mp.ProcessExitedException as e:
+        how = (
+            f"was killed by signal {e.signal_name}"
+            if e.signal_name
+            else f"exited with status {e.exit_code}"
+        )
+        raise RankFailedError(
+            f"rank {e.error_index} {how}; the other ranks were stopped",
+            e.error_index,
+            e.exit_code,
+        ) from None
+
+
+def _local_rank(
+    rank: int,
+    fn: Callable[..., Any],
+    nprocs: int,
+    init_method: str,
+    backend: str,
+    timeout: timedelta,
+    threads: int,
+    args: tuple[Any, ...],
+    queue: Any,
+) -> None:
+    result = _run_rank(fn, rank, nprocs, init_method, backend, timeout, threads, args)
+    if rank == 0:
+        queue.put(result)
+
+
+def _run_rank(
+    fn: Callable[..., T],
+    rank: int,
+    world: int,
+    init_method: str,
+    backend: str,
+    timeout: timedelta,
+    threads: int | None,
+    args: tuple[Any, ...],
+) -> T:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
+    )
+    logger.debug("rank %d of %d joined the %s process group", rank, world, backend)
+    try:
+        return fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
