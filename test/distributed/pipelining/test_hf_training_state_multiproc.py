@@ -1,0 +1,336 @@
+# Owner(s): ["oncall: distributed"]
+"""Training state of Hugging Face stages over PP x DP x EP, four gloo ranks,
+against the unsplit model and against an uninterrupted run:
+
+* checkpoints (``hf.save_checkpoint`` / ``hf.load_checkpoint``, model and
+  AdamW state) keep every expert: each rank's experts and their moments are
+  in the checkpoint under the whole tensor's key, a resume in the same layout
+  continues bitwise, and a checkpoint loads into other layouts (PP=2 x EP=2
+  -> PP=1 x EP=4 -> PP=4 x EP=1 -> the unsplit model) with every tensor as
+  saved and training going on as the unsplit model's;
+* the ``("pp", "dp", "ep")`` layout (PP=1 x DP=2 x EP=2, PP=2 x DP=1 x EP=2;
+  plain and FSDP2): losses, auxiliary losses and gradients equal the unsplit
+  model's on the global batch;
+* ``hf.clip_grad_norm_``: the whole model's norm on every rank, equal to the
+  unsplit model's, and the same scaling everywhere;
+* ``hf.save_pretrained``: transformers' own key layout, ``from_pretrained``
+  equal bitwise, loadable into another layout;
+* bad input: checkpoints of another model, another transformers major or
+  another optimizer, experts not divisible by the new EP size, a non-empty
+  export directory, experts without a per-expert layout.
+
+The default run has one covering case per feature (``HFTrainingStateTest``);
+every layout and family is in ``HFTrainingStateSlowTest``, which runs with
+``PYTORCH_TEST_WITH_SLOW=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import unittest
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from common_hf import (
+    HAS_FUSED,
+    HFMultiProcTest,
+    local_view,
+    read_checkpoint,
+    reference_optimizer,
+    reference_step,
+    rows_of,
+    TrainingRun,
+)
+from hf_model_registry import balanced_loss_by_hand, padded_batch, tiny_hf_model
+from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TEST_WITH_SLOW,
+)
+
+import torch_pipelining_ext  # noqa: F401  (patches torch)
+
+
+if HAS_FUSED:
+    from torch_pipelining_ext import hf
+
+VOCAB = 64
+EXPERTS = 8
+COEF = 0.5
+# (pp, dp, ep) -> (schedule, microbatches): every layout a schedule that fits
+# the tiny 4-layer models and the 8-row global batch
+_LAYOUTS = {
+    (2, 1, 2): (ScheduleDualPipeV, 4),
+    (1, 4, 1): (Schedule1F1B, 2),
+    (1, 1, 4): (Schedule1F1B, 2),
+    (4, 1, 1): (Schedule1F1B, 4),
+    (1, 2, 2): (Schedule1F1B, 2),
+}
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    ids = torch.randint(0, VOCAB, (8, 8), generator=g)
+    labels = ids.clone()
+    labels[1, :3] = -100  # the data ranks predict different numbers of tokens
+    return ids, labels
+
+
+def _model(family: str, seed: int = 0, **kwargs):
+    experts = {"deepseek_v3": "n_routed_experts", "mixtral": "num_local_experts"}
+    kwargs.setdefault(experts.get(family, "num_experts"), EXPERTS)
+    return tiny_hf_model(family, seed=seed, num_layers=4, **kwargs)
+
+
+class _TrainingStateTests:
+    """Helpers of both test classes."""
+
+    def run_in(self, model, pp, dp, ep, **kwargs) -> TrainingRun:
+        schedule, microbatches = _LAYOUTS[(pp, dp, ep)]
+        return TrainingRun(
+            model, self.layout(pp=pp, dp=dp, ep=ep), schedule, microbatches=microbatches, **kwargs
+        )
+
+    def assert_holds_checkpoint(self, run: TrainingRun, whole: dict, what: str) -> None:
+        """Every tensor of this rank's model and optimizer state equals its part
+        of the whole checkpoint, bitwise."""
+        model_sd, optim_sd = hf.get_state_dict(run.parts, run.optimizers)
+        views = {
+            prefix + key: local_view(value, run.parts, key)
+            for prefix, sd in (("model.", model_sd), ("optim.", optim_sd))
+            for key, value in sd.items()
+            if torch.is_tensor(value)
+        }
+
+        def check() -> None:
+            self.assertTrue(any(".experts." in k and "exp_avg" in k for k in views))
+            for key, got in views.items():
+                fqn = key[len("model.") :] if key.startswith("model.") else key.split(".", 2)[2].rsplit(".", 1)[0]
+                want = rows_of(whole[key], run.parts, fqn)
+                self.assertTrue(torch.equal(got, want), f"{what}: {key}")
+
+        self.check_all(check)
+
+    def assert_close_on_every_rank(self, got, want, what: str) -> None:
+        def check() -> None:
+            if got is not None:
+                torch.testing.assert_close(got, want, msg=what)
+
+        self.check_all(check)
+
+    def params_equal(self, a: TrainingRun, b: TrainingRun, what: str) -> None:
+        got, want = a.params(), b.params()
+
+        def check() -> None:
+            self.assertEqual(got.keys(), want.keys())
+            for key in got:
+                self.assertTrue(torch.equal(got[key], want[key]), f"{what}: {key}")
+
+        self.check_all(check)
+
+
+@unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
+@instantiate_parametrized_tests
+class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
+    """One covering case per feature (the default run)."""
+
+    def test_checkpoint_keeps_every_expert_and_reshards(self):
+        # PP=2 x EP=2 (DualPipeV: two stage modules, two optimizers per rank) -> PP=1 x EP=4
+        ref = _model("qwen3_moe")
+        run = self.run_in(ref, 2, 1, 2)
+        ref_opt = reference_optimizer(ref)
+        for step in range(2):
+            loss, norm = run.step(_batch(step))
+            want_loss, want_norm = reference_step(ref, ref_opt, _batch(step))
+            self.assert_close_on_every_rank(loss, want_loss, f"loss of step {step}")
+            self.assert_close_on_every_rank(norm, want_norm, f"norm of step {step}")
+        path = self.shared_dir()
+        hf.save_checkpoint(path, run.parts, run.optimizers)
+        whole = read_checkpoint(path)
+        # every rank's experts and their moments are in the checkpoint, under the whole tensor's key
+        self.assertEqual(whole["model.model.layers.1.mlp.experts.down_proj"].shape[0], EXPERTS)
+        self.assert_holds_checkpoint(run, whole, "saved PP=2 x EP=2")
+        other = self.run_in(_model("qwen3_moe", seed=1), 1, 1, 4)
+        hf.load_checkpoint(path, other.parts, other.optimizers)
+        self.assert_holds_checkpoint(other, whole, "loaded into PP=1 x EP=4")
+        # training goes on as the unsplit model's
+        loss, norm = other.step(_batch(2))
+        want_loss, want_norm = reference_step(ref, ref_opt, _batch(2))
+        self.assert_close_on_every_rank(loss, want_loss, "loss after the layout change")
+        self.assert_close_on_every_rank(norm, want_norm, "norm after the layout change")
+
+    def test_resume_continues_bitwise(self):
+        ref = _model("deepseek_v3")
+        run = self.run_in(ref, 1, 2, 2, fsdp=True)
+        for step in range(2):
+            run.step(_batch(step))
+        path = self.shared_dir()
+        hf.save_checkpoint(path, run.parts, run.optimizers)
+        resumed = self.run_in(_model("deepseek_v3", seed=1), 1, 2, 2, fsdp=True)
+        hf.load_checkpoint(path, resumed.parts, resumed.optimizers)
+        for step in (2, 3):
+            got, want = resumed.step(_batch(step)), run.step(_batch(step))
+
+            def check() -> None:
+                for a, b in zip(got, want):
+                    self.assertTrue(torch.equal(a, b), f"step {step}: {a} vs {b}")
+
+            self.check_all(check)
+        self.params_equal(resumed, run, "after two steps")
+
+    def test_three_dimensional_layout_matches_unsplit_model(self):
+        # PP=1 x DP=2 x EP=2, DeepSeek-V3's sequence-wise auxiliary loss, plain gradients
+        ref = _model("deepseek_v3")
+        run = self.run_in(ref, 1, 2, 2, router_aux_loss="sequence", router_aux_loss_coef=COEF)
+        ref_opt = reference_optimizer(ref)
+        for step in range(2):
+            batch = padded_batch(600 + step, VOCAB)
+            loss, norm = run.step(batch)
+            want_loss, want_norm = reference_step(
+                ref, ref_opt, batch, lambda m, b: balanced_loss_by_hand(m, b, "sequence", COEF)
+            )
+            self.assert_close_on_every_rank(loss, want_loss, f"loss of step {step}")
+            self.assert_close_on_every_rank(norm, want_norm, f"norm of step {step}")
+        got, want = run.params(), ref.state_dict()
+
+        def check() -> None:
+            for key, value in got.items():
+                torch.testing.assert_close(value, rows_of(want[key].detach(), run.parts, key), msg=key)
+
+        self.check_all(check)
+
+    def test_save_pretrained_from_pp_x_ep(self):
+        import transformers
+
+        ref = _model("qwen3_moe")
+        run = self.run_in(ref, 2, 1, 2)
+        run.step(_batch(0))  # trained weights, not the initial ones
+        path = self.shared_dir()
+        hf.save_pretrained(run.parts, path)
+        own = self.shared_dir()
+        if self.rank == 0:
+            ref.save_pretrained(own)
+        dist.barrier()
+        exported = transformers.AutoModelForCausalLM.from_pretrained(path)
+        mine = run.params()
+
+        def check() -> None:
+            # transformers' own layout (per-expert keys), one file per writing rank
+            self.assertEqual(_saved_shapes(path), _saved_shapes(own))
+            self.assertEqual(len([f for f in os.listdir(path) if f.endswith(".safetensors")]), 4)
+            theirs = exported.state_dict()
+            for key, value in mine.items():
+                self.assertTrue(torch.equal(value, rows_of(theirs[key], run.parts, key)), key)
+
+        self.check_all(check)
+        other = self.run_in(_model("qwen3_moe", seed=1).config, 1, 1, 4, checkpoint=path)
+        got = other.params()
+        self.check_all(
+            lambda: [
+                self.assertTrue(torch.equal(v, rows_of(exported.state_dict()[k], other.parts, k)), k)
+                for k, v in got.items()
+            ]
+        )
+
+    # ------------------------------------------------------------------
+    # Bad input
+    # ------------------------------------------------------------------
+
+    def test_checkpoint_of_another_model_is_refused_before_loading(self):
+        run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
+        path = self.shared_dir()
+        hf.save_checkpoint(path, run.parts, run.optimizers)
+        cases = {
+            "two layers": (dict(num_layers=2), r"checkpoint keys the model does not have \(\d+\): 'model.layers.2"),
+            "16 experts": (dict(num_experts=16), r"'model.layers.\d.mlp.experts.gate_up_proj': saved \[8, 32, 32\], here \[16, 32, 32\]"),
+        }
+        for what, (kwargs, pattern) in cases.items():
+            kwargs = {"num_layers": 4, **kwargs}
+            other = TrainingRun(
+                tiny_hf_model("qwen3_moe", seed=1, **kwargs), self.layout(pp=2, ep=2), Schedule1F1B
+            )
+            before = other.params()
+            with self.assertRaisesRegex(ValueError, pattern, msg=what):
+                hf.load_checkpoint(path, other.parts, other.optimizers)
+            after = other.params()
+            self.assertTrue(all(torch.equal(before[k], after[k]) for k in before), what)
+
+    def test_checkpoint_of_the_other_transformers_major_is_refused(self):
+        # the per-expert keys transformers 4.x models have, made up from a 5.x model
+        ref = _model("qwen3_moe")
+        sd = {}
+        for key, value in ref.state_dict().items():
+            if key.endswith("experts.gate_up_proj"):
+                for e in range(EXPERTS):
+                    gate, up = value[e].chunk(2)
+                    sd[key.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.clone()
+                    sd[key.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.clone()
+            elif key.endswith("experts.down_proj"):
+                for e in range(EXPERTS):
+                    sd[key.replace("down_proj", f"{e}.down_proj.weight")] = value[e].clone()
+            else:
+                sd[key] = value
+        path = self.shared_dir()
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": sd}, checkpoint_id=path)
+        run = self.run_in(_model("qwen3_moe", seed=1), 2, 1, 2)
+        with self.assertRaisesRegex(ValueError, r"experts as separate modules .* transformers 4.x"):
+            hf.load_checkpoint(path, run.parts)
+        with self.assertRaisesRegex(ValueError, "optimizer state missing from the checkpoint"):
+            hf.load_checkpoint(path, run.parts, run.optimizers)
+
+    def test_experts_not_divisible_by_the_new_expert_parallel_size(self):
+        run = self.run_in(_model("qwen3_moe", num_experts=6), 2, 1, 2)
+        path = self.shared_dir()
+        hf.save_checkpoint(path, run.parts, run.optimizers)
+        with self.assertRaisesRegex(ValueError, "6 experts cannot be split over an expert-parallel group of 4"):
+            self.run_in(_model("qwen3_moe", num_experts=6), 1, 1, 4)
+        with self.assertRaisesRegex(ValueError, r"gate_up_proj': saved \[6, 32, 32\], here \[8, 32, 32\]"):
+            other = self.run_in(_model("qwen3_moe", seed=1), 1, 1, 4)
+            hf.load_checkpoint(path, other.parts, other.optimizers)
+
+    def test_save_pretrained_refusals(self):
+        run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
+        path = self.shared_dir()
+        if self.rank == 0:
+            with open(os.path.join(path, "notes.txt"), "w") as f:
+                f.write("mine")
+        dist.barrier()
+        with self.assertRaisesRegex(ValueError, r"is not empty \(it holds \['notes.txt'\]\): pass overwrite=True"):
+            hf.save_pretrained(run.parts, path)
+        # experts of a model type whose conversion table has no per-expert layout
+        with mock.patch.multiple(run.parts[0], _weight_conversions=[]), mock.patch.multiple(
+            run.parts[1], _weight_conversions=[]
+        ):
+            with self.assertRaisesRegex(
+                ValueError, r"no per-expert layout for model type 'qwen3_moe'.*Nothing was written"
+            ):
+                hf.save_pretrained(run.parts, path, overwrite=True)
+        self.assertEqual(os.listdir(path), ["notes.txt"])
+        hf.save_pretrained(run.parts, path, overwrite=True)
+        self.assertIn("model.safetensors.index.json", os.listdir(path))
+
+
+def _saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor of a Hugging Face checkpoint directory."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = {"model.safetensors"}
+    if os.path.exists(index):
+        with open(index) as f:
+            files = set(json.load(f)["weight_map"].values())
+    shapes = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
+if __name__ == "__main__":
+    run_tests()
