@@ -176,17 +176,34 @@ def sync_tied_gradients(
         # float32 on every rank: ranks holding no copy do not know the loaded dtype
         total = torch.zeros(shape, dtype=torch.float32, device=device)
         for p in holders:
-            if p.grad is not None:
-                total += p.grad.float()
+            if p.grad is not None:  # FSDP2's shards gathered over their mesh
+                total += _whole(p.grad).float()
         if group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(total, group=group)
         for p in holders:
             if p.grad is None:
-                p.grad = total.to(p.dtype)
+                p.grad = _like(total.to(p.dtype), p)
             else:
-                p.grad.copy_(total)
+                p.grad.copy_(_like(total, p.grad))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t``, gathered where it is a DTensor (a collective over its mesh)."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _like(total: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole tensor ``total`` laid out as ``like`` (a DTensor's shard of
+    it: a redistribution from replicated, without communication)."""
+    if not _is_dtensor(like):
+        return total
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = like.device_mesh
+    whole = DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, like.placements)
 
 
 # [Note: HF expert gradient state]

@@ -148,10 +148,10 @@ class TrainingRun:
         start = self.data.get_local_rank() * rows
         return tuple(t[start : start + rows] for t in tensors)
 
-    def step(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One step on the global ``batch`` (``(ids, labels)`` or ``(ids, mask,
-        labels)``); returns the global batch's loss (on the ranks holding the
-        last stage, else ``None``) and the gradient norm before clipping."""
+    def backward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """The step's forward and backward on the global ``batch`` (``(ids,
+        labels)`` or ``(ids, mask, labels)``), gradients reduced; returns the
+        global batch's loss on the ranks holding the last stage, else ``None``."""
         *inputs, labels = self.local(*batch)
         for optimizer in self.optimizers:
             optimizer.zero_grad()
@@ -159,15 +159,23 @@ class TrainingRun:
         losses: list[torch.Tensor] = []
         first = any(s.is_first for s in self.stages)
         self.schedule.step(*(inputs if first else ()), target=labels, losses=losses)
+        if self.parts[0].tied_groups:
+            hf.sync_tied_gradients(self.parts, self.mesh["pp"].get_group())
         hf.reduce_expert_parallel_gradients(self.parts, self.mesh)
+        if not self.has_last:
+            return None
+        total = torch.stack(losses).sum().detach()
+        dist.all_reduce(total, group=self.data.get_group())
+        return total / self.data.size()
+
+    def step(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """:meth:`backward`, clipping and the optimizer step; returns the loss
+        and the gradient norm before clipping."""
+        loss = self.backward(batch)
         norm = hf.clip_grad_norm_(self.parts, MAX_NORM, mesh=self.mesh)
         for optimizer in self.optimizers:
             optimizer.step()
-        if not self.has_last:
-            return None, norm
-        total = torch.stack(losses).sum().detach()
-        dist.all_reduce(total, group=self.data.get_group())
-        return total / self.data.size(), norm
+        return loss, norm
 
     def params(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (experts: its rows; FSDP2: gathered)."""

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from common_hf import (
     HAS_FUSED,
+    HAS_TRANSFORMERS,
     HFMultiProcTest,
     local_view,
     read_checkpoint,
@@ -55,12 +56,17 @@ from torch.testing._internal.common_utils import (
 import torch_pipelining_ext  # noqa: F401  (patches torch)
 
 
-if HAS_FUSED:
+if HAS_TRANSFORMERS:
     from torch_pipelining_ext import hf
 
 VOCAB = 64
 EXPERTS = 8
 COEF = 0.5
+MAX_NORM_TEST = 0.1
+# AdamW normalises every update: the float noise of another reduction order in
+# a gradient element near zero becomes up to ~1.3e-4 in the weights after two
+# steps (measured); a wrong moment or weight shows as ~lr = 1e-2
+ADAMW_TOLERANCE = dict(atol=5e-4, rtol=1e-4)
 # (pp, dp, ep) -> (schedule, microbatches): every layout a schedule that fits
 # the tiny 4-layer models and the 8-row global batch
 _LAYOUTS = {
@@ -69,6 +75,7 @@ _LAYOUTS = {
     (1, 1, 4): (Schedule1F1B, 2),
     (4, 1, 1): (Schedule1F1B, 4),
     (1, 2, 2): (Schedule1F1B, 2),
+    (2, 2, 1): (Schedule1F1B, 2),
 }
 
 
@@ -107,7 +114,8 @@ class _TrainingStateTests:
         }
 
         def check() -> None:
-            self.assertTrue(any(".experts." in k and "exp_avg" in k for k in views))
+            if any(k.startswith("model.") and ".experts." in k for k in views):  # their moments too
+                self.assertTrue(any(".experts." in k and "exp_avg" in k for k in views))
             for key, got in views.items():
                 fqn = key[len("model.") :] if key.startswith("model.") else key.split(".", 2)[2].rsplit(".", 1)[0]
                 want = rows_of(whole[key], run.parts, fqn)
@@ -121,6 +129,52 @@ class _TrainingStateTests:
                 torch.testing.assert_close(got, want, msg=what)
 
         self.check_all(check)
+
+    def resume_is_bitwise(self, family: str, layout: tuple[int, int, int], fsdp: bool) -> None:
+        """Two steps, a checkpoint, two more: a fresh run from the checkpoint
+        has the same losses and norms and ends with the same weights, bitwise."""
+        run = self.run_in(_model(family), *layout, fsdp=fsdp)
+        for step in range(2):
+            run.step(_batch(step))
+        path = self.shared_dir()
+        hf.save_checkpoint(path, run.parts, run.optimizers)
+        resumed = self.run_in(_model(family, seed=1), *layout, fsdp=fsdp)
+        hf.load_checkpoint(path, resumed.parts, resumed.optimizers)
+        for step in (2, 3):
+            got, want = resumed.step(_batch(step)), run.step(_batch(step))
+
+            def check() -> None:
+                for a, b in zip(got, want):
+                    self.assertTrue(a is b is None or torch.equal(a, b), f"step {step}: {a} vs {b}")
+
+            self.check_all(check)
+        self.params_equal(resumed, run, "after two steps")
+
+    def matches_unsplit_model(self, ref, layout, mode: str | None, fsdp: bool, steps: int = 2) -> TrainingRun:
+        """``steps`` steps of ``ref``'s stages in ``layout`` (with the auxiliary
+        loss ``mode``, padded batches) equal to ``ref``'s own: losses, norms,
+        then every weight."""
+        options = {} if mode is None else {"router_aux_loss": mode, "router_aux_loss_coef": COEF}
+        run = self.run_in(ref, *layout, fsdp=fsdp, **options)
+        ref_opt = reference_optimizer(ref)
+        loss = None if mode is None else (lambda m, b: balanced_loss_by_hand(m, b, mode, COEF))
+        for step in range(steps):
+            batch = padded_batch(600 + step, VOCAB)
+            if mode is None:  # no auxiliary loss: no mask travels with the stages
+                batch = (batch[0], batch[2])
+            got_loss, got_norm = run.step(batch)
+            want_loss, want_norm = reference_step(ref, ref_opt, batch, loss)
+            self.assert_close_on_every_rank(got_loss, want_loss, f"loss of step {step}")
+            self.assert_close_on_every_rank(got_norm, want_norm, f"norm of step {step}")
+        got, want = run.params(), ref.state_dict()
+
+        def check() -> None:
+            for key, value in got.items():
+                want_rows = rows_of(want[key].detach(), run.parts, key)
+                torch.testing.assert_close(value, want_rows, msg=key, **ADAMW_TOLERANCE)
+
+        self.check_all(check)
+        return run
 
     def params_equal(self, a: TrainingRun, b: TrainingRun, what: str) -> None:
         got, want = a.params(), b.params()
@@ -139,6 +193,8 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
     """One covering case per feature (the default run)."""
 
     def test_checkpoint_keeps_every_expert_and_reshards(self):
+        import torch.distributed.checkpoint as dcp
+
         # PP=2 x EP=2 (DualPipeV: two stage modules, two optimizers per rank) -> PP=1 x EP=4
         ref = _model("qwen3_moe")
         run = self.run_in(ref, 2, 1, 2)
@@ -154,6 +210,10 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         # every rank's experts and their moments are in the checkpoint, under the whole tensor's key
         self.assertEqual(whole["model.model.layers.1.mlp.experts.down_proj"].shape[0], EXPERTS)
         self.assert_holds_checkpoint(run, whole, "saved PP=2 x EP=2")
+        # the stage modules' own state_dict() shows the experts as shards of the whole tensor too
+        raw = self.shared_dir()
+        dcp.save({k: v for part in run.parts for k, v in part.state_dict().items()}, checkpoint_id=raw)
+        self.assertTrue(all(torch.equal(t, whole["model." + k]) for k, t in read_checkpoint(raw).items()))
         other = self.run_in(_model("qwen3_moe", seed=1), 1, 1, 4)
         hf.load_checkpoint(path, other.parts, other.optimizers)
         self.assert_holds_checkpoint(other, whole, "loaded into PP=1 x EP=4")
@@ -164,44 +224,11 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         self.assert_close_on_every_rank(norm, want_norm, "norm after the layout change")
 
     def test_resume_continues_bitwise(self):
-        ref = _model("deepseek_v3")
-        run = self.run_in(ref, 1, 2, 2, fsdp=True)
-        for step in range(2):
-            run.step(_batch(step))
-        path = self.shared_dir()
-        hf.save_checkpoint(path, run.parts, run.optimizers)
-        resumed = self.run_in(_model("deepseek_v3", seed=1), 1, 2, 2, fsdp=True)
-        hf.load_checkpoint(path, resumed.parts, resumed.optimizers)
-        for step in (2, 3):
-            got, want = resumed.step(_batch(step)), run.step(_batch(step))
-
-            def check() -> None:
-                for a, b in zip(got, want):
-                    self.assertTrue(torch.equal(a, b), f"step {step}: {a} vs {b}")
-
-            self.check_all(check)
-        self.params_equal(resumed, run, "after two steps")
+        self.resume_is_bitwise("deepseek_v3", (1, 2, 2), fsdp=True)
 
     def test_three_dimensional_layout_matches_unsplit_model(self):
         # PP=1 x DP=2 x EP=2, DeepSeek-V3's sequence-wise auxiliary loss, plain gradients
-        ref = _model("deepseek_v3")
-        run = self.run_in(ref, 1, 2, 2, router_aux_loss="sequence", router_aux_loss_coef=COEF)
-        ref_opt = reference_optimizer(ref)
-        for step in range(2):
-            batch = padded_batch(600 + step, VOCAB)
-            loss, norm = run.step(batch)
-            want_loss, want_norm = reference_step(
-                ref, ref_opt, batch, lambda m, b: balanced_loss_by_hand(m, b, "sequence", COEF)
-            )
-            self.assert_close_on_every_rank(loss, want_loss, f"loss of step {step}")
-            self.assert_close_on_every_rank(norm, want_norm, f"norm of step {step}")
-        got, want = run.params(), ref.state_dict()
-
-        def check() -> None:
-            for key, value in got.items():
-                torch.testing.assert_close(value, rows_of(want[key].detach(), run.parts, key), msg=key)
-
-        self.check_all(check)
+        self.matches_unsplit_model(_model("deepseek_v3"), (1, 2, 2), "sequence", fsdp=False)
 
     def test_save_pretrained_from_pp_x_ep(self):
         import transformers
@@ -314,6 +341,176 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         self.assertEqual(os.listdir(path), ["notes.txt"])
         hf.save_pretrained(run.parts, path, overwrite=True)
         self.assertIn("model.safetensors.index.json", os.listdir(path))
+
+
+@unittest.skipUnless(TEST_WITH_SLOW, "every layout and family: PYTORCH_TEST_WITH_SLOW=1")
+@unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
+@instantiate_parametrized_tests
+class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
+    """Every layout change, layout and family (``PYTORCH_TEST_WITH_SLOW=1``)."""
+
+    @parametrize("family", ["qwen3_moe", "deepseek_v3"])
+    def test_layout_chain_to_the_unsplit_model(self, family):
+        # PP=2 x EP=2 -> PP=1 x EP=4 -> PP=4 x EP=1 -> the unsplit model, a step in each
+        import torch.distributed.checkpoint as dcp
+
+        ref = _model(family)
+        ref_opt = reference_optimizer(ref)
+        run = self.run_in(ref, 2, 1, 2)
+        for step, layout in enumerate([(2, 1, 2), (1, 1, 4), (4, 1, 1)]):
+            if step:
+                path, whole = saved
+                run = self.run_in(_model(family, seed=step), *layout)
+                hf.load_checkpoint(path, run.parts, run.optimizers)
+                self.assert_holds_checkpoint(run, whole, f"loaded into {layout}")
+            loss, norm = run.step(_batch(step))
+            want_loss, want_norm = reference_step(ref, ref_opt, _batch(step))
+            self.assert_close_on_every_rank(loss, want_loss, f"{layout}: loss of step {step}")
+            self.assert_close_on_every_rank(norm, want_norm, f"{layout}: norm of step {step}")
+            path = self.shared_dir()
+            hf.save_checkpoint(path, run.parts, run.optimizers)
+            whole = read_checkpoint(path)
+            self.assert_holds_checkpoint(run, whole, f"saved from {layout}")
+            saved = (path, whole)
+        unsplit = _model(family, seed=9)
+        sd = unsplit.state_dict()
+        dcp.load({"model": sd}, checkpoint_id=saved[0])
+        want = ref.state_dict()
+
+        def check() -> None:
+            for key, value in unsplit.state_dict().items():
+                self.assertTrue(torch.equal(value, whole["model." + key]), key)
+                torch.testing.assert_close(value, want[key], msg=key, **ADAMW_TOLERANCE)
+
+        self.check_all(check)
+
+    @parametrize(
+        "case",
+        ["qwen3_moe_pp2xep2", "deepseek_v3_pp2xep2_fsdp", "qwen3_moe_pp1xdp2xep2", "mixtral_pp2xdp2"],
+    )
+    def test_resume_continues_bitwise(self, case):
+        family, layout, fsdp = {
+            "qwen3_moe_pp2xep2": ("qwen3_moe", (2, 1, 2), False),
+            "deepseek_v3_pp2xep2_fsdp": ("deepseek_v3", (2, 1, 2), True),
+            "qwen3_moe_pp1xdp2xep2": ("qwen3_moe", (1, 2, 2), False),
+            "mixtral_pp2xdp2": ("mixtral", (2, 2, 1), True),
+        }[case]
+        self.resume_is_bitwise(family, layout, fsdp)
+
+    @parametrize("fsdp", [False, True])
+    @parametrize("layout", ["pp1xdp2xep2", "pp2xdp1xep2"])
+    @parametrize("family", ["qwen3_moe", "deepseek_v3"])
+    def test_three_dimensional_layout_matches_unsplit_model(self, family, layout, fsdp):
+        mode = "sequence" if family == "deepseek_v3" else "pooled"
+        kwargs = {} if mode == "sequence" else {"router_aux_loss_coef": COEF, "output_router_logits": True}
+        shape = {"pp1xdp2xep2": (1, 2, 2), "pp2xdp1xep2": (2, 1, 2)}[layout]
+        self.matches_unsplit_model(_model(family, **kwargs), shape, mode, fsdp)
+
+    def test_clip_counts_tied_weights_once(self):
+        # GPT-2's embedding and head are one tensor, split over the two pipeline stages; PP=2 x DP=2 with FSDP2
+        self.matches_unsplit_model(tiny_hf_model("gpt2", num_layers=4), (2, 2, 1), None, fsdp=True)
+
+    @parametrize("norm_type", [1.0, float("inf")])
+    def test_clip_norm_types(self, norm_type):
+        ref = _model("qwen3_moe")
+        run = self.run_in(ref, 2, 1, 2)
+        run.backward(_batch(0))
+        got = hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, norm_type, mesh=run.mesh)
+        ref(input_ids=_batch(0)[0], labels=_batch(0)[1]).loss.backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM_TEST, norm_type)
+        grads = {k: p.grad for part in run.parts for k, p in part.named_parameters()}
+        ref_grads = dict(ref.named_parameters())
+
+        def check() -> None:
+            torch.testing.assert_close(got, want)
+            for key, grad in grads.items():
+                torch.testing.assert_close(grad, rows_of(ref_grads[key].grad, run.parts, key), msg=key)
+
+        self.check_all(check)
+
+    def test_clip_non_finite_norm(self):
+        run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
+        run.backward(_batch(0))
+        if self.rank == 3:  # one rank's experts
+            hf.expert_parallel_shards(run.parts)[0][0].down_proj.grad[0, 0, 0] = float("nan")
+        with self.assertRaisesRegex(RuntimeError, r"rank \d: the total norm of order 2.0 .* is non-finite"):
+            hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, mesh=run.mesh, error_if_nonfinite=True)
+        norm = hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, mesh=run.mesh)
+        self.assertTrue(norm.isnan())  # as torch does: every gradient scaled by nan
+        self.assertTrue(all(p.grad.isnan().all() for part in run.parts for p in part.parameters()))
+
+    def test_clip_refuses_unreduced_gradients(self):
+        run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
+        *inputs, labels = run.local(*_batch(0))
+        run.loss_fn.set_labels(labels, group=run.data.get_group())
+        run.schedule.step(*(inputs if any(s.is_first for s in run.stages) else ()), target=labels)
+        with self.assertRaisesRegex(RuntimeError, "not reduced yet: call hf.reduce_expert_parallel_gradients"):
+            hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, mesh=run.mesh)
+        hf.reduce_expert_parallel_gradients(run.parts, run.mesh)
+        hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, mesh=run.mesh)
+
+    @parametrize("case", ["deepseek_v3_pp1xdp2xep2_fsdp", "mixtral_pp2xep2"])
+    def test_save_pretrained(self, case):
+        import transformers
+
+        family, layout, fsdp = {
+            "deepseek_v3_pp1xdp2xep2_fsdp": ("deepseek_v3", (1, 2, 2), True),
+            "mixtral_pp2xep2": ("mixtral", (2, 1, 2), False),
+        }[case]
+        ref = _model(family)
+        run = self.run_in(ref, *layout, fsdp=fsdp)
+        run.step(_batch(0))
+        path, own = self.shared_dir(), self.shared_dir()
+        hf.save_pretrained(run.parts, path)
+        if self.rank == 0:
+            ref.save_pretrained(own)
+        dist.barrier()
+        exported = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+        mine = run.params()
+
+        def check() -> None:
+            self.assertEqual(_saved_shapes(path), _saved_shapes(own))
+            for key, value in mine.items():
+                self.assertTrue(torch.equal(value, rows_of(exported[key], run.parts, key)), key)
+
+        self.check_all(check)
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
+class HFTrainingStateNoExpertParallelTest(_TrainingStateTests, HFMultiProcTest):
+    """Without expert parallelism, on transformers 4.57 (experts as modules) and 5.x."""
+
+    def test_checkpoint_and_export_pp2xdp2_fsdp(self):
+        import transformers
+
+        ref = _model("qwen3_moe")
+        run = self.run_in(ref, 2, 2, 1, fsdp=True)
+        ref_opt = reference_optimizer(ref)
+        loss, norm = run.step(_batch(0))
+        want_loss, want_norm = reference_step(ref, ref_opt, _batch(0))
+        self.assert_close_on_every_rank(loss, want_loss, "loss")
+        self.assert_close_on_every_rank(norm, want_norm, "norm")
+        path = self.shared_dir()
+        hf.save_checkpoint(path, run.parts, run.optimizers)
+        whole = read_checkpoint(path)
+        other = self.run_in(_model("qwen3_moe", seed=1), 4, 1, 1)
+        hf.load_checkpoint(path, other.parts, other.optimizers)
+        self.assert_holds_checkpoint(other, whole, "loaded into PP=4")
+        export, own = self.shared_dir(), self.shared_dir()
+        hf.save_pretrained(other.parts, export)
+        if self.rank == 0:
+            ref.save_pretrained(own)
+        dist.barrier()
+        exported = transformers.AutoModelForCausalLM.from_pretrained(export).state_dict()
+        mine = other.params()
+
+        def check() -> None:
+            self.assertEqual(_saved_shapes(export), _saved_shapes(own))
+            for key, value in mine.items():
+                self.assertTrue(torch.equal(value, exported[key]), key)
+                self.assertTrue(torch.equal(value, whole["model." + key]), key)
+
+        self.check_all(check)
 
 
 def _saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
