@@ -120,15 +120,15 @@ class TrainingRun:
         schedule_cls: type,
         *,
         microbatches: int = 2,
-        fsdp: bool = False,
+        fsdp: bool | str = False,
         **build_kwargs: Any,
     ) -> None:
         self.mesh = mesh
         self.stages, self.parts = hf.pipeline_hf_causal_lm(
             model, mesh, schedule_cls, "cpu", **build_kwargs
         )
-        if fsdp:
-            hf.fully_shard_replicated(self.parts, mesh)
+        if fsdp:  # over the data-parallel ranks, or over one dimension ("ep")
+            hf.fully_shard_replicated(self.parts, mesh[fsdp] if isinstance(fsdp, str) else mesh)
         self.loss_fn = hf.CausalLMLoss(n_microbatches=microbatches)
         self.schedule = schedule_cls(
             self.stages[0] if len(self.stages) == 1 else self.stages,

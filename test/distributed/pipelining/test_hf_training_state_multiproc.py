@@ -54,6 +54,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
+from torch_pipelining_ext import launcher
 
 
 if HAS_TRANSFORMERS:
@@ -140,6 +141,7 @@ class _TrainingStateTests:
         hf.save_checkpoint(path, run.parts, run.optimizers)
         resumed = self.run_in(_model(family, seed=1), *layout, fsdp=fsdp)
         hf.load_checkpoint(path, resumed.parts, resumed.optimizers)
+        self.assert_holds_checkpoint(resumed, read_checkpoint(path), "loaded into the same layout")
         for step in (2, 3):
             got, want = resumed.step(_batch(step)), run.step(_batch(step))
 
@@ -223,8 +225,17 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         self.assert_close_on_every_rank(loss, want_loss, "loss after the layout change")
         self.assert_close_on_every_rank(norm, want_norm, "norm after the layout change")
 
-    def test_resume_continues_bitwise(self):
-        self.resume_is_bitwise("deepseek_v3", (1, 2, 2), fsdp=True)
+    def test_layouts_that_do_not_fit_are_refused(self):
+        with self.assertRaisesRegex(ValueError, r"pp=3 x dp=1 x ep=1 needs 3 ranks, but the job has 4"):
+            launcher.device_mesh(pp=3)
+        with self.assertRaisesRegex(ValueError, r"must be a positive integer, got dp=0"):
+            launcher.device_mesh(pp=4, dp=0)
+        mesh = self.layout(pp=4)
+        with self.assertRaisesRegex(ValueError, "no 'dp' or 'ep' dimension"):
+            launcher.data_parallel_mesh(mesh["pp"])
+        self.assertEqual(launcher.data_parallel_mesh(self.layout(pp=1, dp=2, ep=2)).size(), 4)
+        with self.assertRaisesRegex(ValueError, "the dimensions .'pp', 'ep'. or .'pp', 'dp', 'ep'."):
+            hf.pipeline_hf_causal_lm(_model("qwen3_moe"), mesh["pp", "dp"], Schedule1F1B, "cpu")
 
     def test_three_dimensional_layout_matches_unsplit_model(self):
         # PP=1 x DP=2 x EP=2, DeepSeek-V3's sequence-wise auxiliary loss, plain gradients
@@ -386,14 +397,23 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
 
     @parametrize(
         "case",
-        ["qwen3_moe_pp2xep2", "deepseek_v3_pp2xep2_fsdp", "qwen3_moe_pp1xdp2xep2", "mixtral_pp2xdp2"],
+        [
+            "qwen3_moe_pp2xep2",
+            "qwen3_moe_pp2xep2_fsdp_over_ep",
+            "deepseek_v3_pp2xep2_fsdp",
+            "qwen3_moe_pp1xdp2xep2",
+            "deepseek_v3_pp1xdp2xep2_fsdp",
+            "mixtral_pp2xdp2_fsdp",
+        ],
     )
     def test_resume_continues_bitwise(self, case):
         family, layout, fsdp = {
             "qwen3_moe_pp2xep2": ("qwen3_moe", (2, 1, 2), False),
+            "qwen3_moe_pp2xep2_fsdp_over_ep": ("qwen3_moe", (2, 1, 2), "ep"),
             "deepseek_v3_pp2xep2_fsdp": ("deepseek_v3", (2, 1, 2), True),
             "qwen3_moe_pp1xdp2xep2": ("qwen3_moe", (1, 2, 2), False),
-            "mixtral_pp2xdp2": ("mixtral", (2, 2, 1), True),
+            "deepseek_v3_pp1xdp2xep2_fsdp": ("deepseek_v3", (1, 2, 2), True),
+            "mixtral_pp2xdp2_fsdp": ("mixtral", (2, 2, 1), True),
         }[case]
         self.resume_is_bitwise(family, layout, fsdp)
 
@@ -474,6 +494,31 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
                 self.assertTrue(torch.equal(value, rows_of(exported[key], run.parts, key)), key)
 
         self.check_all(check)
+
+
+    def test_save_pretrained_without_torchs_hugging_face_writer(self):
+        # a torch without torch.distributed.checkpoint.HuggingFaceStorageWriter: safetensors files and an index
+        import torch.distributed.checkpoint as dcp
+        import transformers
+
+        run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
+        path = self.shared_dir()
+        writer = getattr(dcp, "HuggingFaceStorageWriter", None)
+        if writer is not None:
+            delattr(dcp, "HuggingFaceStorageWriter")
+        try:
+            hf.save_pretrained(run.parts, path)
+        finally:
+            if writer is not None:
+                dcp.HuggingFaceStorageWriter = writer
+        exported = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+        mine = run.params()
+        self.check_all(
+            lambda: [
+                self.assertTrue(torch.equal(v, rows_of(exported[k], run.parts, k)), k)
+                for k, v in mine.items()
+            ]
+        )
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
