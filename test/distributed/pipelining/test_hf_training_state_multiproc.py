@@ -80,6 +80,9 @@ _LAYOUTS = {
 }
 
 
+_needs_fused = unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
+
+
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     ids = torch.randint(0, VOCAB, (8, 8), generator=g)
@@ -189,11 +192,45 @@ class _TrainingStateTests:
         self.check_all(check)
 
 
-@unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
 @instantiate_parametrized_tests
 class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
     """One covering case per feature (the default run)."""
 
+    def test_without_expert_parallelism_pp2xdp2_fsdp(self):
+        # on transformers 4.57 (experts as modules) and 5.x: checkpoint -> PP=4, export, from_pretrained
+        import transformers
+
+        ref = _model("qwen3_moe")
+        run = self.run_in(ref, 2, 2, 1, fsdp=True)
+        ref_opt = reference_optimizer(ref)
+        loss, norm = run.step(_batch(0))
+        want_loss, want_norm = reference_step(ref, ref_opt, _batch(0))
+        self.assert_close_on_every_rank(loss, want_loss, "loss")
+        self.assert_close_on_every_rank(norm, want_norm, "norm")
+        path = self.shared_dir()
+        hf.save_checkpoint(path, run.parts, run.optimizers)
+        whole = read_checkpoint(path)
+        other = self.run_in(_model("qwen3_moe", seed=1), 4, 1, 1)
+        hf.load_checkpoint(path, other.parts, other.optimizers)
+        self.assert_holds_checkpoint(other, whole, "loaded into PP=4")
+        export, own = self.shared_dir(), self.shared_dir()
+        hf.save_pretrained(other.parts, export)
+        if self.rank == 0:
+            ref.save_pretrained(own)
+        dist.barrier()
+        exported = transformers.AutoModelForCausalLM.from_pretrained(export).state_dict()
+        mine = other.params()
+
+        def check() -> None:
+            self.assertEqual(_saved_shapes(export), _saved_shapes(own))
+            for key, value in mine.items():
+                self.assertTrue(torch.equal(value, exported[key]), key)
+                self.assertTrue(torch.equal(value, whole["model." + key]), key)
+
+        self.check_all(check)
+
+    @_needs_fused
     def test_checkpoint_keeps_every_expert_and_reshards(self):
         import torch.distributed.checkpoint as dcp
 
@@ -237,10 +274,12 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         with self.assertRaisesRegex(ValueError, "the dimensions .'pp', 'ep'. or .'pp', 'dp', 'ep'."):
             hf.pipeline_hf_causal_lm(_model("qwen3_moe"), mesh["pp", "dp"], Schedule1F1B, "cpu")
 
+    @_needs_fused
     def test_three_dimensional_layout_matches_unsplit_model(self):
         # PP=1 x DP=2 x EP=2, DeepSeek-V3's sequence-wise auxiliary loss, plain gradients
         self.matches_unsplit_model(_model("deepseek_v3"), (1, 2, 2), "sequence", fsdp=False)
 
+    @_needs_fused
     def test_save_pretrained_from_pp_x_ep(self):
         import transformers
 
@@ -278,6 +317,7 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
     # Bad input
     # ------------------------------------------------------------------
 
+    @_needs_fused
     def test_checkpoint_of_another_model_is_refused_before_loading(self):
         run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
         path = self.shared_dir()
@@ -297,6 +337,7 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
             after = other.params()
             self.assertTrue(all(torch.equal(before[k], after[k]) for k in before), what)
 
+    @_needs_fused
     def test_checkpoint_of_the_other_transformers_major_is_refused(self):
         # the per-expert keys transformers 4.x models have, made up from a 5.x model
         ref = _model("qwen3_moe")
@@ -322,6 +363,7 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         with self.assertRaisesRegex(ValueError, "optimizer state missing from the checkpoint"):
             hf.load_checkpoint(path, run.parts, run.optimizers)
 
+    @_needs_fused
     def test_experts_not_divisible_by_the_new_expert_parallel_size(self):
         run = self.run_in(_model("qwen3_moe", num_experts=6), 2, 1, 2)
         path = self.shared_dir()
@@ -332,6 +374,7 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
             other = self.run_in(_model("qwen3_moe", seed=1), 1, 1, 4)
             hf.load_checkpoint(path, other.parts, other.optimizers)
 
+    @_needs_fused
     def test_save_pretrained_refusals(self):
         run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
         path = self.shared_dir()
@@ -519,43 +562,6 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
                 for k, v in mine.items()
             ]
         )
-
-
-@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
-class HFTrainingStateNoExpertParallelTest(_TrainingStateTests, HFMultiProcTest):
-    """Without expert parallelism, on transformers 4.57 (experts as modules) and 5.x."""
-
-    def test_checkpoint_and_export_pp2xdp2_fsdp(self):
-        import transformers
-
-        ref = _model("qwen3_moe")
-        run = self.run_in(ref, 2, 2, 1, fsdp=True)
-        ref_opt = reference_optimizer(ref)
-        loss, norm = run.step(_batch(0))
-        want_loss, want_norm = reference_step(ref, ref_opt, _batch(0))
-        self.assert_close_on_every_rank(loss, want_loss, "loss")
-        self.assert_close_on_every_rank(norm, want_norm, "norm")
-        path = self.shared_dir()
-        hf.save_checkpoint(path, run.parts, run.optimizers)
-        whole = read_checkpoint(path)
-        other = self.run_in(_model("qwen3_moe", seed=1), 4, 1, 1)
-        hf.load_checkpoint(path, other.parts, other.optimizers)
-        self.assert_holds_checkpoint(other, whole, "loaded into PP=4")
-        export, own = self.shared_dir(), self.shared_dir()
-        hf.save_pretrained(other.parts, export)
-        if self.rank == 0:
-            ref.save_pretrained(own)
-        dist.barrier()
-        exported = transformers.AutoModelForCausalLM.from_pretrained(export).state_dict()
-        mine = other.params()
-
-        def check() -> None:
-            self.assertEqual(_saved_shapes(export), _saved_shapes(own))
-            for key, value in mine.items():
-                self.assertTrue(torch.equal(value, exported[key]), key)
-                self.assertTrue(torch.equal(value, whole["model." + key]), key)
-
-        self.check_all(check)
 
 
 def _saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
