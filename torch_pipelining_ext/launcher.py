@@ -257,11 +257,17 @@ def _run_rank(
 # over ep and replicated over dp.
 
 
-def layout_problem(world_size: int, pp: int = 1, dp: int = 1, ep: int = 1) -> str | None:
+def layout_problem(
+    world_size: int, pp: int = 1, dp: int = 1, ep: int = 1
+) -> str | None:
     """What is wrong with the layout ``pp x dp x ep`` on ``world_size`` ranks
     (``None``: nothing); no process group is needed to ask."""
     sizes = {"pp": pp, "dp": dp, "ep": ep}
-    bad = [f"{name}={size}" for name, size in sizes.items() if not isinstance(size, int) or size < 1]
+    bad = [
+        f"{name}={size}"
+        for name, size in sizes.items()
+        if not isinstance(size, int) or size < 1
+    ]
     if bad:
         return f"every dimension of the layout must be a positive integer, got {', '.join(bad)}"
     if pp * dp * ep != world_size:

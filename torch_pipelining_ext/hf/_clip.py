@@ -69,7 +69,12 @@ def clip_grad_norm_(
             "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [_local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
+    grads = [
+        _local(p.grad)
+        for part in parts
+        for p in part.parameters()
+        if p.grad is not None
+    ]
     _scale(grads, coef, foreach)
     return total
 
@@ -88,10 +93,16 @@ def total_grad_norm(
     if not p_norm > 0:
         raise ValueError(f"norm_type must be positive, got {norm_type}")
     check_reduced(parts)
-    groups = data_groups(mesh, parts) if mesh is not None else data_groups(_shards_group(parts), parts)
+    groups = (
+        data_groups(mesh, parts)
+        if mesh is not None
+        else data_groups(_shards_group(parts), parts)
+    )
     pp = pipeline_group(mesh, pp_group, parts)
     owned = _owned_gradients(parts, groups)
-    device = owned[0].device if owned else group_device(groups.ep or pp or dist.group.WORLD)
+    device = (
+        owned[0].device if owned else group_device(groups.ep or pp or dist.group.WORLD)
+    )
     if owned:
         local = torch.nn.utils.get_total_norm(owned, p_norm, False, foreach).double()
     else:
@@ -105,7 +116,9 @@ def total_grad_norm(
             dist.all_reduce(value, op=op, group=group)
     total = value if inf else value ** (1.0 / p_norm)
     dtype = owned[0].dtype if owned else torch.float32
-    logger.debug("rank %s: owned %d gradients, total norm %s", _rank(), len(owned), total.item())
+    logger.debug(
+        "rank %s: owned %d gradients, total norm %s", _rank(), len(owned), total.item()
+    )
     return total.to(dtype)
 
 
@@ -125,14 +138,18 @@ def _coordinate(group: Any) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _owned_gradients(parts: Sequence[nn.Module], groups: DataGroups) -> list[torch.Tensor]:
+def _owned_gradients(
+    parts: Sequence[nn.Module], groups: DataGroups
+) -> list[torch.Tensor]:
     """The (local) gradients this rank counts (see ``[Note: HF global gradient norm]``)."""
     on_first_dp = _coordinate(groups.dp) == 0
     on_first_data = on_first_dp and _coordinate(groups.ep) == 0
     owned = []
     for part in parts:
         experts = expert_parameters(part)
-        later_names = {n for names, _, _ in getattr(part, "tied_groups", ()) for n in names[1:]}
+        later_names = {
+            n for names, _, _ in getattr(part, "tied_groups", ()) for n in names[1:]
+        }
         for name, p in part.named_parameters():
             if p.grad is None or name in later_names:
                 continue
@@ -156,7 +173,10 @@ def _owns_dtensor(grad: Any, groups: DataGroups) -> bool:
             return False
     covered = set(mesh.mesh.flatten().tolist())
     for group in (groups.ep, groups.dp):
-        if group is not None and not set(dist.get_process_group_ranks(group)) <= covered:
+        if (
+            group is not None
+            and not set(dist.get_process_group_ranks(group)) <= covered
+        ):
             if dist.get_rank(group) != 0:
                 return False
     return True

@@ -91,20 +91,33 @@ def load_checkpoint(
     model_sd, optim_sd = _state_dict.get_state_dict(parts, optimizers)
     reader = _reader(checkpoint_id, storage_reader)
     metadata = reader.read_metadata()
-    problems = checkpoint_problems(parts, model_sd, optim_sd if optimizers is not None else None, metadata)
+    problems = checkpoint_problems(
+        parts, model_sd, optim_sd if optimizers is not None else None, metadata
+    )
     _raise_on_every_rank(problems, checkpoint_id, process_group)
     combined = _combined(model_sd, optim_sd if optimizers is not None else None, state)
-    dcp.load(combined, checkpoint_id=checkpoint_id, storage_reader=reader, process_group=process_group)
-    _state_dict.set_state_dict(parts, optimizers, combined[MODEL_KEY], combined.get(OPTIM_KEY))
+    dcp.load(
+        combined,
+        checkpoint_id=checkpoint_id,
+        storage_reader=reader,
+        process_group=process_group,
+    )
+    _state_dict.set_state_dict(
+        parts, optimizers, combined[MODEL_KEY], combined.get(OPTIM_KEY)
+    )
 
 
-def _combined(model_sd: dict, optim_sd: dict | None, state: dict[str, Any] | None) -> dict[str, Any]:
+def _combined(
+    model_sd: dict, optim_sd: dict | None, state: dict[str, Any] | None
+) -> dict[str, Any]:
     combined: dict[str, Any] = {MODEL_KEY: model_sd}
     if optim_sd is not None:
         combined[OPTIM_KEY] = optim_sd
     for key, value in (state or {}).items():
         if key in (MODEL_KEY, OPTIM_KEY):
-            raise ValueError(f"state may not use the key {key!r}: it holds the stages' {key} state")
+            raise ValueError(
+                f"state may not use the key {key!r}: it holds the stages' {key} state"
+            )
         combined[key] = value
     return combined
 
@@ -124,7 +137,10 @@ def _reader(checkpoint_id: Any, storage_reader: Any) -> Any:
 
 
 def checkpoint_problems(
-    parts: Sequence[nn.Module], model_sd: dict[str, Any], optim_sd: dict[str, Any] | None, metadata: Any
+    parts: Sequence[nn.Module],
+    model_sd: dict[str, Any],
+    optim_sd: dict[str, Any] | None,
+    metadata: Any,
 ) -> list[str]:
     """What in the checkpoint (its ``metadata``) does not fit this rank's
     stages and optimizers (see ``[Note: HF checkpoint check]``)."""
@@ -132,15 +148,23 @@ def checkpoint_problems(
     prefix = MODEL_KEY + "."
     saved_model = {k[len(prefix) :] for k in saved if k.startswith(prefix)}
     if not saved_model:
-        return [f"it holds no model state (no key starts with {prefix!r}; its keys: {summarize_keys(list(saved))})"]
-    whole = set().union(*(getattr(p, "_full_state_keys", frozenset()) for p in parts)) or set(model_sd)
+        return [
+            f"it holds no model state (no key starts with {prefix!r}; its keys: {summarize_keys(list(saved))})"
+        ]
+    whole = set().union(
+        *(getattr(p, "_full_state_keys", frozenset()) for p in parts)
+    ) or set(model_sd)
     problems = []
     missing = sorted(whole - saved_model)
     unexpected = sorted(saved_model - whole)
     if missing:
-        problems.append(f"keys of the model missing from the checkpoint {summarize_keys(missing)}")
+        problems.append(
+            f"keys of the model missing from the checkpoint {summarize_keys(missing)}"
+        )
     if unexpected:
-        problems.append(f"checkpoint keys the model does not have {summarize_keys(unexpected)}")
+        problems.append(
+            f"checkpoint keys the model does not have {summarize_keys(unexpected)}"
+        )
     hint = _major_hint(missing, unexpected)
     if hint:
         problems.append(hint)
@@ -152,11 +176,15 @@ def checkpoint_problems(
                 "optimizer state missing from the checkpoint (saved without optimizers, or with another "
                 f"optimizer) {summarize_keys(absent)}"
             )
-        problems += _shape_problems(optim_sd, saved, OPTIM_KEY + ".", "optimizer state ")
+        problems += _shape_problems(
+            optim_sd, saved, OPTIM_KEY + ".", "optimizer state "
+        )
     return problems
 
 
-def _shape_problems(sd: dict[str, Any], saved: dict[str, Any], prefix: str, what: str) -> list[str]:
+def _shape_problems(
+    sd: dict[str, Any], saved: dict[str, Any], prefix: str, what: str
+) -> list[str]:
     out = []
     for key, value in sd.items():
         md = saved.get(prefix + key)
@@ -175,14 +203,18 @@ def _shape_problems(sd: dict[str, Any], saved: dict[str, Any], prefix: str, what
 def _major_hint(missing: list[str], unexpected: list[str]) -> str | None:
     """Name the transformers major a checkpoint's expert keys come from when
     they are the other major's."""
-    if any(_FUSED.search(k) for k in missing) and any(_PER_EXPERT.search(k) for k in unexpected):
+    if any(_FUSED.search(k) for k in missing) and any(
+        _PER_EXPERT.search(k) for k in unexpected
+    ):
         return (
             "the checkpoint holds experts as separate modules ('...experts.<e>.<proj>.weight', as transformers 4.x "
             "builds MoE models) while this model has fused experts ('...experts.gate_up_proj', transformers 5.x): "
             "a DCP checkpoint loads under the transformers major it was saved with; convert through a Hugging Face "
             "checkpoint (hf.save_pretrained under the old major, then pipeline_hf_causal_lm(..., checkpoint=...))"
         )
-    if any(_PER_EXPERT.search(k) for k in missing) and any(_FUSED.search(k) for k in unexpected):
+    if any(_PER_EXPERT.search(k) for k in missing) and any(
+        _FUSED.search(k) for k in unexpected
+    ):
         return (
             "the checkpoint holds fused experts ('...experts.gate_up_proj', transformers 5.x) while this model has "
             "experts as separate modules (transformers 4.x): a DCP checkpoint loads under the transformers major "
@@ -201,5 +233,7 @@ def _raise_on_every_rank(problems: list[str], checkpoint_id: Any, group: Any) ->
         found += [p for p in rank_problems if p not in found]
     if found:
         raise ValueError(
-            f"cannot load checkpoint {checkpoint_id}: " + "; ".join(found) + ". Nothing was loaded"
+            f"cannot load checkpoint {checkpoint_id}: "
+            + "; ".join(found)
+            + ". Nothing was loaded"
         )

@@ -177,7 +177,9 @@ class ExpertShard:
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self._mesh = DeviceMesh.from_group(self.group, group_device(self.group).type)
+            self._mesh = DeviceMesh.from_group(
+                self.group, group_device(self.group).type
+            )
         return self._mesh
 
     def __deepcopy__(self, memo: dict) -> ExpertShard:

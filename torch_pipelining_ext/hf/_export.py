@@ -90,10 +90,16 @@ def save_pretrained(
     if rank == 0:
         problems += _directory_problems(path, overwrite)
     everyone: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(everyone, ({u: x.out_keys for u, x in units.items()}, problems), group=process_group)
+    dist.all_gather_object(
+        everyone,
+        ({u: x.out_keys for u, x in units.items()}, problems),
+        group=process_group,
+    )
     owners, mapping, problems = _assign(everyone)
     if problems:
-        raise ValueError(f"cannot write {path}: " + "; ".join(problems) + ". Nothing was written")
+        raise ValueError(
+            f"cannot write {path}: " + "; ".join(problems) + ". Nothing was written"
+        )
     if rank == 0:
         _prepare_directory(path)
     dist.barrier(group=process_group)
@@ -125,14 +131,22 @@ def _local_units(parts: Sequence[nn.Module]) -> tuple[dict[tuple, _Unit], list[s
             if shard is not None:  # its slice, not the DTensor a checkpoint sees
                 value = value.to_local()
             # outside the layers: the embedding or the norm and head, one unit per stage
-            layer = _layer_of(key, part._layout.layers_prefix) or f"stage {part.stage_index}"
+            layer = (
+                _layer_of(key, part._layout.layers_prefix)
+                or f"stage {part.stage_index}"
+            )
             unit_key = (layer, None if shard is None else shard.start)
-            unit = units.setdefault(unit_key, _Unit(start=None if shard is None else shard.start))
+            unit = units.setdefault(
+                unit_key, _Unit(start=None if shard is None else shard.start)
+            )
             unit.items.append((key, value))
     problems: list[str] = []
     first = parts[0]
     for unit in units.values():
-        meta = {k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for k, v in unit.items}
+        meta = {
+            k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+            for k, v in unit.items
+        }
         converted, problem = convert_unit(first, meta, unit.start)
         unit.out_keys = list(converted)
         if problem:
@@ -159,7 +173,10 @@ def convert_unit(
 
 
 def _renumber(
-    converted: dict[str, torch.Tensor], source: dict[str, torch.Tensor], start: int, model_type: str
+    converted: dict[str, torch.Tensor],
+    source: dict[str, torch.Tensor],
+    start: int,
+    model_type: str,
 ) -> tuple[dict[str, torch.Tensor], str | None]:
     """Number the per-expert keys of an experts slice from ``start``: the
     expert index is the one numeric key component the model key lacks."""
@@ -169,8 +186,14 @@ def _renumber(
     for key, tensor in converted.items():
         parts = key.split(".")
         numeric = [i for i, c in enumerate(parts) if c.isdigit()]
-        at = [i for i in numeric if [parts[j] for j in numeric if j != i] == layer_numbers]
-        if len(numeric) != len(layer_numbers) + 1 or not at or int(parts[at[-1]]) >= local:
+        at = [
+            i for i in numeric if [parts[j] for j in numeric if j != i] == layer_numbers
+        ]
+        if (
+            len(numeric) != len(layer_numbers) + 1
+            or not at
+            or int(parts[at[-1]]) >= local
+        ):
             return {}, (
                 f"the experts {sorted(source)} of this expert-parallel rank (experts {start}..{start + local - 1}) "
                 f"would be written as {key!r}: transformers' conversion table has no per-expert layout for model "
@@ -187,7 +210,9 @@ def _directory_problems(path: Path, overwrite: bool) -> list[str]:
         return [f"{path} exists and is not a directory"]
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         found = sorted(p.name for p in path.iterdir())[:5]
-        return [f"{path} is not empty (it holds {found}): pass overwrite=True to replace its model files"]
+        return [
+            f"{path} is not empty (it holds {found}): pass overwrite=True to replace its model files"
+        ]
     return []
 
 
@@ -209,7 +234,9 @@ def _assign(everyone: list[Any]) -> tuple[dict[tuple, int], dict[str, int], list
     for unit in ordered:
         for key in keys[unit]:
             if key in mapping:
-                problems.append(f"two units of the model would both be written as {key!r}")
+                problems.append(
+                    f"two units of the model would both be written as {key!r}"
+                )
             mapping[key] = writers.index(owners[unit]) + 1
     return owners, mapping, problems
 
@@ -241,7 +268,9 @@ def _owned_tensors(
         mine = owners[unit_key] == rank
         tensors = {}
         for key, value in unit.items:
-            if isinstance(value, DTensor):  # FSDP2's shards (the experts are plain here)
+            if isinstance(
+                value, DTensor
+            ):  # FSDP2's shards (the experts are plain here)
                 value = value.full_tensor()
             if mine:
                 tensors[key] = value
@@ -255,7 +284,9 @@ def _owned_tensors(
     return out
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor], mapping: dict[str, int], group: Any) -> None:
+def _write(
+    path: Path, tensors: dict[str, torch.Tensor], mapping: dict[str, int], group: Any
+) -> None:
     """Every rank's tensors to its own file, and the index (see ``[Note: HF export]``)."""
     try:
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -272,7 +303,9 @@ def _file_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], mapping: dict[str, int], group: Any) -> None:
+def _write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], mapping: dict[str, int], group: Any
+) -> None:
     """Without torch's Hugging Face storage writer: this rank's file, and the
     index from rank 0."""
     import json
@@ -282,7 +315,9 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], mapping: di
     count = max(mapping.values(), default=1)
     if tensors:
         index = mapping[next(iter(tensors))]
-        save_file(tensors, str(path / _file_name(index, count)), metadata={"format": "pt"})
+        save_file(
+            tensors, str(path / _file_name(index, count)), metadata={"format": "pt"}
+        )
     sizes = [None] * dist.get_world_size(group)
     dist.all_gather_object(sizes, sum(t.nbytes for t in tensors.values()), group=group)
     if dist.get_rank(group) == 0:

@@ -78,7 +78,9 @@ class StageFactory:
             else None
         )
         self.save_conversions = _compat.save_conversions(model)
-        self.ignore_on_save = list(getattr(model, "_keys_to_ignore_on_save", None) or [])
+        self.ignore_on_save = list(
+            getattr(model, "_keys_to_ignore_on_save", None) or []
+        )
 
     def __call__(self, part: nn.Module, stage_id: int, num_stages: int) -> nn.Module:
         if self.options.checkpoint is None and self.on_meta:

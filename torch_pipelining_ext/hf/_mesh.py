@@ -66,7 +66,9 @@ def data_groups(mesh_or_ep_group: Any, parts: Sequence[nn.Module] = ()) -> DataG
         mesh = mesh_or_ep_group
         names = mesh.mesh_dim_names or ()
         if "ep" not in names and "dp" not in names:
-            raise ValueError(f"the mesh has neither an 'ep' nor a 'dp' dimension (its dimensions: {names})")
+            raise ValueError(
+                f"the mesh has neither an 'ep' nor a 'dp' dimension (its dimensions: {names})"
+            )
         data_mesh = launcher.data_parallel_mesh(mesh)
         ep, dp = _group_of(mesh, "ep"), _group_of(mesh, "dp")
         _check_shards(parts, ep)
@@ -99,7 +101,9 @@ def _check_shards(parts: Sequence[nn.Module], ep: Any) -> None:
     size = 1 if ep is None else dist.get_world_size(ep)
     ranks = None if ep is None else dist.get_process_group_ranks(ep)
     for shard in shards:
-        if shard.size != size or (ranks is not None and dist.get_process_group_ranks(shard.group) != ranks):
+        if shard.size != size or (
+            ranks is not None and dist.get_process_group_ranks(shard.group) != ranks
+        ):
             raise ValueError(
                 f"{shard.fqn} is sharded over the expert-parallel ranks {dist.get_process_group_ranks(shard.group)}, "
                 f"but the expert-parallel group given has the ranks {ranks or [dist.get_rank()]}: pass the mesh (or "

@@ -72,7 +72,12 @@ def as_shard(local: torch.Tensor, shard: ExpertShard) -> Any:
     stride = torch.empty(shape, device="meta").stride()
     with torch.no_grad():
         return DTensor.from_local(
-            local.detach(), shard.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+            local.detach(),
+            shard.mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=shape,
+            stride=stride,
         )
 
 
@@ -113,7 +118,11 @@ def local_rows(value: Any, shard: ExpertShard, key: str) -> Any:
                 f"placements {tuple(value.placements)} over {value.device_mesh.size()} ranks"
             )
         return value.to_local()
-    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == shard.num_experts:
+    if (
+        torch.is_tensor(value)
+        and value.dim() > 0
+        and value.shape[0] == shard.num_experts
+    ):
         return value[shard.start : shard.stop]
     return value
 
@@ -153,9 +162,13 @@ def pair_optimizers(
         )
     for i, (part, optimizer) in enumerate(zip(parts, optimizers)):
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizers[{i}] is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+            raise TypeError(
+                f"optimizers[{i}] is a {type(optimizer).__name__}, not a torch.optim.Optimizer"
+            )
         own = {id(p) for p in part.parameters()}
-        foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
+        foreign = sum(
+            id(p) not in own for g in optimizer.param_groups for p in g["params"]
+        )
         if foreign:
             raise ValueError(
                 f"optimizers[{i}] holds {foreign} parameters that parts[{i}] does not have: build one optimizer per "
@@ -185,7 +198,9 @@ def get_state_dict(
         for target, new in ((model_sd, msd), (optim_sd, osd)):
             twice = sorted(set(target) & set(new))
             if twice:
-                raise ValueError(f"stage modules share the state keys {twice[:5]}: pass each stage module once")
+                raise ValueError(
+                    f"stage modules share the state keys {twice[:5]}: pass each stage module once"
+                )
             target.update(new)
     return model_sd, optim_sd
 
@@ -225,7 +240,9 @@ def set_state_dict(
         msd = {k: v for k, v in model_state_dict.items() if k in keys}
         missing = sorted(keys - set(msd))
         if missing:
-            raise ValueError(f"model_state_dict lacks the keys {missing[:5]} of stage {part.stage_index}")
+            raise ValueError(
+                f"model_state_dict lacks the keys {missing[:5]} of stage {part.stage_index}"
+            )
         if optimizer is None:
             dsd.set_model_state_dict(part, msd, options=_options())
             continue
@@ -239,4 +256,10 @@ def set_state_dict(
                 continue
             shard = _optimizer_expert(key, experts)
             osd[key] = local_rows(value, shard, key) if shard is not None else value
-        dsd.set_state_dict(part, optimizer, model_state_dict=msd, optim_state_dict=osd, options=_options())
+        dsd.set_state_dict(
+            part,
+            optimizer,
+            model_state_dict=msd,
+            optim_state_dict=osd,
+            options=_options(),
+        )

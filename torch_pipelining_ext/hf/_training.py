@@ -246,7 +246,11 @@ def check_reduced(parts: Sequence[HFCausalLMStage]) -> None:
     """Refuse expert gradients that a step added to and nothing reduced."""
     from torch_pipelining_ext.hf._expert_parallel import sharded_experts
 
-    pending = [s.fqn for _, s in sharded_experts(parts) if s.needs_reduction and s.grads_pending]
+    pending = [
+        s.fqn
+        for _, s in sharded_experts(parts)
+        if s.needs_reduction and s.grads_pending
+    ]
     if pending:
         raise RuntimeError(
             f"the gradients of the expert-parallel experts {pending[:3]} are not reduced yet: call "
@@ -337,7 +341,9 @@ def fully_shard_replicated(
         experts = [
             p for name, p in part.named_parameters() if is_expert_parameter(part, name)
         ]
-        fully_shard(part, mesh=groups.data_mesh, ignored_params=set(experts), **fsdp_kwargs)
+        fully_shard(
+            part, mesh=groups.data_mesh, ignored_params=set(experts), **fsdp_kwargs
+        )
         for p in experts:
             p.register_hook(functools.partial(_divided, size))
     for _, shard in sharded_experts(parts):

@@ -90,7 +90,9 @@ class HFMultiProcTest(PipelineMultiProcTest):
         data = launcher.data_parallel_mesh(mesh)
         return data.get_local_rank(), data.size()
 
-    def local_batch(self, mesh: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def local_batch(
+        self, mesh: Any, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """This rank's rows of the global batch ``tensors``."""
         index, count = self.data_rank(mesh)
         rows = tensors[0].shape[0] // count
@@ -128,7 +130,9 @@ class TrainingRun:
             model, mesh, schedule_cls, "cpu", **build_kwargs
         )
         if fsdp:  # over the data-parallel ranks, or over one dimension ("ep")
-            hf.fully_shard_replicated(self.parts, mesh[fsdp] if isinstance(fsdp, str) else mesh)
+            hf.fully_shard_replicated(
+                self.parts, mesh[fsdp] if isinstance(fsdp, str) else mesh
+            )
         self.loss_fn = hf.CausalLMLoss(n_microbatches=microbatches)
         self.schedule = schedule_cls(
             self.stages[0] if len(self.stages) == 1 else self.stages,
@@ -168,7 +172,9 @@ class TrainingRun:
         dist.all_reduce(total, group=self.data.get_group())
         return total / self.data.size()
 
-    def step(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def step(
+        self, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """:meth:`backward`, clipping and the optimizer step; returns the loss
         and the gradient norm before clipping."""
         loss = self.backward(batch)
@@ -218,7 +224,9 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
         if hasattr(md, "size")
     }
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        warnings.simplefilter(
+            "ignore"
+        )  # "assuming the intent is to load in a single process"
         dcp.load(whole, checkpoint_id=path, no_dist=True)
     return whole
 
@@ -231,7 +239,11 @@ def local_view(value: Any, parts: Any, key: str) -> torch.Tensor:
 
     if not isinstance(value, DTensor):
         return value
-    experts = {f"{s.fqn}.{n}" for _, s in hf.expert_parallel_shards(parts) for n in ("gate_up_proj", "down_proj")}
+    experts = {
+        f"{s.fqn}.{n}"
+        for _, s in hf.expert_parallel_shards(parts)
+        for n in ("gate_up_proj", "down_proj")
+    }
     fqn = key.split(".", 1)[1].rsplit(".", 1)[0] if key.startswith("state.") else key
     return value.to_local() if fqn in experts else value.full_tensor()
 

@@ -306,7 +306,9 @@ def routing_counts(model, ids, mask) -> dict[int, torch.Tensor]:
     return out
 
 
-def padded_batch(seed: int, vocab_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def padded_batch(
+    seed: int, vocab_size: int = 64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, labels) of 8 sequences of 8 tokens, three
     of them right-padded (labels -100 there)."""
     g = torch.Generator().manual_seed(seed)

@@ -166,7 +166,9 @@ class HFPipelineGlooTest(HFMultiProcTest):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 _, (part,) = hf.pipeline_hf_causal_lm(ref, group, Schedule1F1B, "cpu")
-            if family == "llama":  # every stage replicates the parameter-free rotary module
+            if (
+                family == "llama"
+            ):  # every stage replicates the parameter-free rotary module
                 self.assertIsNotNone(part.model.rotary_emb)
             dcp.save(part.state_dict(), checkpoint_id=ckpt, process_group=group)
 

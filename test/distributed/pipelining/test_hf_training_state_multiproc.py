@@ -103,7 +103,11 @@ class _TrainingStateTests:
     def run_in(self, model, pp, dp, ep, **kwargs) -> TrainingRun:
         schedule, microbatches = _LAYOUTS[(pp, dp, ep)]
         return TrainingRun(
-            model, self.layout(pp=pp, dp=dp, ep=ep), schedule, microbatches=microbatches, **kwargs
+            model,
+            self.layout(pp=pp, dp=dp, ep=ep),
+            schedule,
+            microbatches=microbatches,
+            **kwargs,
         )
 
     def assert_holds_checkpoint(self, run: TrainingRun, whole: dict, what: str) -> None:
@@ -118,10 +122,16 @@ class _TrainingStateTests:
         }
 
         def check() -> None:
-            if any(k.startswith("model.") and ".experts." in k for k in views):  # their moments too
+            if any(
+                k.startswith("model.") and ".experts." in k for k in views
+            ):  # their moments too
                 self.assertTrue(any(".experts." in k and "exp_avg" in k for k in views))
             for key, got in views.items():
-                fqn = key[len("model.") :] if key.startswith("model.") else key.split(".", 2)[2].rsplit(".", 1)[0]
+                fqn = (
+                    key[len("model.") :]
+                    if key.startswith("model.")
+                    else key.split(".", 2)[2].rsplit(".", 1)[0]
+                )
                 want = rows_of(whole[key], run.parts, fqn)
                 self.assertTrue(torch.equal(got, want), f"{what}: {key}")
 
@@ -134,7 +144,9 @@ class _TrainingStateTests:
 
         self.check_all(check)
 
-    def resume_is_bitwise(self, family: str, layout: tuple[int, int, int], fsdp: bool) -> None:
+    def resume_is_bitwise(
+        self, family: str, layout: tuple[int, int, int], fsdp: bool
+    ) -> None:
         """Two steps, a checkpoint, two more: a fresh run from the checkpoint
         has the same losses and norms and ends with the same weights, bitwise."""
         run = self.run_in(_model(family), *layout, fsdp=fsdp)
@@ -144,25 +156,39 @@ class _TrainingStateTests:
         hf.save_checkpoint(path, run.parts, run.optimizers)
         resumed = self.run_in(_model(family, seed=1), *layout, fsdp=fsdp)
         hf.load_checkpoint(path, resumed.parts, resumed.optimizers)
-        self.assert_holds_checkpoint(resumed, read_checkpoint(path), "loaded into the same layout")
+        self.assert_holds_checkpoint(
+            resumed, read_checkpoint(path), "loaded into the same layout"
+        )
         for step in (2, 3):
             got, want = resumed.step(_batch(step)), run.step(_batch(step))
 
             def check() -> None:
                 for a, b in zip(got, want):
-                    self.assertTrue(a is b is None or torch.equal(a, b), f"step {step}: {a} vs {b}")
+                    self.assertTrue(
+                        a is b is None or torch.equal(a, b), f"step {step}: {a} vs {b}"
+                    )
 
             self.check_all(check)
         self.params_equal(resumed, run, "after two steps")
 
-    def matches_unsplit_model(self, ref, layout, mode: str | None, fsdp: bool, steps: int = 2) -> TrainingRun:
+    def matches_unsplit_model(
+        self, ref, layout, mode: str | None, fsdp: bool, steps: int = 2
+    ) -> TrainingRun:
         """``steps`` steps of ``ref``'s stages in ``layout`` (with the auxiliary
         loss ``mode``, padded batches) equal to ``ref``'s own: losses, norms,
         then every weight."""
-        options = {} if mode is None else {"router_aux_loss": mode, "router_aux_loss_coef": COEF}
+        options = (
+            {}
+            if mode is None
+            else {"router_aux_loss": mode, "router_aux_loss_coef": COEF}
+        )
         run = self.run_in(ref, *layout, fsdp=fsdp, **options)
         ref_opt = reference_optimizer(ref)
-        loss = None if mode is None else (lambda m, b: balanced_loss_by_hand(m, b, mode, COEF))
+        loss = (
+            None
+            if mode is None
+            else (lambda m, b: balanced_loss_by_hand(m, b, mode, COEF))
+        )
         for step in range(steps):
             batch = padded_batch(600 + step, VOCAB)
             if mode is None:  # no auxiliary loss: no mask travels with the stages
@@ -219,7 +245,9 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         if self.rank == 0:
             ref.save_pretrained(own)
         dist.barrier()
-        exported = transformers.AutoModelForCausalLM.from_pretrained(export).state_dict()
+        exported = transformers.AutoModelForCausalLM.from_pretrained(
+            export
+        ).state_dict()
         mine = other.params()
 
         def check() -> None:
@@ -247,12 +275,22 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         hf.save_checkpoint(path, run.parts, run.optimizers)
         whole = read_checkpoint(path)
         # every rank's experts and their moments are in the checkpoint, under the whole tensor's key
-        self.assertEqual(whole["model.model.layers.1.mlp.experts.down_proj"].shape[0], EXPERTS)
+        self.assertEqual(
+            whole["model.model.layers.1.mlp.experts.down_proj"].shape[0], EXPERTS
+        )
         self.assert_holds_checkpoint(run, whole, "saved PP=2 x EP=2")
         # the stage modules' own state_dict() shows the experts as shards of the whole tensor too
         raw = self.shared_dir()
-        dcp.save({k: v for part in run.parts for k, v in part.state_dict().items()}, checkpoint_id=raw)
-        self.assertTrue(all(torch.equal(t, whole["model." + k]) for k, t in read_checkpoint(raw).items()))
+        dcp.save(
+            {k: v for part in run.parts for k, v in part.state_dict().items()},
+            checkpoint_id=raw,
+        )
+        self.assertTrue(
+            all(
+                torch.equal(t, whole["model." + k])
+                for k, t in read_checkpoint(raw).items()
+            )
+        )
         other = self.run_in(_model("qwen3_moe", seed=1), 1, 1, 4)
         hf.load_checkpoint(path, other.parts, other.optimizers)
         self.assert_holds_checkpoint(other, whole, "loaded into PP=1 x EP=4")
@@ -263,21 +301,33 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         self.assert_close_on_every_rank(norm, want_norm, "norm after the layout change")
 
     def test_layouts_that_do_not_fit_are_refused(self):
-        with self.assertRaisesRegex(ValueError, r"pp=3 x dp=1 x ep=1 needs 3 ranks, but the job has 4"):
+        with self.assertRaisesRegex(
+            ValueError, r"pp=3 x dp=1 x ep=1 needs 3 ranks, but the job has 4"
+        ):
             launcher.device_mesh(pp=3)
-        with self.assertRaisesRegex(ValueError, r"must be a positive integer, got dp=0"):
+        with self.assertRaisesRegex(
+            ValueError, r"must be a positive integer, got dp=0"
+        ):
             launcher.device_mesh(pp=4, dp=0)
         mesh = self.layout(pp=4)
         with self.assertRaisesRegex(ValueError, "no 'dp' or 'ep' dimension"):
             launcher.data_parallel_mesh(mesh["pp"])
-        self.assertEqual(launcher.data_parallel_mesh(self.layout(pp=1, dp=2, ep=2)).size(), 4)
-        with self.assertRaisesRegex(ValueError, "the dimensions .'pp', 'ep'. or .'pp', 'dp', 'ep'."):
-            hf.pipeline_hf_causal_lm(_model("qwen3_moe"), mesh["pp", "dp"], Schedule1F1B, "cpu")
+        self.assertEqual(
+            launcher.data_parallel_mesh(self.layout(pp=1, dp=2, ep=2)).size(), 4
+        )
+        with self.assertRaisesRegex(
+            ValueError, "the dimensions .'pp', 'ep'. or .'pp', 'dp', 'ep'."
+        ):
+            hf.pipeline_hf_causal_lm(
+                _model("qwen3_moe"), mesh["pp", "dp"], Schedule1F1B, "cpu"
+            )
 
     @_needs_fused
     def test_three_dimensional_layout_matches_unsplit_model(self):
         # PP=1 x DP=2 x EP=2, DeepSeek-V3's sequence-wise auxiliary loss, plain gradients
-        self.matches_unsplit_model(_model("deepseek_v3"), (1, 2, 2), "sequence", fsdp=False)
+        self.matches_unsplit_model(
+            _model("deepseek_v3"), (1, 2, 2), "sequence", fsdp=False
+        )
 
     @_needs_fused
     def test_save_pretrained_from_pp_x_ep(self):
@@ -298,17 +348,25 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         def check() -> None:
             # transformers' own layout (per-expert keys), one file per writing rank
             self.assertEqual(_saved_shapes(path), _saved_shapes(own))
-            self.assertEqual(len([f for f in os.listdir(path) if f.endswith(".safetensors")]), 4)
+            self.assertEqual(
+                len([f for f in os.listdir(path) if f.endswith(".safetensors")]), 4
+            )
             theirs = exported.state_dict()
             for key, value in mine.items():
-                self.assertTrue(torch.equal(value, rows_of(theirs[key], run.parts, key)), key)
+                self.assertTrue(
+                    torch.equal(value, rows_of(theirs[key], run.parts, key)), key
+                )
 
         self.check_all(check)
-        other = self.run_in(_model("qwen3_moe", seed=1).config, 1, 1, 4, checkpoint=path)
+        other = self.run_in(
+            _model("qwen3_moe", seed=1).config, 1, 1, 4, checkpoint=path
+        )
         got = other.params()
         self.check_all(
             lambda: [
-                self.assertTrue(torch.equal(v, rows_of(exported.state_dict()[k], other.parts, k)), k)
+                self.assertTrue(
+                    torch.equal(v, rows_of(exported.state_dict()[k], other.parts, k)), k
+                )
                 for k, v in got.items()
             ]
         )
@@ -323,13 +381,21 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         path = self.shared_dir()
         hf.save_checkpoint(path, run.parts, run.optimizers)
         cases = {
-            "two layers": (dict(num_layers=2), r"checkpoint keys the model does not have \(\d+\): 'model.layers.2"),
-            "16 experts": (dict(num_experts=16), r"'model.layers.\d.mlp.experts.gate_up_proj': saved \[8, 32, 32\], here \[16, 32, 32\]"),
+            "two layers": (
+                dict(num_layers=2),
+                r"checkpoint keys the model does not have \(\d+\): 'model.layers.2",
+            ),
+            "16 experts": (
+                dict(num_experts=16),
+                r"'model.layers.\d.mlp.experts.gate_up_proj': saved \[8, 32, 32\], here \[16, 32, 32\]",
+            ),
         }
         for what, (kwargs, pattern) in cases.items():
             kwargs = {"num_layers": 4, **kwargs}
             other = TrainingRun(
-                tiny_hf_model("qwen3_moe", seed=1, **kwargs), self.layout(pp=2, ep=2), Schedule1F1B
+                tiny_hf_model("qwen3_moe", seed=1, **kwargs),
+                self.layout(pp=2, ep=2),
+                Schedule1F1B,
             )
             before = other.params()
             with self.assertRaisesRegex(ValueError, pattern, msg=what):
@@ -346,11 +412,15 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
             if key.endswith("experts.gate_up_proj"):
                 for e in range(EXPERTS):
                     gate, up = value[e].chunk(2)
-                    sd[key.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.clone()
+                    sd[key.replace("gate_up_proj", f"{e}.gate_proj.weight")] = (
+                        gate.clone()
+                    )
                     sd[key.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.clone()
             elif key.endswith("experts.down_proj"):
                 for e in range(EXPERTS):
-                    sd[key.replace("down_proj", f"{e}.down_proj.weight")] = value[e].clone()
+                    sd[key.replace("down_proj", f"{e}.down_proj.weight")] = value[
+                        e
+                    ].clone()
             else:
                 sd[key] = value
         path = self.shared_dir()
@@ -358,9 +428,13 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
 
         dcp.save({"model": sd}, checkpoint_id=path)
         run = self.run_in(_model("qwen3_moe", seed=1), 2, 1, 2)
-        with self.assertRaisesRegex(ValueError, r"experts as separate modules .* transformers 4.x"):
+        with self.assertRaisesRegex(
+            ValueError, r"experts as separate modules .* transformers 4.x"
+        ):
             hf.load_checkpoint(path, run.parts)
-        with self.assertRaisesRegex(ValueError, "optimizer state missing from the checkpoint"):
+        with self.assertRaisesRegex(
+            ValueError, "optimizer state missing from the checkpoint"
+        ):
             hf.load_checkpoint(path, run.parts, run.optimizers)
 
     @_needs_fused
@@ -368,9 +442,13 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         run = self.run_in(_model("qwen3_moe", num_experts=6), 2, 1, 2)
         path = self.shared_dir()
         hf.save_checkpoint(path, run.parts, run.optimizers)
-        with self.assertRaisesRegex(ValueError, "6 experts cannot be split over an expert-parallel group of 4"):
+        with self.assertRaisesRegex(
+            ValueError, "6 experts cannot be split over an expert-parallel group of 4"
+        ):
             self.run_in(_model("qwen3_moe", num_experts=6), 1, 1, 4)
-        with self.assertRaisesRegex(ValueError, r"gate_up_proj': saved \[6, 32, 32\], here \[8, 32, 32\]"):
+        with self.assertRaisesRegex(
+            ValueError, r"gate_up_proj': saved \[6, 32, 32\], here \[8, 32, 32\]"
+        ):
             other = self.run_in(_model("qwen3_moe", seed=1), 1, 1, 4)
             hf.load_checkpoint(path, other.parts, other.optimizers)
 
@@ -382,14 +460,19 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
             with open(os.path.join(path, "notes.txt"), "w") as f:
                 f.write("mine")
         dist.barrier()
-        with self.assertRaisesRegex(ValueError, r"is not empty \(it holds \['notes.txt'\]\): pass overwrite=True"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"is not empty \(it holds \['notes.txt'\]\): pass overwrite=True",
+        ):
             hf.save_pretrained(run.parts, path)
         # experts of a model type whose conversion table has no per-expert layout
-        with mock.patch.multiple(run.parts[0], _weight_conversions=[]), mock.patch.multiple(
-            run.parts[1], _weight_conversions=[]
+        with (
+            mock.patch.multiple(run.parts[0], _weight_conversions=[]),
+            mock.patch.multiple(run.parts[1], _weight_conversions=[]),
         ):
             with self.assertRaisesRegex(
-                ValueError, r"no per-expert layout for model type 'qwen3_moe'.*Nothing was written"
+                ValueError,
+                r"no per-expert layout for model type 'qwen3_moe'.*Nothing was written",
             ):
                 hf.save_pretrained(run.parts, path, overwrite=True)
         self.assertEqual(os.listdir(path), ["notes.txt"])
@@ -397,7 +480,9 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         self.assertIn("model.safetensors.index.json", os.listdir(path))
 
 
-@unittest.skipUnless(TEST_WITH_SLOW, "every layout and family: PYTORCH_TEST_WITH_SLOW=1")
+@unittest.skipUnless(
+    TEST_WITH_SLOW, "every layout and family: PYTORCH_TEST_WITH_SLOW=1"
+)
 @unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
 @instantiate_parametrized_tests
 class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
@@ -411,24 +496,27 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
         ref = _model(family)
         ref_opt = reference_optimizer(ref)
         run = self.run_in(ref, 2, 1, 2)
+        path, whole = None, None
         for step, layout in enumerate([(2, 1, 2), (1, 1, 4), (4, 1, 1)]):
-            if step:
-                path, whole = saved
+            if step:  # the previous layout's checkpoint
                 run = self.run_in(_model(family, seed=step), *layout)
                 hf.load_checkpoint(path, run.parts, run.optimizers)
                 self.assert_holds_checkpoint(run, whole, f"loaded into {layout}")
             loss, norm = run.step(_batch(step))
             want_loss, want_norm = reference_step(ref, ref_opt, _batch(step))
-            self.assert_close_on_every_rank(loss, want_loss, f"{layout}: loss of step {step}")
-            self.assert_close_on_every_rank(norm, want_norm, f"{layout}: norm of step {step}")
+            self.assert_close_on_every_rank(
+                loss, want_loss, f"{layout}: loss of step {step}"
+            )
+            self.assert_close_on_every_rank(
+                norm, want_norm, f"{layout}: norm of step {step}"
+            )
             path = self.shared_dir()
             hf.save_checkpoint(path, run.parts, run.optimizers)
             whole = read_checkpoint(path)
             self.assert_holds_checkpoint(run, whole, f"saved from {layout}")
-            saved = (path, whole)
         unsplit = _model(family, seed=9)
         sd = unsplit.state_dict()
-        dcp.load({"model": sd}, checkpoint_id=saved[0])
+        dcp.load({"model": sd}, checkpoint_id=path)
         want = ref.state_dict()
 
         def check() -> None:
@@ -465,13 +553,19 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
     @parametrize("family", ["qwen3_moe", "deepseek_v3"])
     def test_three_dimensional_layout_matches_unsplit_model(self, family, layout, fsdp):
         mode = "sequence" if family == "deepseek_v3" else "pooled"
-        kwargs = {} if mode == "sequence" else {"router_aux_loss_coef": COEF, "output_router_logits": True}
+        kwargs = (
+            {}
+            if mode == "sequence"
+            else {"router_aux_loss_coef": COEF, "output_router_logits": True}
+        )
         shape = {"pp1xdp2xep2": (1, 2, 2), "pp2xdp1xep2": (2, 1, 2)}[layout]
         self.matches_unsplit_model(_model(family, **kwargs), shape, mode, fsdp)
 
     def test_clip_counts_tied_weights_once(self):
         # GPT-2's embedding and head are one tensor, split over the two pipeline stages; PP=2 x DP=2 with FSDP2
-        self.matches_unsplit_model(tiny_hf_model("gpt2", num_layers=4), (2, 2, 1), None, fsdp=True)
+        self.matches_unsplit_model(
+            tiny_hf_model("gpt2", num_layers=4), (2, 2, 1), None, fsdp=True
+        )
 
     @parametrize("norm_type", [1.0, float("inf")])
     def test_clip_norm_types(self, norm_type):
@@ -480,14 +574,18 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
         run.backward(_batch(0))
         got = hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, norm_type, mesh=run.mesh)
         ref(input_ids=_batch(0)[0], labels=_batch(0)[1]).loss.backward()
-        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM_TEST, norm_type)
+        want = torch.nn.utils.clip_grad_norm_(
+            ref.parameters(), MAX_NORM_TEST, norm_type
+        )
         grads = {k: p.grad for part in run.parts for k, p in part.named_parameters()}
         ref_grads = dict(ref.named_parameters())
 
         def check() -> None:
             torch.testing.assert_close(got, want)
             for key, grad in grads.items():
-                torch.testing.assert_close(grad, rows_of(ref_grads[key].grad, run.parts, key), msg=key)
+                torch.testing.assert_close(
+                    grad, rows_of(ref_grads[key].grad, run.parts, key), msg=key
+                )
 
         self.check_all(check)
 
@@ -495,19 +593,31 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
         run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
         run.backward(_batch(0))
         if self.rank == 3:  # one rank's experts
-            hf.expert_parallel_shards(run.parts)[0][0].down_proj.grad[0, 0, 0] = float("nan")
-        with self.assertRaisesRegex(RuntimeError, r"rank \d: the total norm of order 2.0 .* is non-finite"):
-            hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, mesh=run.mesh, error_if_nonfinite=True)
+            hf.expert_parallel_shards(run.parts)[0][0].down_proj.grad[0, 0, 0] = float(
+                "nan"
+            )
+        with self.assertRaisesRegex(
+            RuntimeError, r"rank \d: the total norm of order 2.0 .* is non-finite"
+        ):
+            hf.clip_grad_norm_(
+                run.parts, MAX_NORM_TEST, mesh=run.mesh, error_if_nonfinite=True
+            )
         norm = hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, mesh=run.mesh)
         self.assertTrue(norm.isnan())  # as torch does: every gradient scaled by nan
-        self.assertTrue(all(p.grad.isnan().all() for part in run.parts for p in part.parameters()))
+        self.assertTrue(
+            all(p.grad.isnan().all() for part in run.parts for p in part.parameters())
+        )
 
     def test_clip_refuses_unreduced_gradients(self):
         run = self.run_in(_model("qwen3_moe"), 2, 1, 2)
         *inputs, labels = run.local(*_batch(0))
         run.loss_fn.set_labels(labels, group=run.data.get_group())
-        run.schedule.step(*(inputs if any(s.is_first for s in run.stages) else ()), target=labels)
-        with self.assertRaisesRegex(RuntimeError, "not reduced yet: call hf.reduce_expert_parallel_gradients"):
+        run.schedule.step(
+            *(inputs if any(s.is_first for s in run.stages) else ()), target=labels
+        )
+        with self.assertRaisesRegex(
+            RuntimeError, "not reduced yet: call hf.reduce_expert_parallel_gradients"
+        ):
             hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, mesh=run.mesh)
         hf.reduce_expert_parallel_gradients(run.parts, run.mesh)
         hf.clip_grad_norm_(run.parts, MAX_NORM_TEST, mesh=run.mesh)
@@ -534,10 +644,11 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
         def check() -> None:
             self.assertEqual(_saved_shapes(path), _saved_shapes(own))
             for key, value in mine.items():
-                self.assertTrue(torch.equal(value, rows_of(exported[key], run.parts, key)), key)
+                self.assertTrue(
+                    torch.equal(value, rows_of(exported[key], run.parts, key)), key
+                )
 
         self.check_all(check)
-
 
     def test_save_pretrained_without_torchs_hugging_face_writer(self):
         # a torch without torch.distributed.checkpoint.HuggingFaceStorageWriter: safetensors files and an index
@@ -576,7 +687,7 @@ def _saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
     return shapes
 
 
