@@ -27,6 +27,12 @@ whole batch), and :func:`sync_tied_gradients` makes gradients of weights
 tied across stages (GPT-2's embedding and head) right.  A MoE stays balanced
 with a router auxiliary loss (``router_aux_loss=``), :func:`expert_load` and
 DeepSeek-V3's :func:`update_expert_bias`.
+
+The training state of a PP x DP x EP job: :func:`save_checkpoint` and
+:func:`load_checkpoint` (``torch.distributed.checkpoint``; every expert kept,
+any layout loads into any other: :func:`get_state_dict`,
+:func:`set_state_dict`), :func:`clip_grad_norm_` by the whole model's
+gradient norm, and :func:`save_pretrained` back to a Hugging Face checkpoint.
 """
 
 from __future__ import annotations
@@ -202,8 +208,9 @@ def pipeline_hf_causal_lm(
             device, e.g. from :func:`meta_causal_lm`), or its config (then it
             is built with :func:`meta_causal_lm`).  It is not modified.
         pp_mesh_or_group: the pipeline dimension (1-D ``DeviceMesh`` or
-            ``ProcessGroup``), or a 2-D ``DeviceMesh`` with dimensions
-            ``("pp", "ep")`` (pipeline and expert parallelism).
+            ``ProcessGroup``), or the job's ``("pp", "dp", "ep")`` mesh
+            (:func:`torch_pipelining_ext.launcher.device_mesh`) or a
+            ``("pp", "ep")`` one (expert parallelism where ``ep`` > 1).
         schedule: schedule class or name (decides loop- or V-style placement).
         device: device of the stages.
         module_names_per_stage: FQN lists per stage; default
@@ -495,7 +502,12 @@ def save_checkpoint(
     model (``dcp.load({"model": model.state_dict()}, ...)``).
     """
     _dcp.save_checkpoint(
-        checkpoint_id, parts, optimizers, state, storage_writer, process_group
+        checkpoint_id,
+        parts,
+        optimizers,
+        state,
+        storage_writer=storage_writer,
+        process_group=process_group,
     )
 
 
@@ -505,8 +517,8 @@ def load_checkpoint(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     state: dict[str, Any] | None = None,
-    storage_reader: Any = None,
     process_group: dist.ProcessGroup | None = None,
+    storage_reader: Any = None,
 ) -> None:
     """Load a checkpoint of :func:`save_checkpoint` (of any layout) into this
     rank's stages and optimizers, and ``state``'s entries in place; every

@@ -54,25 +54,19 @@ def save_checkpoint(
     checkpoint_id: Any,
     parts: Sequence[nn.Module],
     optimizers: Any,
-    state: dict[str, Any] | None,
-    storage_writer: Any,
-    process_group: Any,
+    state: Any,
+    **dcp_kwargs: Any,
 ) -> None:
-    """See :func:`torch_pipelining_ext.hf.save_checkpoint`."""
+    """See :func:`torch_pipelining_ext.hf.save_checkpoint` (``dcp_kwargs``:
+    ``storage_writer``, ``process_group``)."""
     import torch.distributed.checkpoint as dcp
 
-    model_sd, optim_sd = _state_dict.get_state_dict(parts, optimizers)
-    dcp.save(
-        _combined(model_sd, optim_sd if optimizers is not None else None, state),
-        checkpoint_id=checkpoint_id,
-        storage_writer=storage_writer,
-        process_group=process_group,
-    )
+    combined = _combined(parts, optimizers, state)
+    dcp.save(combined, checkpoint_id=checkpoint_id, **dcp_kwargs)
     logger.info(
-        "saved %d model and %d optimizer entries of stages %s to %s",
-        len(model_sd),
-        len(optim_sd),
+        "saved stages %s (%d model tensors) to %s",
         [getattr(p, "stage_index", None) for p in parts],
+        len(combined[MODEL_KEY]),
         checkpoint_id,
     )
 
@@ -81,21 +75,19 @@ def load_checkpoint(
     checkpoint_id: Any,
     parts: Sequence[nn.Module],
     optimizers: Any,
-    state: dict[str, Any] | None,
+    state: Any,
     storage_reader: Any,
     process_group: Any,
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.load_checkpoint`."""
     import torch.distributed.checkpoint as dcp
 
-    model_sd, optim_sd = _state_dict.get_state_dict(parts, optimizers)
+    combined = _combined(parts, optimizers, state)
     reader = _reader(checkpoint_id, storage_reader)
-    metadata = reader.read_metadata()
     problems = checkpoint_problems(
-        parts, model_sd, optim_sd if optimizers is not None else None, metadata
+        parts, combined[MODEL_KEY], combined.get(OPTIM_KEY), reader.read_metadata()
     )
     _raise_on_every_rank(problems, checkpoint_id, process_group)
-    combined = _combined(model_sd, optim_sd if optimizers is not None else None, state)
     dcp.load(
         combined,
         checkpoint_id=checkpoint_id,
@@ -108,10 +100,12 @@ def load_checkpoint(
 
 
 def _combined(
-    model_sd: dict, optim_sd: dict | None, state: dict[str, Any] | None
+    parts: Sequence[nn.Module], optimizers: Any, state: Any
 ) -> dict[str, Any]:
+    """``{"model": ..., "optim": ... (with optimizers), **state}``."""
+    model_sd, optim_sd = _state_dict.get_state_dict(parts, optimizers)
     combined: dict[str, Any] = {MODEL_KEY: model_sd}
-    if optim_sd is not None:
+    if optimizers is not None:
         combined[OPTIM_KEY] = optim_sd
     for key, value in (state or {}).items():
         if key in (MODEL_KEY, OPTIM_KEY):
@@ -200,26 +194,26 @@ def _shape_problems(
     return out
 
 
+_MAJORS = {
+    "per_expert": "experts as separate modules ('...experts.<e>.<proj>.weight', transformers 4.x)",
+    "fused": "fused experts ('...experts.gate_up_proj', transformers 5.x)",
+}
+
+
 def _major_hint(missing: list[str], unexpected: list[str]) -> str | None:
     """Name the transformers major a checkpoint's expert keys come from when
     they are the other major's."""
-    if any(_FUSED.search(k) for k in missing) and any(
-        _PER_EXPERT.search(k) for k in unexpected
-    ):
-        return (
-            "the checkpoint holds experts as separate modules ('...experts.<e>.<proj>.weight', as transformers 4.x "
-            "builds MoE models) while this model has fused experts ('...experts.gate_up_proj', transformers 5.x): "
-            "a DCP checkpoint loads under the transformers major it was saved with; convert through a Hugging Face "
-            "checkpoint (hf.save_pretrained under the old major, then pipeline_hf_causal_lm(..., checkpoint=...))"
-        )
-    if any(_PER_EXPERT.search(k) for k in missing) and any(
-        _FUSED.search(k) for k in unexpected
-    ):
-        return (
-            "the checkpoint holds fused experts ('...experts.gate_up_proj', transformers 5.x) while this model has "
-            "experts as separate modules (transformers 4.x): a DCP checkpoint loads under the transformers major "
-            "it was saved with; convert through a Hugging Face checkpoint (hf.save_pretrained under 5.x)"
-        )
+    kinds = {"per_expert": _PER_EXPERT, "fused": _FUSED}
+    for saved, here in (("per_expert", "fused"), ("fused", "per_expert")):
+        if any(kinds[here].search(k) for k in missing) and any(
+            kinds[saved].search(k) for k in unexpected
+        ):
+            return (
+                f"the checkpoint holds {_MAJORS[saved]} while this model has {_MAJORS[here]}: a DCP checkpoint "
+                "loads under the transformers major it was saved with; convert it through a Hugging Face "
+                "checkpoint (hf.save_pretrained under that major, then pipeline_hf_causal_lm(..., checkpoint=...) "
+                "under this one)"
+            )
     return None
 
 
