@@ -34,8 +34,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -172,41 +175,75 @@ def _launch_local(
             join=False,
             start_method=method,
         )
-        _join(context)
-        if queue.empty():
+        _join(context, queue)
+        results = [item[1] for item in _drain(queue) if item[0] == "result"]
+        if not results:
             raise RuntimeError("rank 0 finished without handing back a result")
-        return queue.get()
+        return results[0]
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _join(context: Any) -> None:
+def _drain(queue: Any) -> list[tuple]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get())
+    return items
+
+
+# [Note: the first failed rank]
+# When a rank raises, the others fail soon after (its sockets close under
+# their collectives) and may exit first; torch's ProcessContext.join reports
+# whichever exit it notices first.  So every rank that raises puts the time
+# and its traceback on the launcher's queue before the exception leaves it,
+# and the launcher names the rank that raised first; a rank that a signal
+# ended (other than the SIGTERM that stops the remaining ranks) is named
+# before any rank that raised, as the others' errors follow from its death.
+
+
+def _join(context: Any, queue: Any) -> None:
     """Wait for every rank; on the first failure stop the others and raise
-    :class:`RankFailedError`.  (``ProcessContext.join`` terminates the
-    remaining processes before it raises.)"""
+    :class:`RankFailedError` naming the rank that failed first (see
+    ``[Note: the first failed rank]``).  (``ProcessContext.join`` terminates
+    the remaining processes before it raises.)"""
     import torch.multiprocessing as mp
 
     try:
         while not context.join():
             pass
     except mp.ProcessRaisedException as e:
+        killed = _killed_by_a_signal(context)
+        if killed is not None:
+            _raise_exited(killed, context.processes[killed].exitcode)
+        failures = sorted(item[1:] for item in _drain(queue) if item[0] == "failed")
+        rank, message = (
+            (failures[0][1], failures[0][2]) if failures else (e.error_index, str(e))
+        )
         raise RankFailedError(
-            f"rank {e.error_index} raised an exception; the other ranks were "
-            f"stopped.\n{e}",
-            e.error_index,
+            f"rank {rank} raised an exception; the other ranks were stopped.\n{message}",
+            rank,
             1,
         ) from None
     except mp.ProcessExitedException as e:
-        how = (
-            f"was killed by signal {e.signal_name}"
-            if e.signal_name
-            else f"exited with status {e.exit_code}"
-        )
-        raise RankFailedError(
-            f"rank {e.error_index} {how}; the other ranks were stopped",
-            e.error_index,
-            e.exit_code,
-        ) from None
+        _raise_exited(e.error_index, e.exit_code)
+
+
+def _killed_by_a_signal(context: Any) -> int | None:
+    for rank, process in enumerate(context.processes):
+        code = process.exitcode
+        if code is not None and code < 0 and -code != signal.SIGTERM:
+            return rank
+    return None
+
+
+def _raise_exited(rank: int, exit_code: int) -> None:
+    if exit_code < 0:
+        how = f"was killed by signal {signal.Signals(-exit_code).name}"
+    else:
+        how = f"exited with status {exit_code}"
+    raise RankFailedError(
+        f"rank {rank} {how}; the other ranks were stopped", rank, exit_code
+    ) from None
 
 
 def _local_rank(
@@ -220,9 +257,14 @@ def _local_rank(
     args: tuple[Any, ...],
     queue: Any,
 ) -> None:
-    result = _run_rank(fn, rank, nprocs, init_method, backend, timeout, threads, args)
+    def failed() -> None:  # [Note: the first failed rank]
+        queue.put(("failed", time.monotonic(), rank, traceback.format_exc()))
+
+    result = _run_rank(
+        fn, rank, nprocs, init_method, backend, timeout, threads, args, failed
+    )
     if rank == 0:
-        queue.put(result)
+        queue.put(("result", result))
 
 
 def _run_rank(
@@ -234,6 +276,7 @@ def _run_rank(
     timeout: timedelta,
     threads: int | None,
     args: tuple[Any, ...],
+    failed: Callable[[], None] | None = None,
 ) -> T:
     if threads is not None:
         torch.set_num_threads(threads)
@@ -243,6 +286,10 @@ def _run_rank(
     logger.debug("rank %d of %d joined the %s process group", rank, world, backend)
     try:
         return fn(rank, *args)
+    except BaseException:
+        if failed is not None:  # before the process group closes under the others
+            failed()
+        raise
     finally:
         dist.destroy_process_group()
 
