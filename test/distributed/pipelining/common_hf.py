@@ -48,9 +48,11 @@ __all__ = [
     "HAS_FUSED",
     "HAS_TRANSFORMERS",
     "HFMultiProcTest",
+    "MAX_NORM",
     "TrainingRun",
     "local_view",
     "read_checkpoint",
+    "reference_backward",
     "reference_step",
 ]
 
@@ -175,13 +177,25 @@ class TrainingRun:
     def step(
         self, batch: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """:meth:`backward`, clipping and the optimizer step; returns the loss
-        and the gradient norm before clipping."""
-        loss = self.backward(batch)
+        """:meth:`backward`, then :meth:`clip_and_step`; returns the loss and
+        the gradient norm before clipping."""
+        return self.backward(batch), self.clip_and_step()
+
+    def clip_and_step(self) -> torch.Tensor:
+        """Clip by the whole model's norm (returned), then the optimizer step."""
         norm = hf.clip_grad_norm_(self.parts, MAX_NORM, mesh=self.mesh)
         for optimizer in self.optimizers:
             optimizer.step()
-        return loss, norm
+        return norm
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """This rank's gradients (experts: its rows; FSDP2: gathered; none: zeros)."""
+        out = {}
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                out[name] = local_view(grad, self.parts, name)
+        return out
 
     def params(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (experts: its rows; FSDP2: gathered)."""
@@ -196,15 +210,23 @@ def reference_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`TrainingRun.step` of the unsplit ``model`` (``loss(model,
     batch)``, default Hugging Face's); returns the loss and the gradient norm."""
+    value = reference_backward(model, optimizer, batch, loss)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    return value, norm
+
+
+def reference_backward(
+    model: Any, optimizer: Any, batch: tuple[torch.Tensor, ...], loss: Any = None
+) -> torch.Tensor:
+    """:meth:`TrainingRun.backward` of the unsplit ``model``."""
     optimizer.zero_grad()
     if loss is None:
         value = model(input_ids=batch[0], labels=batch[-1]).loss
     else:
         value = loss(model, batch)
     value.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    optimizer.step()
-    return value.detach(), norm
+    return value.detach()
 
 
 def reference_optimizer(model: Any) -> torch.optim.Optimizer:

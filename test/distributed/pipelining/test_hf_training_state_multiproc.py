@@ -35,10 +35,12 @@ import torch
 import torch.distributed as dist
 from common_hf import (
     HAS_FUSED,
+    MAX_NORM,
     HAS_TRANSFORMERS,
     HFMultiProcTest,
     local_view,
     read_checkpoint,
+    reference_backward,
     reference_optimizer,
     reference_step,
     rows_of,
@@ -193,9 +195,13 @@ class _TrainingStateTests:
             batch = padded_batch(600 + step, VOCAB)
             if mode is None:  # no auxiliary loss: no mask travels with the stages
                 batch = (batch[0], batch[2])
-            got_loss, got_norm = run.step(batch)
-            want_loss, want_norm = reference_step(ref, ref_opt, batch, loss)
+            got_loss = run.backward(batch)
+            want_loss = reference_backward(ref, ref_opt, batch, loss)
             self.assert_close_on_every_rank(got_loss, want_loss, f"loss of step {step}")
+            self.assert_grads_match(run, ref, f"step {step}")
+            got_norm = run.clip_and_step()
+            want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            ref_opt.step()
             self.assert_close_on_every_rank(got_norm, want_norm, f"norm of step {step}")
         got, want = run.params(), ref.state_dict()
 
@@ -206,6 +212,22 @@ class _TrainingStateTests:
 
         self.check_all(check)
         return run
+
+    def assert_grads_match(self, run: TrainingRun, ref, what: str) -> None:
+        """Every gradient of this rank (experts: its rows) equals the unsplit model's."""
+        got, want = run.grads(), dict(ref.named_parameters(remove_duplicate=False))
+
+        def check() -> None:
+            for key, grad in got.items():
+                ref_grad = want[key].grad
+                ref_grad = torch.zeros_like(want[key]) if ref_grad is None else ref_grad
+                torch.testing.assert_close(
+                    grad,
+                    rows_of(ref_grad, run.parts, key),
+                    msg=f"{what}: grad of {key}",
+                )
+
+        self.check_all(check)
 
     def params_equal(self, a: TrainingRun, b: TrainingRun, what: str) -> None:
         got, want = a.params(), b.params()
@@ -649,6 +671,24 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
                 )
 
         self.check_all(check)
+        # in another dtype: the tensors cast, config.json saying so
+        half = self.shared_dir()
+        hf.save_pretrained(run.parts, half, dtype=torch.bfloat16)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(half)
+        self.assertEqual(loaded.config.dtype, torch.bfloat16)
+        exported = loaded.state_dict()
+        self.check_all(
+            lambda: [
+                self.assertTrue(
+                    torch.equal(
+                        v.to(torch.bfloat16), rows_of(exported[k], run.parts, k)
+                    ),
+                    k,
+                )
+                for k, v in mine.items()
+                if v.is_floating_point()
+            ]
+        )
 
     def test_save_pretrained_without_torchs_hugging_face_writer(self):
         # a torch without torch.distributed.checkpoint.HuggingFaceStorageWriter: safetensors files and an index
