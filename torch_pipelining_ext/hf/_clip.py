@@ -100,9 +100,12 @@ def total_grad_norm(
     )
     pp = pipeline_group(mesh, pp_group, parts)
     owned = _owned_gradients(parts, groups)
-    device = (
-        owned[0].device if owned else group_device(groups.ep or pp or dist.group.WORLD)
-    )
+    if owned:
+        device = owned[0].device
+    elif dist.is_initialized():
+        device = group_device(groups.ep or pp or dist.group.WORLD)
+    else:  # one process, nothing to count
+        device = torch.device("cpu")
     if owned:
         local = torch.nn.utils.get_total_norm(owned, p_norm, False, foreach).double()
     else:

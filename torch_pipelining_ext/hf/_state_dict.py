@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from torch_pipelining_ext.hf._expert_parallel import (
@@ -107,15 +108,16 @@ def local_rows(value: Any, shard: ExpertShard, key: str) -> Any:
     if _is_dtensor(value):
         from torch.distributed.tensor import Shard
 
+        ranks = value.device_mesh.mesh.flatten().tolist()
         if (
             tuple(value.placements) != (Shard(0),)
-            or value.device_mesh.size() != shard.size
+            or ranks != dist.get_process_group_ranks(shard.group)
             or value.shape[0] != shard.num_experts
         ):
             raise ValueError(
                 f"{key}: expected this rank's experts as Shard(0) of a [{shard.num_experts}, ...] tensor over the "
                 f"expert-parallel group of {shard.size} ranks, got a DTensor of shape {list(value.shape)} with "
-                f"placements {tuple(value.placements)} over {value.device_mesh.size()} ranks"
+                f"placements {tuple(value.placements)} over the ranks {ranks}"
             )
         return value.to_local()
     if (

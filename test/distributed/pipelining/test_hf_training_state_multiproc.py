@@ -316,6 +316,15 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         other = self.run_in(_model("qwen3_moe", seed=1), 1, 1, 4)
         hf.load_checkpoint(path, other.parts, other.optimizers)
         self.assert_holds_checkpoint(other, whole, "loaded into PP=1 x EP=4")
+        # a state dict of whole tensors (the unsplit model's) loads too: each rank takes its experts' rows
+        with torch.no_grad():
+            for p in other.parts[0].parameters():
+                p.zero_()
+        unsplit = {
+            k[len("model.") :]: t for k, t in whole.items() if k.startswith("model.")
+        }
+        hf.set_state_dict(other.parts, model_state_dict=unsplit)
+        self.assert_holds_checkpoint(other, whole, "whole tensors set into PP=1 x EP=4")
         # training goes on as the unsplit model's
         loss, norm = other.step(_batch(2))
         want_loss, want_norm = reference_step(ref, ref_opt, _batch(2))
