@@ -263,8 +263,6 @@ def reduce_expert_parallel_gradients(
     parts: Sequence[HFCausalLMStage], mesh_or_group: Any
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.reduce_expert_parallel_gradients`."""
-    import torch.distributed as dist
-
     from torch_pipelining_ext.hf._expert_parallel import expert_parameters
     from torch_pipelining_ext.hf._mesh import data_groups
 
@@ -278,14 +276,17 @@ def reduce_expert_parallel_gradients(
             elif not _is_dtensor(p):  # FSDP reduces its own
                 replicated.append(p)
     if groups.data is not None:
-        _all_reduce_mean(replicated, groups.data, groups.data_size)
-    for p, shard in experts:
-        if p.grad is None:
-            continue
-        if groups.dp is not None:
-            dist.all_reduce(p.grad, group=groups.dp)
-        if not shard.divided_by_hook:
-            p.grad.div_(groups.data_size)
+        _all_reduce_divided(replicated, groups.data, groups.data_size)
+    # experts: the sum over their dp replicas, divided by dp x ep unless a hook did
+    hooked = [p for p, shard in experts if shard.divided_by_hook]
+    unhooked = [p for p, shard in experts if not shard.divided_by_hook]
+    if groups.dp is not None:
+        _all_reduce_divided(hooked, groups.dp, 1)
+        _all_reduce_divided(unhooked, groups.dp, groups.data_size)
+    else:
+        for p in unhooked:
+            if p.grad is not None:
+                p.grad.div_(groups.data_size)
     for _, shard in experts:
         shard.grads_pending = False
 
@@ -296,9 +297,10 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def _all_reduce_mean(params: list[torch.Tensor], group: Any, size: int) -> None:
-    """Average the gradients of ``params`` over ``group`` (one all-reduce of
-    one float32 buffer; a missing gradient counts as zeros)."""
+def _all_reduce_divided(params: list[torch.Tensor], group: Any, size: int) -> None:
+    """Sum the gradients of ``params`` over ``group`` and divide by ``size``
+    (one all-reduce of one float32 buffer; a missing gradient counts as
+    zeros)."""
     import torch.distributed as dist
 
     if not params:
