@@ -222,7 +222,11 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
         del model
     elapsed = time.perf_counter() - t0
     extra = _status("VmHWM") - (rss_before if peak_reset else hwm_before)
-    sd = part.state_dict()
+    # (a state dict shows an expert-parallel rank's experts as a shard of the whole tensor)
+    sd = {
+        k: v.to_local() if hasattr(v, "to_local") else v
+        for k, v in part.state_dict().items()
+    }
     stage_bytes = sum(t.nbytes for t in sd.values())
 
     # Every stage tensor equals the checkpoint's (read independently).

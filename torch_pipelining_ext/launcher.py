@@ -20,6 +20,13 @@ at once, so that none is left waiting in a collective for a peer that is gone,
 and :func:`launch` raises :class:`RankFailedError` naming the rank and how it
 ended.  The demo (``python -m torch_pipelining_ext.demo``), the trainer and the
 tools start their ranks through it.
+
+:func:`device_mesh` lays the ranks of a job out as one ``("pp", "dp", "ep")``
+mesh, the same way wherever a job is started (the trainer, the demo, the
+tools and the tests)::
+
+    mesh = launcher.device_mesh(pp=2, dp=2, ep=2)  # 8 ranks
+    stages, parts = hf.pipeline_hf_causal_lm(config, mesh, ScheduleDualPipeV, device)
 """
 
 from __future__ import annotations
@@ -27,8 +34,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -39,9 +49,13 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MESH_DIM_NAMES",
     "RankFailedError",
     "cpu_cores",
+    "data_parallel_mesh",
+    "device_mesh",
     "launch",
+    "layout_problem",
     "under_torchrun",
 ]
 
@@ -51,6 +65,9 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long a collective of a launched rank may wait for its peers."""
+
+MESH_DIM_NAMES = ("pp", "dp", "ep")
+"""The dimensions of :func:`device_mesh`, outermost first."""
 
 
 class RankFailedError(RuntimeError):
@@ -158,41 +175,75 @@ def _launch_local(
             join=False,
             start_method=method,
         )
-        _join(context)
-        if queue.empty():
+        _join(context, queue)
+        results = [item[1] for item in _drain(queue) if item[0] == "result"]
+        if not results:
             raise RuntimeError("rank 0 finished without handing back a result")
-        return queue.get()
+        return results[0]
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _join(context: Any) -> None:
+def _drain(queue: Any) -> list[tuple]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get())
+    return items
+
+
+# [Note: the first failed rank]
+# When a rank raises, the others fail soon after (its sockets close under
+# their collectives) and may exit first; torch's ProcessContext.join reports
+# whichever exit it notices first.  So every rank that raises puts the time
+# and its traceback on the launcher's queue before the exception leaves it,
+# and the launcher names the rank that raised first; a rank that a signal
+# ended (other than the SIGTERM that stops the remaining ranks) is named
+# before any rank that raised, as the others' errors follow from its death.
+
+
+def _join(context: Any, queue: Any) -> None:
     """Wait for every rank; on the first failure stop the others and raise
-    :class:`RankFailedError`.  (``ProcessContext.join`` terminates the
-    remaining processes before it raises.)"""
+    :class:`RankFailedError` naming the rank that failed first (see
+    ``[Note: the first failed rank]``).  (``ProcessContext.join`` terminates
+    the remaining processes before it raises.)"""
     import torch.multiprocessing as mp
 
     try:
         while not context.join():
             pass
     except mp.ProcessRaisedException as e:
+        killed = _killed_by_a_signal(context)
+        if killed is not None:
+            _raise_exited(killed, context.processes[killed].exitcode)
+        failures = sorted(item[1:] for item in _drain(queue) if item[0] == "failed")
+        rank, message = (
+            (failures[0][1], failures[0][2]) if failures else (e.error_index, str(e))
+        )
         raise RankFailedError(
-            f"rank {e.error_index} raised an exception; the other ranks were "
-            f"stopped.\n{e}",
-            e.error_index,
+            f"rank {rank} raised an exception; the other ranks were stopped.\n{message}",
+            rank,
             1,
         ) from None
     except mp.ProcessExitedException as e:
-        how = (
-            f"was killed by signal {e.signal_name}"
-            if e.signal_name
-            else f"exited with status {e.exit_code}"
-        )
-        raise RankFailedError(
-            f"rank {e.error_index} {how}; the other ranks were stopped",
-            e.error_index,
-            e.exit_code,
-        ) from None
+        _raise_exited(e.error_index, e.exit_code)
+
+
+def _killed_by_a_signal(context: Any) -> int | None:
+    for rank, process in enumerate(context.processes):
+        code = process.exitcode
+        if code is not None and code < 0 and -code != signal.SIGTERM:
+            return rank
+    return None
+
+
+def _raise_exited(rank: int, exit_code: int) -> None:
+    if exit_code < 0:
+        how = f"was killed by signal {signal.Signals(-exit_code).name}"
+    else:
+        how = f"exited with status {exit_code}"
+    raise RankFailedError(
+        f"rank {rank} {how}; the other ranks were stopped", rank, exit_code
+    ) from None
 
 
 def _local_rank(
@@ -206,9 +257,14 @@ def _local_rank(
     args: tuple[Any, ...],
     queue: Any,
 ) -> None:
-    result = _run_rank(fn, rank, nprocs, init_method, backend, timeout, threads, args)
+    def failed() -> None:  # [Note: the first failed rank]
+        queue.put(("failed", time.monotonic(), rank, traceback.format_exc()))
+
+    result = _run_rank(
+        fn, rank, nprocs, init_method, backend, timeout, threads, args, failed
+    )
     if rank == 0:
-        queue.put(result)
+        queue.put(("result", result))
 
 
 def _run_rank(
@@ -220,6 +276,7 @@ def _run_rank(
     timeout: timedelta,
     threads: int | None,
     args: tuple[Any, ...],
+    failed: Callable[[], None] | None = None,
 ) -> T:
     if threads is not None:
         torch.set_num_threads(threads)
@@ -229,5 +286,104 @@ def _run_rank(
     logger.debug("rank %d of %d joined the %s process group", rank, world, backend)
     try:
         return fn(rank, *args)
+    except BaseException:
+        if failed is not None:  # before the process group closes under the others
+            failed()
+        raise
     finally:
         dist.destroy_process_group()
+
+
+# [Note: job layout]
+# A job's ranks form a pp x dp x ep grid, expert parallelism innermost: the
+# ranks of one expert-parallel group are neighbours (one node, where the
+# all-to-alls are cheapest), the pipeline outermost.  Rank
+# r = (i_pp * dp + i_dp) * ep + i_ep.  The data-parallel ranks of the loss and
+# of FSDP are dp x ep (expert parallelism is carved out of data parallelism:
+# every rank of an ep group trains on other tokens); the experts are sharded
+# over ep and replicated over dp.
+
+
+def layout_problem(
+    world_size: int, pp: int = 1, dp: int = 1, ep: int = 1
+) -> str | None:
+    """What is wrong with the layout ``pp x dp x ep`` on ``world_size`` ranks
+    (``None``: nothing); no process group is needed to ask."""
+    sizes = {"pp": pp, "dp": dp, "ep": ep}
+    bad = [
+        f"{name}={size}"
+        for name, size in sizes.items()
+        if not isinstance(size, int) or size < 1
+    ]
+    if bad:
+        return f"every dimension of the layout must be a positive integer, got {', '.join(bad)}"
+    if pp * dp * ep != world_size:
+        return (
+            f"the layout pp={pp} x dp={dp} x ep={ep} needs {pp * dp * ep} ranks, "
+            f"but the job has {world_size}"
+        )
+    return None
+
+
+def device_mesh(
+    pp: int = 1, dp: int = 1, ep: int = 1, *, device_type: str | None = None
+) -> Any:
+    """The job's ``("pp", "dp", "ep")`` :class:`~torch.distributed.device_mesh.DeviceMesh`
+    (see ``[Note: job layout]``); a collective over the default process group.
+
+    ``mesh["pp"]``, ``mesh["dp"]`` and ``mesh["ep"]`` are this rank's pipeline,
+    data-parallel and expert-parallel dimensions.  Pass the mesh to
+    :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm` and the training
+    functions of :mod:`torch_pipelining_ext.hf`, which take what they need
+    from it.
+
+    Args:
+        pp, dp, ep: the sizes; their product is the world size.
+        device_type: ``"cuda"`` or ``"cpu"``; default: ``"cuda"`` when the
+            default process group is NCCL's, else ``"cpu"``.
+
+    Raises:
+        ValueError: the layout does not fit the world (see :func:`layout_problem`).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    problem = layout_problem(dist.get_world_size(), pp, dp, ep)
+    if problem is not None:
+        raise ValueError(problem)
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (pp, dp, ep), mesh_dim_names=MESH_DIM_NAMES)
+    data_parallel_mesh(mesh)  # its groups made here, on every rank at once
+    logger.debug(
+        "rank %d: mesh pp=%d x dp=%d x ep=%d, coordinates %s",
+        dist.get_rank(),
+        pp,
+        dp,
+        ep,
+        mesh.get_coordinate(),
+    )
+    return mesh
+
+
+def data_parallel_mesh(mesh: Any) -> Any:
+    """The ranks of ``mesh`` that train on different data, as one 1-D mesh:
+    its ``"dp"`` and ``"ep"`` dimensions flattened (``"dp_ep"``), or the one
+    of them it has.  Pass its group to ``CausalLMLoss.set_labels`` and
+    ``hf.expert_load``.
+
+    The first call for a mesh with both dimensions is a collective over the
+    default process group (it makes the flattened dimension's groups;
+    :func:`device_mesh` does it for its meshes); later calls return the same
+    mesh.
+
+    Raises:
+        ValueError: ``mesh`` has neither a ``"dp"`` nor an ``"ep"`` dimension.
+    """
+    names = [n for n in ("dp", "ep") if n in (mesh.mesh_dim_names or ())]
+    if not names:
+        raise ValueError(
+            f"the mesh has no 'dp' or 'ep' dimension (its dimensions: {mesh.mesh_dim_names})"
+        )
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh["dp", "ep"]._flatten("dp_ep")

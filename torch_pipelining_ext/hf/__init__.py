@@ -27,6 +27,12 @@ whole batch), and :func:`sync_tied_gradients` makes gradients of weights
 tied across stages (GPT-2's embedding and head) right.  A MoE stays balanced
 with a router auxiliary loss (``router_aux_loss=``), :func:`expert_load` and
 DeepSeek-V3's :func:`update_expert_bias`.
+
+The training state of a PP x DP x EP job: :func:`save_checkpoint` and
+:func:`load_checkpoint` (``torch.distributed.checkpoint``; every expert kept,
+any layout loads into any other: :func:`get_state_dict`,
+:func:`set_state_dict`), :func:`clip_grad_norm_` by the whole model's
+gradient norm, and :func:`save_pretrained` back to a Hugging Face checkpoint.
 """
 
 from __future__ import annotations
@@ -42,12 +48,16 @@ import torch.nn as nn
 from torch_pipelining_ext.hf import (
     _build,
     _checkpoint,
+    _clip,
     _compat,
     _config,
     _costs,
+    _dcp,
     _expert_load,
     _expert_parallel,
+    _export,
     _selfcheck,
+    _state_dict,
     _training,
 )
 from torch_pipelining_ext.hf._expert_load import ExpertLoad
@@ -71,19 +81,25 @@ __all__ = [
     "ExpertParallelTransport",
     "ExpertShard",
     "HFCausalLMStage",
+    "clip_grad_norm_",
     "estimate_layer_costs",
     "expert_load",
     "expert_parallel_shards",
     "fully_shard_replicated",
+    "get_state_dict",
     "has_fused_experts",
     "hf_module_names_per_stage",
+    "load_checkpoint",
     "load_stage_weights",
     "meta_causal_lm",
     "pipeline_hf_causal_lm",
     "reduce_expert_parallel_gradients",
     "run_local_experts",
+    "save_checkpoint",
+    "save_pretrained",
     "self_check",
     "set_expert_parallel_transport",
+    "set_state_dict",
     "sync_tied_gradients",
     "update_expert_bias",
 ]
@@ -192,8 +208,9 @@ def pipeline_hf_causal_lm(
             device, e.g. from :func:`meta_causal_lm`), or its config (then it
             is built with :func:`meta_causal_lm`).  It is not modified.
         pp_mesh_or_group: the pipeline dimension (1-D ``DeviceMesh`` or
-            ``ProcessGroup``), or a 2-D ``DeviceMesh`` with dimensions
-            ``("pp", "ep")`` (pipeline and expert parallelism).
+            ``ProcessGroup``), or the job's ``("pp", "dp", "ep")`` mesh
+            (:func:`torch_pipelining_ext.launcher.device_mesh`) or a
+            ``("pp", "ep")`` one (expert parallelism where ``ep`` > 1).
         schedule: schedule class or name (decides loop- or V-style placement).
         device: device of the stages.
         module_names_per_stage: FQN lists per stage; default
@@ -314,19 +331,30 @@ def sync_tied_gradients(
 
 
 def reduce_expert_parallel_gradients(
-    parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup
+    parts: Sequence[HFCausalLMStage], ep_group: Any
 ) -> None:
-    """Average the gradients of the parameters replicated over the
-    expert-parallel group (everything but the sharded experts) over its
-    ranks, and divide the experts' by its size; after the step, before the
-    optimizer.  Every rank of ``ep_group`` must call it.
+    """Reduce the gradients over the ranks that train on different data,
+    after the step, before clipping and the optimizer; every rank of those
+    groups calls it (see ``[Note: HF expert gradient state]``).
 
-    With ``CausalLMLoss.set_labels(labels, group=ep_group)`` each rank's
-    loss is the loss of its tokens as a share of the global batch, times the
-    group size (the losses average to the global loss), so the global
-    gradient of a replicated parameter is the ranks' average; a sharded
-    expert's gradient already sums every rank's tokens (the all-to-all's
-    backward brings them back), hence the division.
+    With ``CausalLMLoss.set_labels(labels, group=<the dp x ep group>)`` each
+    rank's loss is the loss of its tokens as a share of the global batch,
+    times the number of data-parallel ranks (the losses average to the global
+    loss).  So the gradient of a parameter every data rank holds is averaged
+    over them, and a sharded expert's gradient (which already sums its
+    expert-parallel group's tokens: the all-to-all's backward brings them
+    back) is summed over its ``dp`` replicas and divided by ``dp x ep``.
+    Parameters FSDP2 manages (:func:`fully_shard_replicated`) are left to it;
+    after ``fully_shard_replicated(parts, mesh)`` with a ``"dp"`` dimension
+    of more than one rank this still sums the experts over ``dp``, and
+    without one it has nothing left to do.
+
+    Args:
+        parts: this rank's stage modules.
+        ep_group: the job's mesh (``("pp", "dp", "ep")`` of
+            :func:`torch_pipelining_ext.launcher.device_mesh`, or
+            ``("pp", "ep")``), or the expert-parallel group alone (a
+            ``ProcessGroup`` or 1-D mesh: no ``dp``).
     """
     _training.reduce_expert_parallel_gradients(parts, ep_group)
 
@@ -334,18 +362,214 @@ def reduce_expert_parallel_gradients(
 def fully_shard_replicated(
     parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any
 ) -> None:
-    """FSDP2 (``fully_shard``) over the data-parallel ``mesh`` for the
-    parameters replicated over it, the sharded experts left out.
+    """FSDP2 (``fully_shard``) over the data-parallel ranks for the
+    parameters they all hold, the sharded experts left out.
 
     The FSDP way to do what :func:`reduce_expert_parallel_gradients` does:
-    with ``mesh`` the expert-parallel dimension (whose ranks train on
-    different data), the replicated parameters are sharded and their
-    gradients averaged by FSDP's reduce-scatter; the experts stay local and
-    every gradient they receive is divided by the mesh size (a tensor hook),
-    matching ``CausalLMLoss.set_labels(labels, group=...)``.  Call it on
-    this rank's stages once, before the first step.
+    ``mesh`` is the job's mesh (``("pp", "dp", "ep")``: sharded over the
+    ``dp x ep`` ranks, :func:`torch_pipelining_ext.launcher.data_parallel_mesh`)
+    or its 1-D expert-parallel dimension.  The replicated parameters are
+    sharded and their gradients averaged by FSDP's reduce-scatter; the
+    experts stay local and every gradient they receive is divided by the
+    number of data-parallel ranks (a tensor hook), matching
+    ``CausalLMLoss.set_labels(labels, group=...)``.  The experts are
+    replicated over ``dp``: with a ``"dp"`` dimension of more than one rank,
+    call :func:`reduce_expert_parallel_gradients` after each step for their
+    sum over ``dp`` (:func:`clip_grad_norm_` refuses gradients left
+    unreduced).  Call it on this rank's stages once, before the first step
+    and before building the optimizers.
     """
     _training.fully_shard_replicated(parts, mesh, **fsdp_kwargs)
+
+
+def clip_grad_norm_(
+    parts: Sequence[HFCausalLMStage],
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    *,
+    mesh: Any = None,
+    pp_group: dist.ProcessGroup | None = None,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of the whole model by its total norm; returns that
+    norm, the same on every rank.
+
+    :func:`torch.nn.utils.clip_grad_norm_` for a model split over pipeline,
+    data-parallel and expert-parallel ranks: the norm is that of the whole
+    model's gradient (every stage, every expert, each counted once: replicas
+    over the data-parallel ranks and weights tied across stages too), equal
+    to the unsplit model's on the global batch, and every rank scales every
+    gradient it holds (plain, FSDP2 shards, expert shards) by the same
+    factor, ``max_norm / (total + 1e-6)`` if that is below 1.  A collective
+    over every rank of ``mesh`` (one all-reduce of one number per pipeline,
+    ``dp`` and ``ep`` dimension of more than one rank); call it after
+    :func:`reduce_expert_parallel_gradients` (and
+    :func:`sync_tied_gradients`), before the optimizer step.  See
+    ``[Note: HF global gradient norm]``.
+
+    Args:
+        parts: this rank's stage modules.
+        max_norm: the maximum norm of the whole gradient.
+        norm_type: the p of the p-norm (``inf`` or ``"inf"``: the max norm).
+        mesh: the job's mesh (``("pp", "dp", "ep")`` or ``("pp", "ep")``, as
+            given to :func:`pipeline_hf_causal_lm`).
+        pp_group: without ``mesh``, the pipeline group (the experts' group is
+            read from the stages; no data-parallel replicas).  Neither is
+            needed when this rank holds every stage.
+        error_if_nonfinite: raise ``RuntimeError`` (on every rank) when the
+            total norm is ``nan`` or ``inf``; otherwise the gradients are
+            scaled by it, as torch does.
+        foreach: use the foreach kernels (``None``: where torch has them).
+
+    Raises:
+        RuntimeError: the expert gradients were not reduced after the step,
+            or a non-finite norm with ``error_if_nonfinite``.
+        ValueError: ``pp_group``/``mesh`` missing while other ranks hold
+            stages, or a mesh the stages were not built with.
+    """
+    return _clip.clip_grad_norm_(
+        parts, max_norm, norm_type, mesh, pp_group, error_if_nonfinite, foreach
+    )
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints and export
+# ---------------------------------------------------------------------------
+
+
+def get_state_dict(
+    parts: Sequence[HFCausalLMStage],
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model and optimizer state dicts of this rank's stages, for
+    ``torch.distributed.checkpoint`` (see ``[Note: HF expert checkpoints]``).
+
+    :func:`torch.distributed.checkpoint.state_dict.get_state_dict` per stage
+    module, merged: the model state dict has the model's own keys (FSDP2
+    parameters as DTensors, each rank's experts as a ``Shard(0)`` DTensor of
+    the whole ``[E, ...]`` tensor, every other tensor plain), the optimizer
+    state dict is flattened (``flatten_optimizer_state_dict=True``) into
+    ``state.<fqn>.<name>`` (e.g. ``state.model.layers.1.mlp.experts.down_proj.exp_avg``,
+    experts' moments as shards too) and ``param_groups.<fqn>.<name>`` (``lr``,
+    ``betas``, ...).  Every key names one parameter, so a checkpoint of one
+    pipeline x expert-parallel layout loads into any other and into the
+    unsplit model.
+
+    Args:
+        parts: this rank's stage modules.
+        optimizers: one optimizer per stage module, ``optimizers[i]`` over
+            ``parts[i].parameters()`` (a single optimizer for a single module);
+            ``None``: the model only.  An optimizer without state yet gets
+            it from a step with zero gradients and learning rate 0 (torch's
+            way).
+    """
+    return _state_dict.get_state_dict(parts, optimizers)
+
+
+def set_state_dict(
+    parts: Sequence[HFCausalLMStage],
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    model_state_dict: dict[str, Any],
+    optim_state_dict: dict[str, Any] | None = None,
+) -> None:
+    """Load state dicts of the form :func:`get_state_dict` returns into
+    this rank's stages and optimizers (each module takes its own keys; the
+    experts their rows, from a shard or from a whole ``[E, ...]`` tensor)."""
+    _state_dict.set_state_dict(parts, optimizers, model_state_dict, optim_state_dict)
+
+
+def save_checkpoint(
+    checkpoint_id: str | os.PathLike | None,
+    parts: Sequence[HFCausalLMStage],
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    state: dict[str, Any] | None = None,
+    storage_writer: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Save this rank's stages (and optimizers) with
+    ``torch.distributed.checkpoint``; every rank of ``process_group`` calls it.
+
+    The checkpoint holds ``{"model": ..., "optim": ...}`` of
+    :func:`get_state_dict` (keys ``model.<fqn>``, ``optim.state.<fqn>.<name>``,
+    ``optim.param_groups.<fqn>.<name>``) and the entries of ``state`` under
+    their own keys (tensors, or ``Stateful`` objects such as a learning-rate
+    scheduler's wrapper: per-rank values need per-rank keys, as DCP keeps one
+    copy of a key).  It loads into any pipeline x data-parallel x
+    expert-parallel layout (:func:`load_checkpoint`) and into the unsplit
+    model (``dcp.load({"model": model.state_dict()}, ...)``).
+    """
+    _dcp.save_checkpoint(
+        checkpoint_id,
+        parts,
+        optimizers,
+        state,
+        storage_writer=storage_writer,
+        process_group=process_group,
+    )
+
+
+def load_checkpoint(
+    checkpoint_id: str | os.PathLike | None,
+    parts: Sequence[HFCausalLMStage],
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    state: dict[str, Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    storage_reader: Any = None,
+) -> None:
+    """Load a checkpoint of :func:`save_checkpoint` (of any layout) into this
+    rank's stages and optimizers, and ``state``'s entries in place; every
+    rank of ``process_group`` calls it.
+
+    The checkpoint is checked against the model first (``[Note: HF checkpoint
+    check]``): keys of the model it lacks, keys the model does not have, saved
+    shapes that differ (experts: the whole ``[E, ...]`` tensor, so a
+    checkpoint with another number of experts), optimizer state it lacks, and
+    expert keys of the other transformers major are reported together, by
+    name, in one ``ValueError`` raised on every rank before anything is read.
+    """
+    _dcp.load_checkpoint(
+        checkpoint_id, parts, optimizers, state, storage_reader, process_group
+    )
+
+
+def save_pretrained(
+    parts: Sequence[HFCausalLMStage],
+    save_directory: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write the model of the stages as a Hugging Face checkpoint:
+    ``config.json`` and safetensors files with their index, in the key layout
+    transformers itself writes (per-expert keys for MoE on 5.x, through its
+    own conversion table), which ``AutoModelForCausalLM.from_pretrained`` and
+    ``pipeline_hf_causal_lm(..., checkpoint=...)`` read.
+
+    Every rank of ``process_group`` (default: all) calls it with its stages;
+    each writes the tensors it owns to a file of its own (replicas are
+    written once, FSDP2 parameters gathered one at a time), so no rank holds
+    the whole model; the directory must be shared by the ranks.  See
+    ``[Note: HF export]``.
+
+    Args:
+        parts: this rank's stage modules.
+        save_directory: the directory (created if missing).
+        overwrite: replace the model files of a non-empty directory
+            (default: refuse it).
+        dtype: cast floating-point tensors to it (default: as they are);
+            also written to ``config.json``.
+
+    Raises:
+        ValueError: a non-empty directory without ``overwrite``, or experts
+            that transformers' conversion table cannot write per expert
+            (raised on every rank, before anything is written).
+    """
+    _export.save_pretrained(parts, save_directory, overwrite, dtype, process_group)
 
 
 # ---------------------------------------------------------------------------

@@ -25,9 +25,8 @@ from torch_pipelining_ext.hf._loading import (
     rows,
     summarize_keys,
 )
-from torch_pipelining_ext.hf._factory import state_keys
 from torch_pipelining_ext.hf._stage import HFCausalLMStage
-from torch_pipelining_ext.hf._tensors import replace, tensor_slots
+from torch_pipelining_ext.hf._tensors import replace, state_keys, tensor_slots
 
 
 __all__: list[str] = []

@@ -222,6 +222,22 @@ def conversion_mapping(model: nn.Module) -> tuple[list, list] | None:
     return renamings, converters
 
 
+def save_conversions(model: nn.Module) -> list | None:
+    """The conversions ``model.save_pretrained`` reverses to write
+    transformers' own key layout (5.x: fused experts back to per-expert
+    keys), as ``revert_weight_conversion`` takes them for a model not loaded
+    with ``from_pretrained``; ``None`` where transformers has none (4.57)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return None
+    try:
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+    except TypeError:  # a 5.x without add_legacy
+        transforms = get_model_conversion_mapping(model)
+    return [t for t in transforms if type(t).__name__ != "PrefixChange"]
+
+
 def describe_ops(converter: Any) -> tuple[str, ...]:
     """Names of a converter's operations, with their dimensions."""
     out = []

@@ -62,17 +62,20 @@ def pp_and_ep(mesh_or_group: Any, ep_group: Any) -> tuple[Any, Any]:
     """(pipeline dimension, expert-parallel process group or None)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if isinstance(mesh_or_group, DeviceMesh) and mesh_or_group.ndim == 2:
-        names = mesh_or_group.mesh_dim_names or ()
-        if set(names) != {"pp", "ep"}:
+    if isinstance(mesh_or_group, DeviceMesh) and mesh_or_group.ndim > 1:
+        names = tuple(mesh_or_group.mesh_dim_names or ())
+        if names not in (("pp", "ep"), ("pp", "dp", "ep")):
             raise ValueError(
-                f"a 2-D mesh must have the dimensions ('pp', 'ep'), got {names}"
+                "a mesh of more than one dimension must have the dimensions ('pp', 'ep') or "
+                f"('pp', 'dp', 'ep') (torch_pipelining_ext.launcher.device_mesh), got {names}"
             )
         if ep_group is not None:
             raise ValueError(
                 "ep_group given twice: as the 'ep' dimension of the mesh and as ep_group"
             )
-        return mesh_or_group["pp"], mesh_or_group["ep"].get_group()
+        ep = mesh_or_group["ep"]
+        # an expert-parallel dimension of one rank: no expert parallelism
+        return mesh_or_group["pp"], ep.get_group() if ep.size() > 1 else None
     if isinstance(ep_group, DeviceMesh):
         if ep_group.ndim != 1:
             raise ValueError(

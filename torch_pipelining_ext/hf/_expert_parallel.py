@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext.hf._arrival import group_device
 from torch_pipelining_ext.hf._routing import fused_experts_problem
 from torch_pipelining_ext.hf._selfcheck import tiny_config
 
@@ -140,7 +141,13 @@ class _AllToAll(torch.autograd.Function):
 
 class ExpertShard:
     """This rank's share of one fused experts module: experts
-    ``[start, stop)`` of ``num_experts``, exchanged over ``group``."""
+    ``[start, stop)`` of ``num_experts``, exchanged over ``group``.
+
+    Its gradients' reduction state (``[Note: HF expert gradient state]`` in
+    ``_training.py``): ``grads_pending`` (a backward added to them since the
+    last reduction), ``needs_reduction`` (a reduction call is due after each
+    step) and ``divided_by_hook`` (a tensor hook already divides them by the
+    data-parallel size)."""
 
     def __init__(self, fqn: str, group: Any, num_experts: int) -> None:
         self.fqn = fqn
@@ -156,6 +163,24 @@ class ExpertShard:
         self.local = num_experts // self.size
         self.start = self.rank * self.local
         self.stop = self.start + self.local
+        self.param_names: tuple[str, ...] = ()
+        self.grads_pending = False
+        self.needs_reduction = True
+        self.divided_by_hook = False
+        self._mesh: Any = None
+
+    @property
+    def mesh(self) -> Any:
+        """The expert-parallel group as a 1-D ``DeviceMesh`` (made on first
+        use, without a collective), over which a checkpoint sees the experts
+        as ``Shard(0)`` of the whole tensor (``[Note: HF expert checkpoints]``)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._mesh = DeviceMesh.from_group(
+                self.group, group_device(self.group).type
+            )
+        return self._mesh
 
     def __deepcopy__(self, memo: dict) -> ExpertShard:
         return self  # holds a process group
@@ -188,7 +213,8 @@ def shard_experts(
                 f"{fqn} ({type(module).__name__}) cannot be expert-parallel: {problem}"
             )
         shard = ExpertShard(fqn, group, module.gate_up_proj.shape[0])
-        for name in ("gate_up_proj", "down_proj"):
+        shard.param_names = ("gate_up_proj", "down_proj")
+        for name in shard.param_names:
             old = getattr(module, name)
             if old.is_meta:
                 new = torch.empty(
@@ -332,6 +358,15 @@ def is_expert_parameter(part: nn.Module, fqn: str) -> bool:
     """Whether ``fqn`` of ``part`` is a sharded expert parameter (different
     on every rank of the expert-parallel group)."""
     return fqn in getattr(part, "expert_ranges", {})
+
+
+def expert_parameters(part: nn.Module) -> dict[str, ExpertShard]:
+    """FQN of every sharded expert parameter of ``part`` -> its shard."""
+    return {
+        f"{shard.fqn}.{name}": shard
+        for _, shard in sharded_experts([part])
+        for name in shard.param_names
+    }
 
 
 def sharded_experts(parts: Any) -> list[tuple[nn.Module, ExpertShard]]:

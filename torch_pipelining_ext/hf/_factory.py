@@ -21,7 +21,9 @@ from torch_pipelining_ext.hf._layout import DecoderLayout
 from torch_pipelining_ext.hf._router_aux import router_aux_loss
 from torch_pipelining_ext.hf._routing import model_routing
 from torch_pipelining_ext.hf._stage import HFCausalLMStage, TiedGroup
-from torch_pipelining_ext.hf._tensors import init_weights
+from torch_pipelining_ext.hf._state_dict import register_expert_hooks
+from torch_pipelining_ext.hf._tensors import init_weights, state_keys
+from torch_pipelining_ext.hf._training import track_expert_gradients
 
 
 __all__: list[str] = []
@@ -39,17 +41,6 @@ def tied_groups(model: nn.Module) -> list[TiedGroup]:
         for i, names in by_id.items()
         if len(names) > 1
     ]
-
-
-def state_keys(model: nn.Module) -> frozenset[str]:
-    """The keys of ``model.state_dict()`` with tied names repeated (persistent
-    buffers included, non-persistent ones left out)."""
-    keys = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for b_name, b in mod._buffers.items():
-            if b is not None and b_name not in mod._non_persistent_buffers_set:
-                keys.add(f"{mod_name}.{b_name}" if mod_name else b_name)
-    return frozenset(keys)
 
 
 class StageFactory:
@@ -86,6 +77,10 @@ class StageFactory:
             if options.checkpoint is not None
             else None
         )
+        self.save_conversions = _compat.save_conversions(model)
+        self.ignore_on_save = list(
+            getattr(model, "_keys_to_ignore_on_save", None) or []
+        )
 
     def __call__(self, part: nn.Module, stage_id: int, num_stages: int) -> nn.Module:
         if self.options.checkpoint is None and self.on_meta:
@@ -99,10 +94,15 @@ class StageFactory:
             full_state_keys=self.full_state_keys,
             ignore_unexpected=self.ignore_unexpected,
             checkpoint_conversions=self.conversions,
+            save_conversions=self.save_conversions,
+            ignore_on_save=self.ignore_on_save,
             router_aux=self.router_aux,
             routing=self.routing,
         )
         stage.set_activation_checkpointing(self.options.activation_checkpointing)
         if self.ep_group is not None:
             shard_experts(stage, self.ep_group, self.config, self.layout.layers_prefix)
+            # [Note: HF expert checkpoints], [Note: HF expert gradient state]
+            register_expert_hooks(stage)
+            track_expert_gradients(stage)
         return stage

@@ -86,6 +86,8 @@ class HFCausalLMStage(nn.Module):
         full_state_keys: frozenset[str] = frozenset(),
         ignore_unexpected: Sequence[str] = (),
         checkpoint_conversions: Any = None,
+        save_conversions: list | None = None,
+        ignore_on_save: Sequence[str] = (),
         router_aux: RouterAuxLoss | None = None,
         routing: Routing | None = None,
     ) -> None:
@@ -105,6 +107,10 @@ class HFCausalLMStage(nn.Module):
         self._full_state_keys = full_state_keys
         self._ignore_unexpected = tuple(ignore_unexpected)
         self._checkpoint_conversions = checkpoint_conversions
+        # what PreTrainedModel.save_pretrained reverses (transformers 5.x; the
+        # attribute transformers itself reads) and leaves out: see [Note: HF export]
+        self._weight_conversions = save_conversions
+        self._keys_to_ignore_on_save = tuple(ignore_on_save)
         # the model's own initialisation restores non-persistent buffers of a meta build (5.x)
         self._init_weights_fn = getattr(part, "_init_weights", None)
         # fused expert parameters holding only experts [start, stop) of the model's (expert parallelism)

@@ -56,3 +56,14 @@ def init_weights(
     with torch.no_grad():
         for module in hf_part.modules():
             hf_part._init_weights(module)
+
+
+def state_keys(model: nn.Module) -> frozenset[str]:
+    """The keys of ``model.state_dict()`` with tied names repeated (persistent
+    buffers included, non-persistent ones left out)."""
+    keys = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for b_name, b in mod._buffers.items():
+            if b is not None and b_name not in mod._non_persistent_buffers_set:
+                keys.add(f"{mod_name}.{b_name}" if mod_name else b_name)
+    return frozenset(keys)

@@ -8,6 +8,7 @@ parameters replicated over the expert-parallel group.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, TYPE_CHECKING
@@ -175,46 +176,142 @@ def sync_tied_gradients(
         # float32 on every rank: ranks holding no copy do not know the loaded dtype
         total = torch.zeros(shape, dtype=torch.float32, device=device)
         for p in holders:
-            if p.grad is not None:
-                total += p.grad.float()
+            if p.grad is not None:  # FSDP2's shards gathered over their mesh
+                total += _whole(p.grad).float()
         if group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(total, group=group)
         for p in holders:
             if p.grad is None:
-                p.grad = total.to(p.dtype)
+                p.grad = _like(total.to(p.dtype), p)
             else:
-                p.grad.copy_(total)
+                p.grad.copy_(_like(total, p.grad))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t``, gathered where it is a DTensor (a collective over its mesh)."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _like(total: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole tensor ``total`` laid out as ``like`` (a DTensor's shard of
+    it: a redistribution from replicated, without communication)."""
+    if not _is_dtensor(like):
+        return total
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = like.device_mesh
+    whole = DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, like.placements)
+
+
+# [Note: HF expert gradient state]
+# Data-parallel ranks (dp x ep) train on different tokens; each rank's loss
+# is its share of the global batch times the number of data ranks
+# (CausalLMLoss.set_labels(labels, group=<the dp x ep group>)).  The global
+# gradient of a parameter every data rank holds is then the ranks' average;
+# an expert's gradient on one rank already sums the contributions of its
+# expert-parallel group (the all-to-all's backward brings them back), so its
+# global gradient is the sum over its dp replicas divided by dp x ep.
+# Without FSDP reduce_expert_parallel_gradients does both after each step.
+# fully_shard_replicated leaves the averaging of the other parameters to
+# FSDP's reduce-scatter and divides the experts' gradients by dp x ep with a
+# tensor hook; with dp > 1 the experts' replicas still need their sum over
+# dp, which reduce_expert_parallel_gradients adds.  Every experts module's
+# ExpertShard records whether a backward added to its gradients since the
+# last reduction (grads_pending, set by a post-accumulate-grad hook) and
+# whether a reduction is due after each step (needs_reduction), so that
+# clip_grad_norm_ refuses gradients nobody reduced instead of clipping by a
+# wrong norm.
+
+
+def track_expert_gradients(part: nn.Module) -> None:
+    """Mark each sharded experts module's gradients pending whenever a
+    backward adds to them (see ``[Note: HF expert gradient state]``)."""
+    from torch_pipelining_ext.hf._expert_parallel import sharded_experts
+
+    for module, shard in sharded_experts([part]):
+        for name in shard.param_names:
+            getattr(module, name).register_post_accumulate_grad_hook(
+                functools.partial(_mark_pending, shard)
+            )
+
+
+def _mark_pending(shard: Any, param: torch.Tensor) -> None:
+    shard.grads_pending = True
+
+
+def check_reduced(parts: Sequence[HFCausalLMStage]) -> None:
+    """Refuse expert gradients that a step added to and nothing reduced."""
+    from torch_pipelining_ext.hf._expert_parallel import sharded_experts
+
+    pending = [
+        s.fqn
+        for _, s in sharded_experts(parts)
+        if s.needs_reduction and s.grads_pending
+    ]
+    if pending:
+        raise RuntimeError(
+            f"the gradients of the expert-parallel experts {pending[:3]} are not reduced yet: call "
+            "hf.reduce_expert_parallel_gradients(parts, mesh) after schedule.step() (with fully_shard_replicated "
+            "and a 'dp' dimension too), before clipping and the optimizer step"
+        )
 
 
 def reduce_expert_parallel_gradients(
-    parts: Sequence[HFCausalLMStage], ep_group: dist.ProcessGroup
+    parts: Sequence[HFCausalLMStage], mesh_or_group: Any
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.reduce_expert_parallel_gradients`."""
+    from torch_pipelining_ext.hf._expert_parallel import expert_parameters
+    from torch_pipelining_ext.hf._mesh import data_groups
+
+    groups = data_groups(mesh_or_group, parts)
+    replicated, experts = [], []
+    for part in parts:
+        shards = expert_parameters(part)
+        for name, p in part.named_parameters():
+            if name in shards:
+                experts.append((p, shards[name]))
+            elif not _is_dtensor(p):  # FSDP reduces its own
+                replicated.append(p)
+    if groups.data is not None:
+        _all_reduce_divided(replicated, groups.data, groups.data_size)
+    # experts: the sum over their dp replicas, divided by dp x ep unless a hook did
+    hooked = [p for p, shard in experts if shard.divided_by_hook]
+    unhooked = [p for p, shard in experts if not shard.divided_by_hook]
+    if groups.dp is not None:
+        _all_reduce_divided(hooked, groups.dp, 1)
+        _all_reduce_divided(unhooked, groups.dp, groups.data_size)
+    else:
+        for p in unhooked:
+            if p.grad is not None:
+                p.grad.div_(groups.data_size)
+    for _, shard in experts:
+        shard.grads_pending = False
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _all_reduce_divided(params: list[torch.Tensor], group: Any, size: int) -> None:
+    """Sum the gradients of ``params`` over ``group`` and divide by ``size``
+    (one all-reduce of one float32 buffer; a missing gradient counts as
+    zeros)."""
     import torch.distributed as dist
 
-    # every rank of the group holds the same stages: the same parameters in the same order
-    params = [
-        p
-        for part in parts
-        for name, p in part.named_parameters()
-        if not is_expert_parameter(part, name)
-    ]
     if not params:
         return
-    size = dist.get_world_size(ep_group)
-    for part in parts:
-        for name, p in part.named_parameters():
-            if p.grad is not None and is_expert_parameter(part, name):
-                p.grad.div_(size)
     flat = torch.cat(
         [
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
             for p in params
         ]
     )
-    dist.all_reduce(flat, group=ep_group)
+    dist.all_reduce(flat, group=group)
     flat.div_(size)
     offset = 0
     for p in params:
@@ -230,13 +327,31 @@ def fully_shard_replicated(
     parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.fully_shard_replicated`."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    size = mesh.size()
+    from torch_pipelining_ext.hf._expert_parallel import sharded_experts
+    from torch_pipelining_ext.hf._mesh import data_groups
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a DeviceMesh (the job's mesh, or its 'ep' dimension), got {type(mesh).__name__}"
+        )
+    groups = data_groups(mesh, parts)
+    size = groups.data_size
     for part in parts:
         experts = [
             p for name, p in part.named_parameters() if is_expert_parameter(part, name)
         ]
-        fully_shard(part, mesh=mesh, ignored_params=set(experts), **fsdp_kwargs)
+        fully_shard(
+            part, mesh=groups.data_mesh, ignored_params=set(experts), **fsdp_kwargs
+        )
         for p in experts:
-            p.register_hook(lambda grad: grad / size)
+            p.register_hook(functools.partial(_divided, size))
+    for _, shard in sharded_experts(parts):
+        shard.divided_by_hook = True
+        shard.needs_reduction = groups.dp is not None
+
+
+def _divided(size: int, grad: torch.Tensor) -> torch.Tensor:
+    return grad / size

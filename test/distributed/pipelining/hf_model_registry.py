@@ -304,3 +304,40 @@ def routing_counts(model, ids, mask) -> dict[int, torch.Tensor]:
         weights = mask.reshape(-1, 1).expand_as(indices).reshape(-1)
         out[layer] = torch.bincount(indices.reshape(-1), weights, minlength=e).long()
     return out
+
+
+def padded_batch(
+    seed: int, vocab_size: int = 64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels) of 8 sequences of 8 tokens, three
+    of them right-padded (labels -100 there)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (8, 8), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    mask[6, 3:] = 0
+    mask[7, 7:] = 0
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def balanced_loss_by_hand(model, batch, mode: str, coef: float) -> torch.Tensor:
+    """The unsplit ``model``'s loss on ``batch`` as the stages compute it with a
+    router auxiliary loss of form ``mode``: the global batch's token-mean LM
+    loss plus ``coef`` times the mean over the rows of each row's auxiliary
+    term (every microbatch of the pipeline one row)."""
+    ids, mask, labels = batch
+    lm = model(
+        input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=False
+    ).loss
+    rows = [(ids[i : i + 1], mask[i : i + 1]) for i in range(ids.shape[0])]
+    if mode == "pooled":
+        terms = [
+            model(input_ids=i, attention_mask=m, output_router_logits=True).aux_loss
+            for i, m in rows
+        ]
+    elif mode == "per_layer":
+        terms = [per_layer_loss_by_hand(model, i, m) for i, m in rows]
+    else:
+        sigmoid = model.config.model_type == "deepseek_v3"
+        terms = [sequence_loss_by_hand(model, i, m, sigmoid) for i, m in rows]
+    return lm + coef * torch.stack(terms).mean()

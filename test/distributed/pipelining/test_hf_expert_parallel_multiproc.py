@@ -24,19 +24,15 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from common_pipelining import load_csv
+from common_hf import HAS_FUSED, HFMultiProcTest
+from common_pipelining import load_csv, nccl_variant
 from hf_model_registry import tiny_hf_model
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.pipelining import schedules as sched
-from torch.testing._internal.common_distributed import (
-    MultiProcContinuousTest,
-    requires_nccl,
-)
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -47,14 +43,8 @@ import torch_pipelining_ext  # noqa: F401  (patches torch)
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
 
-try:
-    import transformers  # noqa: F401  (is transformers installed?)
-
+if HAS_FUSED:
     from torch_pipelining_ext import hf
-
-    HAS_FUSED = hf.has_fused_experts()
-except ImportError:
-    HAS_FUSED = False
 
 VOCAB = 64
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
@@ -127,33 +117,12 @@ class _Pipeline:
         return {n: p for part in self.parts for n, p in part.named_parameters()}
 
 
-class _HFExpertParallelTests:
-    """The tests; a class per backend is made from them below."""
-
-    world_size = 4
-
-    @property
-    def device(self) -> torch.device:
-        if self.device_type() == "cuda":
-            return torch.device("cuda", self.rank % torch.cuda.device_count())
-        return torch.device("cpu")
-
+@unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
+@instantiate_parametrized_tests
+class HFExpertParallelGlooTest(HFMultiProcTest):
     def _mesh(self):
-        if not self._meshes:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            self._meshes["pp_ep"] = init_device_mesh(
-                self.device_type(), (2, 2), mesh_dim_names=("pp", "ep")
-            )
-        mesh = self._meshes["pp_ep"]
+        mesh = self.layout(pp=2, ep=2)
         return mesh, mesh["ep"].get_group(), mesh["ep"].get_local_rank()
-
-    def _all_ranks_ok(self, ok: bool) -> None:
-        flags = [None] * self.world_size
-        dist.all_gather_object(flags, ok)
-        self.assertTrue(
-            all(flags), f"ranks {[r for r, f in enumerate(flags) if not f]} failed"
-        )
 
     def _local(
         self, batch: tuple[torch.Tensor, torch.Tensor], ep_rank: int
@@ -509,30 +478,9 @@ class _HFExpertParallelTests:
             )
 
 
-def _test_class(name: str, backend: str, device_type: str) -> type:
-    """A MultiProcContinuousTest class of the tests for one backend (each with its own test methods)."""
-    body = {
-        k: v for k, v in vars(_HFExpertParallelTests).items() if not k.startswith("__")
-    }
-    body.update(
-        _meshes={},
-        backend_str=classmethod(lambda cls: backend),
-        device_type=classmethod(lambda cls: device_type),
-        __module__=__name__,
-        __qualname__=name,
-    )
-    return instantiate_parametrized_tests(type(name, (MultiProcContinuousTest,), body))
-
-
-HFExpertParallelGlooTest = unittest.skipIf(
+HFExpertParallelNCCLTest = unittest.skipIf(
     not HAS_FUSED, "needs transformers 5.x (fused experts)"
-)(_test_class("HFExpertParallelGlooTest", "gloo", "cpu"))
-HFExpertParallelNCCLTest = requires_nccl()(
-    unittest.skipIf(
-        not HAS_FUSED or torch.cuda.device_count() < 4,
-        "needs transformers 5.x and 4 GPUs",
-    )(_test_class("HFExpertParallelNCCLTest", "nccl", "cuda"))
-)
+)(nccl_variant(HFExpertParallelGlooTest))
 
 
 def _first_two_experts(router, hidden_states):

@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common_pipelining import check_on_all_ranks, PipelineMultiProcTest
+from common_hf import HAS_FUSED, HFMultiProcTest
+from common_pipelining import check_on_all_ranks
 from hf_model_registry import (
-    per_layer_loss_by_hand,
+    balanced_loss_by_hand,
+    padded_batch,
     routing_counts,
-    sequence_loss_by_hand,
     tiny_hf_model,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -54,14 +54,8 @@ import torch_pipelining_ext  # noqa: F401  (patches torch)
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
 
-try:
-    import transformers  # noqa: F401  (is transformers installed?)
-
+if HAS_FUSED:
     from torch_pipelining_ext import hf
-
-    HAS_FUSED = hf.has_fused_experts()
-except ImportError:
-    HAS_FUSED = False
 
 VOCAB = 64
 COEF = 0.5
@@ -76,14 +70,7 @@ _SCHEDULES = {
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, labels) of 8 sequences, some right-padded."""
-    g = torch.Generator().manual_seed(300 + step)
-    ids = torch.randint(0, VOCAB, (8, 8), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 5:] = 0
-    mask[6, 3:] = 0
-    mask[7, 7:] = 0
-    return ids, mask, ids.masked_fill(mask == 0, -100)
+    return padded_batch(300 + step, VOCAB)
 
 
 def _model(family: str, mode: str | None):
@@ -97,24 +84,9 @@ def _model(family: str, mode: str | None):
 
 
 def _reference_loss(ref, batch, mode: str) -> torch.Tensor:
-    """Global-batch token-mean LM loss + COEF * the mean of the microbatches'
-    auxiliary terms (each EP rank's 4 rows in 4 microbatches: one row each)."""
-    ids, mask, labels = batch
-    lm = ref(
-        input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=False
-    ).loss
-    rows = [(ids[i : i + 1], mask[i : i + 1]) for i in range(ids.shape[0])]
-    if mode == "pooled":
-        terms = [
-            ref(input_ids=i, attention_mask=m, output_router_logits=True).aux_loss
-            for i, m in rows
-        ]
-    elif mode == "per_layer":
-        terms = [per_layer_loss_by_hand(ref, i, m) for i, m in rows]
-    else:
-        sigmoid = ref.config.model_type == "deepseek_v3"
-        terms = [sequence_loss_by_hand(ref, i, m, sigmoid) for i, m in rows]
-    return lm + COEF * torch.stack(terms).mean()
+    """Global-batch LM loss + COEF * the mean of the microbatches' auxiliary
+    terms (each EP rank's 4 rows in 4 microbatches: one row each)."""
+    return balanced_loss_by_hand(ref, batch, mode, COEF)
 
 
 @dataclass
@@ -129,16 +101,9 @@ class _Pipeline:
     not HAS_FUSED, "needs transformers 5.x (routers apart from fused experts)"
 )
 @instantiate_parametrized_tests
-class HFMoEBalanceTest(PipelineMultiProcTest):
-    world_size = 4
-    _meshes: dict = {}
-
+class HFMoEBalanceTest(HFMultiProcTest):
     def _mesh(self):
-        if not self._meshes:
-            self._meshes["pp_ep"] = init_device_mesh(
-                "cpu", (2, 2), mesh_dim_names=("pp", "ep")
-            )
-        mesh = self._meshes["pp_ep"]
+        mesh = self.layout(pp=2, ep=2)
         return mesh, mesh["ep"].get_group(), mesh["ep"].get_local_rank()
 
     def _pipeline(self, ref, schedule, mode, *, overlap=True, ac=None) -> _Pipeline:

@@ -13,17 +13,14 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import unittest
 import warnings
 
 import torch
 import torch.distributed as dist
+from common_hf import HAS_TRANSFORMERS, HFMultiProcTest
 from hf_model_registry import tiny_hf_model
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -33,14 +30,8 @@ from torch.testing._internal.common_utils import (
 import torch_pipelining_ext  # noqa: F401  (patches torch)
 
 
-try:
-    import transformers  # noqa: F401
-
+if HAS_TRANSFORMERS:
     from torch_pipelining_ext import hf
-
-    HAS_TRANSFORMERS = True
-except ImportError:
-    HAS_TRANSFORMERS = False
 
 VOCAB = 64
 _SCHEDULES = {"1f1b": Schedule1F1B, "dualpipev": ScheduleDualPipeV}
@@ -55,43 +46,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
-class HFPipelineGlooTest(MultiProcContinuousTest):
-    world_size = 4
-    _groups: dict = {}
-
-    @classmethod
-    def backend_str(cls) -> str:
-        return "gloo"
-
-    @classmethod
-    def device_type(cls) -> str:
-        return "cpu"
-
-    def _group(self, name: str):
-        """Process groups and meshes, built once per worker by every rank."""
-        if not self._groups:
-            self._groups["pp2"] = dist.new_group([0, 1])
-            self._groups["mesh"] = init_device_mesh(
-                "cpu", (2, 2), mesh_dim_names=("pp", "dp")
-            )
-        return self._groups[name]
-
-    def _shared_dir(self) -> str:
-        obj = [tempfile.mkdtemp(prefix="hf_dcp_") if self.rank == 0 else None]
-        dist.broadcast_object_list(obj, src=0)
-        self.addCleanup(
-            lambda: self.rank == 0 and shutil.rmtree(obj[0], ignore_errors=True)
-        )
-        return obj[0]
-
-    def _all_ranks_ok(self, ok: bool) -> None:
-        """Fail on every rank together when one rank failed (nobody left waiting)."""
-        flags = [None] * self.world_size
-        dist.all_gather_object(flags, ok)
-        self.assertTrue(
-            all(flags), f"ranks {[r for r, f in enumerate(flags) if not f]} failed"
-        )
-
+class HFPipelineGlooTest(HFMultiProcTest):
     # ------------------------------------------------------------------
     # Training
     # ------------------------------------------------------------------
@@ -100,7 +55,7 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
     @parametrize("family", ["llama", "qwen3_moe"])
     def test_training_matches_unsplit_model(self, family, schedule):
         torch.set_num_threads(1)
-        group = self._group("pp2")
+        group = self.group([0, 1])
         if self.rank >= 2:
             return  # the PP=2 pipeline runs on ranks 0 and 1
         schedule_cls = _SCHEDULES[schedule]
@@ -201,29 +156,23 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
         import torch.distributed.checkpoint as dcp
 
         torch.set_num_threads(1)
-        group = self._group("pp2")
-        ckpt = self._shared_dir()
-        ok = True
-        if self.rank < 2:
-            try:
-                ref = tiny_hf_model(family, num_layers=4, seed=0)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    _, (part,) = hf.pipeline_hf_causal_lm(
-                        ref, group, Schedule1F1B, "cpu"
-                    )
-                if (
-                    family == "llama"
-                ):  # every stage replicates the parameter-free rotary module
-                    self.assertIsNotNone(part.model.rotary_emb)
-                dcp.save(part.state_dict(), checkpoint_id=ckpt, process_group=group)
-            except Exception:
-                ok = False
-                raise
-            finally:
-                self._all_ranks_ok(ok)
-        else:
-            self._all_ranks_ok(ok)
+        group = self.group([0, 1])
+        ckpt = self.shared_dir("hf_dcp_")
+
+        def save() -> None:
+            if self.rank >= 2:
+                return  # the PP=2 pipeline runs on ranks 0 and 1
+            ref = tiny_hf_model(family, num_layers=4, seed=0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _, (part,) = hf.pipeline_hf_causal_lm(ref, group, Schedule1F1B, "cpu")
+            if (
+                family == "llama"
+            ):  # every stage replicates the parameter-free rotary module
+                self.assertIsNotNone(part.model.rotary_emb)
+            dcp.save(part.state_dict(), checkpoint_id=ckpt, process_group=group)
+
+        self.check_all(save)
         self._check_loaded(family, ckpt)
 
     def test_dcp_fsdp_pp2xdp2_to_pp4_and_unsplit(self):
@@ -232,8 +181,8 @@ class HFPipelineGlooTest(MultiProcContinuousTest):
         from torch.distributed.tensor import DTensor
 
         torch.set_num_threads(1)
-        mesh = self._group("mesh")
-        ckpt = self._shared_dir()
+        mesh = self.layout(pp=2, dp=2)
+        ckpt = self.shared_dir("hf_dcp_")
         ref = tiny_hf_model("llama", num_layers=4, seed=0)
         _, (part,) = hf.pipeline_hf_causal_lm(ref, mesh["pp"], Schedule1F1B, "cpu")
         for layer in part.model.layers:

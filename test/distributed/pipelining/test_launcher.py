@@ -61,6 +61,15 @@ class LauncherTest(TestCase):
         with self.assertRaisesRegex(ValueError, "at least one rank"):
             launcher.launch(_sum_of_ranks, 0, 1)
 
+    def test_layout_problem(self) -> None:
+        # (device_mesh and data_parallel_mesh: test_hf_training_state_multiproc.py)
+        self.assertIsNone(launcher.layout_problem(8, pp=2, dp=2, ep=2))
+        self.assertEqual(
+            launcher.layout_problem(4, pp=2, ep=4),
+            "the layout pp=2 x dp=1 x ep=4 needs 8 ranks, but the job has 4",
+        )
+        self.assertIn("got ep=0", launcher.layout_problem(4, ep=0))
+
 
 if __name__ == "__main__":
     run_tests()
