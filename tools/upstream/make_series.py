@@ -235,74 +235,84 @@ def _module(target: str, module: str) -> NewModule:
     return NewModule(target, f"overlap/{module}")
 
 
-def _fix(name: str) -> Patch:
+def _fix(slug: str) -> Patch:
     """A fix: hand-written hunks of torch's files, tests inside upstream's test files."""
-    return Patch(name, (HandWritten("patch.diff"),), tests="test.diff")
+    return Patch(slug, (HandWritten("patch.diff"),), tests="test.diff")
 
 
 # Fixes upstream can take one PR at a time, each on its declared dependencies.
 FIXES: tuple[Patch, ...] = (
-    _fix("0001-fsdp-split-backward"),
-    _fix("0002-eval-leaves-gradients"),
-    _fix("0003-scale-grads-carried"),
-    _fix("0004-pipeline-context-step-options"),
-    _fix("0005-step-error-names-rank"),
-    _fix("0006-compute-comms-reduce-grad"),
-    _fix("0007-1f1b-pipeline-order-last-rank"),
-    _fix("0008-eval-adjacent-local-stages"),
+    _fix("fsdp-split-backward"),
+    _fix("eval-leaves-gradients"),
+    _fix("scale-grads-carried"),
+    _fix("pipeline-context-step-options"),
+    _fix("step-error-names-rank"),
+    _fix("compute-comms-reduce-grad"),
+    _fix("1f1b-pipeline-order-last-rank"),
+    _fix("eval-adjacent-local-stages"),
 )
 
 # Proposals (RFC-first new modules, the runtime refactor, the overlap): their
 # tests are files of their own that import the helpers of SUPPORT.
 PROPOSALS: tuple[Patch, ...] = (
-    Patch("0009-stage-split", (NewModule("stage_split.py", "_stage_split.py"),)),
-    Patch("0010-runtime-action-methods", (HandWritten("patch.diff"),)),
-    Patch("0011-runtime-context-per-step", (HandWritten("patch.diff"),)),
-    Patch("0012-runtime-perform-action", (HandWritten("patch.diff"),)),
-    Patch("0013-runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
+    Patch("stage-split", (NewModule("stage_split.py", "_stage_split.py"),)),
+    Patch("runtime-action-methods", (HandWritten("patch.diff"),)),
+    Patch("runtime-context-per-step", (HandWritten("patch.diff"),)),
+    Patch("runtime-perform-action", (HandWritten("patch.diff"),)),
+    Patch("runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
     Patch(
-        "0014-ep-overlap-marks",
+        "ep-overlap-marks",
         (_module("ep_overlap.py", "__init__.py"), _module("_ep_marks.py", "_marks.py")),
     ),
     Patch(
-        "0015-ep-overlap-turns",
+        "ep-overlap-turns",
         (_module("_ep_turns.py", "_turns.py"), Extends("extends.diff")),
     ),
     Patch(
-        "0016-overlap-f-b-concurrent",
+        "overlap-f-b-concurrent",
         (_module("_overlap.py", "_handler.py"), Extends("extends.diff")),
     ),
     Patch(
-        "0017-overlap-worker-per-step",
+        "overlap-worker-per-step",
         (Extends("extends.diff"), HandWritten("schedules.diff")),
     ),
     Patch(
-        "0018-overlap-hand-over",
+        "overlap-hand-over",
         (_module("_ep_policy.py", "_policy.py"), Extends("extends.diff")),
     ),
     Patch(
-        "0019-overlap-input-waits",
+        "overlap-input-waits",
         (Extends("extends.diff"), HandWritten("schedules.diff")),
     ),
     Patch(
-        "0020-overlap-rng-windows",
+        "overlap-rng-windows",
         (
             _module("_ep_rng.py", "_rng.py"),
             Extends("extends.diff"),
             HandWritten("random.diff"),
         ),
     ),
-    Patch("0021-overlap-fsdp", (Extends("extends.diff"),)),
+    Patch("overlap-fsdp", (Extends("extends.diff"),)),
     Patch(
-        "0022-overlap-streams",
+        "overlap-streams",
         (_module("_ep_streams.py", "_streams.py"), Extends("extends.diff")),
     ),
-    Patch("0023-overlap-thread-state", (Extends("extends.diff"),)),
-    Patch("0024-overlap-timeouts", (Extends("extends.diff"),)),
-    Patch("0025-overlap-observer", (Extends("extends.diff"),)),
+    Patch("overlap-thread-state", (Extends("extends.diff"),)),
+    Patch("overlap-timeouts", (Extends("extends.diff"),)),
+    Patch("overlap-observer", (Extends("extends.diff"),)),
 )
 
-SERIES: tuple[Patch, ...] = FIXES + PROPOSALS
+
+
+def _numbered(patches: tuple[Patch, ...]) -> tuple[Patch, ...]:
+    """``patches`` named ``NNNN-slug`` by their place, from 0001 (see :func:`renumber`)."""
+    return tuple(
+        dataclasses.replace(p, name=f"{i:04d}-{p.name}")
+        for i, p in enumerate(patches, start=1)
+    )
+
+
+SERIES: tuple[Patch, ...] = _numbered(FIXES + PROPOSALS)
 
 # Unchanged copies of upstream's test files (provenance in its SOURCES.txt)
 TORCH_TESTS = HERE / "pytorch_tests"
@@ -643,6 +653,45 @@ def test_hunk_problems() -> list[str]:
     return problems
 
 
+_NUMBER = re.compile(r"(?<![\d.])(\d{4})(?![\d.])")
+
+
+def renumber() -> list[str]:
+    """Give each patch directory the number its place in :data:`SERIES` gives it.
+
+    A re-cut edits ``FIXES`` / ``PROPOSALS`` (entries are slugs, numbered by
+    place) and runs ``make_series.py --renumber``: every ``NNNN-slug/`` whose
+    number changed is moved (``git mv``), and every four-digit patch number in
+    the Markdown of ``tools/upstream`` (``Depends on:`` lines, PR texts, RFCs,
+    READMEs, reports) follows.  New entries need their directories; directories
+    no entry names are listed, not removed.  Returns what it did.
+    """
+    existing = {d.name[5:]: d.name for d in HERE.glob("[0-9]" * 4 + "-*") if d.is_dir()}
+    moves = {
+        existing[p.name[5:]]: p.name
+        for p in SERIES
+        if p.name[5:] in existing and existing[p.name[5:]] != p.name
+    }
+    done = [f"{old} -> {new}" for old, new in sorted(moves.items())]
+    def git_mv(src: str, dst: str) -> None:
+        subprocess.run(["git", "mv", src, dst], cwd=HERE, check=True)
+
+    for old in moves:  # two passes: a new name may be another's old one
+        git_mv(old, f"{old}.renumbering")
+    for old, new in moves.items():
+        git_mv(f"{old}.renumbering", new)
+    numbers = {old[:4]: new[:4] for old, new in moves.items()}
+    for md in sorted(HERE.rglob("*.md")):
+        text = md.read_text()
+        new_text = _NUMBER.sub(lambda m: numbers.get(m.group(1), m.group(1)), text)
+        if new_text != text:
+            md.write_text(new_text)
+            done.append(f"rewrote the patch numbers of {md.relative_to(HERE)}")
+    named = {p.name for p in SERIES}
+    done += [f"no entry names {d}/" for d in sorted(existing.values()) if d not in named]
+    return done
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -655,11 +704,19 @@ def main() -> int:
         help="a directory holding torch/ of torch 2.15.0 (its site-packages)",
     )
     parser.add_argument(
+        "--renumber",
+        action="store_true",
+        help="move the patch directories to their numbers in SERIES (then regenerate)",
+    )
+    parser.add_argument(
         "--new-files-only",
         action="store_true",
         help="check only the series' own modules (no torch needed)",
     )
     args = parser.parse_args()
+    if args.renumber:
+        print("\n".join(renumber()) or "every patch has its number")
+        return 0
     base = None if args.new_files_only else torch_base(args.torch_dir)
     if base is None and not args.new_files_only:
         print(
