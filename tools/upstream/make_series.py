@@ -688,7 +688,8 @@ def renumber() -> list[str]:
             md.write_text(new_text)
             done.append(f"rewrote the patch numbers of {md.relative_to(HERE)}")
     named = {p.name for p in SERIES}
-    done += [f"no entry names {d}/" for d in sorted(existing.values()) if d not in named]
+    left = [d for d in existing.values() if d not in moves and d not in named]
+    done += [f"no entry names {d}/" for d in sorted(left)]
     return done
 
 
