@@ -303,7 +303,6 @@ PROPOSALS: tuple[Patch, ...] = (
 )
 
 
-
 def _numbered(patches: tuple[Patch, ...]) -> tuple[Patch, ...]:
     """``patches`` named ``NNNN-slug`` by their place, from 0001 (see :func:`renumber`)."""
     return tuple(
@@ -649,7 +648,9 @@ def test_hunk_problems() -> list[str]:
             problems.append(f"{patch.name} in series order: {e}")
     for path in sorted((*HERE.glob("*/test_*.py"), *SUPPORT.glob("*.py"))):
         if "Upstream path:" in path.read_text():
-            problems.append(f"{path.relative_to(HERE)}: a package-only 'Upstream path:' line")
+            problems.append(
+                f"{path.relative_to(HERE)}: a package-only 'Upstream path:' line"
+            )
     return problems
 
 
@@ -673,6 +674,7 @@ def renumber() -> list[str]:
         if p.name[5:] in existing and existing[p.name[5:]] != p.name
     }
     done = [f"{old} -> {new}" for old, new in sorted(moves.items())]
+
     def git_mv(src: str, dst: str) -> None:
         subprocess.run(["git", "mv", src, dst], cwd=HERE, check=True)
 

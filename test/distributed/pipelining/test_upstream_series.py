@@ -89,7 +89,9 @@ class UpstreamSeriesTest(TestCase):
                 timeout=900,
             )
         self.assertEqual(done.returncode, 0, done.stdout[-4000:] + done.stderr[-2000:])
-        self.assertRegex(done.stdout, r"(?m)^0007-1f1b-pipeline-order-last-rank .* PASS")
+        self.assertRegex(
+            done.stdout, r"(?m)^0007-1f1b-pipeline-order-last-rank .* PASS"
+        )
 
     def _assert_current(self) -> None:
         base = make_series.torch_base(None) if _IS_2_15 else None

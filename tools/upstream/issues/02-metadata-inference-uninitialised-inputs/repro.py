@@ -102,7 +102,9 @@ def main() -> int:
             "zeros: uninitialised memory from torch.empty_strided"
         )
         return 1
-    print("defect absent: stage 1's forward saw zeros (the probe) and the real activations")
+    print(
+        "defect absent: stage 1's forward saw zeros (the probe) and the real activations"
+    )
     return 0
 
 
