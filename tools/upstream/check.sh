@@ -280,12 +280,16 @@ run_tests_of() {
 }
 
 # torch_test_outcomes TREE: "OUTCOME test id" of every test of upstream's
-# test_schedule.py in TREE, sorted
+# test_schedule.py in TREE, sorted; one process per test class (a test that
+# needs a GPU fails here without destroying its process group, which would
+# fail the next test that creates one)
 torch_test_outcomes() {
-    (cd "$1/test/distributed/pipelining" && env "${TEST_ENV[@]}" \
-        PYTHONPATH="$1/site:." timeout "${TEST_TIMEOUT}" \
-        "${PY}" -m pytest -q -rA --tb=no -p no:cacheprovider test_schedule.py \
-        | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | sed 's/ - .*//' | sort)
+    local dir="$1/test/distributed/pipelining" class
+    for class in $(sed -nE 's/^class ([A-Za-z_0-9]+)\(TestCase\):.*/\1/p' "${dir}/test_schedule.py"); do
+        (cd "${dir}" && env "${TEST_ENV[@]}" PYTHONPATH="$1/site:." timeout "${TEST_TIMEOUT}" \
+            "${PY}" -m pytest -q -rA --tb=no -p no:cacheprovider "test_schedule.py::${class}" \
+            | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | sed 's/ - .*//')
+    done | sort
 }
 
 # torch_tests_check STOCK SERIES LOGPREFIX: upstream's test_schedule.py, with
