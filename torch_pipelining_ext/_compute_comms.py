@@ -1,8 +1,9 @@
 """compute_comms schedules without REDUCE_GRAD: the missing actions are added.
 
-Package only.  Upstream patch 0005 rejects such a schedule when it is loaded
-(the check is ``schedules.py``'s, with nothing inserted); the package must run
-schedules written for torches before REDUCE_GRAD unchanged, so
+Package only.  Upstream patch 0006 rejects such a schedule when it is loaded
+if a local stage needs the missing action (an FSDP stage, or ``scale_grads``;
+nothing is inserted); the package must run schedules written for torches
+before REDUCE_GRAD unchanged, so
 :func:`_make_prepare_comms` wraps
 ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` and
 :func:`_add_missing_reduce_grad` completes them first.

@@ -1,29 +1,30 @@
-"""What scaling only the current step's gradients costs (patch 0002).
+"""What adding a step's gradients to the carried ones costs (patch 0003).
 
     python tools/upstream/bench_scale_grads.py [--params 1e6,16e6,64e6] [--repeat 5]
 
 When a step starts with gradients carried over from earlier steps (gradient
-accumulation across ``step()`` calls), the fix multiplies each carried
-gradient by the number of microbatches in place when the step starts, so
-that torch's ``scale_grads`` division leaves it as it was (see ``[Note:
-scaling gradients accumulated across steps]``).  For each size this runs, side
-by side in one run, a one-stage ``ScheduleGPipe`` step (world size 1, gloo)
-whose stage holds one float32 parameter of that many elements, with a
-gradient carried in:
+accumulation across ``step()`` calls), the fix sets them aside when the step
+starts and adds the step's own to them once the step divided those (see
+``[Note: gradients carried into a step]``).  For each size this runs, side by
+side in one run, a one-stage ``ScheduleGPipe`` step (world size 1, gloo) whose
+stage holds one float32 parameter of that many elements, with a gradient
+carried in:
 
 * ``stock``: after ``torch_pipelining_ext.unpatch()``;
 * ``fixed``: after ``torch_pipelining_ext.patch()``;
 * ``adamw``: one ``torch.optim.AdamW(foreach=True)`` step on the same
   parameter, the per-step cost every training loop pays anyway;
-* ``mul_``: the one operation the fix adds per carried gradient, timed alone.
+* ``add_``: the one operation the fix adds per carried gradient, timed alone.
 
 Stock and fixed steps alternate (after each switch one step runs untimed:
 the first step after ``patch()`` or ``unpatch()`` pays one-time costs that
 would be counted against whichever side comes second).  Each step is
-profiled once for memory (``torch.profiler``, CPU): ``extra`` is the number of bytes the fixed step
-allocates beyond the stock step.  The last line is machine-readable, for the
-largest size: ``step_ratio`` is fixed / stock (whole steps),
-``overhead_vs_adamw`` is ``mul_ / adamw``, ``extra_bytes`` is ``extra``.
+profiled once for memory (``torch.profiler``, CPU): ``extra peak`` is how much
+higher the fixed step's peak of live allocations is than the stock step's (the
+carried gradient and the step's own exist side by side).  The last line is
+machine-readable, for the largest size: ``step_ratio`` is fixed / stock (whole
+steps), ``overhead_vs_adamw`` is ``add_ / adamw``, ``extra_peak_bytes`` is
+``extra peak``.
 """
 
 from __future__ import annotations
@@ -61,18 +62,26 @@ def _median_seconds(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _allocated_bytes(fn) -> int:
-    """Bytes ``fn`` allocates on the CPU (every allocation, freed or not)."""
+def _peak_bytes(fn) -> int:
+    """The peak of the bytes ``fn`` allocated on the CPU and had not freed yet."""
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         fn()
-    return sum(max(0, e.cpu_memory_usage) for e in prof.events())
+    events = sorted(
+        (e for e in prof.events() if e.self_cpu_memory_usage),
+        key=lambda e: e.time_range.start,
+    )
+    live = peak = 0
+    for e in events:
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
 
 
 def _measure(size: int, n: int, repeat: int) -> tuple[float, ...]:
-    """Seconds of a stock step, a fixed step, an AdamW step, the added ``mul_``;
-    the fixed step's extra bytes."""
+    """Seconds of a stock step, a fixed step, an AdamW step, the added ``add_``;
+    the fixed step's extra peak bytes."""
     module = _Scale(size)
     stage = PipelineStage(module, 0, 1, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n, loss_fn=lambda out, y: (out - y).square().mean())
@@ -96,12 +105,12 @@ def _measure(size: int, n: int, repeat: int) -> tuple[float, ...]:
         for ts in zip(*((timed(False), timed(True)) for _ in range(repeat)))
     )
     torch_pipelining_ext.unpatch()
-    stock_bytes = _allocated_bytes(step)
+    stock_bytes = _peak_bytes(step)
     torch_pipelining_ext.patch()
-    fixed_bytes = _allocated_bytes(step)
+    fixed_bytes = _peak_bytes(step)
     adamw = _median_seconds(optimizer.step, repeat)
-    grad = module.w.grad
-    added = _median_seconds(lambda: grad.mul_(n).div_(n), repeat) / 2
+    grad, other = module.w.grad, module.w.grad.clone()
+    added = _median_seconds(lambda: grad.add_(other), repeat)
     return stock, fixed, adamw, added, fixed_bytes - stock_bytes
 
 
@@ -134,7 +143,7 @@ def _report(args: argparse.Namespace) -> None:
     )
     print(
         f"{'params':>10} {'stock ms':>9} {'fixed ms':>9} {'fixed/stock':>11} "
-        f"{'adamw ms':>9} {'mul_ ms':>8} {'mul_/adamw':>10} {'extra bytes':>12}"
+        f"{'adamw ms':>9} {'add_ ms':>8} {'add_/adamw':>10} {'extra peak':>12}"
     )
     for size in (int(float(s)) for s in args.params.split(",")):
         stock, fixed, adamw, added, extra = _measure(size, n, args.repeat)
@@ -144,7 +153,7 @@ def _report(args: argparse.Namespace) -> None:
         )
     print(
         f"bench_scale_grads params={size} step_ratio={fixed / stock:.3f} "
-        f"overhead_vs_adamw={added / adamw:.2f} extra_bytes={extra}"
+        f"overhead_vs_adamw={added / adamw:.2f} extra_peak_bytes={extra}"
     )
 
 

@@ -18,8 +18,13 @@
 #     multi-stage schedule class on "before" and "after"; the results must be
 #     equal bitwise (and UPSTREAM_TORCH_TESTS, if set, must give the same
 #     outcomes on both).
-#   Kind "test": the test (of helpers for the other tests) passes on both.
-# Then every test again on the whole series, applied in order.
+# A fix's test is the tests its test hunks (test.diff) add to upstream's own
+# test files (tools/upstream/pytorch_tests, unchanged copies), applied with the
+# test hunks of its dependencies; only those tests run (-k).  A proposal's test
+# is the test_*.py of its directory (helpers: tools/upstream/support).
+# Then every test again on the whole series, applied in order; the full check
+# also runs upstream's whole test_schedule.py on stock torch and on the whole
+# series: every test the hunks do not add must have the same outcome.
 #
 # Environment:
 #   UPSTREAM_TORCH_PYTHON  a python with torch 2.15.0, expecttest and numpy
@@ -27,9 +32,10 @@
 #                          $UPSTREAM_CHECK_DIR, created on first use (~3 GB)
 #   UPSTREAM_CHECK_DIR     scratch directory (default: ~/.cache/torch-upstream-check)
 #   UPSTREAM_TEST_TIMEOUT  seconds per test run (default: 900)
-#   UPSTREAM_TORCH_TESTS   a directory of pytorch's own test files of
+#   UPSTREAM_TORCH_TESTS   another directory of pytorch's own test files of
 #                          test/distributed/pipelining (test_schedule.py and the
-#                          modules it imports), run for refactor patches
+#                          modules it imports) for refactor patches (default:
+#                          tools/upstream/pytorch_tests; full check only)
 #
 # Exit status: 0 when every patch applies without fuzz and every check above
 # holds; 1 otherwise.
@@ -45,7 +51,7 @@ SELECTED=()
 for arg in "$@"; do
     case "${arg}" in
         --quick) QUICK=1 ;;
-        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
         *) SELECTED+=("${arg}") ;;
     esac
 done
@@ -61,12 +67,12 @@ if [[ -n "${UPSTREAM_TORCH_PYTHON:-}" ]]; then
 else
     VENV="${CHECK_DIR}/venv-torch-${TORCH_VERSION}"
     PY="${VENV}/bin/python"
-    if ! "${PY}" -c "import torch, expecttest, numpy" >/dev/null 2>&1; then
+    if ! "${PY}" -c "import torch, expecttest, numpy, pytest" >/dev/null 2>&1; then
         echo "Installing torch ${TORCH_VERSION} into ${VENV} (about 3 GB) ..."
         python3 -m venv "${VENV}" || die "python3 -m venv failed"
         # PIP_CONFIG_FILE=/dev/null: ignore site-wide pip settings (version caps).
         PIP_CONFIG_FILE=/dev/null "${PY}" -m pip install --quiet \
-            "torch==${TORCH_VERSION}" expecttest numpy || die "pip install failed"
+            "torch==${TORCH_VERSION}" expecttest numpy pytest || die "pip install failed"
     fi
 fi
 SITE="$("${PY}" - "${TORCH_VERSION}" <<'PYEOF'
@@ -77,7 +83,7 @@ if torch.__version__.split("+")[0] != sys.argv[1]:
 print(os.path.dirname(os.path.dirname(torch.__file__)))
 PYEOF
 )" || die "no torch ${TORCH_VERSION} in ${PY}"
-"${PY}" -c "import expecttest, numpy" 2>/dev/null || die "${PY} lacks expecttest/numpy"
+"${PY}" -c "import expecttest, numpy, pytest" 2>/dev/null || die "${PY} lacks expecttest/numpy/pytest"
 
 # The committed patches must be what the package generates now, and keep the rules.
 status=0
@@ -90,11 +96,14 @@ mapfile -t ALL < <(cd "${HERE}" && ls -d [0-9][0-9][0-9][0-9]-*/ | sed 's:/$::' 
 [[ ${#ALL[@]} -gt 0 ]] || die "no patches under ${HERE}"
 
 # name -> its dependencies and theirs, in series order (from make_series.closure)
-declare -A CLOSURE KIND DECLARED
-while IFS='|' read -r name kind declared deps; do
+# name -> its test hunks' file and the tests they add ("FILE:TEST,TEST FILE:...")
+declare -A CLOSURE KIND DECLARED HUNKS ADDED
+while IFS='|' read -r name kind declared deps hunks added; do
     CLOSURE["${name}"]="${deps}"
     DECLARED["${name}"]="${declared}"
     KIND["${name}"]="${kind}"
+    HUNKS["${name}"]="${hunks}"
+    ADDED["${name}"]="${added}"
 done < <("${PY}" - "${HERE}" <<'PYEOF'
 import re, sys
 sys.path.insert(0, sys.argv[1])
@@ -102,7 +111,8 @@ import make_series as m
 for p in m.SERIES:
     kind = re.search(r"(?m)^Kind: (.+)$", (p.dir / "PR.md").read_text())
     declared = ",".join(d[:4] for d in m.dependencies(p)) or "none"
-    print(f"{p.name}|{kind.group(1).strip() if kind else 'change'}|{declared}|{' '.join(m.closure(p))}")
+    added = " ".join(f"{f}:{','.join(t)}" for f, t in m.added_tests(p).items()) if p.tests else ""
+    print(f"{p.name}|{kind.group(1).strip() if kind else 'change'}|{declared}|{' '.join(m.closure(p))}|{p.tests or ''}|{added}")
 PYEOF
 )
 
@@ -139,6 +149,10 @@ make_tree() {
     mkdir -p "${tree}/site/torch_pipelining_ext"
     echo 'raise ImportError("the upstream tests must not import torch_pipelining_ext")' \
         >"${tree}/site/torch_pipelining_ext/__init__.py"
+    # upstream's own test files (the fixes' test hunks apply to them), the
+    # proposals' helpers
+    cp -r "${HERE}/pytorch_tests/"*.py "${HERE}/pytorch_tests/artifacts" \
+        "${HERE}/support/"*.py "${tree}/test/distributed/pipelining/"
 }
 
 # apply_patches TREE NAME...: apply the patches in order; 1 (and a log) if one does not
@@ -156,12 +170,20 @@ apply_patches() {
     done
 }
 
-# The test-side files of NAMES (test_*.py and the helper modules they import)
+# The test side of NAMES: their test hunks applied to upstream's test files in
+# TREE (in order), their own test_*.py and helper modules copied; 1 (and a log)
+# if a test hunk does not apply
 copy_tests() {
     local tree="$1" name
     shift
     for name in "$@"; do
         cp "${HERE}/${name}"/*.py "${tree}/test/distributed/pipelining/" 2>/dev/null
+        [[ -n "${HUNKS[${name}]}" ]] || continue
+        if ! patch -p1 --fuzz=0 --no-backup-if-mismatch --batch -d "${tree}" \
+            <"${HERE}/${name}/${HUNKS[${name}]}" >"${LOG_DIR}/${name}.tests.apply.log" 2>&1; then
+            echo "${name}'s test hunks do not apply to $(basename "${tree}") (${LOG_DIR}/${name}.tests.apply.log)"
+            return 1
+        fi
     done
 }
 
@@ -195,6 +217,10 @@ PYEOF
 # outcome LOG RC: PASS, SKIP (every test skipped), FAIL (behaviour) or FAIL (import)
 outcome() {
     local log="$1" rc="$2"
+    if grep -qE '^Ran 0 tests' "${log}"; then
+        echo "FAIL (no test ran)"
+        return
+    fi
     if [[ "${rc}" -eq 0 ]]; then
         if grep -qE '^OK \(skipped=([0-9]+)\)$' "${log}" \
             && [[ "$(grep -oE '^Ran [0-9]+' "${log}" | grep -oE '[0-9]+')" == \
@@ -218,9 +244,81 @@ outcome() {
     fi
 }
 
-# test_of NAME: the patch's test file (test_*.py, not a helper's own test)
+# test_of NAME: what the patch's test is, for the table: its test file, or the
+# upstream test file(s) its hunks add to
 test_of() {
-    ls "${HERE}/$1"/test_*.py 2>/dev/null | head -n 1
+    if [[ -n "${HUNKS[$1]}" ]]; then
+        echo "${ADDED[$1]}" | sed -E 's/:[^ ]*//g'
+    else
+        basename "$(ls "${HERE}/$1"/test_*.py 2>/dev/null | head -n 1)" 2>/dev/null
+    fi
+}
+
+# run_tests_of TREE NAME LOG: run NAME's test in TREE (a fix: only the tests its
+# hunks add, by name); print the outcome
+run_tests_of() {
+    local tree="$1" name="$2" log="$3" spec file tests args got="" one rc
+    if [[ -z "${HUNKS[${name}]}" ]]; then
+        run_file "${tree}" "$(test_of "${name}")" "${log}"
+        outcome "${log}" $?
+        return
+    fi
+    : >"${log}"
+    for spec in ${ADDED[${name}]}; do
+        file="${spec%%:*}"
+        IFS=',' read -r -a tests <<<"${spec#*:}"
+        args=()
+        for one in "${tests[@]}"; do args+=(-k "${one}"); done
+        run_file "${tree}" "${file}" "${log}.part" "${args[@]}"
+        rc=$?
+        cat "${log}.part" >>"${log}"
+        one="$(outcome "${log}.part" "${rc}")"
+        [[ -z "${got}" || "${got}" == PASS ]] && got="${one}"
+    done
+    rm -f "${log}.part"
+    echo "${got:-FAIL (no test ran)}"
+}
+
+# torch_test_outcomes TREE: "OUTCOME test id" of every test of upstream's
+# test_schedule.py in TREE, sorted; one process per test class (a test that
+# needs a GPU fails here without destroying its process group, which would
+# fail the next test that creates one)
+torch_test_outcomes() {
+    local dir="$1/test/distributed/pipelining" class
+    for class in $(sed -nE 's/^class ([A-Za-z_0-9]+)\(TestCase\):.*/\1/p' "${dir}/test_schedule.py"); do
+        (cd "${dir}" && env "${TEST_ENV[@]}" PYTHONPATH="$1/site:." timeout "${TEST_TIMEOUT}" \
+            "${PY}" -m pytest -q -rA --tb=no -p no:cacheprovider "test_schedule.py::${class}" \
+            | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | sed 's/ - .*//')
+    done | sort
+}
+
+# torch_tests_check STOCK SERIES LOGPREFIX: upstream's test_schedule.py, with
+# every test hunk applied, on stock torch and on the whole series: the tests the
+# hunks do not add must have the same outcomes, the ones they add must pass on
+# the series
+torch_tests_check() {
+    local stock="$1" series="$2" log="$3" added=() spec one
+    copy_tests "${stock}" "${ALL[@]}" >/dev/null || { echo "test hunks do not apply"; return; }
+    torch_test_outcomes "${stock}" >"${log}.stock"
+    torch_test_outcomes "${series}" >"${log}.series"
+    for spec in "${ADDED[@]}"; do
+        for one in ${spec}; do
+            IFS=',' read -r -a tests <<<"${one#*:}"
+            added+=("${tests[@]}")
+        done
+    done
+    local pattern
+    pattern="::($(IFS='|'; echo "${added[*]}"))(_|$)"
+    if ! cmp -s <(grep -vE "${pattern}" "${log}.stock") <(grep -vE "${pattern}" "${log}.series"); then
+        echo "outcomes differ (${log}.stock, ${log}.series)"
+        return
+    fi
+    if grep -E "${pattern}" "${log}.series" | grep -qv '^PASSED'; then
+        echo "a test the hunks add does not pass on the series (${log}.series)"
+        return
+    fi
+    echo "the same outcomes ($(grep -cvE "${pattern}" "${log}.series") tests; the" \
+        "$(grep -cE "${pattern}" "${log}.series") the fixes add pass)"
 }
 
 # refactor_check BEFORE AFTER LOGPREFIX: "bitwise equal ..." or what differs
@@ -236,15 +334,13 @@ refactor_check() {
     local same
     same="$("${PY}" "${HERE}/stock_vs_patched.py" --compare "${log}.before.pt" "${log}.after.pt")" \
         || { echo "not bitwise equal: ${same}"; return; }
-    if [[ -n "${UPSTREAM_TORCH_TESTS:-}" ]]; then
+    if [[ ${QUICK} -eq 0 ]]; then
         for side in before after; do
             tree="${before}"
             [[ "${side}" == after ]] && tree="${after}"
-            cp "${UPSTREAM_TORCH_TESTS}"/*.py "${tree}/test/distributed/pipelining/"
-            (cd "${tree}/test/distributed/pipelining" && env "${TEST_ENV[@]}" \
-                PYTHONPATH="${tree}/site:." timeout "${TEST_TIMEOUT}" \
-                "${PY}" -m pytest -q -rA --tb=no -p no:cacheprovider test_schedule.py \
-                | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | sort) >"${log}.torch_tests.${side}"
+            [[ -z "${UPSTREAM_TORCH_TESTS:-}" ]] \
+                || cp "${UPSTREAM_TORCH_TESTS}"/*.py "${tree}/test/distributed/pipelining/"
+            torch_test_outcomes "${tree}" >"${log}.torch_tests.${side}"
         done
         cmp -s "${log}.torch_tests.before" "${log}.torch_tests.after" \
             || { echo "pytorch's test_schedule.py outcomes differ"; return; }
@@ -282,40 +378,36 @@ for name in "${ALL[@]}"; do
         status=1
         continue
     fi
-    copy_tests "${after}" "${deps[@]}" "${name}"
+    copy_tests "${after}" "${deps[@]}" "${name}" \
+        || { ROWS+=("${name}|${lines}|${depends}|test hunks do not apply|-"); status=1; continue; }
     if [[ "${kind}" == refactor ]]; then
         make_tree "${before}"
         apply_patches "${before}" "${deps[@]}" || { status=1; continue; }
-        copy_tests "${before}" "${deps[@]}"
+        copy_tests "${before}" "${deps[@]}" || { status=1; continue; }
         echo "${name}: stock_vs_patched.py on its dependencies, without and with it ..."
         verdict="$(refactor_check "${before}" "${after}" "${LOG_DIR}/${name}")"
         ROWS+=("${name}|${lines}|${depends}|${verdict}|-")
         [[ "${verdict}" == "bitwise equal"* ]] || status=1
         continue
     fi
-    test_file="$(test_of "${name}")"
-    [[ -n "${test_file}" ]] || { ROWS+=("${name}|${lines}|${depends}|no test|-"); status=1; continue; }
-    test_name="$(basename "${test_file}")"
+    test_name="$(test_of "${name}")"
+    [[ -n "${test_name}" ]] || { ROWS+=("${name}|${lines}|${depends}|no test|-"); status=1; continue; }
     if [[ ${QUICK} -eq 1 ]]; then
         echo "${name}: ${test_name} with the patch ..."
-        run_file "${after}" "${test_name}" "${LOG_DIR}/${name}.patched.log"
-        got="$(outcome "${LOG_DIR}/${name}.patched.log" $?)"
+        got="$(run_tests_of "${after}" "${name}" "${LOG_DIR}/${name}.patched.log")"
         ROWS+=("${name}|${lines}|${depends}|${got}|-")
         [[ "${got}" == PASS ]] || { status=1; FAILED_LOGS+=("${LOG_DIR}/${name}.patched.log"); }
         continue
     fi
     make_tree "${before}"
     apply_patches "${before}" "${deps[@]}" || { status=1; continue; }
-    copy_tests "${before}" "${deps[@]}" "${name}"
+    copy_tests "${before}" "${deps[@]}" "${name}" || { status=1; continue; }
     echo "${name}: ${test_name} without and with the patch ..."
-    run_file "${before}" "${test_name}" "${LOG_DIR}/${name}.before.log"
-    was="$(outcome "${LOG_DIR}/${name}.before.log" $?)"
-    run_file "${after}" "${test_name}" "${LOG_DIR}/${name}.patched.log"
-    got="$(outcome "${LOG_DIR}/${name}.patched.log" $?)"
+    was="$(run_tests_of "${before}" "${name}" "${LOG_DIR}/${name}.before.log")"
+    got="$(run_tests_of "${after}" "${name}" "${LOG_DIR}/${name}.patched.log")"
     ROWS+=("${name}|${lines}|${depends}|${was} -> ${got}|")
     [[ "${got}" == PASS ]] || FAILED_LOGS+=("${LOG_DIR}/${name}.patched.log")
     case "${kind}" in
-        test) [[ "${was}" == PASS && "${got}" == PASS ]] || status=1 ;;
         "new module"|"new api") [[ "${was}" == FAIL* && "${got}" == PASS ]] || status=1 ;;
         *) [[ "${was}" == "FAIL (behaviour)" && "${got}" == PASS ]] || status=1 ;;
     esac
@@ -327,17 +419,20 @@ if [[ ${QUICK} -eq 0 ]]; then
     series="${CHECK_DIR}/series"
     make_tree "${series}"
     if apply_patches "${series}" "${ALL[@]}"; then
-        copy_tests "${series}" "${ALL[@]}"
+        copy_tests "${series}" "${ALL[@]}" || status=1
         for name in "${ALL[@]}"; do
             selected "${name}" || continue
-            test_file="$(test_of "${name}")"
-            [[ -n "${test_file}" ]] || continue
-            echo "${name}: $(basename "${test_file}") on the whole series ..."
-            run_file "${series}" "$(basename "${test_file}")" "${LOG_DIR}/${name}.series.log"
-            SERIES_RESULT["${name}"]="$(outcome "${LOG_DIR}/${name}.series.log" $?)"
+            [[ -n "$(test_of "${name}")" ]] || continue
+            echo "${name}: $(test_of "${name}") on the whole series ..."
+            SERIES_RESULT["${name}"]="$(run_tests_of "${series}" "${name}" "${LOG_DIR}/${name}.series.log")"
             [[ "${SERIES_RESULT[${name}]}" == PASS ]] \
                 || { status=1; FAILED_LOGS+=("${LOG_DIR}/${name}.series.log"); }
         done
+        if [[ ${#SELECTED[@]} -eq 0 ]]; then
+            echo "upstream's test_schedule.py on stock torch and on the whole series ..."
+            UPSTREAM_RESULT="$(torch_tests_check "${STOCK}" "${series}" "${LOG_DIR}/torch_tests")"
+            [[ "${UPSTREAM_RESULT}" == "the same outcomes"* ]] || status=1
+        fi
     else
         status=1
     fi
@@ -354,6 +449,8 @@ for row in "${ROWS[@]}"; do
     printf '%-34s %-11s %-16s %-37s %s\n' "${name}" "${lines}" "${depends}" "${result}" \
         "${SERIES_RESULT[${name}]:--}"
 done
+[[ -z "${UPSTREAM_RESULT:-}" ]] \
+    || echo "upstream's test_schedule.py, stock torch vs the whole series: ${UPSTREAM_RESULT}"
 echo
 echo "logs: ${LOG_DIR}"
 # the logs of the failed test runs, last lines (CI removes the scratch directory)

@@ -213,8 +213,18 @@ Part = NewModule | Extends | HandWritten
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
+    """One PR of the series: ``NNNN-slug/`` with its ``PR.md`` and ``patch.diff``.
+
+    ``tests``: the file of the patch's directory holding its test hunks
+    (``a/test/distributed/pipelining/...`` paths), applied to upstream's own
+    test files (:data:`TORCH_TESTS`, unchanged copies) together with those of
+    the patches it depends on; ``None`` for a patch whose test is a file of its
+    own in its directory (``test_*.py``).
+    """
+
     name: str
     parts: tuple[Part, ...] = ()
+    tests: str | None = None
 
     @property
     def dir(self) -> Path:
@@ -225,59 +235,89 @@ def _module(target: str, module: str) -> NewModule:
     return NewModule(target, f"overlap/{module}")
 
 
-SERIES: tuple[Patch, ...] = (
-    Patch("0000-test-helpers"),
-    Patch("0001-fsdp-split-backward", (HandWritten("patch.diff"),)),
-    Patch("0002-scale-grads-per-step", (HandWritten("patch.diff"),)),
-    Patch("0003-pipeline-context-step-options", (HandWritten("patch.diff"),)),
-    Patch("0004-step-error-names-rank", (HandWritten("patch.diff"),)),
-    Patch("0005-compute-comms-reduce-grad", (HandWritten("patch.diff"),)),
-    Patch("0006-stage-split", (NewModule("stage_split.py", "_stage_split.py"),)),
-    Patch("0007-runtime-action-methods", (HandWritten("patch.diff"),)),
-    Patch("0008-runtime-context-per-step", (HandWritten("patch.diff"),)),
-    Patch("0009-runtime-perform-action", (HandWritten("patch.diff"),)),
-    Patch("0010-runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
+def _fix(slug: str) -> Patch:
+    """A fix: hand-written hunks of torch's files, tests inside upstream's test files."""
+    return Patch(slug, (HandWritten("patch.diff"),), tests="test.diff")
+
+
+# Fixes upstream can take one PR at a time, each on its declared dependencies.
+FIXES: tuple[Patch, ...] = (
+    _fix("fsdp-split-backward"),
+    _fix("eval-leaves-gradients"),
+    _fix("scale-grads-carried"),
+    _fix("pipeline-context-step-options"),
+    _fix("step-error-names-rank"),
+    _fix("compute-comms-reduce-grad"),
+    _fix("1f1b-pipeline-order-last-rank"),
+    _fix("eval-adjacent-local-stages"),
+)
+
+# Proposals (RFC-first new modules, the runtime refactor, the overlap): their
+# tests are files of their own that import the helpers of SUPPORT.
+PROPOSALS: tuple[Patch, ...] = (
+    Patch("stage-split", (NewModule("stage_split.py", "_stage_split.py"),)),
+    Patch("runtime-action-methods", (HandWritten("patch.diff"),)),
+    Patch("runtime-context-per-step", (HandWritten("patch.diff"),)),
+    Patch("runtime-perform-action", (HandWritten("patch.diff"),)),
+    Patch("runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
     Patch(
-        "0011-ep-overlap-marks",
+        "ep-overlap-marks",
         (_module("ep_overlap.py", "__init__.py"), _module("_ep_marks.py", "_marks.py")),
     ),
     Patch(
-        "0012-ep-overlap-turns",
+        "ep-overlap-turns",
         (_module("_ep_turns.py", "_turns.py"), Extends("extends.diff")),
     ),
     Patch(
-        "0013-overlap-f-b-concurrent",
+        "overlap-f-b-concurrent",
         (_module("_overlap.py", "_handler.py"), Extends("extends.diff")),
     ),
     Patch(
-        "0014-overlap-worker-per-step",
+        "overlap-worker-per-step",
         (Extends("extends.diff"), HandWritten("schedules.diff")),
     ),
     Patch(
-        "0015-overlap-hand-over",
+        "overlap-hand-over",
         (_module("_ep_policy.py", "_policy.py"), Extends("extends.diff")),
     ),
     Patch(
-        "0016-overlap-input-waits",
+        "overlap-input-waits",
         (Extends("extends.diff"), HandWritten("schedules.diff")),
     ),
     Patch(
-        "0017-overlap-rng-windows",
+        "overlap-rng-windows",
         (
             _module("_ep_rng.py", "_rng.py"),
             Extends("extends.diff"),
             HandWritten("random.diff"),
         ),
     ),
-    Patch("0018-overlap-fsdp", (Extends("extends.diff"),)),
+    Patch("overlap-fsdp", (Extends("extends.diff"),)),
     Patch(
-        "0019-overlap-streams",
+        "overlap-streams",
         (_module("_ep_streams.py", "_streams.py"), Extends("extends.diff")),
     ),
-    Patch("0020-overlap-thread-state", (Extends("extends.diff"),)),
-    Patch("0021-overlap-timeouts", (Extends("extends.diff"),)),
-    Patch("0022-overlap-observer", (Extends("extends.diff"),)),
+    Patch("overlap-thread-state", (Extends("extends.diff"),)),
+    Patch("overlap-timeouts", (Extends("extends.diff"),)),
+    Patch("overlap-observer", (Extends("extends.diff"),)),
 )
+
+
+def _numbered(patches: tuple[Patch, ...]) -> tuple[Patch, ...]:
+    """``patches`` named ``NNNN-slug`` by their place, from 0001 (see :func:`renumber`)."""
+    return tuple(
+        dataclasses.replace(p, name=f"{i:04d}-{p.name}")
+        for i, p in enumerate(patches, start=1)
+    )
+
+
+SERIES: tuple[Patch, ...] = _numbered(FIXES + PROPOSALS)
+
+# Unchanged copies of upstream's test files (provenance in its SOURCES.txt)
+TORCH_TESTS = HERE / "pytorch_tests"
+TORCH_TESTS_PATH = "test/distributed/pipelining"
+# Helper modules the proposals' own test files import
+SUPPORT = HERE / "support"
 
 
 # --------------------------------------------------------------------------- #
@@ -522,7 +562,7 @@ def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[st
       that file already has it, indented otherwise or not (code moved, not
       written).
     """
-    problems = []
+    problems = test_hunk_problems()
     defined_in_torch = (
         notes_defined([ln for t in base.values() for ln in t.splitlines()])
         if base is not None
@@ -558,6 +598,103 @@ def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[st
     return problems
 
 
+def torch_test_files() -> dict[str, str]:
+    """Upstream's test files the fixes' hunks apply to (``test/...`` path -> text)."""
+    return {
+        f"{TORCH_TESTS_PATH}/{p.name}": p.read_text()
+        for p in sorted(TORCH_TESTS.glob("*.py"))
+    }
+
+
+def added_tests(patch: Patch) -> dict[str, list[str]]:
+    """The test methods ``patch``'s test hunks add, by test file name."""
+    found: dict[str, list[str]] = {}
+    for section in _sections((patch.dir / patch.tests).read_text()):
+        if section:
+            name = section.split()[2].rsplit("/", 1)[-1]
+            tests = re.findall(r"(?m)^\+\s+def (test_\w+)\(", section)
+            if tests:
+                found.setdefault(name, []).extend(tests)
+    return found
+
+
+def test_hunk_problems() -> list[str]:
+    """What keeps the fixes' test hunks from applying (no fuzz) or from adding a test.
+
+    Each patch's hunks must apply to upstream's test files with those of its
+    dependencies applied first, and all of them in series order.
+    """
+    problems = []
+    base = torch_test_files()
+    by_name = {p.name: p for p in SERIES}
+    series = dict(base)
+    for patch in SERIES:
+        if patch.tests is None:
+            continue
+        if not added_tests(patch):
+            problems.append(f"{patch.name}/{patch.tests} adds no test method")
+        own = dict(base)
+        for name in [*closure(patch), patch.name]:
+            tests = by_name[name].tests
+            if tests is not None:
+                try:
+                    _apply_hunks(own, by_name[name].dir / tests)
+                except RuntimeError as e:
+                    problems.append(f"{patch.name} on its dependencies: {e}")
+                    break
+        try:
+            _apply_hunks(series, patch.dir / patch.tests)
+        except RuntimeError as e:
+            problems.append(f"{patch.name} in series order: {e}")
+    for path in sorted((*HERE.glob("*/test_*.py"), *SUPPORT.glob("*.py"))):
+        if "Upstream path:" in path.read_text():
+            problems.append(
+                f"{path.relative_to(HERE)}: a package-only 'Upstream path:' line"
+            )
+    return problems
+
+
+_NUMBER = re.compile(r"(?<![\d.])(\d{4})(?![\d.])")
+
+
+def renumber() -> list[str]:
+    """Give each patch directory the number its place in :data:`SERIES` gives it.
+
+    A re-cut edits ``FIXES`` / ``PROPOSALS`` (entries are slugs, numbered by
+    place) and runs ``make_series.py --renumber``: every ``NNNN-slug/`` whose
+    number changed is moved (``git mv``), and every four-digit patch number in
+    the Markdown of ``tools/upstream`` (``Depends on:`` lines, PR texts, RFCs,
+    READMEs, reports) follows.  New entries need their directories; directories
+    no entry names are listed, not removed.  Returns what it did.
+    """
+    existing = {d.name[5:]: d.name for d in HERE.glob("[0-9]" * 4 + "-*") if d.is_dir()}
+    moves = {
+        existing[p.name[5:]]: p.name
+        for p in SERIES
+        if p.name[5:] in existing and existing[p.name[5:]] != p.name
+    }
+    done = [f"{old} -> {new}" for old, new in sorted(moves.items())]
+
+    def git_mv(src: str, dst: str) -> None:
+        subprocess.run(["git", "mv", src, dst], cwd=HERE, check=True)
+
+    for old in moves:  # two passes: a new name may be another's old one
+        git_mv(old, f"{old}.renumbering")
+    for old, new in moves.items():
+        git_mv(f"{old}.renumbering", new)
+    numbers = {old[:4]: new[:4] for old, new in moves.items()}
+    for md in sorted(HERE.rglob("*.md")):
+        text = md.read_text()
+        new_text = _NUMBER.sub(lambda m: numbers.get(m.group(1), m.group(1)), text)
+        if new_text != text:
+            md.write_text(new_text)
+            done.append(f"rewrote the patch numbers of {md.relative_to(HERE)}")
+    named = {p.name for p in SERIES}
+    left = [d for d in existing.values() if d not in moves and d not in named]
+    done += [f"no entry names {d}/" for d in sorted(left)]
+    return done
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -570,11 +707,19 @@ def main() -> int:
         help="a directory holding torch/ of torch 2.15.0 (its site-packages)",
     )
     parser.add_argument(
+        "--renumber",
+        action="store_true",
+        help="move the patch directories to their numbers in SERIES (then regenerate)",
+    )
+    parser.add_argument(
         "--new-files-only",
         action="store_true",
         help="check only the series' own modules (no torch needed)",
     )
     args = parser.parse_args()
+    if args.renumber:
+        print("\n".join(renumber()) or "every patch has its number")
+        return 0
     base = None if args.new_files_only else torch_base(args.torch_dir)
     if base is None and not args.new_files_only:
         print(

@@ -240,6 +240,17 @@ def _probe_scale_grads() -> tuple[str, str]:
     return PatchNeeded, reason
 
 
+def _probe_metadata_cleanup() -> tuple[str, str]:
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    cleanup = getattr(PipelineStage, "_post_metadata_inference_cleanup", None)
+    if cleanup is None:
+        return AlreadyUpstream, "no metadata-inference cleanup"
+    if ".grad = None" not in inspect.getsource(cleanup):
+        return AlreadyUpstream, "the metadata-inference cleanup keeps gradients"
+    return PatchNeeded, "the metadata-inference cleanup clears FSDP gradients"
+
+
 # --- _schedule_runtime.py ---
 
 

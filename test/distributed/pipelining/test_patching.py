@@ -45,6 +45,7 @@ runtime_keep_overlap_f_b             A    U    U    U    U    U    U
 runtime_step_context                 A    A    A    A    A    A    A
 runtime_action_functions             A    A    A    A    A    A    A
 scale_grads_per_step                 A    A    A    A    A    A    A
+metadata_inference_keeps_grads       U    ?    ?    ?    A    ?    A
 compute_comms_reduce_grad            U    A    A    A    A    A    A
 fsdp_split_backward_params           A    A    A    A    A    A    A
 split_backward_weight                A    A    A    A    U    U    U

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import unittest
 from collections.abc import Iterator
@@ -81,6 +82,11 @@ MULTI_STAGE = (
 )
 SINGLE_STAGE = (sched.ScheduleGPipe, sched.Schedule1F1B)
 CUBLAS_DETERMINISTIC = os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
+_NEEDS_FINALIZE = unittest.skipUnless(
+    "finalize_gradients"
+    in inspect.signature(sched.PipelineScheduleSingle.step).parameters,
+    "step(finalize_gradients=...) needs torch 2.15+",
+)
 
 MOE_ARGS = MoEModelArgs(
     vocab_size=32,
@@ -263,6 +269,40 @@ class ScheduleSingleRankTest(_OneRankTestCase):
                         msg=lambda m: f"step {step} stage {i} {name}: {m}",
                     )
 
+    @parametrize("dtype", [torch.float32, torch.float16])
+    @parametrize("schedule_class", [sched.ScheduleGPipe, sched.ScheduleInterleaved1F1B])
+    def test_carried_gradients_are_added_to(
+        self, schedule_class: type, dtype: torch.dtype
+    ) -> None:
+        # A step adds its gradients -- bitwise what it computes after
+        # zero_grad() -- to the carried ones, without rescaling them: with 3
+        # microbatches, multiplying and dividing them would change a fraction of
+        # their float32 bits, and 6e4 * 3 is inf in float16.
+        dev = self._device("cpu")
+        n_stages = 1 if issubclass(schedule_class, sched.PipelineScheduleSingle) else 2
+        torch.manual_seed(0)
+        model = nn.Sequential(*(MLPStage(DIM) for _ in range(n_stages))).to(dtype)
+        runs = {}
+        for name in ("carried", "fresh"):
+            parts = [copy.deepcopy(m) for m in model]
+            stages = [PipelineStage(p, i, n_stages, dev) for i, p in enumerate(parts)]
+            first = stages[0] if n_stages == 1 else stages
+            runs[name] = (schedule_class(first, 3, loss_fn=mse_loss), parts)
+        gen = torch.Generator().manual_seed(1)
+        carried = {}
+        for part in runs["carried"][1]:
+            for p in part.parameters():
+                p.grad = (torch.rand(p.shape, generator=gen) * 6e4).to(dtype)
+                carried[p] = p.grad.clone()
+        x, y = (t.to(dtype) for t in _batch(0, dev))
+        x, y = x[:6], y[:6]
+        for schedule, _ in runs.values():
+            schedule.step(x, target=y)
+        for a, b in zip(runs["carried"][1], runs["fresh"][1]):
+            for (name, p), q in zip(a.named_parameters(), b.parameters()):
+                self.assertTrue(torch.isfinite(p.grad).all(), name)
+                self.assertTrue(torch.equal(p.grad, carried[p] + q.grad), name)
+
     @parametrize("device", DEVICES)
     def test_dualpipev_overlap_bitwise_equal_to_sequential(self, device: str) -> None:
         dev = self._device(device)
@@ -419,6 +459,53 @@ class ScheduleFSDPSingleRankTest(_OneRankTestCase):
                 self.assertTrue(
                     all(isinstance(m, FSDPModule) for m in (part, *part.layers))
                 )
+
+    @parametrize(
+        "sequence",
+        [
+            ("step", "eval", "step"),
+            subtest(("defer", "step"), decorators=[_NEEDS_FINALIZE]),
+            subtest(("defer", "eval", "step"), decorators=[_NEEDS_FINALIZE]),
+            subtest(("step", "defer", "eval", "step"), decorators=[_NEEDS_FINALIZE]),
+        ],
+    )
+    @parametrize("schedule_class", [sched.Schedule1F1B, sched.ScheduleInterleaved1F1B])
+    def test_fsdp_gradients_across_steps_and_eval(
+        self, schedule_class: type, sequence: tuple[str, ...]
+    ) -> None:
+        # Steps without zero_grad() add up; eval() leaves the gradients alone;
+        # step(finalize_gradients=False) ("defer") defers FSDP's reduction to the
+        # next finalizing step, which adds what every deferred step computed.
+        # eval() between a deferring and a finalizing step neither ends nor
+        # restarts the deferral: the finalizing step adds each gradient once.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dev = self._device("cpu")
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        n_stages = 1 if issubclass(schedule_class, sched.PipelineScheduleSingle) else 2
+        torch.manual_seed(0)
+        reference = nn.Sequential(*(FSDPMLPStage(DIM) for _ in range(n_stages)))
+        parts = [fully_shard_stage(copy.deepcopy(m), mesh) for m in reference]
+        schedule = _build(schedule_class, parts, dev, mse_loss)
+        for step, op in enumerate(sequence):
+            x, y = _batch(step, dev)
+            if op == "eval":
+                schedule.eval(x, target=y)
+                continue
+            schedule.step(
+                x, target=y, **({"finalize_gradients": False} if op == "defer" else {})
+            )
+            reference_step(reference, mse_loss, x, y, N_MICROBATCHES)
+            if op == "defer":
+                continue  # .grad is final once a step finalizes the reduction
+            for i, (part, ref) in enumerate(zip(parts, reference)):
+                for (name, p), ref_p in zip(part.named_parameters(), ref.parameters()):
+                    self.assertIsNotNone(p.grad, f"step {step} stage {i} {name}")
+                    torch.testing.assert_close(
+                        p.grad.full_tensor(),
+                        ref_p.grad,
+                        msg=lambda m: f"step {step} ({op}) stage {i} {name}: {m}",
+                    )
 
 
 instantiate_parametrized_tests(ScheduleSingleRankTest)

@@ -4,8 +4,9 @@
 Every report directory holds a ``repro.py`` that imports only torch and the
 standard library (checked on its syntax tree: the package must not be
 imported, so that the script shows stock torch) and a ``REPORT.md`` with the
-script's pasted output and a "Fixed by" section; the README lists every
-report.  Under torch 2.15.x each script also runs in a fresh interpreter,
+script's pasted output, expected and actual behaviour, ``collect_env``'s
+version output, a "Fixed by" section and no word about the package; the
+README lists every report.  Under torch 2.15.x each script also runs in a fresh interpreter,
 which does not import the package (the test process does), and must exit 1
 with its ``defect present:`` line: the defect is in stock 2.15.
 """
@@ -93,6 +94,13 @@ class UpstreamIssuesTest(TestCase):
         )
         for section in ("## Versions", "## Root cause (torch 2.15.0)"):
             self.assertIn(section, report)
+        # an issue text for pytorch: versions as collect_env prints them, what
+        # was expected and what happened, nothing about this package
+        versions = report.partition("## Versions")[2].partition("\n## ")[0]
+        self.assertIn("PyTorch version: 2.15.0", versions, "no collect_env output")
+        self.assertRegex(report, r"(?m)^Expected: ")
+        self.assertRegex(report, r"(?m)^(Actual: |Observed \(stock torch 2\.15\.0)")
+        self.assertNotRegex(report, r"torch_pipelining_ext|\bthe package\b")
         fixed_by = report.partition("\n## Fixed by\n")[2].strip()
         self.assertTrue(fixed_by, "no Fixed by section")
         series = re.findall(r"`(\d{4}-[a-z0-9-]+)`", fixed_by)

@@ -10,7 +10,9 @@ committed patches in order to a copy of torch 2.15.0's files without fuzz.
 Edits of torch's own files need torch 2.15's sources, so with another torch
 installed only the series' own modules are compared (they depend on the
 package alone), the notes are checked against the patches only and the apply
-check is skipped. On 2.15, ``check.sh --quick`` runs one patch's test with
+check is skipped. The fixes' test hunks must apply to upstream's own test
+files (``tools/upstream/pytorch_tests``) without fuzz, on their dependencies
+and in series order. On 2.15, ``check.sh --quick`` runs one fix's tests with
 ``$CI`` set, as CI services run it.
 """
 
@@ -75,7 +77,7 @@ class UpstreamSeriesTest(TestCase):
             self.skipTest("check.sh needs the patch tool")
         with tempfile.TemporaryDirectory() as tmp:
             done = subprocess.run(
-                ["bash", str(_TOOLS / "check.sh"), "--quick", "0012"],
+                ["bash", str(_TOOLS / "check.sh"), "--quick", "0007"],
                 env={
                     **os.environ,
                     "CI": "true",
@@ -87,7 +89,9 @@ class UpstreamSeriesTest(TestCase):
                 timeout=900,
             )
         self.assertEqual(done.returncode, 0, done.stdout[-4000:] + done.stderr[-2000:])
-        self.assertRegex(done.stdout, r"(?m)^0012-ep-overlap-turns .* PASS")
+        self.assertRegex(
+            done.stdout, r"(?m)^0007-1f1b-pipeline-order-last-rank .* PASS"
+        )
 
     def _assert_current(self) -> None:
         base = make_series.torch_base(None) if _IS_2_15 else None

@@ -1,9 +1,11 @@
-"""Dynamic metadata inference runs stage forwards on uninitialised tensors.
+"""Dynamic metadata inference materialises probe inputs with torch.empty_strided.
 
 Two processes (gloo, CPU), two stages, ScheduleGPipe, two microbatches.  The
-second stage records the inputs its forward is called with; a data-dependent
-forward (a toy router that counts the tokens per expert, as an MoE layer does
-before its all-to-all) shows what it decides on those inputs.
+second stage records the inputs its forward is called with: the metadata probe
+(by design, once, before the first step) and the real microbatches.  A
+data-dependent forward (a toy router that counts the tokens per expert, as an
+MoE layer does before its all-to-all) shows what it decides on each input.  The
+probe input should be deterministic (zeros); it is uninitialised memory.
 
 Run with a stock torch:  python repro.py
 Exit status 1: the defect is present; 0: it is not.
@@ -67,12 +69,14 @@ def run(rank: int, store_path: str, result_path: str) -> None:
         unexpected = []
         for i, seen in enumerate(router.calls):
             matches = [j for j, r in enumerate(real) if torch.equal(seen, r)]
+            zeros = not matches and not seen.any()
             what = f"microbatch {matches[0]}" if matches else "no microbatch"
+            what += ", all zeros" if zeros else ""
             lines.append(
                 f"  call {i}: input is {what}; finite={bool(seen.isfinite().all())}; "
                 f"tokens per expert {route(seen)}; values {seen.flatten()[:6].tolist()}"
             )
-            if not matches:
+            if not matches and not zeros:
                 unexpected.append(i)
         lines.append(
             "  the real microbatches route " + ", ".join(str(route(r)) for r in real)
@@ -93,12 +97,14 @@ def main() -> int:
     unexpected = last.removeprefix("UNEXPECTED ")
     if unexpected != "[]":
         print(
-            f"defect present: stage 1's forward was called (calls {unexpected}) with "
-            "an input that is none of the microbatches' activations (metadata "
-            "inference runs it on uninitialised tensors)"
+            f"defect present: the metadata probe called stage 1's forward (calls "
+            f"{unexpected}) on an input that is neither a microbatch's activation nor "
+            "zeros: uninitialised memory from torch.empty_strided"
         )
         return 1
-    print("defect absent: stage 1's forward saw only the real activations")
+    print(
+        "defect absent: stage 1's forward saw zeros (the probe) and the real activations"
+    )
     return 0
 
 
