@@ -40,8 +40,10 @@ from torch_pipelining_ext import overlap as ep_overlap
 from torch_pipelining_ext.overlap._handler import _run_overlapped, _StreamPlan
 from torch_pipelining_ext.overlap import _marks as _ep_marks
 from torch_pipelining_ext.overlap import _turns as _ep_turns
-from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side, _TurnState
+from torch_pipelining_ext.overlap._settings import SETTINGS
+from torch_pipelining_ext.overlap._turns import _CommCoordinator, _TurnState
 from torch_pipelining_ext.overlap import CommWaitTimeoutError
+from torch_pipelining_ext.overlap.policy import Order, Side
 
 
 DIM = 8
@@ -61,6 +63,16 @@ class FakeComm:
         self.hook = None  # called inside the collective with its tag
 
     def collective(self, tag: str) -> None:
+        # issued as the interception issues a real collective on a
+        # communicator both sides use (a STRICT one)
+        binding = _ep_marks._current_binding()
+        if binding is None:
+            self._run(tag)
+            return
+        with binding.coordinator.collective(binding.side, tag, "fake", Order.STRICT):
+            self._run(tag)
+
+    def _run(self, tag: str) -> None:
         with self.lock:
             if self.active is not None:
                 self.violations.append((self.active, tag))
@@ -275,8 +287,8 @@ class CoordinatorTest(TestCase):
         coordinator = run.run()
         self.assertEqual(run.comm.violations, [])
         self.assertEqual(run.comm.log, expected_order("F", n_fwd, "B", n_bwd))
-        self.assertEqual(coordinator.regions_opened(_Side.FORWARD), 2 * n_fwd)
-        self.assertEqual(coordinator.regions_opened(_Side.BACKWARD), 2 * n_bwd)
+        self.assertEqual(coordinator.regions_opened(Side.FORWARD), 2 * n_fwd)
+        self.assertEqual(coordinator.regions_opened(Side.BACKWARD), 2 * n_bwd)
         self.assert_no_threads_left()
 
     def test_order_is_deterministic_under_random_timing(self) -> None:
@@ -448,16 +460,16 @@ class CoordinatorTest(TestCase):
 
     def test_nested_region_in_one_side(self) -> None:
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
-        coordinator.finish(_Side.BACKWARD)  # the forward side runs alone
-        with _ep_marks.bound(coordinator, _Side.FORWARD):
-            coordinator.open(_Side.FORWARD, "outer", "dispatch")
-            coordinator.open(_Side.FORWARD, "inner", "dispatch")  # nested: no wait
-            coordinator.close(_Side.FORWARD, "inner")
-            coordinator.close(_Side.FORWARD, "outer")
+        coordinator.finish(Side.BACKWARD)  # the forward side runs alone
+        with _ep_marks.bound(coordinator, Side.FORWARD):
+            coordinator.open(Side.FORWARD, "outer", "dispatch")
+            coordinator.open(Side.FORWARD, "inner", "dispatch")  # nested: no wait
+            coordinator.close(Side.FORWARD, "inner")
+            coordinator.close(Side.FORWARD, "outer")
             coordinator.close(
-                _Side.FORWARD, "stray"
+                Side.FORWARD, "stray"
             )  # a close without an open is ignored
-            self.assertEqual(coordinator.regions_opened(_Side.FORWARD), 1)
+            self.assertEqual(coordinator.regions_opened(Side.FORWARD), 1)
 
     def test_compute_is_handed_over(self) -> None:
         # Whenever one side computes, the other is communicating, parked in the
@@ -466,7 +478,7 @@ class CoordinatorTest(TestCase):
         # itself is checked deterministically, one boundary at a time, by
         # test_long_regions_are_handed_over; this checks the invariant in a
         # real two-thread run.)
-        seen: list[tuple[_Side, _TurnState, bool]] = []
+        seen: list[tuple[Side, _TurnState, bool]] = []
 
         class Probe(torch.autograd.Function):
             @staticmethod
@@ -487,12 +499,12 @@ class CoordinatorTest(TestCase):
         run.loss = run.bwd_stage(run.x_bwd).square().sum()
         seen.clear()
         run.comm.log.clear()
-        with unittest.mock.patch.object(_ep_turns, "_HAND_OVER_MIN_REGION_S", 0.0):
+        with unittest.mock.patch.object(SETTINGS, "hand_over_min_region_s", 0.0):
             run.run()
         self.assertEqual(run.comm.violations, [])
         self.assertEqual(
             sorted(collections.Counter(side for side, _, _ in seen).items()),
-            [(_Side.FORWARD, 6), (_Side.BACKWARD, 6)],
+            [(Side.FORWARD, 6), (Side.BACKWARD, 6)],
         )
         both_computing = [
             (side, state)
@@ -513,13 +525,13 @@ class CoordinatorTest(TestCase):
             clock=lambda: now[0],
             hand_over_min_region_s=1.0,
         )
-        coordinator.open(_Side.BACKWARD, "b", "combine")
+        coordinator.open(Side.BACKWARD, "b", "combine")
         now[0] += 1.0
         with self.assertRaisesRegex(
             CommWaitTimeoutError,
             "at b for the forward thread to start communicating before computing on",
         ):
-            coordinator.close(_Side.BACKWARD, "b")
+            coordinator.close(Side.BACKWARD, "b")
 
     def test_short_regions_are_not_handed_over(self) -> None:
         # Regions shorter than the hand-over threshold (by the injected clock)
@@ -533,18 +545,18 @@ class CoordinatorTest(TestCase):
             clock=lambda: now[0],
             hand_over_min_region_s=1.0,
         )
-        coordinator.open(_Side.BACKWARD, "b", "combine")
-        now[0] += 0.999
-        coordinator.close(_Side.BACKWARD, "b")  # would wait and time out if handed over
+        with coordinator.collective(Side.BACKWARD, "b", "g", Order.STRICT):
+            now[0] += 0.999
+        # (it would have waited and timed out if handed over)
         with self.assertRaisesRegex(
-            CommWaitTimeoutError, "at b2 for its turn to communicate"
+            CommWaitTimeoutError, "at b2 on group g for its turn to issue a collective"
         ):
-            coordinator.open(
-                _Side.BACKWARD, "b2", "combine"
-            )  # not its turn: the forward side's
+            # not its turn: the forward side's
+            with coordinator.collective(Side.BACKWARD, "b2", "g", Order.STRICT):
+                pass
 
 
-def _record_other_side(seen: list[tuple[_Side, _TurnState, bool]]) -> None:
+def _record_other_side(seen: list[tuple[Side, _TurnState, bool]]) -> None:
     """Record, from a side's compute, the other side's state and whether it is parked."""
     binding = _ep_marks._current_binding()
     if binding is None:
@@ -625,14 +637,14 @@ class RandomNumbersTest(TestCase):
         backward_waits = threading.Event()
         start, wait = _CommCoordinator.start, _CommCoordinator._wait
 
-        def late_forward_start(coordinator: _CommCoordinator, side: _Side) -> None:
-            if side is _Side.FORWARD:
+        def late_forward_start(coordinator: _CommCoordinator, side: Side) -> None:
+            if side is Side.FORWARD:
                 # The backward thread calls _wait with the lock held, so once
                 # the forward thread has the lock the backward one is blocked.
                 self.assertTrue(backward_waits.wait(TIMEOUT))
             start(coordinator, side)
 
-        def noting_wait(coordinator: _CommCoordinator, side: _Side, where: str, *args):  # type: ignore[no-untyped-def]
+        def noting_wait(coordinator: _CommCoordinator, side: Side, where: str, *args):  # type: ignore[no-untyped-def]
             if where == "the start of a recomputation":
                 backward_waits.set()
             return wait(coordinator, side, where, *args)
@@ -755,7 +767,7 @@ class InputWaitTest(TestCase):
         # the regions' order is the one of inputs that are there at once
         self.assertEqual(run.comm.violations, [])
         self.assertEqual(run.comm.log, expected_order("F", 2, "B", 2))
-        self.assertEqual(coordinator.state_of(_Side.BACKWARD)[0], _TurnState.DONE)
+        self.assertEqual(coordinator.state_of(Side.BACKWARD)[0], _TurnState.DONE)
         ref = PairRun(2, 2)
         ref.forward()
         ref.backward()
@@ -1034,7 +1046,7 @@ class ObserverTest(TestCase):
             self.assertEqual(outer.events, [])
             PairRun(1, 1).run()
         self.assertTrue(inner.events and outer.events)
-        self.assertIsNone(_ep_turns._observer)
+        self.assertIsNone(SETTINGS.observer)
         with self.assertRaisesRegex(TypeError, "expected an ActionObserver"):
             with ep_overlap.observe_actions(object()):
                 pass
@@ -1068,16 +1080,16 @@ class MarksTest(TestCase):
         # A thread that is not one of the action's two threads is not coordinated,
         # even while an action runs.
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
-        coordinator.finish(_Side.BACKWARD)
+        coordinator.finish(Side.BACKWARD)
         seen = []
-        with _ep_marks.bound(coordinator, _Side.FORWARD):
-            coordinator.open(_Side.FORWARD, "held", "dispatch")
+        with _ep_marks.bound(coordinator, Side.FORWARD):
+            coordinator.open(Side.FORWARD, "held", "dispatch")
             t = threading.Thread(
                 target=lambda: seen.append(ep_overlap.dispatch_begin(torch.ones(1)))
             )
             t.start()
             t.join(5.0)
-            coordinator.close(_Side.FORWARD, "held")
+            coordinator.close(Side.FORWARD, "held")
         self.assertEqual(len(seen), 1)
 
     def test_wrap_dispatch_combine(self) -> None:
@@ -1129,8 +1141,8 @@ class MarksTest(TestCase):
             comm_order.append(("close", where)),
             orig_close(side, where),
         )
-        coordinator.finish(_Side.BACKWARD)  # the other side has no regions
-        with _ep_marks.bound(coordinator, _Side.FORWARD):
+        coordinator.finish(Side.BACKWARD)  # the other side has no regions
+        with _ep_marks.bound(coordinator, Side.FORWARD):
             model[0](x)
         self.assertEqual(
             comm_order,
@@ -1194,8 +1206,8 @@ class MarksTest(TestCase):
             order.append(where),
             orig_open(side, where, phase),
         )
-        coordinator.finish(_Side.BACKWARD)
-        with _ep_marks.bound(coordinator, _Side.FORWARD):
+        coordinator.finish(Side.BACKWARD)
+        with _ep_marks.bound(coordinator, Side.FORWARD):
             model[0](torch.randn(2, DIM))
         self.assertEqual(order, ["dispatch_begin (forward)", "combine_begin (forward)"])
         # an explicit object
