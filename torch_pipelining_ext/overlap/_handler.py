@@ -62,6 +62,11 @@ from torch_pipelining_ext.overlap.policy import Side
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _Action
 
+    from torch_pipelining_ext._schedule_runtime import (
+        CustomFunctionRuntime,
+        CustomFunctionStage,
+    )
+
 
 # A side's receive wait, left to its thread by prepare_compute_action(...,
 # wait_inputs=False), and what it awaits.
@@ -148,11 +153,11 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
             communication boundary); the message names the global rank and
             the action, the original exception is the cause.
     """
-    schedule = ctx.schedule_ref
+    schedule: CustomFunctionRuntime = ctx.schedule_ref
     global_rank = _global_rank(schedule)
     pair = _forward_and_backward(action)
     state = _state(schedule)
-    stages = schedule._local_stages()
+    stages: dict[int, Any] = schedule._local_stages()
     stage_pair = None
     if pair is not None:
         stage_pair = tuple(action.sub_actions[i].stage_index for i in pair)
@@ -177,7 +182,8 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     # neither thread's compute issues a data-parallel collective (whose order
     # would then depend on timing) except the last backward's reduce-scatter.
     for sub in (fwd_action, bwd_action):
-        stages[sub.stage_index]._unshard_fsdp_modules()
+        stage: CustomFunctionStage = stages[sub.stage_index]
+        stage._unshard_fsdp_modules()
     streams = _StreamPlan.for_action(state, stages, fwd_action, bwd_action)
     coordinator = _run_overlapped(
         computes[f],
@@ -211,7 +217,10 @@ def _input_wait(compute: Any) -> _InputWait | None:
 
 
 def _run_sequentially(
-    schedule: Any, action: _Action, ctx: Any, pair: tuple[int, int] | None
+    schedule: CustomFunctionRuntime,
+    action: _Action,
+    ctx: Any,
+    pair: tuple[int, int] | None,
 ) -> None:
     """The sub-actions one after the other (reported to the observer, if one is set)."""
     observer = SETTINGS.observer  # see ep_overlap.observe_actions

@@ -1252,6 +1252,26 @@ class PatchTest(TestCase):
             torch_pipelining_ext.patch()
         self.assertTrue(_overlap._patch_applied())
 
+    def test_collective_kernels_installed_on_use_and_removed_by_unpatch(self) -> None:
+        from torch_pipelining_ext.overlap import _collectives
+
+        def backend_select(op: str) -> str:
+            table = torch._C._dispatch_dump_table(op).splitlines()
+            return next(line for line in table if line.startswith("BackendSelect:"))
+
+        PairRun(1, 1).run()  # an overlapped action installs them
+        self.assertTrue(_collectives._INTERCEPTION.installed)
+        self.assertIn("c10d::allreduce_", [f"c10d::{n}" for n in _collectives._INTERCEPTION.operators])
+        self.assertNotIn("fallthrough", backend_select("c10d::allreduce_"))
+        # only operators that take a process group
+        self.assertNotIn("check_for_nan", _collectives._INTERCEPTION.operators)
+        try:
+            torch_pipelining_ext.unpatch()
+            self.assertFalse(_collectives._INTERCEPTION.installed)
+            self.assertIn("fallthrough", backend_select("c10d::allreduce_"))
+        finally:
+            torch_pipelining_ext.patch()
+
     def test_env_opt_out_and_default(self) -> None:
         from torch.distributed.pipelining import schedules
 

@@ -323,8 +323,43 @@ class PackagePatchTest(TestCase):
             for t in entry["targets"]:
                 (kind,) = (k for k in _table._KINDS if k in t)
                 self.assertIsNotNone(_table._obj(t[kind]), f"{name}: {t[kind]}")
+            if "cleanup" in entry:
+                self.assertTrue(callable(_table._obj(entry["cleanup"])), name)
             seen.append(name)
         self.assertEqual(seen, [p.name for p in _REGISTRY.patches()])
+
+    def test_custom_function_seam_is_in_the_table(self):
+        # Every method the runtime's Protocols declare is a target of the
+        # patch table, on the class torch has it on.
+        from torch_pipelining_ext import runtime
+        from torch_pipelining_ext._patching import _table
+
+        features = json.loads(_table._TABLE.read_text())["features"]
+        targets = {
+            (t["module"], t["attr"])
+            for f in features
+            for e in f["patches"]
+            for t in e["targets"]
+        }
+        owners = {
+            runtime.CustomFunctionRuntime: (
+                "torch.distributed.pipelining.schedules",
+                "_PipelineScheduleRuntime",
+            ),
+            runtime.CustomFunctionStage: (
+                "torch.distributed.pipelining.stage",
+                "_PipelineStageBase",
+            ),
+        }
+        for protocol, (module, cls) in owners.items():
+            methods = sorted(
+                n
+                for n, v in vars(protocol).items()
+                if callable(v) and not n.startswith("__")
+            )
+            self.assertGreater(len(methods), 0)
+            for method in methods:
+                self.assertIn((module, f"{cls}.{method}"), targets, method)
 
     def test_table_target_needs_one_replacement(self):
         from torch_pipelining_ext._patching import _table
