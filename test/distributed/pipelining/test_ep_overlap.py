@@ -974,6 +974,128 @@ class ThreadStateTest(TestCase):
         )
         self.assertEqual(seen["backward"][:2], (True, False))
 
+    def _on_both_sides(self, probe, state: contextlib.AbstractContextManager):
+        """``probe()`` on the forward and the backward side of an action run under ``state``."""
+        seen = {}
+        with state:
+            _run_overlapped(
+                lambda: seen.setdefault("forward", probe()),
+                lambda: seen.setdefault("backward", probe()),
+                global_rank=0,
+                action="a",
+                timeout=5.0,
+            )
+        self.assertEqual(seen["backward"], seen["forward"])
+        return seen["backward"]
+
+    def test_inference_and_forward_ad_modes(self) -> None:
+        self.assertEqual(
+            self._on_both_sides(torch.is_inference_mode_enabled, torch.inference_mode()),
+            True,
+        )
+        off = contextlib.ExitStack()
+        off.callback(torch._C._set_fwd_grad_enabled, True)
+        torch._C._set_fwd_grad_enabled(False)
+        self.assertEqual(self._on_both_sides(torch._C._is_fwd_grad_enabled, off), False)
+
+    def test_function_modes_and_the_default_device(self) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        class Names(TorchFunctionMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.calls: list[tuple[str, str]] = []
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                self.calls.append((threading.current_thread().name, func.__name__))
+                return func(*args, **(kwargs or {}))
+
+        mode = Names()
+        device = self._on_both_sides(
+            lambda: (torch.ones(1).device, torch.get_default_device()),
+            _entered(mode, torch.device("meta")),
+        )
+        self.assertEqual(device, (torch.device("meta"), torch.device("meta")))
+        threads = {t for t, name in mode.calls if name == "ones"}
+        self.assertEqual(len(threads), 2)  # the caller's mode saw both sides
+
+    def test_dispatch_modes(self) -> None:
+        # a dispatch mode set around step() sees the backward's ops
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Ops(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.ops: list[tuple[str, str]] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops.append((threading.current_thread().name, str(func)))
+                return func(*args, **(kwargs or {}))
+
+        mode = Ops()
+        x = torch.ones(2, requires_grad=True)
+        loss = (x * 3).sum()
+        with mode:
+            _run_overlapped(
+                lambda: torch.zeros(1),
+                loss.backward,
+                global_rank=0,
+                action="a",
+                timeout=5.0,
+            )
+        backward_ops = [op for t, op in mode.ops if t.startswith("OVERLAP_F_B")]
+        self.assertIn("aten.mul.Tensor", backward_ops)  # mul's backward
+        torch.testing.assert_close(x.grad, torch.full((2,), 3.0))
+
+    def test_saved_tensor_hooks(self) -> None:
+        packed = []
+
+        def pack(t):
+            packed.append(threading.current_thread().name)
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        x = torch.ones(2, requires_grad=True)
+        self._on_both_sides(lambda: (x * x).sum() is not None, hooks)
+        self.assertEqual(len(set(packed)), 2)
+        disabled = torch.autograd.graph.disable_saved_tensors_hooks("not here")
+        message = self._on_both_sides(
+            torch._C._autograd._saved_tensors_hooks_get_disabled_error_message,
+            disabled,
+        )
+        self.assertEqual(message, "not here")
+
+    def test_view_replay_multithreading_and_intra_op_threads(self) -> None:
+        probe = lambda: (  # noqa: E731
+            torch._C._is_view_replay_enabled(),
+            torch._C._is_multithreading_enabled(),
+            torch.get_num_threads(),
+        )
+        state = contextlib.ExitStack()
+        state.enter_context(torch.autograd._force_original_view_tracking(True))
+        state.enter_context(torch.autograd.set_multithreading_enabled(False))
+        threads = torch.get_num_threads()
+        state.callback(torch.set_num_threads, threads)
+        torch.set_num_threads(1)
+        self.assertEqual(self._on_both_sides(probe, state), (True, False, 1))
+
+    def test_process_wide_settings_are_seen_without_carrying(self) -> None:
+        # default dtype and deterministic algorithms are process-wide: a new
+        # thread sees them (the handler does not carry them)
+        probe = lambda: (  # noqa: E731
+            torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled(),
+        )
+        state = contextlib.ExitStack()
+        state.callback(torch.set_default_dtype, torch.get_default_dtype())
+        state.callback(
+            torch.use_deterministic_algorithms,
+            torch.are_deterministic_algorithms_enabled(),
+        )
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+        self.assertEqual(self._on_both_sides(probe, state), (torch.float64, True))
+
     def test_profiler_ranges_of_both_threads(self) -> None:
         from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import profile
@@ -990,6 +1112,14 @@ class ThreadStateTest(TestCase):
         self.assertIn(
             "ep_overlap::combine backward communication (backward thread)", names
         )
+
+
+@contextlib.contextmanager
+def _entered(*managers):
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield
 
 
 class _Recorder(ep_overlap.ActionObserver):
