@@ -194,6 +194,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         streams=streams,
         worker=_worker_for(state, global_rank),
         input_waits=(_input_wait(computes[f]), _input_wait(computes[b])),
+        first=Side.FORWARD if f < b else Side.BACKWARD,
     )
     if streams is not None:
         # the device may run the two sides' kernels at once: it stays concurrent
@@ -358,6 +359,7 @@ def _run_overlapped(
     timeout: float | None = None,
     worker: _BackwardWorker | None = None,
     input_waits: tuple[_InputWait | None, _InputWait | None] = (None, None),
+    first: Side = Side.FORWARD,
 ) -> _CommCoordinator:
     """Run ``backward`` on the worker thread and ``forward`` here, coordinated.
 
@@ -365,12 +367,13 @@ def _run_overlapped(
     process in messages.  Without ``worker``, a thread is started for this
     call and joined before it returns.  ``input_waits`` are the two sides'
     receive waits (forward, backward), each run on its side's thread before
-    the side starts.  Returns the action's coordinator.
+    the side starts; ``first`` the side the sequential handler runs first.
+    Returns the action's coordinator.
     """
     timeout = SETTINGS.wait_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
     coordinator, forward, backward = _coordinated(
-        global_rank, action, timeout, forward, backward
+        global_rank, action, timeout, forward, backward, first
     )
     failures: list[tuple[Side, BaseException]] = []
     failures_lock = threading.Lock()
@@ -450,6 +453,7 @@ def _coordinated(
     timeout: float,
     forward: Callable[[], None],
     backward: Callable[[], None],
+    first: Side,
 ) -> tuple[_CommCoordinator, Callable[[], None], Callable[[], None]]:
     """The action's coordinator and its two computes, reporting to the observer.
 
@@ -458,10 +462,12 @@ def _coordinated(
     """
     observer = SETTINGS.observer
     if observer is None:
-        coordinator = _CommCoordinator(rank=global_rank, action=action, timeout=timeout)
+        coordinator = _CommCoordinator(
+            rank=global_rank, action=action, timeout=timeout, first=first
+        )
         return coordinator, forward, backward
     coordinator = _ObservedCoordinator(
-        observer, rank=global_rank, action=action, timeout=timeout
+        observer, rank=global_rank, action=action, timeout=timeout, first=first
     )
     return (
         coordinator,

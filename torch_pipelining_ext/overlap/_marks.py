@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from torch_pipelining_ext.overlap import _groups
+from torch_pipelining_ext.overlap import _draws, _groups
 from torch_pipelining_ext.overlap._rng import _rng_devices
 from torch_pipelining_ext.overlap._settings import SETTINGS
 from torch_pipelining_ext.overlap._turns import _CommCoordinator
@@ -344,7 +344,7 @@ def _fork_rng_window(
     window = binding.coordinator.rng_window(
         binding.side, _rng_devices(devices, device_type), enabled
     )
-    with window:
+    with window, _draws.suspended():
         yield
 
 
@@ -364,3 +364,20 @@ def side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The body of ``overlap.side_group``."""
     binding = _current_binding()
     return _groups.group_for(group, None if binding is None else binding.side)
+
+
+def _make_backward_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``BackwardCFunction.apply`` watching the backward side's random draws.
+
+    See [Note: random numbers outside recomputation].
+    """
+
+    @functools.wraps(original)
+    def apply(self: Any, *args: Any) -> Any:
+        binding = _current_binding()
+        if binding is None or binding.side is not Side.BACKWARD:
+            return original(self, *args)
+        with _draws._BackwardDraws(binding.coordinator, binding.side):
+            return original(self, *args)
+
+    return apply

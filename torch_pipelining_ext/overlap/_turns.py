@@ -75,6 +75,7 @@ class _SideTurns:
     depth: int = 0  # nesting of the current region (> 0 exactly when COMMUNICATING)
     regions: int = 0  # regions opened so far (marked and implicit)
     holds_turn: bool = False  # issued a STRICT collective in the current region
+    yielded: bool = False  # waits for the other side to finish: gives up its turns
     waiting: int = 0  # blocked in the coordinator (parked)
     where: str | None = None  # last boundary passed
     opened_at: float = 0.0  # clock() when the current region was entered
@@ -114,6 +115,8 @@ class _CommCoordinator:
         clock: measures region lengths (tests inject one).
         hand_over_min_region_s: shorter regions are not handed over (default:
             ``SETTINGS.hand_over_min_region_s``, read when the coordinator is made).
+        first: the side whose sub-action the sequential handler runs first
+            (see [Note: random numbers outside recomputation]).
     """
 
     def __init__(
@@ -124,8 +127,10 @@ class _CommCoordinator:
         *,
         clock: Callable[[], float] = time.perf_counter,
         hand_over_min_region_s: float | None = None,
+        first: Side = Side.FORWARD,
     ) -> None:
         self.rank = rank
+        self.first = first
         self.action = action
         self.timeout = timeout
         self._wait_timeout = _wait_arg(timeout)
@@ -337,6 +342,51 @@ class _CommCoordinator:
                     "function)."
                 )
 
+    def random_draw(self, side: Side, what: str) -> None:
+        """``side`` is about to draw random numbers with ``what``, outside a recomputation.
+
+        See [Note: random numbers outside recomputation]: the second side
+        waits until the first has finished.
+
+        Raises:
+            RuntimeError: ``side`` runs first under the sequential handler, or
+                draws inside a communication region.
+        """
+        me, other = self._sides[side], self._sides[side.other]
+        with self._cond:
+            if self._stopped or other.state is _TurnState.DONE:
+                return
+            if self._rng.is_open and self._rng.owner() == side:
+                return  # a recomputation: its window gives it its numbers
+            problem = None
+            if side is self.first:
+                problem = (
+                    "its sub-action runs first under the sequential handler, so "
+                    "the other side's numbers would have to wait for it"
+                )
+            elif me.depth:
+                problem = f"it is inside a communication region (entered at {me.where})"
+            if problem is not None:
+                raise RuntimeError(
+                    f"rank {self.rank}, action {self.action}: the "
+                    f"{side.thread_name} side of an overlapped OVERLAP_F_B draws "
+                    f"random numbers with {what} outside activation-checkpointing "
+                    f"recomputation while the {side.other.thread_name} side is "
+                    f"still running, and {problem}: it cannot get the numbers the "
+                    "sequential handler draws. Draw them in forward (or in a "
+                    "recomputation), or run OVERLAP_F_B sequentially "
+                    "(runtime.sequential_overlap_f_b)."
+                )
+            me.yielded = True
+            self._cond.notify_all()
+            self._wait(
+                side,
+                f"{what} (a random draw)",
+                lambda: self._stopped or other.state is _TurnState.DONE,
+                f"for the {side.other.thread_name} thread to finish before drawing "
+                "random numbers",
+            )
+
     def regions_opened(self, side: Side) -> int:
         """Regions ``side`` has opened so far (marked and implicit)."""
         with self._cond:
@@ -404,13 +454,17 @@ class _CommCoordinator:
         return policy.may_start(
             side is Side.BACKWARD,
             other.regions,
-            other.state is _TurnState.DONE or self._input_wait_is_long(other),
+            other.state is _TurnState.DONE
+            or other.yielded
+            or self._input_wait_is_long(other),
         )
 
     def _may_take_turn(self, side: Side) -> bool:
         other = self._sides[side.other]
         return self._stopped or policy.may_take_turn(
-            self._turn == side, other.holds_turn, other.state is _TurnState.DONE
+            self._turn == side,
+            other.holds_turn,
+            other.state is _TurnState.DONE or other.yielded,
         )
 
     def _hand_over(self, side: Side, where: str) -> None:

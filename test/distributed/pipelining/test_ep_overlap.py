@@ -113,11 +113,30 @@ class Jitter(torch.autograd.Function):
         return None, grad
 
 
+class BackwardNoise(torch.autograd.Function):
+    """Identity in forward; its backward draws random numbers (stochastic rounding, say)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        noise = torch.randn_like(grad) * 1e-3
+        return nn.functional.dropout(grad, p=0.2, training=True) + noise
+
+
 class ToyMoELayer(nn.Module):
     def __init__(
-        self, name: str, comm: FakeComm, jitter: float = 0.0, random_ops: bool = False
+        self,
+        name: str,
+        comm: FakeComm,
+        jitter: float = 0.0,
+        random_ops: bool = False,
+        backward_noise: bool = False,
     ) -> None:
         super().__init__()
+        self.backward_noise = backward_noise
         self.name, self.comm, self.jitter, self.random_ops = (
             name,
             comm,
@@ -137,6 +156,8 @@ class ToyMoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = Jitter.apply(self.jitter, torch.tanh(self.pre(x)))
+        if self.backward_noise:
+            h = BackwardNoise.apply(h)
         if self.random_ops:
             h = self._draw(h)
         h = ep_overlap.dispatch_begin(h)
@@ -163,10 +184,11 @@ class ToyStage(nn.Module):
         jitter: float = 0.0,
         ac: str = "",
         random_ops: bool = False,
+        backward_noise: bool = False,
     ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            ToyMoELayer(f"{prefix}{i}", comm, jitter, random_ops)
+            ToyMoELayer(f"{prefix}{i}", comm, jitter, random_ops, backward_noise)
             for i in range(n_layers)
         )
         self.head = nn.Linear(DIM, DIM)
@@ -238,15 +260,13 @@ class PairRun:
         comm_jitter: float = 0.0,
         ac: str = "",
         random_ops: bool = False,
+        backward_noise: bool = False,
     ) -> None:
         torch.manual_seed(0)
         self.comm = FakeComm(jitter=comm_jitter)
-        self.fwd_stage = ToyStage(
-            "F", n_fwd, self.comm, jitter, ac=ac, random_ops=random_ops
-        )
-        self.bwd_stage = ToyStage(
-            "B", n_bwd, self.comm, jitter, ac=ac, random_ops=random_ops
-        )
+        kw = {"ac": ac, "random_ops": random_ops, "backward_noise": backward_noise}
+        self.fwd_stage = ToyStage("F", n_fwd, self.comm, jitter, **kw)
+        self.bwd_stage = ToyStage("B", n_bwd, self.comm, jitter, **kw)
         self.x_fwd = torch.randn(4, DIM, requires_grad=True)
         self.x_bwd = torch.randn(4, DIM, requires_grad=True)
         self.loss = self.bwd_stage(self.x_bwd).square().sum()
@@ -671,6 +691,27 @@ class RandomNumbersTest(TestCase):
         torch.testing.assert_close(
             drawn["forward"], torch.manual_seed(5) and torch.rand(2), rtol=0, atol=0
         )
+
+    @parametrize("ac", ["", "full"])
+    def test_backward_draws_outside_recomputation_match_sequential(self, ac: str) -> None:
+        # a custom backward draws (dropout, noise): it waits for the forward
+        # side to finish and draws what the sequential handler draws
+        for seed in range(2):
+            run, state, ref, ref_state = self.run_both(seed, ac=ac, backward_noise=True)
+            self.assertEqual(run.comm.violations, [])
+            self.assert_pair_matches_sequential(run, ref)
+            torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
+
+    def test_backward_draws_when_the_backward_runs_first_raise(self) -> None:
+        # a (B;F) pair: the sequential handler draws the backward's numbers
+        # first, which the forward side's concurrent draws would have to wait for
+        run = PairRun(2, 2, random_ops=True, backward_noise=True)
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r"rank 0, action 0F0;1B0: the backward sub-action .* draws random "
+            r"numbers with randn_like outside activation-checkpointing recomputation",
+        ):
+            run.run(first=Side.BACKWARD)
 
     def test_fork_rng_elsewhere_is_the_original(self) -> None:
         torch.manual_seed(3)
