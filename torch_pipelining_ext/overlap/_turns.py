@@ -433,13 +433,9 @@ class _CommCoordinator:
         me.regions += 1
         self._cond.notify_all()  # the other side may compute now
 
-    def _away(self, turns: _SideTurns) -> bool:
-        """Whether ``turns``' side cannot compute now: done, parked or waiting long for its input."""
-        return (
-            turns.state is _TurnState.DONE
-            or turns.waiting > 0
-            or self._input_wait_is_long(turns)
-        )
+    def _computing(self, turns: _SideTurns) -> bool:
+        """Whether ``turns``' side computes now (not in a region, parked, waiting for input or done)."""
+        return turns.state is _TurnState.COMPUTING and not turns.waiting
 
     def _may_start(self, side: Side) -> bool:
         me, other = self._sides[side], self._sides[side.other]
@@ -480,7 +476,9 @@ class _CommCoordinator:
             where,
             lambda: (
                 self._stopped
-                or policy.may_compute_on(other.regions, at_hand_over, self._away(other))
+                or policy.may_compute_on(
+                    other.regions, at_hand_over, self._computing(other)
+                )
             ),
             f"for the {side.other.thread_name} thread to start communicating "
             "before computing on",

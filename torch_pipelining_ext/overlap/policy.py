@@ -73,11 +73,12 @@ class Order(enum.Enum):
 #   once the backward side has opened a region, is done, or waits for its
 #   input (long enough to hand over, see hands_over);
 # * hands_over / may_compute_on: a side that leaves a region at least
-#   HAND_OVER_MIN_REGION_S long computes on only once the other side has
-#   opened a region since, is parked (blocked: it cannot compute), is done,
-#   or waits for its input.  A shorter region is not handed over: waking the
-#   other thread costs tens to hundreds of microseconds, more than a shorter
-#   region can hide.
+#   HAND_OVER_MIN_REGION_S long lets the other side's compute run to its next
+#   boundary: it computes on only once the other side has opened a region
+#   since, or is not computing (inside a region, parked, waiting for its
+#   input, done).  A shorter region is not handed over: waking the other
+#   thread costs tens to hundreds of microseconds, more than a shorter region
+#   can hide.
 # Hand-overs change when each side computes, never the order of the STRICT
 # collectives.
 HAND_OVER_MIN_REGION_S = 0.5e-3
@@ -123,11 +124,12 @@ def hands_over(region_s: float, min_region_s: float = HAND_OVER_MIN_REGION_S) ->
 
 
 def may_compute_on(
-    other_regions: int, other_regions_at_hand_over: int, other_away: bool
+    other_regions: int, other_regions_at_hand_over: int, other_computing: bool
 ) -> bool:
     """Whether a side that handed over may compute on.
 
-    It may once the other side has opened a region since, or is away: done,
-    waiting for its input, or parked (blocked, so it cannot compute).
+    It may once the other side has opened a region since, or is not
+    computing: inside a region, parked (blocked), waiting for its input or
+    done.
     """
-    return other_away or other_regions > other_regions_at_hand_over
+    return not other_computing or other_regions > other_regions_at_hand_over

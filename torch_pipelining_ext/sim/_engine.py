@@ -202,13 +202,8 @@ class _Pair:
         """Whether ``side`` is done or its input is not there yet."""
         return self.done[side] or self.t < self.arrive[side]
 
-    def _policy_allows(self, side: Side, parked_escape: bool = True) -> bool:
-        """Whether the rule lets ``side`` run its next segment now (compute aside).
-
-        ``parked_escape``: a side that handed over may compute on while the
-        other is parked (see ``policy.may_compute_on``); evaluated one level
-        deep, without that escape for the other side.
-        """
+    def _policy_allows(self, side: Side) -> bool:
+        """Whether the rule lets ``side`` run its next segment now (compute aside)."""
         other = side.other
         if not self.started[side] and not may_start(
             side is Side.BACKWARD, self.regions[other], self._absent(other)
@@ -216,19 +211,11 @@ class _Pair:
             return False
         if self.pos[side] % 2 == 0:  # compute
             at = self.handed_over_at[side]
-            away = self._absent(other) or (parked_escape and self._parked(other))
-            return at is None or may_compute_on(self.regions[other], at, away)
+            return at is None or may_compute_on(
+                self.regions[other], at, self._running(other, "compute")
+            )
         return not self.strict or may_take_turn(
             self.turn == side, self._running(other, "comm"), self.done[other]
-        )
-
-    def _parked(self, side: Side) -> bool:
-        """``side`` waits in the coordinator: not running, not done, input there, held by the rule."""
-        return (
-            self.running[side] is None
-            and not self._absent(side)
-            and self.pos[side] < len(self.segs[side])
-            and not self._policy_allows(side, parked_escape=False)
         )
 
     def _try_start(self, side: Side) -> bool:
