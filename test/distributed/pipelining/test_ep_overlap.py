@@ -535,8 +535,9 @@ class CoordinatorTest(TestCase):
 
     def test_long_regions_are_handed_over(self) -> None:
         # A region at least as long as the threshold (by the injected clock)
-        # makes the closing side wait for the other side's next region; here
-        # the other side never comes, so the wait times out.
+        # makes the closing side wait while the other side computes, until
+        # its next region; here the other side never comes, so the wait
+        # times out.
         now = [0.0]
         coordinator = _CommCoordinator(
             rank=0,
@@ -546,6 +547,7 @@ class CoordinatorTest(TestCase):
             hand_over_min_region_s=1.0,
         )
         coordinator.open(Side.BACKWARD, "b", "combine")
+        coordinator.start(Side.FORWARD)  # computes while the backward communicates
         now[0] += 1.0
         with self.assertRaisesRegex(
             CommWaitTimeoutError,
