@@ -105,7 +105,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch_pipelining_ext  # noqa: F401  (applies the patches)
+import torch_pipelining_ext
 from torch_pipelining_ext import overlap as ep_overlap
 from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b
 
@@ -766,7 +766,9 @@ def _part2_schedule(
     """This rank's two stages of the toy MoE transformer and their DualPipeV schedule."""
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
-    from model_registry import MoETransformer  # the tests' toy MoE with marked all-to-alls
+    from model_registry import (
+        MoETransformer,
+    )  # the tests' toy MoE with marked all-to-alls
     from torch_pipelining_ext.stage_split import build_stage_module
 
     fqns = [
@@ -793,7 +795,11 @@ def _part2_schedule(
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
-    return ScheduleDualPipeV(stages, args.microbatches, loss_fn=loss_fn), stages, stage_ids
+    return (
+        ScheduleDualPipeV(stages, args.microbatches, loss_fn=loss_fn),
+        stages,
+        stage_ids,
+    )
 
 
 def _part2_worker(
@@ -885,7 +891,6 @@ def _collective_cost_worker(
     ``unpatch()`` removes the kernels; building a schedule that overlaps
     installs them again.  Interleaved rounds, medians.
     """
-    import torch_pipelining_ext
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
     torch.set_num_threads(1)

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 # issued (it would race with that side's FREE collectives); every rank of the
 # group runs the same program, so every rank refuses it at the same point.
 
+
 def _process_group_index(op: Any) -> int | None:
     for i, argument in enumerate(op._schema.arguments):
         if "ProcessGroup" in str(argument.type):
@@ -94,7 +95,10 @@ class _Interception:
             names = []
             for name, op, index in _collective_ops():
                 library.impl(
-                    name, _make_kernel(op, index, after), "BackendSelect", with_keyset=True
+                    name,
+                    _make_kernel(op, index, after),
+                    "BackendSelect",
+                    with_keyset=True,
                 )
                 names.append(name)
             self._library, self.operators = library, tuple(names)

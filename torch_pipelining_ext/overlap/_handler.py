@@ -38,10 +38,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
@@ -363,12 +362,11 @@ def _run_overlapped(
 ) -> _CommCoordinator:
     """Run ``backward`` on the worker thread and ``forward`` here, coordinated.
 
-    Waits for both and re-raises the first failure.  ``global_rank`` names the
-    process in messages.  Without ``worker``, a thread is started for this
-    call and joined before it returns.  ``input_waits`` are the two sides'
+    Waits for both, re-raises the first failure, returns the coordinator.
+    ``global_rank`` names the process in messages.  Without ``worker`` a
+    thread is started and joined for this call.  ``input_waits``: the sides'
     receive waits (forward, backward), each run on its side's thread before
-    the side starts; ``first`` the side the sequential handler runs first.
-    Returns the action's coordinator.
+    it starts; ``first``: the side the sequential handler runs first.
     """
     timeout = SETTINGS.wait_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
@@ -387,15 +385,11 @@ def _run_overlapped(
         label = sub_actions[side] if state.profiling else None
         _run_side(side, compute, coordinator, label, streams, input_waits[side])
 
-    def run_backward() -> None:
-        with state.applied():
-            run(Side.BACKWARD, backward)
-
     def backward_task() -> None:
         # Everything on the worker, its set-up included, is guarded: a failure
         # reaches the caller at once instead of the thread's excepthook.
         try:
-            state.context.run(run_backward)
+            state.context.run(state.call_applied, run, Side.BACKWARD, backward)
         except BaseException as e:
             fail(Side.BACKWARD, e)
 

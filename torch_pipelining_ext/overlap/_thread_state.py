@@ -133,6 +133,11 @@ class _ThreadState:
                 stack.enter_context(apply(value))
             yield
 
+    def call_applied(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` under :meth:`applied`."""
+        with self.applied():
+            return fn(*args)
+
     def _autograd_modes(self) -> list[AbstractContextManager[Any]]:
         managers: list[AbstractContextManager[Any]] = [
             torch.set_grad_enabled(self.grad_enabled),
@@ -160,7 +165,9 @@ def _accelerator_available() -> bool:
 
 
 def _device_index() -> int | None:
-    return torch.accelerator.current_device_index() if _accelerator_available() else None
+    return (
+        torch.accelerator.current_device_index() if _accelerator_available() else None
+    )
 
 
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:

@@ -204,7 +204,9 @@ class _CommCoordinator:
                 self._resume(side, where)
 
     @contextmanager
-    def collective(self, side: Side, op: str, group: str, order: Order) -> Iterator[None]:
+    def collective(
+        self, side: Side, op: str, group: str, order: Order
+    ) -> Iterator[None]:
         """Issue one collective of ``side`` (``op`` on ``group``) inside a region.
 
         Outside a marked region it gets an implicit one.  A STRICT collective
@@ -217,7 +219,9 @@ class _CommCoordinator:
         finally:
             self._close(side, where)
 
-    def _begin_collective(self, side: Side, collective: _Collective, where: str) -> None:
+    def _begin_collective(
+        self, side: Side, collective: _Collective, where: str
+    ) -> None:
         me = self._sides[side]
         with self._cond:
             me.collectives.append(collective)
@@ -638,7 +642,9 @@ class _ObservedCoordinator(_CommCoordinator):
     def open(self, side: Side, where: str, phase: str) -> None:
         self._timed("open", side, super().open, where, phase)
 
-    def _begin_collective(self, side: Side, collective: _Collective, where: str) -> None:
+    def _begin_collective(
+        self, side: Side, collective: _Collective, where: str
+    ) -> None:
         self._timed("collective", side, super()._begin_collective, collective, where)
 
     def close(self, side: Side, where: str) -> None:

@@ -397,7 +397,11 @@ class _EPAllToAll(torch.autograd.Function):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
         dist.all_to_all_single(
-            out, x.contiguous(), out_splits, in_splits, group=ep_overlap.side_group(group)
+            out,
+            x.contiguous(),
+            out_splits,
+            in_splits,
+            group=ep_overlap.side_group(group),
         )
         return out
 

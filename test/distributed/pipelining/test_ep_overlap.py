@@ -695,7 +695,9 @@ class RandomNumbersTest(TestCase):
         )
 
     @parametrize("ac", ["", "full"])
-    def test_backward_draws_outside_recomputation_match_sequential(self, ac: str) -> None:
+    def test_backward_draws_outside_recomputation_match_sequential(
+        self, ac: str
+    ) -> None:
         # a custom backward draws (dropout, noise): it waits for the forward
         # side to finish and draws what the sequential handler draws
         for seed in range(2):
@@ -1033,7 +1035,9 @@ class ThreadStateTest(TestCase):
 
     def test_inference_and_forward_ad_modes(self) -> None:
         self.assertEqual(
-            self._on_both_sides(torch.is_inference_mode_enabled, torch.inference_mode()),
+            self._on_both_sides(
+                torch.is_inference_mode_enabled, torch.inference_mode()
+            ),
             True,
         )
         off = contextlib.ExitStack()
@@ -1434,7 +1438,10 @@ class PatchTest(TestCase):
 
         PairRun(1, 1).run()  # an overlapped action installs them
         self.assertTrue(_collectives._INTERCEPTION.installed)
-        self.assertIn("c10d::allreduce_", [f"c10d::{n}" for n in _collectives._INTERCEPTION.operators])
+        self.assertIn(
+            "c10d::allreduce_",
+            [f"c10d::{n}" for n in _collectives._INTERCEPTION.operators],
+        )
         self.assertNotIn("fallthrough", backend_select("c10d::allreduce_"))
         # only operators that take a process group
         self.assertNotIn("check_for_nan", _collectives._INTERCEPTION.operators)

@@ -207,7 +207,9 @@ class OverlapCollectivesTest(PipelineMultiProcTest):
             cls._made = _Groups()
         return cls._made
 
-    def _train(self, case: str, ep, overlapped: bool, recorder: _Recorder | None = None):
+    def _train(
+        self, case: str, ep, overlapped: bool, recorder: _Recorder | None = None
+    ):
         model = _model(case, self._groups(), ep)
         stages = [
             PipelineStage(model[i], i, 2, self.device, group=self._groups().pp)
@@ -244,7 +246,9 @@ class OverlapCollectivesTest(PipelineMultiProcTest):
             torch.testing.assert_close(out, seq_out, rtol=0, atol=0)
             torch.testing.assert_close(out, ref_out)
             for name, grad in grads.items():
-                torch.testing.assert_close(grad, seq_grads[name], rtol=0, atol=0, msg=name)
+                torch.testing.assert_close(
+                    grad, seq_grads[name], rtol=0, atol=0, msg=name
+                )
                 torch.testing.assert_close(grad, ref_grads[name], msg=name)
             # every unmarked collective (tp group: no twin) is STRICT; the
             # marked all-to-alls follow the group's rule
@@ -306,7 +310,8 @@ class OverlapCollectivesTest(PipelineMultiProcTest):
 
         model = _model("plain", groups, ep)
         stages = [
-            PipelineStage(model[i], i, 2, self.device, group=groups.pp) for i in range(2)
+            PipelineStage(model[i], i, 2, self.device, group=groups.pp)
+            for i in range(2)
         ]
         schedule = ScheduleDualPipeV(stages, N_MB, loss_fn=mse_loss)
         schedule.register_custom_function(sched.OVERLAP_F_B, overlapped)

@@ -300,19 +300,27 @@ class BubbleFormulaTest(TestCase):
                 backward_weight=w,
             )
             result = simulate_schedule("DualPipeV", ranks, m, cost, overlap=model)
-            f_end, b_end, _ = overlap_pair(cost.segments("F"), cost.segments("B"), model)
+            f_end, b_end, _ = overlap_pair(
+                cost.segments("F"), cost.segments("B"), model
+            )
             f_and_b = max(f_end, b_end)
             gain = cost.total("F") + cost.total("B") - f_and_b
             if comm:
                 self.assertGreater(gain, 0)  # the overlap buys something
             expected = (pp / 2 - 1) * (f_and_b + cost.total("B") - 3 * w)
             pairs = [
-                sum(r.overlapped and r.computation == "F" for r in result.records if r.rank == rank)
+                sum(
+                    r.overlapped and r.computation == "F"
+                    for r in result.records
+                    if r.rank == rank
+                )
                 for rank in range(ranks)
             ]
             for rank, idle in enumerate(_occupied_idle(result)):
                 self.assertAlmostEqual(
-                    idle, expected - (max(pairs) - pairs[rank]) * gain, msg=f"rank {rank}"
+                    idle,
+                    expected - (max(pairs) - pairs[rank]) * gain,
+                    msg=f"rank {rank}",
                 )
             self.assertEqual(pairs[-1], max(pairs))
 
