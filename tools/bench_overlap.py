@@ -9,9 +9,8 @@ Part 1 -- simulated communication latency (the headline numbers).  PP=2 on two
 gloo ranks (``--pp 1``: one rank), ``ScheduleDualPipeV``, each of the
 ``2 * pp`` stages ``--layers`` MoE-like layers: an attention-like block, a
 dispatch region, an expert block, a combine region.  Inside each region
-(between the ``ep_overlap`` marks) an op issues a one-element all-reduce on a
-one-rank group and sleeps L ms in forward and in backward, releasing the GIL
--- a stand-in for the interconnect.  L defaults to
+(between the ``ep_overlap`` marks) an op sleeps L ms in forward and in
+backward, releasing the GIL -- a stand-in for the interconnect.  L defaults to
 one forward block's compute time, measured at start-up.  Round by round, in
 rotating order so that machine drift hits every mode alike, one step of each
 mode:
@@ -70,9 +69,9 @@ achieved time inside the OVERLAP_F_B actions of the ``overlap`` mode;
 probes; ``ep_step_ratio`` / ``ep_step_ratio_twin`` are ``nan`` with --no-ep;
 ``collective_us`` the added microseconds per collective of part 3).  Every
 mode computes the same losses (weights are not updated); the script checks
-that they are bitwise equal across modes.  Each stand-in region of part 1
-issues one collective on a one-rank group (besides its sleep), so the two
-sides' regions take turns as on one EP communicator.
+that they are bitwise equal across modes.  The stand-in regions of part 1
+issue no collective, so they take no turns: part 1 times the free rule (each
+side its own communicator); part 2 times both rules with real all-to-alls.
 
 The timestamps of the overlapped actions come from
 ``ep_overlap.observe_actions`` (the sub-actions' computes and the
@@ -373,11 +372,6 @@ def _median(values: Sequence[float]) -> float:
 # Per process, set by the mode being measured.
 _LATENCY_S = 0.0
 _MARKS = True
-# A one-rank group of each rank (part 1): each stand-in region issues one
-# collective on it, which the overlap coordinates as on a communicator both
-# sides use (the strict rule: the two sides' regions take turns).
-_STAND_IN_GROUP: Any = None
-_STAND_IN_TOKEN = torch.zeros(1)
 
 
 class SimulatedComm(torch.autograd.Function):
@@ -396,8 +390,6 @@ class SimulatedComm(torch.autograd.Function):
 
 def _simulated_latency() -> None:
     t0 = time.perf_counter()
-    if _STAND_IN_GROUP is not None:
-        dist.all_reduce(_STAND_IN_TOKEN, group=_STAND_IN_GROUP)
     if _LATENCY_S:
         time.sleep(_LATENCY_S)
     if _TRACER is not None:
@@ -533,7 +525,7 @@ COUNTERPART = {
 def _part1_worker(
     rank: int, world: int, port: int, args: argparse.Namespace, out: Any
 ) -> None:
-    global _LATENCY_S, _MARKS, _TRACER, _STAND_IN_GROUP
+    global _LATENCY_S, _MARKS, _TRACER
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
     torch.set_num_threads(1)
@@ -542,7 +534,6 @@ def _part1_worker(
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    _STAND_IN_GROUP = [dist.new_group([r]) for r in range(world)][rank]
     n_stages = 2 * world
     tokens = args.microbatch_tokens
     block = torch.tensor([_block_time(args.dim, tokens)])
