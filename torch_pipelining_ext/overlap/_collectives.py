@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from torch_pipelining_ext.overlap import _marks
+from torch_pipelining_ext.overlap._operators import operators
 
 
 __all__: list[str] = []
@@ -59,14 +60,8 @@ def _process_group_index(op: Any) -> int | None:
 def _collective_ops() -> list[tuple[str, Any, int]]:
     """(name, overload, index of its ProcessGroup argument) of every ``c10d::`` operator."""
     ops = []
-    for qualname in sorted(torch._C._dispatch_get_all_op_names()):
-        namespace, _, name = qualname.partition("::")
-        if namespace != "c10d":
-            continue
-        packet_name, _, overload = name.partition(".")
-        packet = getattr(torch.ops.c10d, packet_name, None)
-        op = getattr(packet, overload or "default", None) if packet else None
-        index = None if op is None else _process_group_index(op)
+    for name, _, op in operators("c10d"):
+        index = _process_group_index(op)
         if index is not None:
             ops.append((name, op, index))
     return ops

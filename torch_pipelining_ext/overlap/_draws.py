@@ -13,6 +13,7 @@ from typing import Any, TYPE_CHECKING
 import torch
 from torch.overrides import TorchFunctionMode
 
+from torch_pipelining_ext.overlap._operators import operators
 from torch_pipelining_ext.overlap.policy import Side
 
 
@@ -74,14 +75,8 @@ _COMPOSITES = frozenset(
 def random_function_names() -> frozenset[str]:
     """Names of the torch functions that draw random numbers (computed once)."""
     names = set(_COMPOSITES)
-    for qualname in torch._C._dispatch_get_all_op_names():
-        namespace, _, rest = qualname.partition("::")
-        if namespace != "aten":
-            continue
-        base, _, overload = rest.partition(".")
-        packet = getattr(torch.ops.aten, base, None)
-        op = getattr(packet, overload or "default", None) if packet else None
-        if op is not None and torch.Tag.nondeterministic_seeded in op.tags:
+    for _, base, op in operators("aten"):
+        if torch.Tag.nondeterministic_seeded in op.tags:
             names.add(base)
     return frozenset(names)
 
