@@ -1269,6 +1269,15 @@ class MarksTest(TestCase):
             coordinator.close(Side.FORWARD, "held")
         self.assertEqual(len(seen), 1)
 
+    def test_all_to_all_arguments(self) -> None:
+        x = torch.ones(2, DIM)
+        with self.assertRaisesRegex(
+            ValueError, "phase must be 'dispatch' or 'combine'"
+        ):
+            ep_overlap.all_to_all(x, phase="gather")
+        with self.assertRaisesRegex(ValueError, "give both output_split_sizes"):
+            ep_overlap.all_to_all(x, [1, 1], None)
+
     def test_wrap_dispatch_combine(self) -> None:
         class MoE(nn.Module):
             def __init__(self) -> None:

@@ -326,6 +326,36 @@ class OverlapCollectivesTest(PipelineMultiProcTest):
 
         check_on_all_ranks(check, self.device)
 
+    def test_twin_group_api(self) -> None:
+        groups = self._groups()
+        # a group keeps its twin; outside an action every code uses the group
+        self.assertIs(overlap.create_twin_group(groups.ep_free), groups.twin)
+        self.assertIs(overlap.twin_group(groups.ep_free), groups.twin)
+        self.assertIsNone(overlap.twin_group(groups.ep_strict))
+        self.assertIs(overlap.side_group(groups.ep_free), groups.ep_free)
+        self.assertIs(overlap.side_group(groups.ep_strict), groups.ep_strict)
+        self.assertEqual(
+            dist.get_process_group_ranks(groups.twin),
+            dist.get_process_group_ranks(groups.ep_free),
+        )
+        # the helper: equal splits by default, the reverse exchange in backward
+        x = (torch.arange(4.0) + 10 * self.rank).requires_grad_()
+        y = overlap.all_to_all(x.view(4, 1), group=groups.ep_free)
+        (y * torch.arange(1.0, 5.0).view(4, 1)).sum().backward()
+
+        def check() -> None:
+            # rows 2k, 2k+1 of every rank r arrive on rank k
+            k = self.rank
+            expected = [[10.0 * r + 2 * k + j] for r in (0, 1) for j in (0, 1)]
+            self.assertEqual(y.tolist(), expected)
+            # the gradient comes back from where each row went: x[2k + j] of
+            # this rank r sat at row 2r + j on rank k, weighted 2r + j + 1
+            r = self.rank
+            expected_grad = torch.tensor([2.0 * r + 1, 2.0 * r + 2] * 2)
+            torch.testing.assert_close(x.grad, expected_grad)
+
+        check_on_all_ranks(check, self.device)
+
     def test_backward_on_the_forwards_group_is_refused(self) -> None:
         with self.assertRaises(RuntimeError) as cm:
             self._train("captured", self._groups().ep_free, True)
