@@ -89,6 +89,16 @@ class _Interception:
             library = torch.library.Library("c10d", "IMPL")
             names = []
             for name, op, index in _collective_ops():
+                if torch._C._dispatch_has_kernel_for_dispatch_key(
+                    op._schema.name, "BackendSelect"
+                ):
+                    # torch's own kernel there (not a release we know): leave it
+                    logger.warning(
+                        "overlap: c10d::%s has a BackendSelect kernel; its "
+                        "collectives are not coordinated in overlapped actions",
+                        name,
+                    )
+                    continue
                 library.impl(
                     name,
                     _make_kernel(op, index, after),
