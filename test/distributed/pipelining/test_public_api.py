@@ -217,9 +217,13 @@ class PublicApiTest(TestCase):
             argv = ["plan", "--model", "qwen3-235b-a22b", *args]
             with (
                 unittest.mock.patch.object(sys, "argv", argv),
+                # the alias module, run afresh as -m runs it; sys.modules
+                # (and __main__, which the alias replaces) restored after
+                unittest.mock.patch.dict(sys.modules),
                 contextlib.redirect_stdout(out),
                 contextlib.redirect_stderr(err),
             ):
+                sys.modules.pop("torch_pipelining_ext.plan", None)
                 try:
                     runpy.run_module("torch_pipelining_ext.plan", run_name="__main__")
                     code = 0
