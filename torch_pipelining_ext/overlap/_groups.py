@@ -165,8 +165,10 @@ def order_for(op_name: str, group: dist.ProcessGroup, side: Side, where: str) ->
         CollectiveOrderError: ``group`` is the other side's own communicator.
     """
     owner = communicator_owner(group)
+    if owner is None:  # no twin: a communicator both sides may use
+        return Order.STRICT
     free_backend = free_order_backend(group)
-    if owner is not None and owner is not side and free_backend:
+    if owner is not side and free_backend:
         mine = group_for(group, side)
         raise CollectiveOrderError(
             f"{where}: the {side.thread_name} side issued {op_name} on group "

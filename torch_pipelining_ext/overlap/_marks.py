@@ -69,7 +69,7 @@ class _Binding(NamedTuple):
         coordinator = self.coordinator
         where = f"rank {coordinator.rank}, action {coordinator.action}"
         order = _groups.order_for(op_name, group, self.side, where)
-        with coordinator.collective(self.side, op_name, _groups.describe(group), order):
+        with coordinator.collective(self.side, op_name, group.group_name, order):
             _tls.issuing = True
             try:
                 return issue()
@@ -375,7 +375,11 @@ def _make_backward_apply(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def apply(self: Any, *args: Any) -> Any:
         binding = _current_binding()
-        if binding is None or binding.side is not Side.BACKWARD:
+        if (
+            binding is None
+            or binding.side is not Side.BACKWARD
+            or self._forward_cls is _MarkBackward  # the marks draw nothing
+        ):
             return original(self, *args)
         with _draws._BackwardDraws(binding.coordinator, binding.side):
             return original(self, *args)
