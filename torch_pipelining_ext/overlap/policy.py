@@ -31,11 +31,14 @@ class Side(enum.IntEnum):
 
     @property
     def other(self) -> Side:
-        return Side(1 - self)
+        return _OTHER[self]
 
     @property
     def thread_name(self) -> str:
         return "forward" if self is Side.FORWARD else "backward"
+
+
+_OTHER = {Side.FORWARD: Side.BACKWARD, Side.BACKWARD: Side.FORWARD}
 
 
 class Order(enum.Enum):
