@@ -43,24 +43,35 @@ process alone, or any probe; 1.0: a whole core each; 0.5: half a core), so
 that a run on a starved machine shows.  ``--no-breakdown`` measures without the timestamps.
 
 Part 2 -- real expert parallelism (skip with ``--no-ep``).  PP=2 x EP=2 on four
-gloo ranks with the demo's DeepSeek-style MoE transformer (real
+gloo ranks with the tests' DeepSeek-style MoE transformer (real
 ``all_to_all_single`` dispatch and combine), sequential vs overlapped step
-time.  On a 2-core machine four ranks already oversubscribe the cores, so
-there is little idle time for the overlap to fill; the ratio is reported as
+time, the overlap both with one communicator per EP group (the strict rule:
+the two sides' all-to-alls take turns) and with a twin per EP group
+(``overlap.create_twin_group``: each side its own communicator, the free
+rule).  On a 2-core machine four ranks already oversubscribe the cores, so
+there is little idle time for the overlap to fill; the ratios are reported as
 measured.
+
+Part 3 -- what coordinating every collective costs outside overlapped
+actions: one rank, a 4-element gloo ``all_reduce`` timed without the
+coordination kernels (after ``torch_pipelining_ext.unpatch()``) and with them
+(``patch()`` and a schedule built), interleaved rounds.
 
 The last line is machine-readable::
 
     hidden_fraction=... hidden_fraction_e2e=... efficiency=... handover_us=... overhead_no_marks=...
     overhead_marks_L0=... handover_p90_us=... cpu_probe=... hidden_fraction_paired=... ep_step_ratio=...
-    repeat_no_marks=...
+    ep_step_ratio_twin=... repeat_no_marks=... collective_us=...
 
 (one line; ratios are overlapped / sequential; ``efficiency`` is the ideal /
 achieved time inside the OVERLAP_F_B actions of the ``overlap`` mode;
 ``handover_us`` the median hand-over latency; ``cpu_probe`` the median of the
-probes; ``ep_step_ratio`` is ``nan`` with --no-ep).  Every mode computes the
-same losses (weights are not updated); the script checks that they are
-bitwise equal across modes.
+probes; ``ep_step_ratio`` / ``ep_step_ratio_twin`` are ``nan`` with --no-ep;
+``collective_us`` the added microseconds per collective of part 3).  Every
+mode computes the same losses (weights are not updated); the script checks
+that they are bitwise equal across modes.  The stand-in regions of part 1
+issue no collective, so they take no turns: part 1 times the free rule (each
+side its own communicator); part 2 times both rules with real all-to-alls.
 
 The timestamps of the overlapped actions come from
 ``ep_overlap.observe_actions`` (the sub-actions' computes and the
@@ -93,7 +104,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch_pipelining_ext  # noqa: F401  (applies the patches)
+import torch_pipelining_ext
 from torch_pipelining_ext import overlap as ep_overlap
 from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b
 
@@ -740,39 +751,17 @@ def _breakdown(
 _EP_STAGES = 4
 
 
-def _part2_worker(
-    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
-) -> None:
+def _part2_schedule(
+    args: argparse.Namespace, pp_group: Any, ep_group: Any, margs: Any
+) -> tuple[Any, list[Any], list[int]]:
+    """This rank's two stages of the toy MoE transformer and their DualPipeV schedule."""
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
-    sys.path.insert(
-        0,
-        os.path.join(
-            os.path.dirname(os.path.abspath(__file__)),
-            "..",
-            "test",
-            "distributed",
-            "pipelining",
-        ),
-    )
     from model_registry import (
-        MoEModelArgs,
         MoETransformer,
     )  # the tests' toy MoE with marked all-to-alls
     from torch_pipelining_ext.stage_split import build_stage_module
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    pp_group, ep_group = pp_groups[rank % 2], ep_groups[rank // 2]
-    pp_rank = dist.get_rank(pp_group)
-    margs = MoEModelArgs(
-        vocab_size=256, dim=args.ep_dim, n_heads=4, n_dense_layers=1, n_moe_layers=7, n_experts=8, top_k=2,
-        moe_hidden=args.ep_dim, dense_hidden=2 * args.ep_dim,
-    )  # fmt: skip
     fqns = [
         ["tok_embeddings", "layers.0", "layers.1"],
         ["layers.2", "layers.3"],
@@ -781,6 +770,7 @@ def _part2_worker(
     ]
     torch.manual_seed(0)
     model = MoETransformer(margs, ep_group=ep_group)
+    pp_rank = dist.get_rank(pp_group)
     stage_ids = [pp_rank, _EP_STAGES - 1 - pp_rank]
     stages = [
         PipelineStage(
@@ -796,26 +786,63 @@ def _part2_worker(
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
-    schedule = ScheduleDualPipeV(stages, args.microbatches, loss_fn=loss_fn)
-    handlers = {
-        "overlap": _Timed(ep_overlap.overlap_f_b),
-        "sequential": _Timed(sequential_overlap_f_b),
+    return (
+        ScheduleDualPipeV(stages, args.microbatches, loss_fn=loss_fn),
+        stages,
+        stage_ids,
+    )
+
+
+def _part2_worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
+) -> None:
+    sys.path.insert(
+        0,
+        os.path.join(
+            os.path.dirname(os.path.abspath(__file__)),
+            "..",
+            "test",
+            "distributed",
+            "pipelining",
+        ),
+    )
+    from model_registry import MoEModelArgs
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    # the same EP groups again, each with a twin: the free order
+    twinned = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_group, ep_group = pp_groups[rank % 2], ep_groups[rank // 2]
+    ep_overlap.create_twin_group(twinned[rank // 2])
+    margs = MoEModelArgs(
+        vocab_size=256, dim=args.ep_dim, n_heads=4, n_dense_layers=1, n_moe_layers=7, n_experts=8, top_k=2,
+        moe_hidden=args.ep_dim, dense_hidden=2 * args.ep_dim,
+    )  # fmt: skip
+    one, stages, stage_ids = _part2_schedule(args, pp_group, ep_group, margs)
+    twin, twin_stages, _ = _part2_schedule(args, pp_group, twinned[rank // 2], margs)
+    # mode -> (schedule, its stages, OVERLAP_F_B function)
+    modes = {
+        "overlap": (one, stages, _Timed(ep_overlap.overlap_f_b)),
+        "sequential": (one, stages, _Timed(sequential_overlap_f_b)),
+        "overlap twin": (twin, twin_stages, _Timed(ep_overlap.overlap_f_b)),
     }
-    switch = _Switch(schedule)
+    switches = {id(one): _Switch(one), id(twin): _Switch(twin)}
     gen = torch.Generator().manual_seed(rank % 2)
-    tokens = torch.randint(
-        0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen
-    )
-    labels = torch.randint(
-        0, margs.vocab_size, (args.microbatches * 2, 32), generator=gen
-    )
-    times: dict[str, list[float]] = {n: [] for n in handlers}
+    shape = (args.microbatches * 2, 32)
+    tokens = torch.randint(0, margs.vocab_size, shape, generator=gen)
+    labels = torch.randint(0, margs.vocab_size, shape, generator=gen)
+    times: dict[str, list[float]] = {n: [] for n in modes}
     losses_by_mode: dict[str, list[torch.Tensor]] = {}
     for rnd in range(args.warmup + args.ep_rounds):
-        order = list(handlers) if rnd % 2 == 0 else list(reversed(handlers))
+        order = list(modes)[rnd % len(modes) :] + list(modes)[: rnd % len(modes)]
         for name in order:
-            switch.fn = handlers[name]
-            for s in stages:
+            schedule, mode_stages, fn = modes[name]
+            switches[id(schedule)].fn = fn
+            for s in mode_stages:
                 s.submod.zero_grad(set_to_none=True)
             dist.barrier()
             losses: list[torch.Tensor] = []
@@ -829,15 +856,11 @@ def _part2_worker(
             if rnd >= args.warmup:
                 times[name].append(float(elapsed))
             losses_by_mode[name] = losses
-    if _EP_STAGES - 1 in stage_ids:
-        same = all(
-            torch.equal(a, b)
-            for a, b in zip(
-                losses_by_mode["overlap"], losses_by_mode["sequential"], strict=True
-            )
-        )
-    else:
-        same = True
+    same = _EP_STAGES - 1 not in stage_ids or all(
+        torch.equal(a, b)
+        for name in ("overlap", "overlap twin")
+        for a, b in zip(losses_by_mode[name], losses_by_mode["sequential"], strict=True)
+    )
     flag = torch.tensor([1 if same else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if rank == 0:
@@ -848,6 +871,41 @@ def _part2_worker(
             }
         )
     dist.barrier()
+    dist.destroy_process_group()
+
+
+def _collective_cost_worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
+) -> None:
+    """Microseconds per small all_reduce outside overlapped actions, with and without the coordination kernels.
+
+    ``unpatch()`` removes the kernels; building a schedule that overlaps
+    installs them again.  Interleaved rounds, medians.
+    """
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    x, n = torch.ones(4), 2000
+    times: dict[str, list[float]] = {"without": [], "with": []}
+    for _ in range(args.collective_rounds):
+        for name in times:
+            if name == "without":
+                torch_pipelining_ext.unpatch()
+            else:
+                torch_pipelining_ext.patch()
+                stages = [
+                    PipelineStage(nn.Linear(2, 2), i, 2, torch.device("cpu"))
+                    for i in range(2)
+                ]
+                ScheduleDualPipeV(stages, 2, loss_fn=lambda y, t: y.sum())
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            times[name].append((time.perf_counter() - t0) / n * 1e6)
+    out.put({name: statistics.median(v) for name, v in times.items()})
     dist.destroy_process_group()
 
 
@@ -1007,6 +1065,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ep-rounds", type=int, default=4, help="measured rounds of part 2")
     p.add_argument("--ep-dim", type=int, default=128, help="model width of part 2")
+    p.add_argument(
+        "--collective-rounds",
+        type=int,
+        default=5,
+        help="rounds of the per-collective cost of the coordination kernels (part 3)",
+    )
     args = p.parse_args(argv)
     if args.switch_interval is not None and not 0 < args.switch_interval <= 1:
         p.error(
@@ -1094,11 +1158,12 @@ def main(argv: list[str] | None = None) -> int:
             "  note: the machine was busy during some rounds (probe < 0.7): the ranks did not get a core each"
         )
 
-    ep_ratio = math.nan
+    ep_ratio = ep_twin_ratio = math.nan
     ok = r["same_losses"]
     if not args.no_ep:
         r2 = _spawn(_part2_worker, 4, args)[0]
         ep_ratio = r2["steps"]["overlap"] / r2["steps"]["sequential"]
+        ep_twin_ratio = r2["steps"]["overlap twin"] / r2["steps"]["sequential"]
         print(
             f"\nPart 2: PP=2 x EP=2 on 4 gloo ranks, the tests' toy MoE transformer (dim {args.ep_dim}, 1 dense + 7 MoE "
             "layers, 8 experts, real all_to_all_single)"
@@ -1107,7 +1172,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, t in r2["steps"].items():
             print(f"  {name:<18} {t * 1e3:9.1f} ms")
         print(
-            f"  overlap / sequential: {ep_ratio:.3f}; losses identical: {'yes' if r2['same_losses'] else 'NO'}"
+            f"  overlap / sequential: {ep_ratio:.3f} (one EP communicator: the strict rule), "
+            f"{ep_twin_ratio:.3f} (a twin per EP group: the free rule); losses identical: "
+            f"{'yes' if r2['same_losses'] else 'NO'}"
         )
         if (os.cpu_count() or 1) < 4:
             print(
@@ -1115,13 +1182,21 @@ def main(argv: list[str] | None = None) -> int:
             )
         ok = ok and r2["same_losses"]
 
+    cost = _spawn(_collective_cost_worker, 1, args)[0]
+    print(
+        "\nPart 3: a 4-element gloo all_reduce outside overlapped actions, one rank, "
+        f"medians of {args.collective_rounds} interleaved rounds: {cost['without']:.1f} us "
+        f"without the coordination kernels (unpatch()), {cost['with']:.1f} us with them "
+        f"(+{cost['with'] - cost['without']:.1f} us per collective)"
+    )
     ovl = bd.get("overlap", _ModeBreakdown())
     print(
         f"hidden_fraction={hidden_in:.3f} hidden_fraction_e2e={hidden_e2e:.3f} efficiency={ovl.efficiency:.3f} "
         f"handover_us={ovl.handover_us:.0f} overhead_no_marks={overhead_dense:.3f} "
         f"overhead_marks_L0={overhead_l0:.3f} handover_p90_us={ovl.handover_p90_us:.0f} cpu_probe={cpu_probe:.2f} "
         f"hidden_fraction_paired={ovl.hidden_paired:.3f} ep_step_ratio={ep_ratio:.3f} "
-        f"repeat_no_marks={repeat_dense:.3f}"
+        f"ep_step_ratio_twin={ep_twin_ratio:.3f} repeat_no_marks={repeat_dense:.3f} "
+        f"collective_us={cost['with'] - cost['without']:.1f}"
     )
     return 0 if ok else 1
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, TYPE_CHECKING
+from typing import Any, Protocol, TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _schedules
@@ -54,12 +54,61 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "CustomFunctionRuntime",
+    "CustomFunctionStage",
     "perform_action",
     "prepare_compute_action",
     "run_action",
     "sequential_overlap_f_b",
     "stage_index_to_stage",
 ]
+
+
+# --------------------------------------------------------------------------- #
+# The seam: what custom functions may call on the schedule and its stages      #
+# --------------------------------------------------------------------------- #
+
+
+class CustomFunctionRuntime(Protocol):
+    """The methods of ``ctx.schedule_ref`` a custom function may call.
+
+    ``_PipelineScheduleRuntime`` gets them from upstream's patches 0007-0010
+    (on every supported torch, the patch table installs them: each is a
+    target of ``runtime_action_functions`` or ``runtime_custom_functions``
+    in ``_patching/patches.json``, which a test checks).  The concurrent
+    OVERLAP_F_B handler uses nothing else of the schedule.
+    """
+
+    def _local_stages(self) -> dict[int, _PipelineStageBase]:
+        """The schedule's stages on this rank, by stage index."""
+        ...
+
+    def perform_action(self, action: _Action, ctx: _PipelineContext) -> None:
+        """Run one action as the runtime does (see :func:`perform_action`)."""
+        ...
+
+    def prepare_compute_action(
+        self, action: _Action, ctx: _PipelineContext, *, wait_inputs: bool = True
+    ) -> _PreparedCompute:
+        """A compute action's in-order bookkeeping; its compute, as a closure."""
+        ...
+
+    def register_custom_function(
+        self, computation_type: Any, custom_function: _CustomFunctionProtocol
+    ) -> None:
+        """Run ``custom_function`` for every action of ``computation_type``."""
+        ...
+
+
+class CustomFunctionStage(Protocol):
+    """The stage method an OVERLAP_F_B custom function calls (upstream patch 0001).
+
+    Installed on ``_PipelineStageBase`` by the ``overlap_f_b`` patch.
+    """
+
+    def _unshard_fsdp_modules(self) -> None:
+        """Unshard every ``fully_shard`` module of the stage (waits)."""
+        ...
 
 
 # --------------------------------------------------------------------------- #

@@ -13,9 +13,15 @@ so a custom function can add to it instead of copying it:
 * :func:`sequential_overlap_f_b` -- OVERLAP_F_B's sub-actions one after the
   other: register it for ``OVERLAP_F_B`` to opt a schedule out of the
   concurrent handler.
+
+:class:`CustomFunctionRuntime` declares the methods a custom function may
+call on ``ctx.schedule_ref`` (the package installs them on every supported
+torch), :class:`CustomFunctionStage` the one it may call on a stage.
 """
 
 from torch_pipelining_ext._schedule_runtime import (
+    CustomFunctionRuntime,
+    CustomFunctionStage,
     perform_action,
     prepare_compute_action,
     run_action,
@@ -24,6 +30,8 @@ from torch_pipelining_ext._schedule_runtime import (
 
 
 __all__ = [
+    "CustomFunctionRuntime",
+    "CustomFunctionStage",
     "perform_action",
     "prepare_compute_action",
     "run_action",

@@ -11,7 +11,8 @@ Every change the package makes to the installed torch is a :class:`Patch`:
   internals it would patch;
 * undo is always the same: each target gets back the very object that was there
   before (``setattr`` of the saved original, or ``delattr`` when the attribute
-  did not exist).
+  did not exist), then the patch's ``cleanup``, if it has one, removes what its
+  code registered with torch while it ran.
 
 The table of patches lives in ``patches.json`` (read by ``_table.py``); this module only knows how to
 apply, undo and report them.  Application is atomic per patch (all targets or
@@ -154,6 +155,10 @@ class Patch:
         requires: names of patches that must be applied (or upstream) first.
         env_disable: environment variable that, when set to ``1``, disables
             just this patch.
+        cleanup: called when the patch is undone, after its targets are
+            restored: for what the patched code registered with torch while
+            it ran (kernels with ``torch.library``, say), which no attribute
+            holds.
     """
 
     name: str
@@ -163,6 +168,7 @@ class Patch:
     upstream: str = ""
     requires: tuple[str, ...] = ()
     env_disable: str | None = None
+    cleanup: Callable[[], None] | None = None
     # Runtime state, owned by the registry.
     _saved: list[tuple[Target, Any]] = field(default_factory=list, repr=False)
 
@@ -304,6 +310,8 @@ class _PatchRegistry:
                 for t, original in reversed(p._saved):
                     t._set(original)
                 p._saved = []
+                if p.cleanup is not None:
+                    p.cleanup()
                 self._record(
                     p,
                     PatchStatus.NOT_APPLIED,

@@ -14,7 +14,10 @@ are applied; a patch runs after the patches it ``requires``.  A patch names
   there (one wrapper per original, so two names of one function keep one
   object), ``call`` puts ``factory(*args)`` there;
 * ``description``, ``upstream`` (the upstream file the code is written for),
-  ``env_disable`` (a variable that turns the patch off), ``why``.
+  ``env_disable`` (a variable that turns the patch off), ``why``;
+* ``cleanup``: a package function (``"module:name"``) that ``unpatch()``
+  calls after restoring the targets, for what the patched code registered
+  with torch itself (``torch.library`` kernels).
 
 Undo is uniform: ``unpatch()`` puts back the very objects that were there
 before.  Nothing outside this table assigns to torch attributes.  Package
@@ -93,7 +96,17 @@ def _patch(entry: dict[str, Any], wrappers: dict[Any, Any]) -> Patch:
         upstream=entry.get("upstream", ""),
         requires=tuple(entry.get("requires", ())),
         env_disable=entry.get("env_disable"),
+        cleanup=_cleanup(entry["cleanup"]) if "cleanup" in entry else None,
     )
+
+
+def _cleanup(spec: str) -> Callable[[], None]:
+    """The package function ``spec``, imported when it is called."""
+
+    def cleanup() -> None:
+        _obj(spec)()
+
+    return cleanup
 
 
 def _patches(table: Path = _TABLE) -> list[Patch]:

@@ -128,14 +128,17 @@ class _AllToAll(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        _exchange(out, x, out_splits, in_splits, group)
+        _exchange(out, x, out_splits, in_splits, ep_overlap.side_group(group))
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        _exchange(grad_in, grad, in_splits, out_splits, ctx.group)
+        # the backward's side's communicator, looked up now
+        _exchange(
+            grad_in, grad, in_splits, out_splits, ep_overlap.side_group(ctx.group)
+        )
         return grad_in, None, None, None
 
 
@@ -277,7 +280,7 @@ def _expert_parallel_forward(
 
     routed = ep_overlap.dispatch_begin(hidden_states.index_select(0, token_of_slot))
     recv_counts = torch.empty_like(counts)
-    _slot.transport.counts(recv_counts, counts, shard.group)
+    _slot.transport.counts(recv_counts, counts, ep_overlap.side_group(shard.group))
     send = counts.view(shard.size, shard.local).sum(dim=1).tolist()
     recv_counts = recv_counts.view(shard.size, shard.local)
     recv = recv_counts.sum(dim=1).tolist()

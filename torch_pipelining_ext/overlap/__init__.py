@@ -1,45 +1,44 @@
-"""Expert-parallel communication marks for overlapped pipeline actions.
+"""Expert-parallel communication in overlapped pipeline actions.
 
 An ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``
 (``ScheduleDualPipeV``, or a CSV schedule) pairs the forward of one
 microbatch with the backward of another.  A schedule that registers
 :func:`overlap_f_b` for it runs the forward on the calling thread and the
-backward on a worker thread; both may issue the expert-parallel all-to-alls of
-their MoE layers.  Two threads must never issue collectives on one process
-group at once, and every rank must issue its collectives in the same order, so
-MoE code marks where its communication is:
+backward on a worker thread; both may issue collectives (the expert-parallel
+all-to-alls of their MoE layers, and any other).  Every rank must issue the
+collectives of one communicator in the same order, so inside an overlapped
+action **every collective either thread issues is coordinated** -- marked or
+not, from ``torch.distributed``, functional collectives (DTensor, FSDP2), C++
+(DDP) or an autograd backward: it runs inside a communication region of its
+side, implicit where no mark opened one.
 
-* in forward, :func:`dispatch_begin` / :func:`dispatch_end` around the token
-  dispatch and :func:`combine_begin` / :func:`combine_end` around the combine
-  (each takes and returns tensors); :func:`wrap_dispatch_combine` puts them
-  around existing ``dispatch`` and ``combine`` methods;
-* autograd mirrors the marks in backward: the backward of ``*_end`` opens the
-  backward communication region and the backward of ``*_begin`` closes it.
+* **Marks are a performance hint.**  :func:`dispatch_begin` /
+  :func:`dispatch_end` around a token dispatch (its count exchange included)
+  and :func:`combine_begin` / :func:`combine_end` around the combine say where
+  a side communicates, so that the other side computes meanwhile (on CPU the
+  two threads hand the processor over at the marks).  Autograd mirrors them
+  in backward; :func:`wrap_dispatch_combine` puts them around existing
+  ``dispatch`` and ``combine`` methods.  Outside an overlapped action a mark
+  only passes its tensors through.
+* **The strict rule** (a communicator both sides use): the two sides'
+  collectives take turns, the backward side first, identically on every rank;
+  a side keeps its turns while it waits for its input.
+* **Each side its own communicator** (the free rule): after
+  :func:`create_twin_group` (once, at set-up, on every rank), the forward side
+  uses the group and the backward side its twin, as :func:`side_group` says
+  when asked at the time of the collective.  Their collectives wait for
+  nobody: the side whose input is there communicates first.  On gloo; NCCL
+  keeps the strict rule until a GPU run shows the free order safe there.
+  :func:`all_to_all` is a differentiable all-to-all with the marks and the
+  per-side communicator built in.
 
-Outside an overlapped action a mark only passes its tensors through (one
-autograd node when they require grad, so that a backward run later inside an
-overlapped action is coordinated).  Inside one, the two threads take turns:
-at most one is inside a communication region at any moment, regions are
-granted alternately, the backward thread's first, and once one thread has
-finished its sub-action the other runs its remaining regions freely.  The
-order of collectives on each rank therefore depends only on the two
-sub-actions, never on timing, and is the same on every rank of an EP group.
-
-Rules for MoE code:
-
-* every collective that a stage's forward or backward issues must be inside a
-  region (the token-count exchange of a dispatch included);
-* code inside a region must not draw random numbers (the other thread may
-  own the generators then);
-* the two sides may have different numbers of regions (none, too);
-* activation checkpointing around marked layers works: the recomputation
-  re-issues the layer's forward collectives on the backward thread, its marks
-  open regions of the backward side, and a mark met inside a region nests.
-
-A failure in either thread releases the other; the action re-raises it on the
-calling thread.  A thread that waits for its turn longer than
-:func:`get_wait_timeout` seconds raises :class:`CommWaitTimeoutError` naming
-the boundary, the action and the rank.
+Rules for MoE code: code inside a marked region must not draw random numbers
+(the other thread may own the generators then); activation checkpointing
+around marked layers works (the recomputation re-issues the layer's forward
+collectives on the backward side).  A failure in either thread releases the
+other; the action re-raises it on the calling thread.  A thread that waits
+for the other longer than :func:`get_wait_timeout` seconds raises
+:class:`CommWaitTimeoutError` naming the boundary, the action and the rank.
 """
 
 from __future__ import annotations
@@ -48,25 +47,32 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from torch_pipelining_ext.overlap import _groups
 from torch_pipelining_ext.overlap import _marks as _ep_marks
-from torch_pipelining_ext.overlap import _turns as _ep_turns
+from torch_pipelining_ext.overlap._groups import CollectiveOrderError
 from torch_pipelining_ext.overlap._marks import _Boundary
-from torch_pipelining_ext.overlap._turns import (
-    CommWaitTimeoutError,
+from torch_pipelining_ext.overlap._settings import (
     DEFAULT_WAIT_TIMEOUT_S,
+    SETTINGS,
     TIMEOUT_ENV,
 )
+from torch_pipelining_ext.overlap._turns import CommWaitTimeoutError
 
 
 __all__ = [
     "ActionObserver",
+    "CollectiveOrderError",
     "CommWaitTimeoutError",
     "DEFAULT_WAIT_TIMEOUT_S",
+    "all_to_all",
     "combine_begin",
     "combine_end",
+    "create_twin_group",
     "dispatch_begin",
     "dispatch_end",
     "get_wait_timeout",
@@ -74,7 +80,9 @@ __all__ = [
     "overlap_f_b",
     "register_thread_state",
     "set_wait_timeout",
+    "side_group",
     "TIMEOUT_ENV",
+    "twin_group",
     "wrap_dispatch_combine",
 ]
 
@@ -96,7 +104,7 @@ def set_wait_timeout(seconds: float | None) -> None:
         TypeError: ``seconds`` is not a number (``bool`` and ``str`` included).
         ValueError: ``seconds`` is zero, negative or NaN.
     """
-    _ep_turns._set_timeout(seconds)
+    SETTINGS.set_wait_timeout(seconds)
 
 
 def get_wait_timeout() -> float:
@@ -108,7 +116,7 @@ def get_wait_timeout() -> float:
     Raises:
         ValueError: the environment variable is set to anything else.
     """
-    return _ep_turns._get_timeout()
+    return SETTINGS.wait_timeout()
 
 
 class ActionObserver:
@@ -129,8 +137,9 @@ class ActionObserver:
 
         ``name`` is ``"start"`` (before the sub-action computes), ``"open"``
         / ``"close"`` (a mark entering / leaving a communication region,
-        nested ones included) or ``"finish"`` (the sub-action ended); the time
-        between ``call`` and ``ret`` is spent waiting for the other side.
+        nested ones included), ``"collective"`` (before a collective is
+        issued, marked or not) or ``"finish"`` (the sub-action ended); the
+        time between ``call`` and ``ret`` is spent waiting for the other side.
         """
 
 
@@ -150,11 +159,11 @@ def observe_actions(observer: ActionObserver) -> Iterator[ActionObserver]:
             "observe_actions: expected an ActionObserver, got "
             f"{type(observer).__name__}"
         )
-    previous = _ep_turns._set_observer(observer)
+    previous = SETTINGS.swap_observer(observer)
     try:
         yield observer
     finally:
-        _ep_turns._set_observer(previous)
+        SETTINGS.swap_observer(previous)
 
 
 def dispatch_begin(*tensors: Any) -> Any:
@@ -234,11 +243,13 @@ def register_thread_state(
     """Carry a library's thread-local state to the backward thread of an action.
 
     An overlapped OVERLAP_F_B runs its backward sub-action on a worker thread.
-    The worker already runs in a copy of the calling thread's ``contextvars``
-    context and with its grad mode, autocast state, accelerator device and
-    intra-op thread count.  State kept in ``threading.local`` (a device mesh,
-    a communication backend's per-thread settings) is not visible there; for
-    it, register a pair:
+    The worker already runs under the calling thread's torch state (grad,
+    inference and autocast modes, the TorchFunctionMode and TorchDispatchMode
+    stacks and with them the default device, saved-tensor hooks, accelerator
+    device, intra-op thread count; see ``overlap/_thread_state.py``) and in a
+    copy of its ``contextvars`` context.  State kept in ``threading.local`` (a
+    device mesh, a communication backend's per-thread settings) is not visible
+    there; for it, register a pair:
 
     * ``capture()`` runs on the calling thread at the start of every
       overlapped action and returns a value;
@@ -258,6 +269,96 @@ def register_thread_state(
         A handle whose ``remove()`` unregisters the pair.
     """
     return _ep_marks.register_thread_state(capture, apply)
+
+
+def create_twin_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """Give ``group`` a twin: a second process group over the same ranks.
+
+    During an overlapped OVERLAP_F_B the forward side communicates over
+    ``group`` and the backward side over the twin (ask :func:`side_group`),
+    so that the two sides' collectives on it need no common order (on gloo;
+    see the module docstring).  Call it once, at set-up -- when the stages
+    or the schedule are built -- and before any collective runs on another
+    thread.
+
+    It is a collective over the default process group: **every** rank calls
+    it at the same time, each with its own group (an expert-parallel group
+    per set of ranks, say), and every rank takes part in creating the twins
+    of all of them (``torch.distributed.new_group``).  A group that already
+    has a twin keeps it.
+
+    Args:
+        group: the group (``None``: the default group).
+
+    Returns:
+        The twin of ``group``.
+
+    Raises:
+        ValueError: the ranks of one group passed it with different backends,
+            or some of them had given it a twin already.
+    """
+    return _groups.create_twin(group)
+
+
+def twin_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """The twin :func:`create_twin_group` gave ``group``, or ``None``."""
+    return _groups.twin_of(group)
+
+
+def side_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """The process group the calling code must use for a collective on ``group``.
+
+    On the backward side of an overlapped OVERLAP_F_B (the worker thread, a
+    recomputation included) the twin of ``group``; everywhere else --
+    the forward side, plain actions, outside a schedule -- ``group`` itself,
+    and ``group`` whenever it has no twin.  Ask it when the collective is
+    issued: the forward of a layer and its backward may run on different
+    sides, so a backward must not reuse the group its forward used::
+
+        def backward(ctx, grad):
+            out = torch.empty_like(grad)
+            dist.all_to_all_single(out, grad, group=overlap.side_group(ctx.group))
+
+    A collective issued on the other side's communicator raises
+    :class:`CollectiveOrderError` before it is issued.
+    """
+    return _ep_marks.side_group(group)
+
+
+def all_to_all(
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    phase: str = "dispatch",
+) -> torch.Tensor:
+    """A differentiable ``all_to_all_single`` for expert parallelism, overlap-ready.
+
+    Sends ``input`` split along dim 0 by ``input_split_sizes`` (equal splits
+    if ``None``) and returns what the ranks of ``group`` sent to this one
+    (``output_split_sizes`` rows each).  Its backward is the reverse exchange.
+    Both run inside the communication marks of ``phase`` (``"dispatch"`` or
+    ``"combine"``) and on the communicator :func:`side_group` gives *when they
+    run*: inside an overlapped OVERLAP_F_B a twinned group's forward and
+    backward exchanges run on the two sides' own communicators.
+
+    Args:
+        input: the rows to send, grouped by destination rank.
+        output_split_sizes: rows received from each rank (``None``: equal).
+        input_split_sizes: rows sent to each rank (``None``: equal).
+        group: the expert-parallel group (``None``: the default group).
+        phase: which marks to put around the exchange.
+
+    Raises:
+        ValueError: ``phase`` is not one of the two, or only one of the split
+            size lists is given.
+    """
+    from torch_pipelining_ext.overlap import _all_to_all
+
+    return _all_to_all.all_to_all(
+        input, output_split_sizes, input_split_sizes, group, phase
+    )
 
 
 def overlap_f_b(action: Any, ctx: Any) -> None:

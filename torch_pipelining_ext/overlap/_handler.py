@@ -20,11 +20,10 @@ Running one action::
 The bookkeeping is the runtime's own (``prepare_compute_action``), done on
 the calling thread in schedule order; only the two computes run concurrently,
 under a ``_CommCoordinator`` owned by the action, so that the model's
-communication marks (``ep_overlap``) make the threads take turns.  The worker
-runs under the caller's grad mode, autocast state, accelerator device,
-intra-op thread count, a copy of its ``contextvars`` context and what
-``ep_overlap.register_thread_state`` registered.  An action returns or raises
-only once both sides are done.
+communication marks (``overlap``) and every collective either thread issues
+go through it (see [Note: collectives in an overlapped action]).  The worker
+runs under the caller's thread state (see [Note: thread state of the backward
+thread]).  An action returns or raises only once both sides are done.
 
 "rank R" in messages and thread names is the global rank (of the default
 process group); ``schedule.rank`` is the pipeline rank.
@@ -33,35 +32,39 @@ process group); ``schedule.rank`` is the pipeline rank.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.fsdp import FSDPModule
 
+from torch_pipelining_ext.overlap import _collectives
 from torch_pipelining_ext.overlap import _marks as _ep_marks
-from torch_pipelining_ext.overlap import _turns as _ep_turns
+from torch_pipelining_ext.overlap._settings import SETTINGS
 from torch_pipelining_ext.overlap._streams import _StreamPlan
+from torch_pipelining_ext.overlap._thread_state import _ThreadState
 from torch_pipelining_ext.overlap._turns import (
     _CommCoordinator,
-    _get_timeout,
     _ObservedCoordinator,
-    _Side,
     _wait_arg,
 )
+from torch_pipelining_ext.overlap.policy import Side
 
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _Action
+
+    from torch_pipelining_ext._schedule_runtime import (
+        CustomFunctionRuntime,
+        CustomFunctionStage,
+    )
 
 
 # A side's receive wait, left to its thread by prepare_compute_action(...,
@@ -149,11 +152,11 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
             communication boundary); the message names the global rank and
             the action, the original exception is the cause.
     """
-    schedule = ctx.schedule_ref
+    schedule: CustomFunctionRuntime = ctx.schedule_ref
     global_rank = _global_rank(schedule)
     pair = _forward_and_backward(action)
     state = _state(schedule)
-    stages = schedule._local_stages()
+    stages: dict[int, Any] = schedule._local_stages()
     stage_pair = None
     if pair is not None:
         stage_pair = tuple(action.sub_actions[i].stage_index for i in pair)
@@ -178,7 +181,8 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     # neither thread's compute issues a data-parallel collective (whose order
     # would then depend on timing) except the last backward's reduce-scatter.
     for sub in (fwd_action, bwd_action):
-        stages[sub.stage_index]._unshard_fsdp_modules()
+        stage: CustomFunctionStage = stages[sub.stage_index]
+        stage._unshard_fsdp_modules()
     streams = _StreamPlan.for_action(state, stages, fwd_action, bwd_action)
     coordinator = _run_overlapped(
         computes[f],
@@ -189,11 +193,12 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         streams=streams,
         worker=_worker_for(state, global_rank),
         input_waits=(_input_wait(computes[f]), _input_wait(computes[b])),
+        first=Side.FORWARD if f < b else Side.BACKWARD,
     )
     if streams is not None:
         # the device may run the two sides' kernels at once: it stays concurrent
         streams.record_handoffs(stages, fwd_action, bwd_action)
-    elif not any(coordinator.regions_opened(side) for side in _Side):
+    elif not any(coordinator.regions_opened(side) for side in Side):
         # [Note: stage pairs without marks]
         # Neither sub-action passed a communication mark, so the forward side
         # waited for the backward side to finish: nothing overlapped, and the
@@ -212,15 +217,18 @@ def _input_wait(compute: Any) -> _InputWait | None:
 
 
 def _run_sequentially(
-    schedule: Any, action: _Action, ctx: Any, pair: tuple[int, int] | None
+    schedule: CustomFunctionRuntime,
+    action: _Action,
+    ctx: Any,
+    pair: tuple[int, int] | None,
 ) -> None:
     """The sub-actions one after the other (reported to the observer, if one is set)."""
-    observer = _ep_turns._observer  # see ep_overlap.observe_actions
+    observer = SETTINGS.observer  # see ep_overlap.observe_actions
     for i, sub_action in enumerate(action.sub_actions):
         if observer is None or pair is None:
             schedule.perform_action(sub_action, ctx)
         else:
-            side = _Side.FORWARD if i == pair[0] else _Side.BACKWARD
+            side = Side.FORWARD if i == pair[0] else Side.BACKWARD
             compute = schedule.prepare_compute_action(sub_action, ctx)
             _observed(observer, side, compute)()
 
@@ -245,69 +253,6 @@ def _same_fsdp_stage(stages: dict[int, Any], action: _Action) -> bool:
 # --------------------------------------------------------------------------- #
 # Running two closures as one overlapped action                                #
 # --------------------------------------------------------------------------- #
-
-
-@dataclasses.dataclass(frozen=True)
-class _ThreadState:
-    """The calling thread's state that the worker thread must run under."""
-
-    grad_enabled: bool
-    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) enabled
-    autocast_cache: bool
-    device_index: int | None  # current accelerator device
-    profiling: bool
-    # intra-op threads: OpenMP keeps this per thread, a new thread gets the default
-    num_threads: int
-    context: contextvars.Context  # a copy of the caller's contextvars
-    # other libraries' thread-local state: (apply, captured value), see
-    # ep_overlap.register_thread_state
-    registered: tuple[tuple[Callable[[Any], Any], Any], ...]
-
-    @staticmethod
-    def capture() -> _ThreadState:
-        device_index = None
-        device_types = ["cpu"]
-        if _accelerator_available():
-            device_index = torch.accelerator.current_device_index()
-            device_types.append(torch.accelerator.current_accelerator().type)
-        autocast = tuple(
-            (dt, torch.get_autocast_dtype(dt))
-            for dt in device_types
-            if torch.is_autocast_enabled(dt)
-        )
-        hooks = list(_ep_marks._thread_state_hooks.values())
-        return _ThreadState(
-            grad_enabled=torch.is_grad_enabled(),
-            autocast=autocast,
-            autocast_cache=torch.is_autocast_cache_enabled(),
-            device_index=device_index,
-            profiling=torch.autograd.profiler._is_profiler_enabled,
-            num_threads=torch.get_num_threads(),
-            context=contextvars.copy_context(),
-            registered=tuple((apply, capture()) for capture, apply in hooks),
-        )
-
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            if self.device_index is not None:
-                torch.accelerator.set_device_index(self.device_index)
-            if torch.get_num_threads() != self.num_threads:
-                torch.set_num_threads(self.num_threads)
-            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-            for device_type, dtype in self.autocast:
-                stack.enter_context(
-                    torch.autocast(
-                        device_type, dtype=dtype, cache_enabled=self.autocast_cache
-                    )
-                )
-            for apply, value in self.registered:
-                stack.enter_context(apply(value))
-            yield
-
-
-def _accelerator_available() -> bool:
-    return hasattr(torch, "accelerator") and torch.accelerator.is_available()
 
 
 class _BackwardWorker:
@@ -352,7 +297,7 @@ class _BackwardWorker:
 
     def close_after_step(self, owner: str) -> None:
         """Close and join the thread at the end of ``owner``'s step; log if stuck."""
-        if self.stuck or not self.close(_wait_arg(_get_timeout())):
+        if self.stuck or not self.close(_wait_arg(SETTINGS.wait_timeout())):
             logger.error(
                 "the OVERLAP_F_B backward thread of %s is stuck; it is left behind",
                 owner,
@@ -375,7 +320,7 @@ def _worker_for(state: _OverlapState, global_rank: int) -> _BackwardWorker:
 
 
 def _run_side(
-    side: _Side,
+    side: Side,
     compute: Callable[[], None],
     coordinator: _CommCoordinator,
     profiler_label: str | None,
@@ -413,45 +358,43 @@ def _run_overlapped(
     timeout: float | None = None,
     worker: _BackwardWorker | None = None,
     input_waits: tuple[_InputWait | None, _InputWait | None] = (None, None),
+    first: Side = Side.FORWARD,
 ) -> _CommCoordinator:
     """Run ``backward`` on the worker thread and ``forward`` here, coordinated.
 
-    Waits for both and re-raises the first failure.  ``global_rank`` names the
-    process in messages.  Without ``worker``, a thread is started for this
-    call and joined before it returns.  ``input_waits`` are the two sides'
+    Waits for both, re-raises the first failure, returns the coordinator.
+    ``global_rank`` names the process in messages.  Without ``worker`` a
+    thread is started and joined for this call.  ``input_waits``: the sides'
     receive waits (forward, backward), each run on its side's thread before
-    the side starts.  Returns the action's coordinator.
+    it starts; ``first``: the side the sequential handler runs first.
     """
-    timeout = _get_timeout() if timeout is None else timeout
+    timeout = SETTINGS.wait_timeout() if timeout is None else timeout
     wait_timeout = _wait_arg(timeout)
     coordinator, forward, backward = _coordinated(
-        global_rank, action, timeout, forward, backward
+        global_rank, action, timeout, forward, backward, first
     )
-    failures: list[tuple[_Side, BaseException]] = []
+    failures: list[tuple[Side, BaseException]] = []
     failures_lock = threading.Lock()
 
-    def fail(side: _Side, error: BaseException) -> None:
+    def fail(side: Side, error: BaseException) -> None:
         with failures_lock:
             failures.append((side, error))
         coordinator.stop()  # release the other side now, whatever failed
 
-    def run(side: _Side, compute: Callable[[], None]) -> None:
+    def run(side: Side, compute: Callable[[], None]) -> None:
         label = sub_actions[side] if state.profiling else None
         _run_side(side, compute, coordinator, label, streams, input_waits[side])
-
-    def run_backward() -> None:
-        with state.applied():
-            run(_Side.BACKWARD, backward)
 
     def backward_task() -> None:
         # Everything on the worker, its set-up included, is guarded: a failure
         # reaches the caller at once instead of the thread's excepthook.
         try:
-            state.context.run(run_backward)
+            state.context.run(state.call_applied, run, Side.BACKWARD, backward)
         except BaseException as e:
-            fail(_Side.BACKWARD, e)
+            fail(Side.BACKWARD, e)
 
     own_worker = worker is None
+    _collectives.install()
     _ep_marks._register_fork_rng_window()
     state = _ThreadState.capture()
     if worker is None:
@@ -460,9 +403,9 @@ def _run_overlapped(
         streams.start()
     backward_done = worker.submit(backward_task)
     try:
-        run(_Side.FORWARD, forward)
+        run(Side.FORWARD, forward)
     except BaseException as e:
-        fail(_Side.FORWARD, e)
+        fail(Side.FORWARD, e)
     finally:
         # Always waited for, even on KeyboardInterrupt: no work outlives the action.
         finished = _wait_backward(backward_done, coordinator, wait_timeout)
@@ -475,7 +418,7 @@ def _run_overlapped(
         coordinator.stop()
         worker.stuck = True
         raise RuntimeError(
-            f"{where}: the backward sub-action {sub_actions[_Side.BACKWARD]} "
+            f"{where}: the backward sub-action {sub_actions[Side.BACKWARD]} "
             f"did not finish within {timeout:g} s after the forward sub-action "
             "did (see ep_overlap.set_wait_timeout)"
         )
@@ -493,7 +436,7 @@ def _wait_backward(
     timeout, the receive's).
     """
     while not done.wait(timeout):
-        if not coordinator.awaits_inputs(_Side.BACKWARD):
+        if not coordinator.awaits_inputs(Side.BACKWARD):
             return False
     return True
 
@@ -504,28 +447,31 @@ def _coordinated(
     timeout: float,
     forward: Callable[[], None],
     backward: Callable[[], None],
+    first: Side,
 ) -> tuple[_CommCoordinator, Callable[[], None], Callable[[], None]]:
     """The action's coordinator and its two computes, reporting to the observer.
 
     See ``ep_overlap.observe_actions``: without an observer this is the plain
     coordinator and the computes as given.
     """
-    observer = _ep_turns._observer
+    observer = SETTINGS.observer
     if observer is None:
-        coordinator = _CommCoordinator(rank=global_rank, action=action, timeout=timeout)
+        coordinator = _CommCoordinator(
+            rank=global_rank, action=action, timeout=timeout, first=first
+        )
         return coordinator, forward, backward
     coordinator = _ObservedCoordinator(
-        observer, rank=global_rank, action=action, timeout=timeout
+        observer, rank=global_rank, action=action, timeout=timeout, first=first
     )
     return (
         coordinator,
-        _observed(observer, _Side.FORWARD, forward),
-        _observed(observer, _Side.BACKWARD, backward),
+        _observed(observer, Side.FORWARD, forward),
+        _observed(observer, Side.BACKWARD, backward),
     )
 
 
 def _observed(
-    observer: Any, side: _Side, compute: Callable[[], None]
+    observer: Any, side: Side, compute: Callable[[], None]
 ) -> Callable[[], None]:
     """``compute``, reporting its start and end to ``observer``."""
 
@@ -542,7 +488,7 @@ def _observed(
 def _reraise(
     where: str,
     sub_actions: tuple[str, str],
-    failures: list[tuple[_Side, BaseException]],
+    failures: list[tuple[Side, BaseException]],
 ) -> None:
     """Raise an action's first failure, naming ``where`` and the sub-action."""
     side, error = failures[0]

@@ -24,6 +24,7 @@ from typing import Any
 from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext import _schedule_runtime
+from torch_pipelining_ext.overlap import _collectives
 from torch_pipelining_ext.overlap._handler import overlap_f_b
 
 
@@ -76,11 +77,13 @@ class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
     """
 
     def overlap_function(self) -> Callable[..., None]:
-        return (
-            default_overlap_f_b
-            if overlap_enabled()
-            else _schedule_runtime.sequential_overlap_f_b
-        )
+        if not overlap_enabled():
+            return _schedule_runtime.sequential_overlap_f_b
+        # a schedule is built: coordinate collectives from now on, registered
+        # before the step's threads run (see [Note: collectives in an
+        # overlapped action])
+        _collectives.install()
+        return default_overlap_f_b
 
     def is_default(self, computation_type: Any, function: Any) -> bool:
         # the OVERLAP_F_B default depends on the environment when the map was made

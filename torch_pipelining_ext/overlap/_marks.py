@@ -1,9 +1,11 @@
 """The communication marks of ``ep_overlap`` and the threads they bind to.
 
-A mark finds the coordinator (``_ep_turns._CommCoordinator``) of the
+A mark finds the coordinator (``_turns._CommCoordinator``) of the
 overlapped action its thread runs a side of -- through a thread-local binding
 set by :func:`bound`, or, for the autograd engine's device threads, the one
 overlapped backward running in the process -- and passes its boundary there.
+A collective issued on such a thread goes through :meth:`_Binding.collective`
+(see [Note: collectives in an overlapped action]).
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ import enum
 import functools
 import threading
 import types
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from torch_pipelining_ext.overlap import _draws, _groups
 from torch_pipelining_ext.overlap._rng import _rng_devices
-from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side
+from torch_pipelining_ext.overlap._settings import SETTINGS
+from torch_pipelining_ext.overlap._turns import _CommCoordinator
+from torch_pipelining_ext.overlap.policy import Side
 
 
 __all__: list[str] = []
@@ -50,8 +55,26 @@ class _Boundary(enum.Enum):
 
 
 class _Binding(NamedTuple):
+    """A thread runs ``side`` of the action ``coordinator`` coordinates."""
+
     coordinator: _CommCoordinator
-    side: _Side
+    side: Side
+
+    def collective(
+        self, op_name: str, group: dist.ProcessGroup, issue: Callable[[], Any]
+    ) -> Any:
+        """Run ``issue`` (the collective ``op_name`` on ``group``) coordinated."""
+        if getattr(_tls, "issuing", False):
+            return issue()  # a collective issuing another one: already coordinated
+        coordinator = self.coordinator
+        where = f"rank {coordinator.rank}, action {coordinator.action}"
+        order = _groups.order_for(op_name, group, self.side, where)
+        with coordinator.collective(self.side, op_name, group.group_name, order):
+            _tls.issuing = True
+            try:
+                return issue()
+            finally:
+                _tls.issuing = False
 
 
 _tls = threading.local()
@@ -102,7 +125,7 @@ def _current_binding() -> _Binding | None:
 @contextmanager
 def bound(
     coordinator: _CommCoordinator,
-    side: _Side,
+    side: Side,
     before_start: Callable[[], None] | None = None,
 ) -> Iterator[None]:
     """Run ``side`` of ``coordinator``'s action on this thread: its marks coordinate.
@@ -115,7 +138,7 @@ def bound(
     binding = _Binding(coordinator, side)
     previous = getattr(_tls, "binding", None)
     _tls.binding = binding
-    if side is _Side.BACKWARD:
+    if side is Side.BACKWARD:
         _register_backward(binding)
     try:
         if before_start is not None:
@@ -127,7 +150,7 @@ def bound(
         raise
     finally:
         _tls.binding = previous
-        if side is _Side.BACKWARD:
+        if side is Side.BACKWARD:
             _unregister_backward(binding)
         coordinator.finish(side)
 
@@ -293,21 +316,15 @@ def wrap_dispatch_combine(
     return wrapped
 
 
-# handle id -> (capture, apply); an OrderedDict: RemovableHandle holds a weak
-# reference to it
-_thread_state_hooks: OrderedDict[
-    int, tuple[Callable[[], Any], Callable[[Any], AbstractContextManager[Any]]]
-] = OrderedDict()
-
-
 def register_thread_state(
     capture: Callable[[], Any], apply: Callable[[Any], AbstractContextManager[Any]]
 ) -> RemovableHandle:
     """The body of ``ep_overlap.register_thread_state``."""
     if not callable(capture) or not callable(apply):
         raise TypeError("register_thread_state: capture and apply must be callables")
-    handle = RemovableHandle(_thread_state_hooks)
-    _thread_state_hooks[handle.id] = (capture, apply)
+    # RemovableHandle holds a weak reference to the OrderedDict
+    handle = RemovableHandle(SETTINGS.thread_state_hooks)
+    SETTINGS.thread_state_hooks[handle.id] = (capture, apply)
     return handle
 
 
@@ -321,13 +338,13 @@ def _fork_rng_window(
     numbers in an overlapped action].  On any other thread it does nothing.
     """
     binding = _current_binding()
-    if binding is None or binding.side is not _Side.BACKWARD:
+    if binding is None or binding.side is not Side.BACKWARD:
         yield
         return
     window = binding.coordinator.rng_window(
         binding.side, _rng_devices(devices, device_type), enabled
     )
-    with window:
+    with window, _draws.suspended():
         yield
 
 
@@ -341,3 +358,30 @@ def _register_fork_rng_window() -> None:
     with _fork_rng_hook_lock:
         if _fork_rng_hook is None:
             _fork_rng_hook = torch.random._register_fork_rng_hook(_fork_rng_window)
+
+
+def side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The body of ``overlap.side_group``."""
+    binding = _current_binding()
+    return _groups.group_for(group, None if binding is None else binding.side)
+
+
+def _make_backward_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``BackwardCFunction.apply`` watching the backward side's random draws.
+
+    See [Note: random numbers outside recomputation].
+    """
+
+    @functools.wraps(original)
+    def apply(self: Any, *args: Any) -> Any:
+        binding = _current_binding()
+        if (
+            binding is None
+            or binding.side is not Side.BACKWARD
+            or self._forward_cls is _MarkBackward  # the marks draw nothing
+        ):
+            return original(self, *args)
+        with _draws._BackwardDraws(binding.coordinator, binding.side):
+            return original(self, *args)
+
+    return apply

@@ -1,7 +1,9 @@
 """Turn-taking of the two threads of an overlapped OVERLAP_F_B action.
 
-One :class:`_CommCoordinator` per action decides when each side may
-communicate and compute; ``_ep_marks`` calls it at the marks.
+One :class:`_CommCoordinator` per action decides when each side may issue a
+collective and when it may compute; ``_marks`` calls it at the marks and
+around every collective either thread issues (``_collectives``).  The rule
+itself is ``overlap.policy``'s.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 import sys
 import threading
 import time
@@ -20,89 +21,26 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
-from torch_pipelining_ext.overlap import _policy
+from torch_pipelining_ext.overlap import policy
 from torch_pipelining_ext.overlap._rng import _RNGDevices, _RNGWindows
+from torch_pipelining_ext.overlap._settings import (
+    DEFAULT_WAIT_TIMEOUT_S,
+    SETTINGS,
+    TIMEOUT_ENV,
+)
+from torch_pipelining_ext.overlap.policy import Order, Side
 
 
 __all__ = ["CommWaitTimeoutError", "DEFAULT_WAIT_TIMEOUT_S", "TIMEOUT_ENV"]
 
 
-TIMEOUT_ENV = "TORCH_PIPELINING_EXT_OVERLAP_TIMEOUT"
-DEFAULT_WAIT_TIMEOUT_S = 600.0
-# see [Note: the hand-over policy]
-_HAND_OVER_MIN_REGION_S = _policy.HAND_OVER_MIN_REGION_S
-_timeout_s: float | None = None  # set_wait_timeout(); None: environment or default
-_observer: Any = None  # observe_actions(); None: nothing is timed
-
-
 class CommWaitTimeoutError(RuntimeError):
-    """A thread of an overlapped action waited too long for its turn to communicate."""
-
-
-def _check_timeout(value: object, source: str) -> float:
-    """``value`` as a timeout in seconds: a positive number, ``math.inf`` for none."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"{source}: the timeout must be a number of seconds, got "
-            f"{type(value).__name__} {value!r}"
-        )
-    seconds = float(value)
-    if math.isnan(seconds) or seconds <= 0:
-        raise ValueError(
-            f"{source}: the timeout must be a positive number of seconds "
-            f"(inf: no limit), got {value!r}"
-        )
-    return seconds
-
-
-def _set_timeout(seconds: float | None) -> None:
-    global _timeout_s
-    _timeout_s = (
-        None if seconds is None else _check_timeout(seconds, "set_wait_timeout")
-    )
-
-
-def _get_timeout() -> float:
-    if _timeout_s is not None:
-        return _timeout_s
-    env = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not env:
-        return DEFAULT_WAIT_TIMEOUT_S
-    try:
-        value = float(env)
-    except ValueError:
-        raise ValueError(
-            f"${TIMEOUT_ENV}={env!r} is not a number of seconds (inf: no limit)"
-        ) from None
-    try:
-        return _check_timeout(value, f"${TIMEOUT_ENV}={env!r}")
-    except ValueError as e:
-        raise ValueError(str(e)) from None
-
-
-def _set_observer(observer: Any) -> Any:
-    """Make ``observer`` the one later actions report to; returns the previous one."""
-    global _observer
-    previous, _observer = _observer, observer
-    return previous
+    """A thread of an overlapped action waited too long for the other one."""
 
 
 def _wait_arg(seconds: float) -> float | None:
     """A timeout for ``threading`` waits and joins: ``None`` for no limit."""
     return None if math.isinf(seconds) else seconds
-
-
-class _Side(enum.IntEnum):
-    FORWARD = 0
-    BACKWARD = 1
-
-    @property
-    def other(self) -> _Side:
-        return _Side(1 - self)
-
-    @property
-    def thread_name(self) -> str:
-        return "forward" if self is _Side.FORWARD else "backward"
 
 
 class _TurnState(enum.Enum):
@@ -120,13 +58,24 @@ class _CoordinatorState(enum.Enum):
     STOPPED = "stopped"  # a side failed: nobody waits any more
 
 
+@dataclasses.dataclass(frozen=True)
+class _Collective:
+    """One collective a side issued during the action: what, on which group, how ordered."""
+
+    op: str
+    group: str
+    order: Order
+
+
 @dataclasses.dataclass
 class _SideTurns:
     """One side's part of a coordinator's state."""
 
     state: _TurnState = _TurnState.NOT_STARTED
     depth: int = 0  # nesting of the current region (> 0 exactly when COMMUNICATING)
-    regions: int = 0  # regions opened so far
+    regions: int = 0  # regions opened so far (marked and implicit)
+    holds_turn: bool = False  # issued a STRICT collective in the current region
+    yielded: bool = False  # waits for the other side to finish: gives up its turns
     waiting: int = 0  # blocked in the coordinator (parked)
     where: str | None = None  # last boundary passed
     opened_at: float = 0.0  # clock() when the current region was entered
@@ -134,26 +83,28 @@ class _SideTurns:
     awaiting_since: float = 0.0  # clock() when the input wait began
     awaited_long: bool = False  # the input wait was long enough to hand over
     profiler_range: Any = None
+    collectives: list[_Collective] = dataclasses.field(default_factory=list)
 
 
 class _CommCoordinator:
     """Turn-taking of the two threads of one overlapped action.
 
-    The policy (it depends only on the order of boundaries on each thread,
-    never on timing):
+    The rule is [Note: the overlap rule] (``overlap/policy.py``); it depends
+    only on the order of boundaries and collectives on each thread, never on
+    timing, for everything that must be the same on every rank:
 
-    * **Communication turns alternate**, the backward side first: its first
-      region, then the forward side's first, and so on; a side that is DONE
-      gives up its turns.  Regions are exclusive.
-    * **Compute is handed over at each boundary**, see [Note: the hand-over
-      policy].
+    * **Collectives**: each one either thread issues runs inside a region (a
+      marked one, or an implicit one around it, :meth:`collective`).  STRICT
+      collectives take turns, backward side first; FREE ones (the side's own
+      communicator) wait for nobody.
+    * **Compute is handed over at region boundaries** (``policy.hands_over``).
     * **Inputs**: a side may first wait for its receives
       (:meth:`await_inputs`); see [Note: a side waiting for its input].
     * **Random numbers** are drawn as the sequential handler draws them; see
       [Note: random numbers in an overlapped action].
 
     State, guarded by one ``threading.Condition``: the coordinator's
-    :class:`_CoordinatorState`, ``turn`` (whose region is next), a
+    :class:`_CoordinatorState`, ``turn`` (whose STRICT region is next), a
     :class:`_SideTurns` per side and the backward side's :class:`_RNGWindows`.
     A side woken because the other failed finds the coordinator STOPPED.
 
@@ -163,7 +114,9 @@ class _CommCoordinator:
         timeout: seconds a side may wait for the other (``math.inf``: no limit).
         clock: measures region lengths (tests inject one).
         hand_over_min_region_s: shorter regions are not handed over (default:
-            ``_HAND_OVER_MIN_REGION_S``, read when the coordinator is made).
+            ``SETTINGS.hand_over_min_region_s``, read when the coordinator is made).
+        first: the side whose sub-action the sequential handler runs first
+            (see [Note: random numbers outside recomputation]).
     """
 
     def __init__(
@@ -174,22 +127,24 @@ class _CommCoordinator:
         *,
         clock: Callable[[], float] = time.perf_counter,
         hand_over_min_region_s: float | None = None,
+        first: Side = Side.FORWARD,
     ) -> None:
         self.rank = rank
+        self.first = first
         self.action = action
         self.timeout = timeout
         self._wait_timeout = _wait_arg(timeout)
         self._clock = clock
         self._hand_over_min_region_s = (
-            _HAND_OVER_MIN_REGION_S
+            SETTINGS.hand_over_min_region_s
             if hand_over_min_region_s is None
             else hand_over_min_region_s
         )
         self._cond = threading.Condition(threading.Lock())
         self._state = _CoordinatorState.RUNNING
-        self._turn = _Side.BACKWARD
+        self._turn = Side.BACKWARD
         self._sides = (_SideTurns(), _SideTurns())
-        self._rng = _RNGWindows(_Side.BACKWARD, _Side.FORWARD)
+        self._rng = _RNGWindows(Side.BACKWARD, Side.FORWARD)
 
     @property
     def _stopped(self) -> bool:
@@ -197,8 +152,8 @@ class _CommCoordinator:
 
     # -- transitions --------------------------------------------------------
 
-    def start(self, side: _Side) -> None:
-        """Before ``side`` computes at all (see [Note: the hand-over policy])."""
+    def start(self, side: Side) -> None:
+        """Before ``side`` computes at all (see ``policy.may_start``)."""
         with self._cond:
             where = "the start of its sub-action"
             self._wait(
@@ -211,38 +166,31 @@ class _CommCoordinator:
             self._sides[side].state = _TurnState.COMPUTING
             self._resume(side, where)
 
-    def open(self, side: _Side, where: str, phase: str) -> None:
-        """Enter a communication region of ``side`` (``where`` names the boundary)."""
+    def open(self, side: Side, where: str, phase: str) -> None:
+        """Enter a marked region of ``side`` (``where`` names the boundary).
+
+        A marked region waits for nobody: its collectives do, each as its
+        Order says (:meth:`collective`).
+        """
         me = self._sides[side]
         with self._cond:
-            if me.depth:
-                me.depth += 1  # nested, e.g. recomputation inside a region
-                if self._sides[side.other].waiting:
-                    # it may wait for this side to park (inside an RNG window)
-                    self._cond.notify_all()
-                return
-            self._wait(
-                side, where, lambda: self._may_open(side), "for its turn to communicate"
-            )
-            if self._stopped:
-                return
-            me.state, me.depth, me.where = _TurnState.COMMUNICATING, 1, where
-            me.opened_at = self._clock()
-            me.regions += 1
-            self._cond.notify_all()  # the other side may compute now
-        if torch.autograd.profiler._is_profiler_enabled:
+            self._enter(side, where)
+        if me.depth == 1 and torch.autograd.profiler._is_profiler_enabled:
             rf = record_function(
                 f"ep_overlap::{phase} communication ({side.thread_name} thread)"
             )
             rf.__enter__()
             me.profiler_range = rf
 
-    def close(self, side: _Side, where: str) -> None:
-        """Leave a communication region of ``side``; a close without an open is ignored.
+    def close(self, side: Side, where: str) -> None:
+        """Leave a region of ``side``; a close without an open is ignored.
 
-        Leaving the outermost region hands the turn over and then waits until
-        the other side has opened its next region (or finished).
+        Leaving the outermost region passes the turn on if the region held it,
+        and hands the processor over (``policy.hands_over``).
         """
+        self._close(side, where)
+
+    def _close(self, side: Side, where: str) -> None:
         me = self._sides[side]
         with self._cond:
             me.where = where
@@ -255,7 +203,41 @@ class _CommCoordinator:
             if not self._in_comm(side):
                 self._resume(side, where)
 
-    def await_inputs(self, side: _Side, wait: Callable[[], None], what: str) -> None:
+    @contextmanager
+    def collective(
+        self, side: Side, op: str, group: str, order: Order
+    ) -> Iterator[None]:
+        """Issue one collective of ``side`` (``op`` on ``group``) inside a region.
+
+        Outside a marked region it gets an implicit one.  A STRICT collective
+        first takes the turn, unless its region already holds it.
+        """
+        where = f"{op} on group {group}"
+        self._begin_collective(side, _Collective(op, group, order), where)
+        try:
+            yield
+        finally:
+            self._close(side, where)
+
+    def _begin_collective(
+        self, side: Side, collective: _Collective, where: str
+    ) -> None:
+        me = self._sides[side]
+        with self._cond:
+            me.collectives.append(collective)
+            if collective.order is Order.STRICT and not me.holds_turn:
+                self._wait(
+                    side,
+                    where,
+                    lambda: self._may_take_turn(side),
+                    "for its turn to issue a collective on a communicator both "
+                    "sides use",
+                )
+                if not self._stopped:
+                    me.holds_turn = True
+            self._enter(side, where)
+
+    def await_inputs(self, side: Side, wait: Callable[[], None], what: str) -> None:
         """Run ``wait``, ``side`` waiting for its input (``what``), before it starts.
 
         See [Note: a side waiting for its input].  ``wait`` has its own
@@ -271,18 +253,18 @@ class _CommCoordinator:
             wait()
         finally:
             with self._cond:
-                me.awaited_long = _policy.hands_over(
+                me.awaited_long = policy.hands_over(
                     self._clock() - me.awaiting_since, self._hand_over_min_region_s
                 )
                 me.state, me.awaiting = _TurnState.NOT_STARTED, None
                 self._cond.notify_all()
 
-    def awaits_inputs(self, side: _Side) -> bool:
+    def awaits_inputs(self, side: Side) -> bool:
         """Whether ``side`` is waiting for its input now."""
         with self._cond:
             return self._sides[side].state is _TurnState.AWAITING_INPUT
 
-    def finish(self, side: _Side) -> None:
+    def finish(self, side: Side) -> None:
         """``side`` has finished its sub-action (or failed): the other runs freely."""
         with self._cond:
             if self._sides[side].depth:
@@ -299,7 +281,7 @@ class _CommCoordinator:
 
     @contextmanager
     def rng_window(
-        self, side: _Side, devices: _RNGDevices, preserve: bool
+        self, side: Side, devices: _RNGDevices, preserve: bool
     ) -> Iterator[None]:
         """A recomputation of ``side`` (inside ``torch.random.fork_rng``).
 
@@ -364,12 +346,62 @@ class _CommCoordinator:
                     "function)."
                 )
 
-    def regions_opened(self, side: _Side) -> int:
-        """Regions ``side`` has opened so far."""
+    def random_draw(self, side: Side, what: str) -> None:
+        """``side`` is about to draw random numbers with ``what``, outside a recomputation.
+
+        See [Note: random numbers outside recomputation]: the second side
+        waits until the first has finished.
+
+        Raises:
+            RuntimeError: ``side`` runs first under the sequential handler, or
+                draws inside a communication region.
+        """
+        me, other = self._sides[side], self._sides[side.other]
+        with self._cond:
+            if self._stopped or other.state is _TurnState.DONE:
+                return
+            if self._rng.is_open and self._rng.owner() == side:
+                return  # a recomputation: its window gives it its numbers
+            problem = None
+            if side is self.first:
+                problem = (
+                    "its sub-action runs first under the sequential handler, so "
+                    "the other side's numbers would have to wait for it"
+                )
+            elif me.depth:
+                problem = f"it is inside a communication region (entered at {me.where})"
+            if problem is not None:
+                raise RuntimeError(
+                    f"rank {self.rank}, action {self.action}: the "
+                    f"{side.thread_name} side of an overlapped OVERLAP_F_B draws "
+                    f"random numbers with {what} outside activation-checkpointing "
+                    f"recomputation while the {side.other.thread_name} side is "
+                    f"still running, and {problem}: it cannot get the numbers the "
+                    "sequential handler draws. Draw them in forward (or in a "
+                    "recomputation), or run OVERLAP_F_B sequentially "
+                    "(runtime.sequential_overlap_f_b)."
+                )
+            me.yielded = True
+            self._cond.notify_all()
+            self._wait(
+                side,
+                f"{what} (a random draw)",
+                lambda: self._stopped or other.state is _TurnState.DONE,
+                f"for the {side.other.thread_name} thread to finish before drawing "
+                "random numbers",
+            )
+
+    def regions_opened(self, side: Side) -> int:
+        """Regions ``side`` has opened so far (marked and implicit)."""
         with self._cond:
             return self._sides[side].regions
 
-    def state_of(self, side: _Side) -> tuple[_TurnState, bool]:
+    def collectives(self, side: Side) -> list[_Collective]:
+        """The collectives ``side`` issued so far, in order, with their Order."""
+        with self._cond:
+            return list(self._sides[side].collectives)
+
+    def state_of(self, side: Side) -> tuple[_TurnState, bool]:
         """``side``'s state, and whether it is parked in this coordinator."""
         with self._cond:
             return self._sides[side].state, self._sides[side].waiting > 0
@@ -386,10 +418,30 @@ class _CommCoordinator:
     # (a shorter wait -- the input was there -- changes nothing, the hand-over
     # would cost more).  Once its input is there, a side whose wait was that
     # long starts only when the other side is not computing (parked, in a
-    # region or done).  Turns to communicate are never given up for a wait:
-    # the order of the regions is the same on every rank.
+    # region or done).  A waiting side keeps its turns for STRICT collectives:
+    # their order is the same on every rank.  FREE collectives wait for
+    # nobody, so with per-side communicators a side waiting for its input
+    # holds nobody back.
 
-    def _may_start(self, side: _Side) -> bool:
+    def _enter(self, side: Side, where: str) -> None:
+        """``side`` enters a region (nested: deeper)."""
+        me = self._sides[side]
+        me.depth += 1
+        if me.depth > 1:
+            if self._sides[side.other].waiting:
+                # it may wait for this side to park (inside an RNG window)
+                self._cond.notify_all()
+            return
+        me.state, me.where = _TurnState.COMMUNICATING, where
+        me.opened_at = self._clock()
+        me.regions += 1
+        self._cond.notify_all()  # the other side may compute now
+
+    def _computing(self, turns: _SideTurns) -> bool:
+        """Whether ``turns``' side computes now (not in a region, parked, waiting for input or done)."""
+        return turns.state is _TurnState.COMPUTING and not turns.waiting
+
+    def _may_start(self, side: Side) -> bool:
         me, other = self._sides[side], self._sides[side.other]
         if self._stopped or other.state is _TurnState.DONE:
             return True
@@ -399,20 +451,26 @@ class _CommCoordinator:
             and not other.waiting
         ):
             return False  # the other side ran ahead while this one waited
-        return self._input_wait_is_long(other) or _policy.may_start(
-            self._turn == side, other.regions, False
+        return policy.may_start(
+            side is Side.BACKWARD,
+            other.regions,
+            other.state is _TurnState.DONE
+            or other.yielded
+            or self._input_wait_is_long(other),
         )
 
-    def _may_open(self, side: _Side) -> bool:
+    def _may_take_turn(self, side: Side) -> bool:
         other = self._sides[side.other]
-        return self._stopped or _policy.may_open(
-            self._turn == side, other.depth > 0, other.state is _TurnState.DONE
+        return self._stopped or policy.may_take_turn(
+            self._turn == side,
+            other.holds_turn,
+            other.state is _TurnState.DONE or other.yielded,
         )
 
-    def _hand_over(self, side: _Side, where: str) -> None:
+    def _hand_over(self, side: Side, where: str) -> None:
         """After a long enough region, wait until the other side opens its next one."""
         me, other = self._sides[side], self._sides[side.other]
-        if not _policy.hands_over(
+        if not policy.hands_over(
             self._clock() - me.opened_at, self._hand_over_min_region_s
         ):
             return
@@ -422,9 +480,8 @@ class _CommCoordinator:
             where,
             lambda: (
                 self._stopped
-                or self._input_wait_is_long(other)
-                or _policy.may_compute_on(
-                    other.regions, at_hand_over, other.state is _TurnState.DONE
+                or policy.may_compute_on(
+                    other.regions, at_hand_over, self._computing(other)
                 )
             ),
             f"for the {side.other.thread_name} thread to start communicating "
@@ -433,7 +490,7 @@ class _CommCoordinator:
 
     def _input_wait_is_long(self, turns: _SideTurns) -> bool:
         """Whether ``turns``' side has waited for its input long enough to hand over."""
-        return turns.state is _TurnState.AWAITING_INPUT and _policy.hands_over(
+        return turns.state is _TurnState.AWAITING_INPUT and policy.hands_over(
             self._clock() - turns.awaiting_since, self._hand_over_min_region_s
         )
 
@@ -444,23 +501,25 @@ class _CommCoordinator:
         left = turns.awaiting_since + self._hand_over_min_region_s - self._clock()
         return left if left > 0 else None
 
-    def _release(self, side: _Side, state: _TurnState) -> None:
-        """``side`` leaves its outermost region for ``state``; the turn passes on."""
+    def _release(self, side: Side, state: _TurnState) -> None:
+        """``side`` leaves its outermost region for ``state``; a held turn passes on."""
         me = self._sides[side]
-        me.state, self._turn = state, side.other
+        me.state = state
+        if me.holds_turn:
+            me.holds_turn, self._turn = False, side.other
         rf, me.profiler_range = me.profiler_range, None
         if rf is not None:
             rf.__exit__(None, None, None)
         self._cond.notify_all()
 
-    def _in_comm(self, side: _Side) -> bool:
+    def _in_comm(self, side: Side) -> bool:
         """Inside a region opened after this side's innermost RNG window began."""
         base = 0
         if side == self._rng.side and self._rng.is_open:
             base = self._rng.depths[-1]
         return self._sides[side].depth > base
 
-    def _parked(self, side: _Side) -> bool:
+    def _parked(self, side: Side) -> bool:
         """``side`` draws no random numbers now: finished, blocked or communicating."""
         me = self._sides[side]
         return (
@@ -469,7 +528,7 @@ class _CommCoordinator:
             or self._in_comm(side)
         )
 
-    def _resume(self, side: _Side, where: str) -> None:
+    def _resume(self, side: Side, where: str) -> None:
         """``side`` computes next: in an RNG window, it takes the generators first."""
         if not self._rng.is_open or self._rng.owner() == side:
             return
@@ -489,7 +548,7 @@ class _CommCoordinator:
             self._rng.hand_to(side)
 
     def _wait(
-        self, side: _Side, where: str, predicate: Callable[[], bool], what: str
+        self, side: Side, where: str, predicate: Callable[[], bool], what: str
     ) -> bool:
         """Wait (lock held) until ``predicate``; True if this had to block."""
         if predicate():
@@ -497,18 +556,17 @@ class _CommCoordinator:
         me, other = self._sides[side], self._sides[side.other]
         me.waiting += 1
         try:
-            if other.waiting:
-                # This side is parked now, which the other side may wait for: to
-                # start after a long input wait, at the start of a recomputation
-                # or to take the generators over.
-                self._cond.notify_all()
+            # This side is parked now, which the other side may wait for: to
+            # compute on after a hand-over, to start after a long input wait,
+            # at the start of a recomputation or to take the generators over.
+            self._cond.notify_all()
             if self._wait_for(predicate, other):
                 return True
         finally:
             me.waiting -= 1
         raise CommWaitTimeoutError(self._timeout_message(side, where, what))
 
-    def _timeout_message(self, side: _Side, where: str, what: str) -> str:
+    def _timeout_message(self, side: Side, where: str, what: str) -> str:
         me, other = self._sides[side], self._sides[side.other]
         if other.depth:
             state = f"is inside its communication region (entered at {other.where})"
@@ -516,14 +574,15 @@ class _CommCoordinator:
             state = "has not reached its first boundary"
         else:
             state = f"last passed {other.where} and has not reached its next boundary"
+        if me.depth and me.where is not None and me.where != where:
+            where = f"{where} (inside its region entered at {me.where})"
         return (
             f"rank {self.rank}, action {self.action}: the {side.thread_name} "
             f"thread waited more than {self.timeout:g} s at {where} {what} "
             f"(after {me.regions} regions of its own); the "
-            f"{side.other.thread_name} thread {state}. Every collective inside "
-            "a stage must be between ep_overlap marks, identically on every "
-            "rank; raise the limit with ep_overlap.set_wait_timeout() or "
-            f"${TIMEOUT_ENV} if the other side's compute is this long."
+            f"{side.other.thread_name} thread {state}. Raise the limit with "
+            f"overlap.set_wait_timeout() or ${TIMEOUT_ENV} if the other side's "
+            "compute is this long."
         )
 
     def _wait_for(self, predicate: Callable[[], bool], other: _SideTurns) -> bool:
@@ -561,7 +620,7 @@ class _ObservedCoordinator(_CommCoordinator):
     """A :class:`_CommCoordinator` reporting each transition to an ``ActionObserver``.
 
     Used for the actions started while an observer is set
-    (``ep_overlap.observe_actions``), so that the plain one pays nothing.
+    (``overlap.observe_actions``), so that the plain one pays nothing.
     """
 
     def __init__(self, observer: Any, *args: Any, **kwargs: Any) -> None:
@@ -569,7 +628,7 @@ class _ObservedCoordinator(_CommCoordinator):
         self._observer = observer
 
     def _timed(
-        self, name: str, side: _Side, transition: Callable[..., None], *args: Any
+        self, name: str, side: Side, transition: Callable[..., None], *args: Any
     ) -> None:
         call = time.perf_counter()
         try:
@@ -577,14 +636,19 @@ class _ObservedCoordinator(_CommCoordinator):
         finally:
             self._observer.transition(name, side.thread_name, call, time.perf_counter())
 
-    def start(self, side: _Side) -> None:
+    def start(self, side: Side) -> None:
         self._timed("start", side, super().start)
 
-    def open(self, side: _Side, where: str, phase: str) -> None:
+    def open(self, side: Side, where: str, phase: str) -> None:
         self._timed("open", side, super().open, where, phase)
 
-    def close(self, side: _Side, where: str) -> None:
+    def _begin_collective(
+        self, side: Side, collective: _Collective, where: str
+    ) -> None:
+        self._timed("collective", side, super()._begin_collective, collective, where)
+
+    def close(self, side: Side, where: str) -> None:
         self._timed("close", side, super().close, where)
 
-    def finish(self, side: _Side) -> None:
+    def finish(self, side: Side) -> None:
         self._timed("finish", side, super().finish)

@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch_pipelining_ext.overlap._policy import HAND_OVER_MIN_REGION_S
+from torch_pipelining_ext.overlap.policy import HAND_OVER_MIN_REGION_S, Order
 
 
 Segments = tuple[float, ...]
@@ -191,15 +191,24 @@ class OverlapModel:
             for the other (0 on a device; tens of microseconds on CPU).
         min_region: a region shorter than this does not make its side wait for
             the other's next region before computing on (default: the
-            coordinator's threshold, see [Note: the hand-over policy]).
+            coordinator's threshold, see [Note: the overlap rule]).
+        order: how the two sides' all-to-alls are ordered: ``Order.STRICT``
+            (one communicator: they take turns; what runs on NCCL and on
+            groups without a twin) or ``Order.FREE`` (each side its own twin
+            communicator, gloo); see [Note: the OVERLAP_F_B model].
     """
 
     enabled: bool = True
     streams: bool = True
     handover: float = 0.0
     min_region: float = HAND_OVER_MIN_REGION_S
+    order: Order = Order.STRICT
 
     def __post_init__(self) -> None:
+        if not isinstance(self.order, Order):
+            raise ValueError(
+                f"OverlapModel.order must be an overlap.policy.Order, got {self.order!r}"
+            )
         for name in ("enabled", "streams"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(

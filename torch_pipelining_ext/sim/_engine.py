@@ -20,15 +20,14 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch_pipelining_ext.overlap._policy import (
+from torch_pipelining_ext.overlap.policy import (
     hands_over,
     may_compute_on,
-    may_open,
     may_start,
+    may_take_turn,
+    Order,
+    Side,
 )
-from torch_pipelining_ext.overlap._turns import (
-    _Side as Side,
-)  # the coordinator's two sides
 from torch_pipelining_ext.sim._costs import LinkCost, OverlapModel, Segments, StageCost
 from torch_pipelining_ext.sim._schedule import kind
 
@@ -124,20 +123,24 @@ class SimulationResult:
 # --------------------------------------------------------------------------- #
 
 # [Note: the OVERLAP_F_B model]
-# The pair runs as overlap._turns._CommCoordinator makes it run, on one compute
-# resource and one communication resource.  When a side may start, open a
-# region or compute on after one is the coordinator's own policy, asked of
-# overlap._policy (see [Note: the hand-over policy] there) with the modelled
-# region lengths.  The model adds:
+# The pair runs as the runtime's coordinator (overlap/_turns.py) makes it run:
+# when a side may start, issue a collective or compute on after a region is
+# the rule of ``overlap.policy`` ([Note: the overlap rule]), asked with the
+# modelled region lengths.  Each communication segment is one region whose
+# collectives have the model's Order:
+# * STRICT (a communicator both sides use; NCCL; a group without a twin):
+#   regions take turns, the backward side first; a side keeps its turn while
+#   its input is not there yet (so a late gradient holds the forward back);
+# * FREE (each side its own communicator): a region waits for nobody, and the
+#   two sides' regions may run at once.
+# The model adds:
 # * compute is exclusive: at most one side computes at a time (on CPU the
 #   hand-overs enforce it; on a device two streams share the SMs, which this
 #   approximates as taking turns);
 # * a side that had to wait before computing pays ``handover`` seconds;
 # * each side starts when its own input is there (``ready``): the backward
 #   side waits for its gradient, the forward side for its activation, not
-#   for both.  Until its input has arrived a side takes no part in the
-#   turn-taking: the policy sees it as done, so the other side communicates
-#   and computes on without it, and it joins at its arrival.
+#   for both.  Until then the side neither starts nor gives up its turns.
 # With no regions at all the forward side waits for the whole backward: the
 # pair takes the sequential time, plus one hand-over.
 
@@ -177,6 +180,7 @@ class _Pair:
     ) -> None:
         self.segs = segs
         self.model = model
+        self.strict = model.order is Order.STRICT
         self.arrive = dict(arrive)  # when each side's input is there
         self.t = 0.0
         self.turn = Side.BACKWARD  # the coordinator's first turn
@@ -195,8 +199,24 @@ class _Pair:
         return self.running[side] is not None and self.running[side][0] == what  # type: ignore[index]
 
     def _absent(self, side: Side) -> bool:
-        """Whether ``side`` takes no part in the turn-taking now: done, or its input not there yet."""
+        """Whether ``side`` is done or its input is not there yet."""
         return self.done[side] or self.t < self.arrive[side]
+
+    def _policy_allows(self, side: Side) -> bool:
+        """Whether the rule lets ``side`` run its next segment now (compute aside)."""
+        other = side.other
+        if not self.started[side] and not may_start(
+            side is Side.BACKWARD, self.regions[other], self._absent(other)
+        ):
+            return False
+        if self.pos[side] % 2 == 0:  # compute
+            at = self.handed_over_at[side]
+            return at is None or may_compute_on(
+                self.regions[other], at, self._running(other, "compute")
+            )
+        return not self.strict or may_take_turn(
+            self.turn == side, self._running(other, "comm"), self.done[other]
+        )
 
     def _try_start(self, side: Side) -> bool:
         """Start ``side``'s next segment (or finish the side) if the policy lets it; True if it did."""
@@ -206,19 +226,11 @@ class _Pair:
         if self.pos[side] == len(self.segs[side]):
             self.done[side], self.end_time[side] = True, t
             return True
-        if not self.started[side]:
-            if not may_start(
-                self.turn == side, self.regions[other], self._absent(other)
-            ):
-                return False
-            self.started[side] = True
+        if not self._policy_allows(side):
+            return False
+        self.started[side] = True
         dur = self.segs[side][self.pos[side]]
         if self.pos[side] % 2 == 0:  # compute
-            at = self.handed_over_at[side]
-            if at is not None and not may_compute_on(
-                self.regions[other], at, self._absent(other)
-            ):
-                return False
             if self._running(other, "compute"):
                 return False
             self.handed_over_at[side] = None
@@ -227,10 +239,6 @@ class _Pair:
             if dur > 0:
                 self.out.append((side, begin, begin + dur, "compute"))
         else:  # communication region
-            if not may_open(
-                self.turn == side, self._running(other, "comm"), self._absent(other)
-            ):
-                return False
             self.regions[side] += 1
             self.running[side] = ("comm", t + dur)
             if dur > 0:
@@ -273,7 +281,8 @@ class _Pair:
         self.pos[side] += 1
         self.free_since[side] = self.t
         if what == "comm":
-            self.turn = side.other
+            if self.strict:
+                self.turn = side.other
             if hands_over(dur, self.model.min_region):
                 self.handed_over_at[side] = self.regions[side.other]
 

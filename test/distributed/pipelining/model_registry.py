@@ -379,7 +379,12 @@ def is_expert_param(fqn: str) -> bool:
 
 
 class _EPAllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with variable split sizes; the backward is the reverse exchange."""
+    """``all_to_all_single`` with variable split sizes; the backward is the reverse exchange.
+
+    Both run on ``ep_overlap.side_group(group)``, looked up when they run: the
+    group's twin on the backward side of an overlapped OVERLAP_F_B, where the
+    group has one.
+    """
 
     @staticmethod
     def forward(
@@ -391,7 +396,13 @@ class _EPAllToAll(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        dist.all_to_all_single(
+            out,
+            x.contiguous(),
+            out_splits,
+            in_splits,
+            group=ep_overlap.side_group(group),
+        )
         return out
 
     @staticmethod
@@ -399,7 +410,11 @@ class _EPAllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty(sum(in_splits), *grad.shape[1:])
         dist.all_to_all_single(
-            grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group
+            grad_in,
+            grad.contiguous(),
+            in_splits,
+            out_splits,
+            group=ep_overlap.side_group(ctx.group),
         )
         return grad_in, None, None, None
 
@@ -518,7 +533,7 @@ class EPMoE(nn.Module):
             return routed, counts.view(1, self.n_local), None
         ep = dist.get_world_size(group)
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)
+        dist.all_to_all_single(recv_counts, counts, group=ep_overlap.side_group(group))
         send = counts.view(ep, self.n_local).sum(dim=1).tolist()
         recv_counts = recv_counts.view(ep, self.n_local)
         recv = recv_counts.sum(dim=1).tolist()

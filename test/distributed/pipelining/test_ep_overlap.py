@@ -40,8 +40,10 @@ from torch_pipelining_ext import overlap as ep_overlap
 from torch_pipelining_ext.overlap._handler import _run_overlapped, _StreamPlan
 from torch_pipelining_ext.overlap import _marks as _ep_marks
 from torch_pipelining_ext.overlap import _turns as _ep_turns
-from torch_pipelining_ext.overlap._turns import _CommCoordinator, _Side, _TurnState
+from torch_pipelining_ext.overlap._settings import SETTINGS
+from torch_pipelining_ext.overlap._turns import _CommCoordinator, _TurnState
 from torch_pipelining_ext.overlap import CommWaitTimeoutError
+from torch_pipelining_ext.overlap.policy import Order, Side
 
 
 DIM = 8
@@ -61,6 +63,16 @@ class FakeComm:
         self.hook = None  # called inside the collective with its tag
 
     def collective(self, tag: str) -> None:
+        # issued as the interception issues a real collective on a
+        # communicator both sides use (a STRICT one)
+        binding = _ep_marks._current_binding()
+        if binding is None:
+            self._run(tag)
+            return
+        with binding.coordinator.collective(binding.side, tag, "fake", Order.STRICT):
+            self._run(tag)
+
+    def _run(self, tag: str) -> None:
         with self.lock:
             if self.active is not None:
                 self.violations.append((self.active, tag))
@@ -101,11 +113,30 @@ class Jitter(torch.autograd.Function):
         return None, grad
 
 
+class BackwardNoise(torch.autograd.Function):
+    """Identity in forward; its backward draws random numbers (stochastic rounding, say)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        noise = torch.randn_like(grad) * 1e-3
+        return nn.functional.dropout(grad, p=0.2, training=True) + noise
+
+
 class ToyMoELayer(nn.Module):
     def __init__(
-        self, name: str, comm: FakeComm, jitter: float = 0.0, random_ops: bool = False
+        self,
+        name: str,
+        comm: FakeComm,
+        jitter: float = 0.0,
+        random_ops: bool = False,
+        backward_noise: bool = False,
     ) -> None:
         super().__init__()
+        self.backward_noise = backward_noise
         self.name, self.comm, self.jitter, self.random_ops = (
             name,
             comm,
@@ -125,6 +156,8 @@ class ToyMoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = Jitter.apply(self.jitter, torch.tanh(self.pre(x)))
+        if self.backward_noise:
+            h = BackwardNoise.apply(h)
         if self.random_ops:
             h = self._draw(h)
         h = ep_overlap.dispatch_begin(h)
@@ -151,10 +184,11 @@ class ToyStage(nn.Module):
         jitter: float = 0.0,
         ac: str = "",
         random_ops: bool = False,
+        backward_noise: bool = False,
     ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            ToyMoELayer(f"{prefix}{i}", comm, jitter, random_ops)
+            ToyMoELayer(f"{prefix}{i}", comm, jitter, random_ops, backward_noise)
             for i in range(n_layers)
         )
         self.head = nn.Linear(DIM, DIM)
@@ -226,15 +260,13 @@ class PairRun:
         comm_jitter: float = 0.0,
         ac: str = "",
         random_ops: bool = False,
+        backward_noise: bool = False,
     ) -> None:
         torch.manual_seed(0)
         self.comm = FakeComm(jitter=comm_jitter)
-        self.fwd_stage = ToyStage(
-            "F", n_fwd, self.comm, jitter, ac=ac, random_ops=random_ops
-        )
-        self.bwd_stage = ToyStage(
-            "B", n_bwd, self.comm, jitter, ac=ac, random_ops=random_ops
-        )
+        kw = {"ac": ac, "random_ops": random_ops, "backward_noise": backward_noise}
+        self.fwd_stage = ToyStage("F", n_fwd, self.comm, jitter, **kw)
+        self.bwd_stage = ToyStage("B", n_bwd, self.comm, jitter, **kw)
         self.x_fwd = torch.randn(4, DIM, requires_grad=True)
         self.x_bwd = torch.randn(4, DIM, requires_grad=True)
         self.loss = self.bwd_stage(self.x_bwd).square().sum()
@@ -275,8 +307,8 @@ class CoordinatorTest(TestCase):
         coordinator = run.run()
         self.assertEqual(run.comm.violations, [])
         self.assertEqual(run.comm.log, expected_order("F", n_fwd, "B", n_bwd))
-        self.assertEqual(coordinator.regions_opened(_Side.FORWARD), 2 * n_fwd)
-        self.assertEqual(coordinator.regions_opened(_Side.BACKWARD), 2 * n_bwd)
+        self.assertEqual(coordinator.regions_opened(Side.FORWARD), 2 * n_fwd)
+        self.assertEqual(coordinator.regions_opened(Side.BACKWARD), 2 * n_bwd)
         self.assert_no_threads_left()
 
     def test_order_is_deterministic_under_random_timing(self) -> None:
@@ -448,16 +480,16 @@ class CoordinatorTest(TestCase):
 
     def test_nested_region_in_one_side(self) -> None:
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
-        coordinator.finish(_Side.BACKWARD)  # the forward side runs alone
-        with _ep_marks.bound(coordinator, _Side.FORWARD):
-            coordinator.open(_Side.FORWARD, "outer", "dispatch")
-            coordinator.open(_Side.FORWARD, "inner", "dispatch")  # nested: no wait
-            coordinator.close(_Side.FORWARD, "inner")
-            coordinator.close(_Side.FORWARD, "outer")
+        coordinator.finish(Side.BACKWARD)  # the forward side runs alone
+        with _ep_marks.bound(coordinator, Side.FORWARD):
+            coordinator.open(Side.FORWARD, "outer", "dispatch")
+            coordinator.open(Side.FORWARD, "inner", "dispatch")  # nested: no wait
+            coordinator.close(Side.FORWARD, "inner")
+            coordinator.close(Side.FORWARD, "outer")
             coordinator.close(
-                _Side.FORWARD, "stray"
+                Side.FORWARD, "stray"
             )  # a close without an open is ignored
-            self.assertEqual(coordinator.regions_opened(_Side.FORWARD), 1)
+            self.assertEqual(coordinator.regions_opened(Side.FORWARD), 1)
 
     def test_compute_is_handed_over(self) -> None:
         # Whenever one side computes, the other is communicating, parked in the
@@ -466,7 +498,7 @@ class CoordinatorTest(TestCase):
         # itself is checked deterministically, one boundary at a time, by
         # test_long_regions_are_handed_over; this checks the invariant in a
         # real two-thread run.)
-        seen: list[tuple[_Side, _TurnState, bool]] = []
+        seen: list[tuple[Side, _TurnState, bool]] = []
 
         class Probe(torch.autograd.Function):
             @staticmethod
@@ -487,12 +519,12 @@ class CoordinatorTest(TestCase):
         run.loss = run.bwd_stage(run.x_bwd).square().sum()
         seen.clear()
         run.comm.log.clear()
-        with unittest.mock.patch.object(_ep_turns, "_HAND_OVER_MIN_REGION_S", 0.0):
+        with unittest.mock.patch.object(SETTINGS, "hand_over_min_region_s", 0.0):
             run.run()
         self.assertEqual(run.comm.violations, [])
         self.assertEqual(
             sorted(collections.Counter(side for side, _, _ in seen).items()),
-            [(_Side.FORWARD, 6), (_Side.BACKWARD, 6)],
+            [(Side.FORWARD, 6), (Side.BACKWARD, 6)],
         )
         both_computing = [
             (side, state)
@@ -503,8 +535,9 @@ class CoordinatorTest(TestCase):
 
     def test_long_regions_are_handed_over(self) -> None:
         # A region at least as long as the threshold (by the injected clock)
-        # makes the closing side wait for the other side's next region; here
-        # the other side never comes, so the wait times out.
+        # makes the closing side wait while the other side computes, until
+        # its next region; here the other side never comes, so the wait
+        # times out.
         now = [0.0]
         coordinator = _CommCoordinator(
             rank=0,
@@ -513,13 +546,14 @@ class CoordinatorTest(TestCase):
             clock=lambda: now[0],
             hand_over_min_region_s=1.0,
         )
-        coordinator.open(_Side.BACKWARD, "b", "combine")
+        coordinator.open(Side.BACKWARD, "b", "combine")
+        coordinator.start(Side.FORWARD)  # computes while the backward communicates
         now[0] += 1.0
         with self.assertRaisesRegex(
             CommWaitTimeoutError,
             "at b for the forward thread to start communicating before computing on",
         ):
-            coordinator.close(_Side.BACKWARD, "b")
+            coordinator.close(Side.BACKWARD, "b")
 
     def test_short_regions_are_not_handed_over(self) -> None:
         # Regions shorter than the hand-over threshold (by the injected clock)
@@ -533,18 +567,18 @@ class CoordinatorTest(TestCase):
             clock=lambda: now[0],
             hand_over_min_region_s=1.0,
         )
-        coordinator.open(_Side.BACKWARD, "b", "combine")
-        now[0] += 0.999
-        coordinator.close(_Side.BACKWARD, "b")  # would wait and time out if handed over
+        with coordinator.collective(Side.BACKWARD, "b", "g", Order.STRICT):
+            now[0] += 0.999
+        # (it would have waited and timed out if handed over)
         with self.assertRaisesRegex(
-            CommWaitTimeoutError, "at b2 for its turn to communicate"
+            CommWaitTimeoutError, "at b2 on group g for its turn to issue a collective"
         ):
-            coordinator.open(
-                _Side.BACKWARD, "b2", "combine"
-            )  # not its turn: the forward side's
+            # not its turn: the forward side's
+            with coordinator.collective(Side.BACKWARD, "b2", "g", Order.STRICT):
+                pass
 
 
-def _record_other_side(seen: list[tuple[_Side, _TurnState, bool]]) -> None:
+def _record_other_side(seen: list[tuple[Side, _TurnState, bool]]) -> None:
     """Record, from a side's compute, the other side's state and whether it is parked."""
     binding = _ep_marks._current_binding()
     if binding is None:
@@ -589,9 +623,9 @@ class RandomNumbersTest(TestCase):
             torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
     def test_random_timing_many_times(self) -> None:
-        # random sleeps at every mark and in every compute, 24 repetitions: bitwise equal, no hang
+        # random sleeps at every mark and in every compute, 8 repetitions: bitwise equal, no hang
         logs = []
-        for seed in range(24):
+        for seed in range(8):
             run, state, ref_run, ref_state = self.run_both(seed, ac="full")
             self.assertEqual(run.comm.violations, [])
             logs.append(run.comm.log)
@@ -625,14 +659,14 @@ class RandomNumbersTest(TestCase):
         backward_waits = threading.Event()
         start, wait = _CommCoordinator.start, _CommCoordinator._wait
 
-        def late_forward_start(coordinator: _CommCoordinator, side: _Side) -> None:
-            if side is _Side.FORWARD:
+        def late_forward_start(coordinator: _CommCoordinator, side: Side) -> None:
+            if side is Side.FORWARD:
                 # The backward thread calls _wait with the lock held, so once
                 # the forward thread has the lock the backward one is blocked.
                 self.assertTrue(backward_waits.wait(TIMEOUT))
             start(coordinator, side)
 
-        def noting_wait(coordinator: _CommCoordinator, side: _Side, where: str, *args):  # type: ignore[no-untyped-def]
+        def noting_wait(coordinator: _CommCoordinator, side: Side, where: str, *args):  # type: ignore[no-untyped-def]
             if where == "the start of a recomputation":
                 backward_waits.set()
             return wait(coordinator, side, where, *args)
@@ -659,6 +693,29 @@ class RandomNumbersTest(TestCase):
         torch.testing.assert_close(
             drawn["forward"], torch.manual_seed(5) and torch.rand(2), rtol=0, atol=0
         )
+
+    @parametrize("ac", ["", "full"])
+    def test_backward_draws_outside_recomputation_match_sequential(
+        self, ac: str
+    ) -> None:
+        # a custom backward draws (dropout, noise): it waits for the forward
+        # side to finish and draws what the sequential handler draws
+        for seed in range(2):
+            run, state, ref, ref_state = self.run_both(seed, ac=ac, backward_noise=True)
+            self.assertEqual(run.comm.violations, [])
+            self.assert_pair_matches_sequential(run, ref)
+            torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
+
+    def test_backward_draws_when_the_backward_runs_first_raise(self) -> None:
+        # a (B;F) pair: the sequential handler draws the backward's numbers
+        # first, which the forward side's concurrent draws would have to wait for
+        run = PairRun(2, 2, random_ops=True, backward_noise=True)
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r"rank 0, action 0F0;1B0: the backward sub-action .* draws random "
+            r"numbers with randn_like outside activation-checkpointing recomputation",
+        ):
+            run.run(first=Side.BACKWARD)
 
     def test_fork_rng_elsewhere_is_the_original(self) -> None:
         torch.manual_seed(3)
@@ -755,7 +812,7 @@ class InputWaitTest(TestCase):
         # the regions' order is the one of inputs that are there at once
         self.assertEqual(run.comm.violations, [])
         self.assertEqual(run.comm.log, expected_order("F", 2, "B", 2))
-        self.assertEqual(coordinator.state_of(_Side.BACKWARD)[0], _TurnState.DONE)
+        self.assertEqual(coordinator.state_of(Side.BACKWARD)[0], _TurnState.DONE)
         ref = PairRun(2, 2)
         ref.forward()
         ref.backward()
@@ -962,6 +1019,130 @@ class ThreadStateTest(TestCase):
         )
         self.assertEqual(seen["backward"][:2], (True, False))
 
+    def _on_both_sides(self, probe, state: contextlib.AbstractContextManager):
+        """``probe()`` on the forward and the backward side of an action run under ``state``."""
+        seen = {}
+        with state:
+            _run_overlapped(
+                lambda: seen.setdefault("forward", probe()),
+                lambda: seen.setdefault("backward", probe()),
+                global_rank=0,
+                action="a",
+                timeout=5.0,
+            )
+        self.assertEqual(seen["backward"], seen["forward"])
+        return seen["backward"]
+
+    def test_inference_and_forward_ad_modes(self) -> None:
+        self.assertEqual(
+            self._on_both_sides(
+                torch.is_inference_mode_enabled, torch.inference_mode()
+            ),
+            True,
+        )
+        off = contextlib.ExitStack()
+        off.callback(torch._C._set_fwd_grad_enabled, True)
+        torch._C._set_fwd_grad_enabled(False)
+        self.assertEqual(self._on_both_sides(torch._C._is_fwd_grad_enabled, off), False)
+
+    def test_function_modes_and_the_default_device(self) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        class Names(TorchFunctionMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.calls: list[tuple[str, str]] = []
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                self.calls.append((threading.current_thread().name, func.__name__))
+                return func(*args, **(kwargs or {}))
+
+        mode = Names()
+        device = self._on_both_sides(
+            lambda: (torch.ones(1).device, torch.get_default_device()),
+            _entered(mode, torch.device("meta")),
+        )
+        self.assertEqual(device, (torch.device("meta"), torch.device("meta")))
+        threads = {t for t, name in mode.calls if name == "ones"}
+        self.assertEqual(len(threads), 2)  # the caller's mode saw both sides
+
+    def test_dispatch_modes(self) -> None:
+        # a dispatch mode set around step() sees the backward's ops
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Ops(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.ops: list[tuple[str, str]] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops.append((threading.current_thread().name, str(func)))
+                return func(*args, **(kwargs or {}))
+
+        mode = Ops()
+        x = torch.ones(2, requires_grad=True)
+        loss = (x * 3).sum()
+        with mode:
+            _run_overlapped(
+                lambda: torch.zeros(1),
+                loss.backward,
+                global_rank=0,
+                action="a",
+                timeout=5.0,
+            )
+        backward_ops = [op for t, op in mode.ops if t.startswith("OVERLAP_F_B")]
+        self.assertIn("aten.mul.Tensor", backward_ops)  # mul's backward
+        torch.testing.assert_close(x.grad, torch.full((2,), 3.0))
+
+    def test_saved_tensor_hooks(self) -> None:
+        packed = []
+
+        def pack(t):
+            packed.append(threading.current_thread().name)
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        x = torch.ones(2, requires_grad=True)
+        self._on_both_sides(lambda: (x * x).sum() is not None, hooks)
+        self.assertEqual(len(set(packed)), 2)
+        disabled = torch.autograd.graph.disable_saved_tensors_hooks("not here")
+        message = self._on_both_sides(
+            torch._C._autograd._saved_tensors_hooks_get_disabled_error_message,
+            disabled,
+        )
+        self.assertEqual(message, "not here")
+
+    def test_view_replay_multithreading_and_intra_op_threads(self) -> None:
+        probe = lambda: (  # noqa: E731
+            torch._C._is_view_replay_enabled(),
+            torch._C._is_multithreading_enabled(),
+            torch.get_num_threads(),
+        )
+        state = contextlib.ExitStack()
+        state.enter_context(torch.autograd._force_original_view_tracking(True))
+        state.enter_context(torch.autograd.set_multithreading_enabled(False))
+        threads = torch.get_num_threads()
+        state.callback(torch.set_num_threads, threads)
+        torch.set_num_threads(1)
+        self.assertEqual(self._on_both_sides(probe, state), (True, False, 1))
+
+    def test_process_wide_settings_are_seen_without_carrying(self) -> None:
+        # default dtype and deterministic algorithms are process-wide: a new
+        # thread sees them (the handler does not carry them)
+        probe = lambda: (  # noqa: E731
+            torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled(),
+        )
+        state = contextlib.ExitStack()
+        state.callback(torch.set_default_dtype, torch.get_default_dtype())
+        state.callback(
+            torch.use_deterministic_algorithms,
+            torch.are_deterministic_algorithms_enabled(),
+        )
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+        self.assertEqual(self._on_both_sides(probe, state), (torch.float64, True))
+
     def test_profiler_ranges_of_both_threads(self) -> None:
         from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import profile
@@ -978,6 +1159,14 @@ class ThreadStateTest(TestCase):
         self.assertIn(
             "ep_overlap::combine backward communication (backward thread)", names
         )
+
+
+@contextlib.contextmanager
+def _entered(*managers):
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield
 
 
 class _Recorder(ep_overlap.ActionObserver):
@@ -1034,7 +1223,7 @@ class ObserverTest(TestCase):
             self.assertEqual(outer.events, [])
             PairRun(1, 1).run()
         self.assertTrue(inner.events and outer.events)
-        self.assertIsNone(_ep_turns._observer)
+        self.assertIsNone(SETTINGS.observer)
         with self.assertRaisesRegex(TypeError, "expected an ActionObserver"):
             with ep_overlap.observe_actions(object()):
                 pass
@@ -1068,17 +1257,26 @@ class MarksTest(TestCase):
         # A thread that is not one of the action's two threads is not coordinated,
         # even while an action runs.
         coordinator = _CommCoordinator(rank=0, action="a", timeout=1.0)
-        coordinator.finish(_Side.BACKWARD)
+        coordinator.finish(Side.BACKWARD)
         seen = []
-        with _ep_marks.bound(coordinator, _Side.FORWARD):
-            coordinator.open(_Side.FORWARD, "held", "dispatch")
+        with _ep_marks.bound(coordinator, Side.FORWARD):
+            coordinator.open(Side.FORWARD, "held", "dispatch")
             t = threading.Thread(
                 target=lambda: seen.append(ep_overlap.dispatch_begin(torch.ones(1)))
             )
             t.start()
             t.join(5.0)
-            coordinator.close(_Side.FORWARD, "held")
+            coordinator.close(Side.FORWARD, "held")
         self.assertEqual(len(seen), 1)
+
+    def test_all_to_all_arguments(self) -> None:
+        x = torch.ones(2, DIM)
+        with self.assertRaisesRegex(
+            ValueError, "phase must be 'dispatch' or 'combine'"
+        ):
+            ep_overlap.all_to_all(x, phase="gather")
+        with self.assertRaisesRegex(ValueError, "give both output_split_sizes"):
+            ep_overlap.all_to_all(x, [1, 1], None)
 
     def test_wrap_dispatch_combine(self) -> None:
         class MoE(nn.Module):
@@ -1129,8 +1327,8 @@ class MarksTest(TestCase):
             comm_order.append(("close", where)),
             orig_close(side, where),
         )
-        coordinator.finish(_Side.BACKWARD)  # the other side has no regions
-        with _ep_marks.bound(coordinator, _Side.FORWARD):
+        coordinator.finish(Side.BACKWARD)  # the other side has no regions
+        with _ep_marks.bound(coordinator, Side.FORWARD):
             model[0](x)
         self.assertEqual(
             comm_order,
@@ -1194,8 +1392,8 @@ class MarksTest(TestCase):
             order.append(where),
             orig_open(side, where, phase),
         )
-        coordinator.finish(_Side.BACKWARD)
-        with _ep_marks.bound(coordinator, _Side.FORWARD):
+        coordinator.finish(Side.BACKWARD)
+        with _ep_marks.bound(coordinator, Side.FORWARD):
             model[0](torch.randn(2, DIM))
         self.assertEqual(order, ["dispatch_begin (forward)", "combine_begin (forward)"])
         # an explicit object
@@ -1239,6 +1437,29 @@ class PatchTest(TestCase):
         finally:
             torch_pipelining_ext.patch()
         self.assertTrue(_overlap._patch_applied())
+
+    def test_collective_kernels_installed_on_use_and_removed_by_unpatch(self) -> None:
+        from torch_pipelining_ext.overlap import _collectives
+
+        def backend_select(op: str) -> str:
+            table = torch._C._dispatch_dump_table(op).splitlines()
+            return next(line for line in table if line.startswith("BackendSelect:"))
+
+        PairRun(1, 1).run()  # an overlapped action installs them
+        self.assertTrue(_collectives._INTERCEPTION.installed)
+        self.assertIn(
+            "c10d::allreduce_",
+            [f"c10d::{n}" for n in _collectives._INTERCEPTION.operators],
+        )
+        self.assertNotIn("fallthrough", backend_select("c10d::allreduce_"))
+        # only operators that take a process group
+        self.assertNotIn("check_for_nan", _collectives._INTERCEPTION.operators)
+        try:
+            torch_pipelining_ext.unpatch()
+            self.assertFalse(_collectives._INTERCEPTION.installed)
+            self.assertIn("fallthrough", backend_select("c10d::allreduce_"))
+        finally:
+            torch_pipelining_ext.patch()
 
     def test_env_opt_out_and_default(self) -> None:
         from torch.distributed.pipelining import schedules

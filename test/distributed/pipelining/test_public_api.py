@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-import subprocess
+import unittest.mock
 import sys
 from pathlib import Path
 
@@ -204,27 +204,42 @@ class PublicApiTest(TestCase):
         self.assertIs(plan, sim_plan)
 
     def test_plan_command_exit_status(self) -> None:
-        """``python -m torch_pipelining_ext.plan`` (the alias) exits 0 after a plan, 2 on bad arguments."""
-        command = [
-            sys.executable,
-            "-m",
-            "torch_pipelining_ext.plan",
-            "--model",
-            "qwen3-235b-a22b",
-        ]
-        ok = subprocess.run(
-            [*command, "--gpus", "256", "--preset", "H100", "--pp", "8", "--ep", "8"],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        """``python -m torch_pipelining_ext.plan`` (the alias) exits 0 after a plan, 2 on bad arguments.
+
+        Run in this process (``runpy``, as ``-m`` runs it): a subprocess would
+        only add an interpreter start.
+        """
+        import contextlib
+        import io
+        import runpy
+
+        def run(*args: str) -> tuple[int, str, str]:
+            out, err = io.StringIO(), io.StringIO()
+            argv = ["plan", "--model", "qwen3-235b-a22b", *args]
+            with (
+                unittest.mock.patch.object(sys, "argv", argv),
+                # the alias module, run afresh as -m runs it; sys.modules
+                # (and __main__, which the alias replaces) restored after
+                unittest.mock.patch.dict(sys.modules),
+                contextlib.redirect_stdout(out),
+                contextlib.redirect_stderr(err),
+            ):
+                sys.modules.pop("torch_pipelining_ext.plan", None)
+                try:
+                    runpy.run_module("torch_pipelining_ext.plan", run_name="__main__")
+                    code = 0
+                except SystemExit as e:
+                    code = 0 if e.code is None else e.code
+            return code, out.getvalue(), err.getvalue()
+
+        code, out, err = run(
+            "--gpus", "256", "--preset", "H100", "--pp", "8", "--ep", "8"
         )
-        self.assertEqual(ok.returncode, 0, ok.stderr)
-        self.assertIn("DualPipeV", ok.stdout)
-        bad = subprocess.run(
-            [*command, "--gpus", "0"], capture_output=True, text=True, timeout=300
-        )
-        self.assertEqual(bad.returncode, 2, bad.stdout + bad.stderr)
-        self.assertIn("gpus", bad.stderr)
+        self.assertEqual(code, 0, err)
+        self.assertIn("DualPipeV", out)
+        code, out, err = run("--gpus", "0")
+        self.assertEqual(code, 2, out + err)
+        self.assertIn("gpus", err)
 
     def test_package_imports_have_no_cycles(self) -> None:
         graph = _package_imports()

@@ -204,12 +204,12 @@ class CaptureApplyTest(TestCase):
         self.assertIs(_torchtitan_compat.register(), _torchtitan_compat.register())
 
     def test_registered_with_the_patches_only(self) -> None:
-        from torch_pipelining_ext.overlap import _marks
+        from torch_pipelining_ext.overlap._settings import SETTINGS
 
         def registered() -> bool:
             return any(
                 hook == (_capture, _apply)
-                for hook in _marks._thread_state_hooks.values()
+                for hook in SETTINGS.thread_state_hooks.values()
             )
 
         self.assertTrue(registered())
@@ -222,8 +222,8 @@ class CaptureApplyTest(TestCase):
         # importing with TORCH_PIPELINING_EXT_DISABLE=1 registers nothing
         code = (
             "import torch_pipelining_ext\n"
-            "from torch_pipelining_ext.overlap import _marks\n"
-            "print(len(_marks._thread_state_hooks))\n"
+            "from torch_pipelining_ext.overlap._settings import SETTINGS\n"
+            "print(len(SETTINGS.thread_state_hooks))\n"
         )
         env = {**os.environ, "TORCH_PIPELINING_EXT_DISABLE": "1"}
         done = subprocess.run(
@@ -237,12 +237,12 @@ class CaptureApplyTest(TestCase):
         self.assertEqual(done.stdout.strip(), "0")
 
     def test_turned_off_by_the_environment(self) -> None:
-        from torch_pipelining_ext.overlap import _marks
+        from torch_pipelining_ext.overlap._settings import SETTINGS
 
         def registered() -> bool:
             return any(
                 hook == (_capture, _apply)
-                for hook in _marks._thread_state_hooks.values()
+                for hook in SETTINGS.thread_state_hooks.values()
             )
 
         try:
