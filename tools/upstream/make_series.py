@@ -260,46 +260,6 @@ PROPOSALS: tuple[Patch, ...] = (
     Patch("runtime-context-per-step", (HandWritten("patch.diff"),)),
     Patch("runtime-perform-action", (HandWritten("patch.diff"),)),
     Patch("runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
-    Patch(
-        "ep-overlap-marks",
-        (_module("ep_overlap.py", "__init__.py"), _module("_ep_marks.py", "_marks.py")),
-    ),
-    Patch(
-        "ep-overlap-turns",
-        (_module("_ep_turns.py", "_turns.py"), Extends("extends.diff")),
-    ),
-    Patch(
-        "overlap-f-b-concurrent",
-        (_module("_overlap.py", "_handler.py"), Extends("extends.diff")),
-    ),
-    Patch(
-        "overlap-worker-per-step",
-        (Extends("extends.diff"), HandWritten("schedules.diff")),
-    ),
-    Patch(
-        "overlap-hand-over",
-        (_module("_ep_policy.py", "_policy.py"), Extends("extends.diff")),
-    ),
-    Patch(
-        "overlap-input-waits",
-        (Extends("extends.diff"), HandWritten("schedules.diff")),
-    ),
-    Patch(
-        "overlap-rng-windows",
-        (
-            _module("_ep_rng.py", "_rng.py"),
-            Extends("extends.diff"),
-            HandWritten("random.diff"),
-        ),
-    ),
-    Patch("overlap-fsdp", (Extends("extends.diff"),)),
-    Patch(
-        "overlap-streams",
-        (_module("_ep_streams.py", "_streams.py"), Extends("extends.diff")),
-    ),
-    Patch("overlap-thread-state", (Extends("extends.diff"),)),
-    Patch("overlap-timeouts", (Extends("extends.diff"),)),
-    Patch("overlap-observer", (Extends("extends.diff"),)),
 )
 
 
