@@ -76,11 +76,14 @@ def main(
         plan = make_plan(args, environ)
     except (UsageError, DataError) as e:
         if not quiet:  # under torchrun rank 0 alone explains
-            parser.print_usage(sys.stderr)
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
-    from torch_pipelining_ext.train import _loop
+    from torch_pipelining_ext.train import _checkpoints, _loop
 
+    lock = None if launcher.under_torchrun(environ) else _checkpoints.lock_run_dir(args.run_dir)
+    if lock is None and not launcher.under_torchrun(environ):
+        print(f"{parser.prog}: error: another run uses --run-dir {args.run_dir}", file=sys.stderr)
+        return 2
     try:
         summary = launcher.launch(
             _loop.run_rank,
@@ -92,6 +95,9 @@ def main(
     except launcher.RankFailedError as e:
         print(f"{parser.prog}: {e}", file=sys.stderr)
         return 1
+    finally:
+        if lock is not None:
+            lock.close()
     if summary:
         _print_summary(summary)
     return 0

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 
 __all__: list[str] = []
@@ -139,6 +140,21 @@ class RunCheckpoints:
             shutil.rmtree(path, ignore_errors=True)
             os.replace(c.path, path)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def lock_run_dir(run_dir: str) -> Any:
+    """Hold ``run_dir/.lock`` for this job (an exclusive ``flock``, inherited
+    by the local ranks, released when the last of them exits); ``None`` if
+    another job holds it."""
+    import fcntl
+
+    f = open(os.path.join(run_dir, ".lock"), "w")  # noqa: SIM115  (held for the run)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
 
 
 def _sync_directory(path: str) -> None:

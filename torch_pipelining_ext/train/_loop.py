@@ -39,7 +39,7 @@ class TrainerState(enum.Enum):
 
     BUILDING = "building"  # stages, schedule, optimizers
     RESUMING = "resuming"  # loading the latest checkpoint
-    WARMING_UP = "warming up"  # torch's shape inference, leaving no trace
+    INFERRING_SHAPES = "inferring shapes"  # torch's first-step shape inference, leaving no trace
     TRAINING = "training"
     CHECKPOINTING = "checkpointing"
     EXPORTING = "exporting"
@@ -52,7 +52,7 @@ def run_rank(rank: int, plan: RunPlan) -> dict[str, Any]:
     mesh = launcher.device_mesh(plan.pp, plan.dp, plan.ep, device_type=device.type)
     trainer = Trainer(plan, mesh, device, rank)
     trainer.start()
-    trainer.warm_up()
+    trainer.infer_shapes()
     trainer.train()
     return trainer.finish()
 
@@ -142,14 +142,14 @@ class Trainer:
             flush=True,
         )
 
-    # -- warm-up -------------------------------------------------------------
+    # -- shape inference -------------------------------------------------------------
 
-    def warm_up(self) -> None:
+    def infer_shapes(self) -> None:
         """Run torch's first-step shape inference before the first step, so
         that it leaves no trace (``[Note: trainer state]``): one step's forward
         and backward on the next batch, inside ``fork_rng``, the gradients
         dropped and its expert load discarded; the optimizers do not step."""
-        self._enter(TrainerState.WARMING_UP)
+        self._enter(TrainerState.INFERRING_SHAPES)
         ids = self._batch()
         devices = [self.pipe.device] if self.pipe.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.pipe.device.type):
@@ -310,6 +310,7 @@ def _verify_export(parts: list[Any], path: str) -> None:
     import transformers
     from torch.distributed.tensor import DTensor
 
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank otherwise
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     whole = model.state_dict()
     wrong = []

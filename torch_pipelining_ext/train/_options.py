@@ -286,7 +286,7 @@ def _fit_vocabulary(plan: RunPlan, tokenizer_vocab: int | None) -> None:
         vocab = args.vocab_size or tokenizer_vocab or (max_id + 1)
         plan.config = _model.tiny_config(
             args.model_type, vocab_size=vocab, layers=args.layers, experts=args.experts,
-            hidden_size=args.hidden_size, max_positions=max(2048, args.seq_len),
+            hidden_size=args.hidden_size,
         )  # fmt: skip
         if args.vocab_size is None:
             return

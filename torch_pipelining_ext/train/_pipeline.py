@@ -46,6 +46,8 @@ class Pipeline:
             router_aux_loss_coef=args.router_aux_loss_coef,
             **_weights_source(plan, resuming),
         )  # fmt: skip
+        for part in self.parts:
+            part.train()  # (a model read with from_pretrained is in eval mode)
         if plan.data_ranks > 1 and not args.no_fsdp:
             hf.fully_shard_replicated(self.parts, mesh)  # FSDP2 over dp x ep
         self.loss_fn = hf.CausalLMLoss(n_microbatches=args.microbatches)

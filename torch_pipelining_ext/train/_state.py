@@ -38,11 +38,12 @@ logger = logging.getLogger(__name__)
 #   layout every rank starts from (seed, step, rank).
 #
 # On every start, torch runs the stages once on uninitialised tensors to
-# infer their shapes (the first schedule.step).  The trainer runs that first
-# step itself before training -- a warm-up on the first batch whose
-# gradients are dropped, inside torch.random.fork_rng, its expert load
-# discarded -- so that an uninterrupted run and a resumed one enter every
-# step from the same state (see _loop.Trainer.warm_up).
+# infer their shapes (the first schedule.step), and with random ops (dropout)
+# that draws random numbers.  The trainer runs that first step itself before
+# training -- the next batch's forward and backward inside
+# torch.random.fork_rng, the gradients dropped, the expert load discarded,
+# no optimizer step -- so that an uninterrupted run and a resumed one enter
+# every step from the same state (_loop.Trainer.infer_shapes).
 
 STEP = "trainer.step"
 POSITION = "trainer.data_position"
