@@ -224,6 +224,7 @@ def files_fingerprint(paths: Sequence[str], tokenizer_dir: str, text_field: str)
     times, the tokenizer's files and the text field."""
     parts = [text_field]
     for path in paths:
+        _readable_size(path)
         st = os.stat(path)
         parts.append(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}")
     parts.append(_directory_digest(tokenizer_dir))
