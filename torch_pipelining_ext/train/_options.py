@@ -154,12 +154,14 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         config = _config(args)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         plan = RunPlan(args, world, args.pp, dp, args.ep, config, 0, 0, None, None)
-        plan.stream = _stream(args, tokenizer)
+        plan.stream = _token_file(args, tokenizer)
         _fit_vocabulary(plan, len(tokenizer) if tokenizer is not None else None)
         _check_model(plan)
-        _check_batch(plan)
         plan.resume = _resume_point(plan)
         _check_export(args)
+        if plan.stream is None:  # text: tokenized last, nothing is written before
+            plan.stream = _tokenized(args, tokenizer)
+        _check_batch(plan)
         return plan
     except (_data.DataError, UsageError):
         raise
@@ -241,8 +243,8 @@ def _make_run_dir(path: str) -> None:
         raise UsageError(f"--run-dir {path} is not writable")
 
 
-def _stream(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream:
-    """The run's token stream (tokenized into the run directory if needed)."""
+def _token_file(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream | None:
+    """The run's token file where ``--data`` is one (``None``: text)."""
     if args.data is not None:
         kinds = {_data.source_kind(p) for p in args.data}
         if "binary" in kinds:
@@ -251,14 +253,18 @@ def _stream(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream:
             return _data.binary_stream(args.data[0], args.token_dtype)
     if tokenizer is None:
         raise UsageError("text needs a tokenizer: --tokenizer DIR (a Hugging Face tokenizer directory)")
+    return None
+
+
+def _tokenized(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream:
+    """The text tokenized into the run directory (once: named by a fingerprint)."""
     if args.dataset is not None:
         docs, fingerprint = _data.dataset_documents(args.dataset, args.dataset_split, args.text_field)
         fingerprint = f"{fingerprint}|{args.text_field}|{_data.files_fingerprint([], args.tokenizer, '')}"
     else:
-        docs = _data.documents(args.data, args.text_field)
         fingerprint = _data.files_fingerprint(args.data, args.tokenizer, args.text_field)
-    cache = os.path.join(args.run_dir, "data")
-    return _data.tokenized_stream(docs, tokenizer, fingerprint, cache)
+        docs = _data.documents(args.data, args.text_field)
+    return _data.tokenized_stream(docs, tokenizer, fingerprint, os.path.join(args.run_dir, "data"))
 
 
 def load_tokenizer(directory: str) -> Any:
@@ -280,8 +286,7 @@ def _fit_vocabulary(plan: RunPlan, tokenizer_vocab: int | None) -> None:
     """The tiny config gets the data's vocabulary; a model's vocabulary must
     hold the tokenizer's and every id of the data."""
     args = plan.args
-    binary = args.data is not None and _data.source_kind(args.data[0]) == "binary"
-    max_id = plan.stream.max_id() if binary else None
+    max_id = plan.stream.max_id() if plan.stream is not None else None
     if plan.config is None:
         vocab = args.vocab_size or tokenizer_vocab or (max_id + 1)
         plan.config = _model.tiny_config(
