@@ -77,11 +77,11 @@ def tiny_config(
             n_group=2,
             topk_group=1,
             first_k_dense_replace=1,
-            q_lora_rank=hidden_size // 2,
-            kv_lora_rank=hidden_size // 2,
+            q_lora_rank=64,
+            kv_lora_rank=64,
             qk_rope_head_dim=16,
             qk_nope_head_dim=16,
-            v_head_dim=hidden_size // 4,
+            v_head_dim=32,
         )
     if model_type == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=hidden_size // 4)

@@ -8,7 +8,6 @@ state]``.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Sequence
@@ -72,11 +71,18 @@ class LRSchedules:
             s.step()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.schedulers[0].state_dict()  # every scheduler's is the same
+        # the same step on every scheduler (their optimizers' groups differ)
+        first = self.schedulers[0].state_dict()
+        return {"last_epoch": first["last_epoch"], "_step_count": first["_step_count"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for s in self.schedulers:
-            s.load_state_dict(copy.deepcopy(state))
+            full = s.state_dict()
+            full.update(last_epoch=int(state["last_epoch"]), _step_count=int(state["_step_count"]))
+            full["_last_lr"] = [
+                base * rule(full["last_epoch"]) for base, rule in zip(full["base_lrs"], s.lr_lambdas)
+            ]
+            s.load_state_dict(full)
 
 
 def rng_keys(rank: int, layout: str) -> dict[str, torch.Tensor]:

@@ -76,10 +76,11 @@ _NEEDS = "needs transformers 5.x (fused experts)"
 _TIMEOUT_S = 600
 # small: a step takes a few hundred milliseconds on two cores
 _TINY = [
-    "--hidden-size", "64", "--seq-len", "32", "--batch-size", "16",
+    "--seq-len", "32", "--batch-size", "16",
     "--microbatches", "2", "--lr", "3e-3", "--min-lr", "3e-4",
     "--warmup-steps", "2", "--no-progress",
 ]  # fmt: skip
+_TINY_MODEL = ["--hidden-size", "64"]  # --model-type's config
 # AdamW normalises every update: the float noise of another reduction order
 # in a gradient element near zero becomes up to ~1e-4 in the weights after a
 # few steps; a wrong moment or weight shows as ~lr = 3e-3
@@ -256,7 +257,7 @@ class TrainRunTest(_RunDirTest):
         run_dir = self.run_dir()
         export = os.path.join(os.path.dirname(run_dir), "export")
         argv = [
-            "--model-type", "qwen3_moe", *text_flags(), *_TINY, "--ep", "2",
+            "--model-type", "qwen3_moe", *text_flags(), *_TINY, *_TINY_MODEL, "--ep", "2",
             "--steps", "3", "--checkpoint-every", "2", "--run-dir", run_dir, "--export", export,
         ]  # fmt: skip
         rc, err = run_main(*argv)
@@ -290,7 +291,7 @@ class TrainSlowTest(_RunDirTest):
         export = os.path.join(os.path.dirname(run_dir), "export")
         learn = model == "qwen3_moe" and layout == "pp1_ep2"  # the loss falls on real text
         argv = [
-            "--model-type", model, *text_flags(), *_TINY, "--layers", "4",
+            "--model-type", model, *text_flags(), *_TINY, *_TINY_MODEL, "--layers", "4",
             "--steps", "20" if learn else "3", "--run-dir", run_dir, "--export", export,
             *_LAYOUTS[layout],
         ]  # fmt: skip
@@ -309,7 +310,9 @@ class TrainSlowTest(_RunDirTest):
         rng = random.Random()
         seed = rng.randrange(1 << 30)
         rng = random.Random(seed)
-        kill_after, victim = rng.randrange(1, 6), rng.randrange(4)
+        # after step 3 is logged, the checkpoint of step 2 is complete: the
+        # rerun resumes a checkpoint (the kill may land while one is written)
+        kill_after, victim = rng.randrange(3, 7), rng.randrange(4)
         runs = {}
         for name in ("whole", "killed"):
             run_dir = self.run_dir(name)
@@ -324,6 +327,8 @@ class TrainSlowTest(_RunDirTest):
                 self.assertIn(f"rank {victim} was killed by signal SIGKILL", first.stderr)
             done = self._command(argv)
             self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+            if name == "killed":
+                self.assertIn("resumed from", done.stdout)
             runs[name] = (losses_of(run_dir), exported(export))
         msg = f"random seed {seed}: killed rank {victim} after step {kill_after}"
         self.assertEqual(runs["killed"][0], runs["whole"][0], msg)
@@ -336,7 +341,7 @@ class TrainSlowTest(_RunDirTest):
         training goes on from the same state (losses within float tolerance)."""
         run_dir = self.run_dir()
         argv = [
-            "--model-type", "qwen3_moe", *text_flags(), *_TINY, "--ep", "2",
+            "--model-type", "qwen3_moe", *text_flags(), *_TINY, *_TINY_MODEL, "--ep", "2",
             "--steps", "4", "--checkpoint-every", "2", "--keep", "3", "--run-dir", run_dir,
         ]  # fmt: skip
         self.assertEqual(run_main(*argv)[0], 0)
@@ -425,7 +430,7 @@ class TrainArgumentsTest(_RunDirTest):
         return err.getvalue()
 
     def base(self, *extra: str) -> list[str]:
-        return ["--model-type", "qwen3_moe", *text_flags(), *_TINY, "--run-dir", self.run_dir(), *extra]
+        return ["--model-type", "qwen3_moe", *text_flags(), *_TINY, *_TINY_MODEL, "--run-dir", self.run_dir(), *extra]
 
     def test_layout_does_not_fit_the_world(self) -> None:
         self.assertIn("not divisible by --pp 1 x --ep 2", self.refused(*self.base("--ep", "2", "--nproc", "3")))
