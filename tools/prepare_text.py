@@ -28,7 +28,14 @@ from collections.abc import Iterator
 
 
 EOS = "<|endoftext|>"
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+_SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "__pycache__",
+}
 
 
 def stdlib_docstrings(min_chars: int = 200) -> Iterator[str]:
@@ -46,7 +53,10 @@ def stdlib_docstrings(min_chars: int = 200) -> Iterator[str]:
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
             for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if isinstance(
+                    node,
+                    (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef),
+                ):
                     doc = ast.get_docstring(node)
                     if doc and len(doc) >= min_chars:
                         yield doc
@@ -73,7 +83,12 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str) -> int:
     return len(fast)
 
 
-def prepare(out_dir: str, vocab_size: int = 4096, max_docs: int | None = None, min_chars: int = 200) -> dict:
+def prepare(
+    out_dir: str,
+    vocab_size: int = 4096,
+    max_docs: int | None = None,
+    min_chars: int = 200,
+) -> dict:
     """Write ``docs.jsonl`` and ``tokenizer/`` into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     docs = []
@@ -82,11 +97,18 @@ def prepare(out_dir: str, vocab_size: int = 4096, max_docs: int | None = None, m
         if max_docs is not None and len(docs) == max_docs:
             break
     if not docs:
-        raise SystemExit(f"no docstring of at least {min_chars} characters found in {sysconfig.get_paths()['stdlib']}")
+        raise SystemExit(
+            f"no docstring of at least {min_chars} characters found in {sysconfig.get_paths()['stdlib']}"
+        )
     with open(os.path.join(out_dir, "docs.jsonl"), "w") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     vocab = train_tokenizer(docs, vocab_size, os.path.join(out_dir, "tokenizer"))
-    return {"docs": len(docs), "chars": sum(map(len, docs)), "vocab": vocab, "dir": out_dir}
+    return {
+        "docs": len(docs),
+        "chars": sum(map(len, docs)),
+        "vocab": vocab,
+        "dir": out_dir,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="where docs.jsonl and tokenizer/ go")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--max-docs", type=int, help="at most this many documents")
-    p.add_argument("--min-chars", type=int, default=200, help="shorter docstrings are left out")
+    p.add_argument(
+        "--min-chars", type=int, default=200, help="shorter docstrings are left out"
+    )
     args = p.parse_args(argv)
     if args.vocab_size < 260:
         p.error("--vocab-size must be at least 260 (the 256 bytes and the EOS token)")
     info = prepare(args.dir, args.vocab_size, args.max_docs, args.min_chars)
-    print(" ".join(f"{k}={v}" for k, v in [("prepare_text docs", info["docs"]), ("chars", info["chars"]), ("vocab", info["vocab"]), ("dir", info["dir"])]))
+    print(
+        " ".join(
+            f"{k}={v}"
+            for k, v in [
+                ("prepare_text docs", info["docs"]),
+                ("chars", info["chars"]),
+                ("vocab", info["vocab"]),
+                ("dir", info["dir"]),
+            ]
+        )
+    )
     return 0
 
 

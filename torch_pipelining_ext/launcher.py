@@ -170,7 +170,17 @@ def _launch_local(
     try:
         context = mp.start_processes(
             _local_rank,
-            args=(fn, nprocs, init_method, backend, timeout, threads, args, queue, os.getpid()),
+            args=(
+                fn,
+                nprocs,
+                init_method,
+                backend,
+                timeout,
+                threads,
+                args,
+                queue,
+                os.getpid(),
+            ),
             nprocs=nprocs,
             join=False,
             start_method=method,
@@ -288,7 +298,9 @@ def _die_with_parent(parent: int) -> None:
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
-        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable: ranks may outlive the launcher")
+        logger.debug(
+            "prctl(PR_SET_PDEATHSIG) unavailable: ranks may outlive the launcher"
+        )
         return
     if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)

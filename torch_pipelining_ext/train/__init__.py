@@ -80,9 +80,16 @@ def main(
         return 2
     from torch_pipelining_ext.train import _checkpoints, _loop
 
-    lock = None if launcher.under_torchrun(environ) else _checkpoints.lock_run_dir(args.run_dir)
+    lock = (
+        None
+        if launcher.under_torchrun(environ)
+        else _checkpoints.lock_run_dir(args.run_dir)
+    )
     if lock is None and not launcher.under_torchrun(environ):
-        print(f"{parser.prog}: error: another run uses --run-dir {args.run_dir}", file=sys.stderr)
+        print(
+            f"{parser.prog}: error: another run uses --run-dir {args.run_dir}",
+            file=sys.stderr,
+        )
         return 2
     try:
         summary = launcher.launch(
@@ -111,6 +118,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if summary["plot"]:
         lines.append(f"plot: {summary['plot']}")
     if summary["export"]:
-        checked = "" if summary["export_unchecked"] else " (reloaded with from_pretrained: equal)"
+        checked = (
+            ""
+            if summary["export_unchecked"]
+            else " (reloaded with from_pretrained: equal)"
+        )
         lines.append(f"export: {summary['export']}{checked}")
     print("\n".join(lines), flush=True)

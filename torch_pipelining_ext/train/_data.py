@@ -63,7 +63,10 @@ class TokenStream:
     def open(self) -> np.ndarray:
         """The ids, memory-mapped read-only."""
         return np.memmap(
-            self.path, dtype=TOKEN_DTYPES[self.dtype], mode="r", shape=(self.num_tokens,)
+            self.path,
+            dtype=TOKEN_DTYPES[self.dtype],
+            mode="r",
+            shape=(self.num_tokens,),
         )
 
     def max_id(self) -> int:
@@ -145,7 +148,9 @@ def _json_text(path: str, number: int, line: str, field: str) -> str:
     return text
 
 
-def dataset_documents(name_or_path: str, split: str, text_field: str) -> tuple[Iterator[str], str]:
+def dataset_documents(
+    name_or_path: str, split: str, text_field: str
+) -> tuple[Iterator[str], str]:
     """The documents of a local ``datasets`` dataset (a ``save_to_disk``
     directory, or a name already in the local cache: nothing is downloaded),
     and its fingerprint."""
@@ -242,24 +247,24 @@ def _directory_digest(directory: str) -> str:
     return digest.hexdigest()
 
 
+@dataclass
 class Sequences:
     """The sequences of a token stream in the run's order (``[Note: training
     data]``): :meth:`batch` returns a data rank's rows of a step's batch."""
 
-    def __init__(
-        self, stream: TokenStream, seq_len: int, seed: int, shuffle: bool
-    ) -> None:
-        self.stream = stream
-        self.seq_len = seq_len
-        self.seed = seed
-        self.shuffle = shuffle
-        self.num_sequences = stream.num_tokens // seq_len
+    stream: TokenStream
+    seq_len: int
+    seed: int
+    shuffle: bool
+
+    def __post_init__(self) -> None:
+        self.num_sequences = self.stream.num_tokens // self.seq_len
         if self.num_sequences == 0:
             raise DataError(
-                f"the data holds {stream.num_tokens} tokens, fewer than one sequence of "
-                f"--seq-len {seq_len}"
+                f"the data holds {self.stream.num_tokens} tokens, fewer than one sequence of "
+                f"--seq-len {self.seq_len}"
             )
-        self._ids = stream.open()
+        self._ids = self.stream.open()
         self._order: tuple[int, torch.Tensor] | None = None
 
     def sequence_index(self, position: int) -> int:
@@ -272,7 +277,9 @@ class Sequences:
             self._order = (epoch, torch.randperm(self.num_sequences, generator=gen))
         return int(self._order[1][within])
 
-    def batch(self, position: int, batch_size: int, rank: int, ranks: int) -> torch.Tensor:
+    def batch(
+        self, position: int, batch_size: int, rank: int, ranks: int
+    ) -> torch.Tensor:
         """Data rank ``rank`` of ``ranks``: its block of the ``batch_size``
         sequences from global ``position`` on, ``[batch_size / ranks, seq_len]``."""
         rows = batch_size // ranks

@@ -39,7 +39,9 @@ class TrainerState(enum.Enum):
 
     BUILDING = "building"  # stages, schedule, optimizers
     RESUMING = "resuming"  # loading the latest checkpoint
-    INFERRING_SHAPES = "inferring shapes"  # torch's first-step shape inference, leaving no trace
+    INFERRING_SHAPES = (
+        "inferring shapes"  # torch's first-step shape inference, leaving no trace
+    )
     TRAINING = "training"
     CHECKPOINTING = "checkpointing"
     EXPORTING = "exporting"
@@ -68,7 +70,9 @@ def _device(plan: RunPlan, rank: int) -> torch.device:
 class Trainer:
     """A rank's run of a :class:`RunPlan` (see ``[Note: trainer state]``)."""
 
-    def __init__(self, plan: RunPlan, mesh: Any, device: torch.device, rank: int) -> None:
+    def __init__(
+        self, plan: RunPlan, mesh: Any, device: torch.device, rank: int
+    ) -> None:
         self.plan, self.args, self.rank = plan, plan.args, rank
         self.state = TrainerState.BUILDING
         self.checkpoints = _checkpoints.RunCheckpoints(self.args.run_dir)
@@ -109,7 +113,10 @@ class Trainer:
         dist.barrier()
 
     def _load(self, checkpoint: _checkpoints.Checkpoint) -> None:
-        step, position = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        step, position = (
+            torch.zeros((), dtype=torch.int64),
+            torch.zeros((), dtype=torch.int64),
+        )
         state: dict[str, Any] = {
             _state.STEP: step,
             _state.POSITION: position,
@@ -120,17 +127,25 @@ class Trainer:
         same_layout = all(k in saved for k in rng)
         if same_layout:
             state.update(rng)
-        hf.load_checkpoint(checkpoint.path, self.pipe.parts, self.pipe.optimizers, state=state)
+        hf.load_checkpoint(
+            checkpoint.path, self.pipe.parts, self.pipe.optimizers, state=state
+        )
         self.step, self.position = int(step), int(position)
         if same_layout:
             _state.set_rng(rng, self.rank, self.layout)
         else:  # another layout: every rank's random streams start anew
             _state.seed_rank(self.args.seed, self.step, self.rank)
-        logger.info("rank %d resumed step %d from %s", self.rank, self.step, checkpoint.path)
+        logger.info(
+            "rank %d resumed step %d from %s", self.rank, self.step, checkpoint.path
+        )
 
     def _log_start(self) -> None:
         plan, args = self.plan, self.args
-        what = f"resumed from {self.plan.resume.path} (step {self.step})" if plan.resume else "started afresh"
+        what = (
+            f"resumed from {self.plan.resume.path} (step {self.step})"
+            if plan.resume
+            else "started afresh"
+        )
         model = args.model or f"tiny {args.model_type}"
         print(
             f"train: {model} ({plan.config.model_type}, {plan.config.num_hidden_layers} layers"
@@ -191,7 +206,9 @@ class Trainer:
         dist.all_reduce(total)
         return float(total) / self.plan.data_ranks
 
-    def _record(self, loss: float, norm: float, lr: float, load: Any, seconds: float) -> None:
+    def _record(
+        self, loss: float, norm: float, lr: float, load: Any, seconds: float
+    ) -> None:
         if self.rank != 0:
             return
         self.times = (self.times + [seconds])[-_PACE_STEPS:]

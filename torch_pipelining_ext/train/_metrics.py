@@ -100,13 +100,21 @@ class Progress:
     """A progress bar of the steps on rank 0 (``tqdm``, where the output is
     a terminal), with the step lines printed above it."""
 
-    def __init__(self, steps: int, done: int, enabled: bool, out: TextIO | None = None) -> None:
+    def __init__(
+        self, steps: int, done: int, enabled: bool, out: TextIO | None = None
+    ) -> None:
         self.out = out or sys.stdout
         self.bar: Any = None
         if enabled and self.out.isatty():
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=steps, initial=done, unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=steps,
+                initial=done,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
 
     def update(self, record: StepRecord, steps: int) -> None:
         line = record.line(steps)
@@ -114,7 +122,9 @@ class Progress:
             print(line, file=self.out, flush=True)
             return
         self.bar.write(line, file=self.out)
-        self.bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
+        self.bar.set_postfix(
+            loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}"
+        )
         self.bar.update(1)
 
     def close(self) -> None:

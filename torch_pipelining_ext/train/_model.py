@@ -71,21 +71,28 @@ def tiny_config(
         return transformers.DeepseekV3Config(
             **common,
             **moe,
+            **_DEEPSEEK_V3,
             moe_intermediate_size=4 * hidden_size,
             n_routed_experts=experts,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=1,
-            q_lora_rank=64,
-            kv_lora_rank=64,
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=16,
-            v_head_dim=32,
         )
     if model_type == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=hidden_size // 4)
     return transformers.LlamaConfig(**common)
+
+
+# DeepSeek-V3's tiny routing and attention: one dense first layer, a shared
+# expert, group-limited routing, low-rank query and key-value projections
+_DEEPSEEK_V3 = {
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 64,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 32,
+}
 
 
 def load_config(model_dir: str) -> Any:

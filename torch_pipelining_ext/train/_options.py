@@ -37,6 +37,7 @@ SCHEDULES = (
 )
 AUX_LOSSES = ("none", "pooled", "per_layer", "sequence")
 CHECKPOINTING = ("none", "full")
+PROG = "python -m torch_pipelining_ext.train"
 # the tiny config's flags (a --model directory has its own config)
 _TINY_DEFAULTS = {"layers": 4, "experts": 8, "hidden_size": 128, "vocab_size": None}
 
@@ -45,28 +46,58 @@ class UsageError(ValueError):
     """Bad input, found before any process group (exit status 2)."""
 
 
+_DESCRIPTION = (
+    "Train a Hugging Face causal LM (dense or MoE) with pipeline, data and expert "
+    "parallelism: checkpoints, resume after a crash, logs, a plot and export."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m torch_pipelining_ext.train``."""
+    formatter = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(
-        prog="python -m torch_pipelining_ext.train",
-        description="Train a Hugging Face causal LM (dense or MoE) with pipeline, data and expert "
-        "parallelism: checkpoints, resume after a crash, logs, a plot and export.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        PROG, description=_DESCRIPTION, formatter_class=formatter
     )
-    _model_flags(p.add_argument_group("model"))
-    _data_flags(p.add_argument_group("data"))
-    _layout_flags(p.add_argument_group("layout"))
-    _optimizer_flags(p.add_argument_group("optimization"))
-    _run_flags(p.add_argument_group("run"))
+    for title, add_flags in (
+        ("model", _model_flags),
+        ("data", _data_flags),
+        ("layout", _layout_flags),
+        ("optimization", _optimizer_flags),
+        ("run", _run_flags),
+    ):
+        add_flags(p.add_argument_group(title))
     return p
 
 
 def _model_flags(g: Any) -> None:
-    g.add_argument("--model", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
-    g.add_argument("--model-type", choices=_model.MODEL_TYPES, help="a tiny config of this model type instead, for trying the trainer out")
-    g.add_argument("--layers", type=int, default=_TINY_DEFAULTS["layers"], help="decoder layers (--model-type)")
-    g.add_argument("--experts", type=int, default=_TINY_DEFAULTS["experts"], help="routed experts per MoE layer (--model-type)")
-    g.add_argument("--hidden-size", type=int, default=_TINY_DEFAULTS["hidden_size"], help="hidden size (--model-type)")
+    g.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a Hugging Face model directory (config.json + safetensors)",
+    )
+    g.add_argument(
+        "--model-type",
+        choices=_model.MODEL_TYPES,
+        help="a tiny config of this model type instead, for trying the trainer out",
+    )
+    g.add_argument(
+        "--layers",
+        type=int,
+        default=_TINY_DEFAULTS["layers"],
+        help="decoder layers (--model-type)",
+    )
+    g.add_argument(
+        "--experts",
+        type=int,
+        default=_TINY_DEFAULTS["experts"],
+        help="routed experts per MoE layer (--model-type)",
+    )
+    g.add_argument(
+        "--hidden-size",
+        type=int,
+        default=_TINY_DEFAULTS["hidden_size"],
+        help="hidden size (--model-type)",
+    )
     g.add_argument("--vocab-size", type=int, help="vocabulary (--model-type; default: the tokenizer's, or the token file's largest id + 1)")  # fmt: skip
 
 
@@ -74,52 +105,145 @@ def _data_flags(g: Any) -> None:
     g.add_argument("--data", nargs="+", metavar="PATH", help="plain text (.txt: one document per file), JSON lines (.jsonl: a text field per line) or token ids (.bin)")  # fmt: skip
     g.add_argument("--dataset", metavar="NAME_OR_PATH", help="a local datasets dataset instead (optional package; nothing is downloaded)")  # fmt: skip
     g.add_argument("--dataset-split", default="train", help="the split of --dataset")
-    g.add_argument("--text-field", default="text", help="the text field of JSON lines and datasets")
-    g.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer directory (needed for text)")
+    g.add_argument(
+        "--text-field", default="text", help="the text field of JSON lines and datasets"
+    )
+    g.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a Hugging Face tokenizer directory (needed for text)",
+    )
     g.add_argument("--token-dtype", choices=tuple(_data.TOKEN_DTYPES), default="uint16", help="the ids of .bin files")  # fmt: skip
     g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all data-parallel ranks")
-    g.add_argument("--no-shuffle", action="store_true", help="read the sequences in file order")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="sequences per step, over all data-parallel ranks",
+    )
+    g.add_argument(
+        "--no-shuffle", action="store_true", help="read the sequences in file order"
+    )
 
 
 def _layout_flags(g: Any) -> None:
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    g.add_argument("--dp", type=int, help="data-parallel ranks (default: the world over pp x ep)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (inside data parallelism)")
-    g.add_argument("--nproc", type=int, help="local ranks to start without torchrun (default: pp x dp x ep)")
-    g.add_argument("--no-fsdp", action="store_true", help="replicate over dp x ep instead of FSDP2")
-    g.add_argument("--schedule", choices=SCHEDULES, default="DualPipeV", help="pipeline schedule")
-    g.add_argument("--microbatches", type=int, default=4, help="microbatches per step and data-parallel rank")
-    g.add_argument("--no-overlap", action="store_true", help="run OVERLAP_F_B sequentially (what stock torch does)")
+    g.add_argument(
+        "--dp", type=int, help="data-parallel ranks (default: the world over pp x ep)"
+    )
+    g.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (inside data parallelism)",
+    )
+    g.add_argument(
+        "--nproc",
+        type=int,
+        help="local ranks to start without torchrun (default: pp x dp x ep)",
+    )
+    g.add_argument(
+        "--no-fsdp", action="store_true", help="replicate over dp x ep instead of FSDP2"
+    )
+    g.add_argument(
+        "--schedule", choices=SCHEDULES, default="DualPipeV", help="pipeline schedule"
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=4,
+        help="microbatches per step and data-parallel rank",
+    )
+    g.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="run OVERLAP_F_B sequentially (what stock torch does)",
+    )
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="none")
-    g.add_argument("--router-aux-loss", choices=AUX_LOSSES, default="none", help="MoE router auxiliary loss")
+    g.add_argument(
+        "--router-aux-loss",
+        choices=AUX_LOSSES,
+        default="none",
+        help="MoE router auxiliary loss",
+    )
     g.add_argument("--router-aux-loss-coef", type=float, help="its coefficient (default: the config's; required for sequence)")  # fmt: skip
     g.add_argument("--expert-bias-rate", type=float, default=0.0, help="DeepSeek-V3's auxiliary-loss-free bias update rate (0: off)")  # fmt: skip
 
 
 def _optimizer_flags(g: Any) -> None:
-    g.add_argument("--steps", type=int, default=100, help="optimizer steps of the whole run")
+    g.add_argument(
+        "--steps", type=int, default=100, help="optimizer steps of the whole run"
+    )
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    g.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    g.add_argument(
+        "--min-lr",
+        type=float,
+        default=3e-4,
+        help="learning rate at the end of the cosine decay",
+    )
     g.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("B1", "B2"))
+    g.add_argument(
+        "--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("B1", "B2")
+    )
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the whole model's gradient norm (0: no clipping)")  # fmt: skip
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (weights, gradients and their reductions stay float32)")  # fmt: skip
-    g.add_argument("--seed", type=int, default=0, help="initial weights, data order, random ops")
+    g.add_argument(
+        "--seed", type=int, default=0, help="initial weights, data order, random ops"
+    )
 
 
 def _run_flags(g: Any) -> None:
-    g.add_argument("--run-dir", required=True, metavar="DIR", help="checkpoints, metrics.jsonl, training.png")
-    g.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (0: only the last)")
+    g.add_argument(
+        "--run-dir",
+        required=True,
+        metavar="DIR",
+        help="checkpoints, metrics.jsonl, training.png",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="steps between checkpoints (0: only the last)",
+    )
     g.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
-    g.add_argument("--no-resume", action="store_true", help="start afresh (removes the run's checkpoints)")
-    g.add_argument("--export", metavar="DIR", help="write the trained model there as a Hugging Face checkpoint")
-    g.add_argument("--overwrite-export", action="store_true", help="replace an existing --export directory")
-    g.add_argument("--no-verify-export", action="store_true", help="skip reloading the export with from_pretrained")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL, one GPU per rank")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait for its peers")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar (the step lines stay)")
+    g.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start afresh (removes the run's checkpoints)",
+    )
+    g.add_argument(
+        "--export",
+        metavar="DIR",
+        help="write the trained model there as a Hugging Face checkpoint",
+    )
+    g.add_argument(
+        "--overwrite-export",
+        action="store_true",
+        help="replace an existing --export directory",
+    )
+    g.add_argument(
+        "--no-verify-export",
+        action="store_true",
+        help="skip reloading the export with from_pretrained",
+    )
+    g.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo; cuda: NCCL, one GPU per rank",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a collective may wait for its peers",
+    )
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (the step lines stay)",
+    )
 
 
 @dataclass
@@ -143,7 +267,9 @@ class RunPlan:
         return self.dp * self.ep
 
 
-def make_plan(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RunPlan:
+def make_plan(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> RunPlan:
     """Check ``args`` and prepare the run (tokenize the data); raises
     :class:`UsageError` with a message saying what to change."""
     environ = os.environ if environ is None else environ
@@ -173,24 +299,43 @@ def _check_numbers(args: argparse.Namespace) -> None:
     positive = ("pp", "ep", "layers", "experts", "hidden_size", "seq_len", "batch_size", "microbatches", "steps", "keep")  # fmt: skip
     for name in positive:
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
     for name in ("dp", "nproc", "vocab_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
     for name in ("checkpoint_every", "warmup_steps"):
         if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
-    finite = ("lr", "min_lr", "weight_decay", "max_grad_norm", "expert_bias_rate", "timeout")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}"
+            )
+    finite = (
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "max_grad_norm",
+        "expert_bias_rate",
+        "timeout",
+    )
     for name in finite:
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}"
+            )
     if not args.lr > 0 or args.min_lr > args.lr:
-        raise UsageError(f"need 0 < --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}")
+        raise UsageError(
+            f"need 0 < --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}"
+        )
     if not all(0 <= b < 1 for b in args.betas):
         raise UsageError(f"--betas must lie in [0, 1), got {list(args.betas)}")
     if (args.model is None) == (args.model_type is None):
-        raise UsageError("give the model: --model DIR (a Hugging Face directory) or --model-type TYPE (a tiny config)")
+        raise UsageError(
+            "give the model: --model DIR (a Hugging Face directory) or --model-type TYPE (a tiny config)"
+        )
     if (args.data is None) == (args.dataset is None):
         raise UsageError("give the data: --data PATH... or --dataset NAME_OR_PATH")
 
@@ -200,7 +345,9 @@ def _layout(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int, 
     if launcher.under_torchrun(environ):
         world = int(environ["WORLD_SIZE"])
         if args.nproc is not None and args.nproc != world:
-            raise UsageError(f"--nproc {args.nproc} differs from torchrun's world of {world} processes")
+            raise UsageError(
+                f"--nproc {args.nproc} differs from torchrun's world of {world} processes"
+            )
     else:
         world = args.nproc or args.pp * (args.dp or 1) * args.ep
     dp = args.dp
@@ -233,7 +380,6 @@ def _given(args: argparse.Namespace, name: str) -> bool:
     return getattr(args, name) != _TINY_DEFAULTS[name]
 
 
-
 def _make_run_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
@@ -249,22 +395,32 @@ def _token_file(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream |
         kinds = {_data.source_kind(p) for p in args.data}
         if "binary" in kinds:
             if len(args.data) != 1:
-                raise UsageError("--data takes one token file (.bin), not several or mixed with text")
+                raise UsageError(
+                    "--data takes one token file (.bin), not several or mixed with text"
+                )
             return _data.binary_stream(args.data[0], args.token_dtype)
     if tokenizer is None:
-        raise UsageError("text needs a tokenizer: --tokenizer DIR (a Hugging Face tokenizer directory)")
+        raise UsageError(
+            "text needs a tokenizer: --tokenizer DIR (a Hugging Face tokenizer directory)"
+        )
     return None
 
 
 def _tokenized(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream:
     """The text tokenized into the run directory (once: named by a fingerprint)."""
     if args.dataset is not None:
-        docs, fingerprint = _data.dataset_documents(args.dataset, args.dataset_split, args.text_field)
+        docs, fingerprint = _data.dataset_documents(
+            args.dataset, args.dataset_split, args.text_field
+        )
         fingerprint = f"{fingerprint}|{args.text_field}|{_data.files_fingerprint([], args.tokenizer, '')}"
     else:
-        fingerprint = _data.files_fingerprint(args.data, args.tokenizer, args.text_field)
+        fingerprint = _data.files_fingerprint(
+            args.data, args.tokenizer, args.text_field
+        )
         docs = _data.documents(args.data, args.text_field)
-    return _data.tokenized_stream(docs, tokenizer, fingerprint, os.path.join(args.run_dir, "data"))
+    return _data.tokenized_stream(
+        docs, tokenizer, fingerprint, os.path.join(args.run_dir, "data")
+    )
 
 
 def load_tokenizer(directory: str) -> Any:
@@ -274,11 +430,15 @@ def load_tokenizer(directory: str) -> Any:
     if not os.path.isdir(directory):
         raise UsageError(f"--tokenizer {directory}: no such directory")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            directory, local_files_only=True
+        )
     except (OSError, ValueError) as e:
         raise UsageError(f"--tokenizer {directory}: cannot load it: {e}") from e
     if tokenizer.eos_token_id is None:
-        raise UsageError(f"--tokenizer {directory} has no EOS token, which separates the documents")
+        raise UsageError(
+            f"--tokenizer {directory} has no EOS token, which separates the documents"
+        )
     return tokenizer
 
 
@@ -315,24 +475,36 @@ def _check_model(plan: RunPlan) -> None:
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     args, config = plan.args, plan.config
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
     if positions is not None and args.seq_len > positions:
-        raise UsageError(f"--seq-len {args.seq_len} is beyond the model's {positions} positions")
+        raise UsageError(
+            f"--seq-len {args.seq_len} is beyond the model's {positions} positions"
+        )
     plan.num_experts = _model.num_experts(config)
     if args.ep > 1:
         if plan.num_experts == 0:
-            raise UsageError(f"--ep {args.ep}: expert parallelism needs a MoE model; {config.model_type} has no experts")
+            raise UsageError(
+                f"--ep {args.ep}: expert parallelism needs a MoE model; {config.model_type} has no experts"
+            )
         if plan.num_experts % args.ep:
             raise UsageError(
                 f"the model's {plan.num_experts} experts are not divisible by --ep {args.ep}: every "
                 "expert-parallel rank holds the same number of experts"
             )
         if not hf.has_fused_experts():
-            raise UsageError("--ep > 1 needs transformers 5.x (fused experts, which expert parallelism shards)")
+            raise UsageError(
+                "--ep > 1 needs transformers 5.x (fused experts, which expert parallelism shards)"
+            )
     schedule_cls = getattr(pipelining, f"Schedule{args.schedule}")
-    plan.num_stages = args.pp if issubclass(schedule_cls, PipelineScheduleSingle) else 2 * args.pp
+    plan.num_stages = (
+        args.pp if issubclass(schedule_cls, PipelineScheduleSingle) else 2 * args.pp
+    )
     meta = hf.meta_causal_lm(config)
-    hf.hf_module_names_per_stage(meta, plan.num_stages)  # raises ValueError if it cannot split
+    hf.hf_module_names_per_stage(
+        meta, plan.num_stages
+    )  # raises ValueError if it cannot split
     _check_routing(plan, meta)
 
 
@@ -341,9 +513,13 @@ def _check_routing(plan: RunPlan, meta: Any) -> None:
     if args.router_aux_loss == "none" and args.router_aux_loss_coef is not None:
         raise UsageError("--router-aux-loss-coef without --router-aux-loss")
     if args.router_aux_loss == "sequence" and args.router_aux_loss_coef is None:
-        raise UsageError("--router-aux-loss sequence needs --router-aux-loss-coef (DeepSeek-V3's alpha)")
+        raise UsageError(
+            "--router-aux-loss sequence needs --router-aux-loss-coef (DeepSeek-V3's alpha)"
+        )
     if args.router_aux_loss != "none" and plan.num_experts == 0:
-        raise UsageError(f"--router-aux-loss {args.router_aux_loss}: the model has no router")
+        raise UsageError(
+            f"--router-aux-loss {args.router_aux_loss}: the model has no router"
+        )
     if args.expert_bias_rate > 0 and not any(
         name.endswith("e_score_correction_bias") for name, _ in meta.named_buffers()
     ):
@@ -370,7 +546,10 @@ def _check_batch(plan: RunPlan) -> None:
             f"Schedule{args.schedule} needs at least as many microbatches as stages ({plan.num_stages}); "
             f"got --microbatches {args.microbatches}"
         )
-    if args.activation_checkpointing != "none" and args.activation_checkpointing != "full":
+    if (
+        args.activation_checkpointing != "none"
+        and args.activation_checkpointing != "full"
+    ):
         raise UsageError(f"--activation-checkpointing {args.activation_checkpointing}")
     sequences = plan.stream.num_tokens // args.seq_len
     if sequences < args.batch_size:
@@ -403,7 +582,9 @@ def _check_export(args: argparse.Namespace) -> None:
     if args.export is None:
         return
     if os.path.isfile(args.export) or (
-        os.path.isdir(args.export) and os.listdir(args.export) and not args.overwrite_export
+        os.path.isdir(args.export)
+        and os.listdir(args.export)
+        and not args.overwrite_export
     ):
         raise UsageError(
             f"--export {args.export} exists and is not empty: pass --overwrite-export to replace it, or another directory"

@@ -33,7 +33,9 @@ class Pipeline:
     """This rank's stages of the model in the job's layout, their schedule,
     one AdamW per stage module and its learning-rate schedule."""
 
-    def __init__(self, plan: RunPlan, mesh: Any, device: torch.device, resuming: bool) -> None:
+    def __init__(
+        self, plan: RunPlan, mesh: Any, device: torch.device, resuming: bool
+    ) -> None:
         args = plan.args
         self.plan, self.mesh, self.device = plan, mesh, device
         self.data = launcher.data_parallel_mesh(mesh)
@@ -62,7 +64,10 @@ class Pipeline:
             self.schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
         self.optimizers = [_adamw(part, args) for part in self.parts]
         self.lr = _state.LRSchedules(
-            [torch.optim.lr_scheduler.LambdaLR(o, _lr_rule(args)) for o in self.optimizers]
+            [
+                torch.optim.lr_scheduler.LambdaLR(o, _lr_rule(args))
+                for o in self.optimizers
+            ]
         )
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
@@ -75,7 +80,9 @@ class Pipeline:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
         self.loss_fn.set_labels(ids, group=self.data.get_group())
-        inputs = (ids, torch.ones_like(ids)) if self.aux else (ids,)  # packed: no padding
+        inputs = (
+            (ids, torch.ones_like(ids)) if self.aux else (ids,)
+        )  # packed: no padding
         losses: list[torch.Tensor] = []
         with self._autocast():
             self.schedule.step(
@@ -148,7 +155,10 @@ def _adamw(part: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
 def _lr_rule(args: Any) -> Any:
     def factor(step: int) -> float:
         return _state.lr_factor(
-            step, steps=args.steps, warmup=args.warmup_steps, min_ratio=args.min_lr / args.lr
+            step,
+            steps=args.steps,
+            warmup=args.warmup_steps,
+            min_ratio=args.min_lr / args.lr,
         )
 
     return factor

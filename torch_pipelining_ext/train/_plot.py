@@ -43,7 +43,14 @@ def plot_run(records: Sequence[dict[str, Any]], path: str, title: str) -> bool:
         if points:
             ax.plot(*zip(*points), linewidth=1.2)
         else:
-            ax.text(0.5, 0.5, "no MoE layer", ha="center", va="center", transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                "no MoE layer",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")

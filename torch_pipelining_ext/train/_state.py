@@ -63,7 +63,9 @@ class LRSchedules:
     """The learning-rate schedulers of the optimizers, as one ``Stateful``
     of a checkpoint (see ``[Note: trainer state]``)."""
 
-    def __init__(self, schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler]) -> None:
+    def __init__(
+        self, schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler]
+    ) -> None:
         self.schedulers = list(schedulers)
 
     def step(self) -> None:
@@ -78,9 +80,13 @@ class LRSchedules:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for s in self.schedulers:
             full = s.state_dict()
-            full.update(last_epoch=int(state["last_epoch"]), _step_count=int(state["_step_count"]))
+            full.update(
+                last_epoch=int(state["last_epoch"]),
+                _step_count=int(state["_step_count"]),
+            )
             full["_last_lr"] = [
-                base * rule(full["last_epoch"]) for base, rule in zip(full["base_lrs"], s.lr_lambdas)
+                base * rule(full["last_epoch"])
+                for base, rule in zip(full["base_lrs"], s.lr_lambdas)
             ]
             s.load_state_dict(full)
 

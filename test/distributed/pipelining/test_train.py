@@ -60,7 +60,7 @@ from torch_pipelining_ext import launcher
 
 
 try:
-    import transformers  # noqa: F401
+    import transformers
 
     from torch_pipelining_ext import hf, train
     from torch_pipelining_ext.train import _checkpoints, _data, _model, _state
@@ -162,12 +162,16 @@ def global_batch(run_dir: str, argv: list[str], step: int) -> torch.Tensor:
     out = []
     for position in range(step * batch, (step + 1) * batch):
         epoch, within = divmod(position, n)
-        gen = torch.Generator().manual_seed(int(flag(argv, "--seed", "0")) * 1_000_003 + epoch)
+        gen = torch.Generator().manual_seed(
+            int(flag(argv, "--seed", "0")) * 1_000_003 + epoch
+        )
         out.append(seqs[torch.randperm(n, generator=gen)[within]])
     return torch.stack(out)
 
 
-def reference_run(config: Any, run_dir: str, argv: list[str], steps: int) -> tuple[list[float], Any]:
+def reference_run(
+    config: Any, run_dir: str, argv: list[str], steps: int
+) -> tuple[list[float], Any]:
     """The unsplit model trained as the trainer trains it: each step's loss
     and the model after ``steps`` steps."""
     model = _model.initial_model(config, int(flag(argv, "--seed", "0")))
@@ -232,15 +236,21 @@ class _RunDirTest(TestCase):
         weights; returns the losses."""
         losses = losses_of(run_dir)
         steps = int(flag(argv, "--steps"))
-        self.assertEqual([r["step"] for r in train.read_metrics(run_dir)], list(range(1, steps + 1)))
+        self.assertEqual(
+            [r["step"] for r in train.read_metrics(run_dir)], list(range(1, steps + 1))
+        )
         want, model = reference_run(config, run_dir, argv, steps)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), **_LOSS_TOLERANCE)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(want), **_LOSS_TOLERANCE
+        )
         if export is not None:
             got = exported(export)
             ref = model.state_dict()
             self.assertEqual(set(got), set(ref))
             for key in ref:
-                torch.testing.assert_close(got[key], ref[key], msg=key, **_WEIGHT_TOLERANCE)
+                torch.testing.assert_close(
+                    got[key], ref[key], msg=key, **_WEIGHT_TOLERANCE
+                )
         return losses
 
 
@@ -289,7 +299,9 @@ class TrainSlowTest(_RunDirTest):
         (DualPipeV, its OVERLAP_F_B concurrent; FSDP2 over dp x ep)."""
         run_dir = self.run_dir()
         export = os.path.join(os.path.dirname(run_dir), "export")
-        learn = model == "qwen3_moe" and layout == "pp1_ep2"  # the loss falls on real text
+        learn = (
+            model == "qwen3_moe" and layout == "pp1_ep2"
+        )  # the loss falls on real text
         argv = [
             "--model-type", model, *text_flags(), *_TINY, *_TINY_MODEL, "--layers", "4",
             "--steps", "20" if learn else "3", "--run-dir", run_dir, "--export", export,
@@ -324,7 +336,9 @@ class TrainSlowTest(_RunDirTest):
             if name == "killed":
                 first = self._run_and_kill(argv, run_dir, kill_after, victim)
                 self.assertEqual(first.returncode, 1, first.stderr[-3000:])
-                self.assertIn(f"rank {victim} was killed by signal SIGKILL", first.stderr)
+                self.assertIn(
+                    f"rank {victim} was killed by signal SIGKILL", first.stderr
+                )
             done = self._command(argv)
             self.assertEqual(done.returncode, 0, done.stderr[-3000:])
             if name == "killed":
@@ -347,12 +361,17 @@ class TrainSlowTest(_RunDirTest):
         self.assertEqual(run_main(*argv)[0], 0)
         whole = losses_of(run_dir)
         for layout in (_LAYOUTS["pp2_ep2"], _LAYOUTS["pp1_dp2_ep2"]):
-            shutil.rmtree(os.path.join(run_dir, "checkpoints", "step-00000004"), ignore_errors=True)
+            shutil.rmtree(
+                os.path.join(run_dir, "checkpoints", "step-00000004"),
+                ignore_errors=True,
+            )
             rc, err = run_main(*argv, *layout)
             self.assertEqual(rc, 0, err)
             resumed = losses_of(run_dir)
             self.assertEqual(resumed[:2], whole[:2])  # kept from before the checkpoint
-            torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole), **_LOSS_TOLERANCE)
+            torch.testing.assert_close(
+                torch.tensor(resumed), torch.tensor(whole), **_LOSS_TOLERANCE
+            )
 
     def _model_with_dropout(self) -> str:
         """A tiny Qwen3-MoE Hugging Face directory whose attention drops out."""
@@ -383,8 +402,12 @@ class TrainSlowTest(_RunDirTest):
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 out, err = proc.communicate()
-                self.fail(f"the run ended or stalled before step {after}: {err[-3000:]}")
-            time.sleep(0.05)  # polls the run's progress; the result does not depend on it
+                self.fail(
+                    f"the run ended or stalled before step {after}: {err[-3000:]}"
+                )
+            time.sleep(
+                0.05
+            )  # polls the run's progress; the result does not depend on it
         ranks = _children(proc.pid)
         self.assertEqual(len(ranks), 4, ranks)
         os.kill(ranks[victim], signal.SIGKILL)
@@ -405,7 +428,14 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(var, None)  # not under torchrun: the trainer starts its ranks
     return env
 
@@ -423,29 +453,50 @@ class TrainArgumentsTest(_RunDirTest):
     def refused(self, *argv: str, environ: dict[str, str] | None = None) -> str:
         """Exit status 2 without starting a rank; returns the message."""
         err = io.StringIO()
-        with mock.patch.object(launcher, "launch") as launch, contextlib.redirect_stderr(err):
+        with (
+            mock.patch.object(launcher, "launch") as launch,
+            contextlib.redirect_stderr(err),
+        ):
             rc = train.main(list(argv), environ=environ or {})
         self.assertEqual(rc, 2, err.getvalue())
         launch.assert_not_called()
         return err.getvalue()
 
     def base(self, *extra: str) -> list[str]:
-        return ["--model-type", "qwen3_moe", *text_flags(), *_TINY, *_TINY_MODEL, "--run-dir", self.run_dir(), *extra]
+        return [
+            "--model-type",
+            "qwen3_moe",
+            *text_flags(),
+            *_TINY,
+            *_TINY_MODEL,
+            "--run-dir",
+            self.run_dir(),
+            *extra,
+        ]
 
     def test_layout_does_not_fit_the_world(self) -> None:
-        self.assertIn("not divisible by --pp 1 x --ep 2", self.refused(*self.base("--ep", "2", "--nproc", "3")))
         self.assertIn(
-            "needs 4 ranks, but the job has 2", self.refused(*self.base("--pp", "2", "--dp", "2", "--nproc", "2"))
+            "not divisible by --pp 1 x --ep 2",
+            self.refused(*self.base("--ep", "2", "--nproc", "3")),
+        )
+        self.assertIn(
+            "needs 4 ranks, but the job has 2",
+            self.refused(*self.base("--pp", "2", "--dp", "2", "--nproc", "2")),
         )
         torchrun = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}
-        self.assertIn("not divisible", self.refused(*self.base("--ep", "2"), environ=torchrun))
+        self.assertIn(
+            "not divisible", self.refused(*self.base("--ep", "2"), environ=torchrun)
+        )
 
     def test_experts_not_divisible_by_ep(self) -> None:
         message = self.refused(*self.base("--experts", "6", "--ep", "4"))
         self.assertIn("6 experts are not divisible by --ep 4", message)
 
     def test_sequence_beyond_positions(self) -> None:
-        self.assertIn("beyond the model's 2048 positions", self.refused(*self.base("--seq-len", "4096")))
+        self.assertIn(
+            "beyond the model's 2048 positions",
+            self.refused(*self.base("--seq-len", "4096")),
+        )
 
     def test_empty_or_unreadable_data(self) -> None:
         directory = os.path.dirname(self.run_dir())
@@ -455,33 +506,80 @@ class TrainArgumentsTest(_RunDirTest):
         with open(bad, "w") as f:
             f.write('{"text": "fine"}\nnot json\n')
         tok = os.path.join(corpus(), "tokenizer")
-        common = ["--model-type", "qwen3_moe", "--tokenizer", tok, "--run-dir", self.run_dir()]
+        common = [
+            "--model-type",
+            "qwen3_moe",
+            "--tokenizer",
+            tok,
+            "--run-dir",
+            self.run_dir(),
+        ]
         self.assertIn("holds no document", self.refused(*common, "--data", empty))
-        self.assertIn("no such file", self.refused(*common, "--data", os.path.join(directory, "missing.jsonl")))
-        self.assertIn("bad.jsonl:2: not a JSON object", self.refused(*common, "--data", bad))
+        self.assertIn(
+            "no such file",
+            self.refused(*common, "--data", os.path.join(directory, "missing.jsonl")),
+        )
+        self.assertIn(
+            "bad.jsonl:2: not a JSON object", self.refused(*common, "--data", bad)
+        )
         tokens = os.path.join(directory, "tokens.bin")
         open(tokens, "wb").close()
-        self.assertIn("is empty", self.refused("--model-type", "qwen3_moe", "--data", tokens, "--run-dir", self.run_dir()))
+        self.assertIn(
+            "is empty",
+            self.refused(
+                "--model-type",
+                "qwen3_moe",
+                "--data",
+                tokens,
+                "--run-dir",
+                self.run_dir(),
+            ),
+        )
         with open(tokens, "wb") as f:
             f.write(b"\x01\x02\x03")
-        self.assertIn("not a whole number of uint16", self.refused("--model-type", "qwen3_moe", "--data", tokens, "--run-dir", self.run_dir()))
+        self.assertIn(
+            "not a whole number of uint16",
+            self.refused(
+                "--model-type",
+                "qwen3_moe",
+                "--data",
+                tokens,
+                "--run-dir",
+                self.run_dir(),
+            ),
+        )
         if os.geteuid() != 0:  # root reads anything
             os.chmod(bad, 0)
             self.assertIn("cannot be read", self.refused(*common, "--data", bad))
 
     def test_vocabulary_too_small(self) -> None:
         message = self.refused(*self.base("--vocab-size", "100"))
-        self.assertIn("has 512 tokens, more than the model's vocabulary of 100", message)
+        self.assertIn(
+            "has 512 tokens, more than the model's vocabulary of 100", message
+        )
         tokens = os.path.join(os.path.dirname(self.run_dir()), "tokens.bin")
         np.arange(1000, dtype=np.uint16).tofile(tokens)
-        message = self.refused("--model-type", "qwen3_moe", "--data", tokens, "--vocab-size", "500", "--run-dir", self.run_dir())
-        self.assertIn("holds token id 999, beyond the model's vocabulary of 500", message)
+        message = self.refused(
+            "--model-type",
+            "qwen3_moe",
+            "--data",
+            tokens,
+            "--vocab-size",
+            "500",
+            "--run-dir",
+            self.run_dir(),
+        )
+        self.assertIn(
+            "holds token id 999, beyond the model's vocabulary of 500", message
+        )
 
     def test_export_directory_in_use(self) -> None:
         export = os.path.join(os.path.dirname(self.run_dir()), "export")
         os.makedirs(export)
         open(os.path.join(export, "config.json"), "w").close()
-        self.assertIn("--overwrite-export", self.refused(*self.base("--export", export)))
+        self.assertIn(
+            "--overwrite-export", self.refused(*self.base("--export", export))
+        )
 
     def test_checkpoint_of_another_model(self) -> None:
         """Refused, naming the keys, and nothing of the run directory changes."""
@@ -503,12 +601,31 @@ class TrainArgumentsTest(_RunDirTest):
         self.assertEqual(_snapshot(run_dir), before)
 
     def test_conflicting_flags(self) -> None:
-        self.assertIn("give the model", self.refused(*text_flags(), "--run-dir", self.run_dir()))
-        dense = self.refused("--model-type", "llama", *text_flags(), "--ep", "2", "--run-dir", self.run_dir())
+        self.assertIn(
+            "give the model", self.refused(*text_flags(), "--run-dir", self.run_dir())
+        )
+        dense = self.refused(
+            "--model-type",
+            "llama",
+            *text_flags(),
+            "--ep",
+            "2",
+            "--run-dir",
+            self.run_dir(),
+        )
         self.assertIn("--ep 2: expert parallelism needs a MoE model", dense)
-        self.assertIn("needs --router-aux-loss-coef", self.refused(*self.base("--router-aux-loss", "sequence")))
-        self.assertIn("e_score_correction_bias", self.refused(*self.base("--expert-bias-rate", "0.001")))
-        self.assertIn("cannot be cut into --microbatches 3", self.refused(*self.base("--microbatches", "3")))
+        self.assertIn(
+            "needs --router-aux-loss-coef",
+            self.refused(*self.base("--router-aux-loss", "sequence")),
+        )
+        self.assertIn(
+            "e_score_correction_bias",
+            self.refused(*self.base("--expert-bias-rate", "0.001")),
+        )
+        self.assertIn(
+            "cannot be cut into --microbatches 3",
+            self.refused(*self.base("--microbatches", "3")),
+        )
 
 
 def _snapshot(directory: str) -> dict[str, tuple[int, int]]:
@@ -530,7 +647,9 @@ def _snapshot(directory: str) -> dict[str, tuple[int, int]]:
 class TrainPartsTest(_RunDirTest):
     def test_documents_packed_with_eos(self) -> None:
         directory = os.path.dirname(self.run_dir())
-        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(corpus(), "tokenizer"))
+        tok = transformers.AutoTokenizer.from_pretrained(
+            os.path.join(corpus(), "tokenizer")
+        )
         docs = ["first document", "the second one", "third"]
         jsonl = os.path.join(directory, "d.jsonl")
         with open(jsonl, "w") as f:
@@ -540,10 +659,18 @@ class TrainPartsTest(_RunDirTest):
             texts.append(os.path.join(directory, f"{i}.txt"))
             with open(texts[-1], "w") as f:
                 f.write(d)
-        want = [t for d in docs for t in (*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id)]
+        want = [
+            t
+            for d in docs
+            for t in (*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id)
+        ]
         for paths in ([jsonl], texts):
-            fingerprint = _data.files_fingerprint(paths, os.path.join(corpus(), "tokenizer"), "text")
-            stream = _data.tokenized_stream(_data.documents(paths, "text"), tok, fingerprint, directory)
+            fingerprint = _data.files_fingerprint(
+                paths, os.path.join(corpus(), "tokenizer"), "text"
+            )
+            stream = _data.tokenized_stream(
+                _data.documents(paths, "text"), tok, fingerprint, directory
+            )
             self.assertEqual(stream.open().tolist(), want)
             self.assertEqual(stream.dtype, "uint16")
 
@@ -557,18 +684,27 @@ class TrainPartsTest(_RunDirTest):
         for epoch in range(2):
             order = [seqs.sequence_index(epoch * 25 + i) for i in range(25)]
             self.assertEqual(sorted(order), list(range(25)))
-        self.assertNotEqual([seqs.sequence_index(i) for i in range(25)], [seqs.sequence_index(25 + i) for i in range(25)])
+        self.assertNotEqual(
+            [seqs.sequence_index(i) for i in range(25)],
+            [seqs.sequence_index(25 + i) for i in range(25)],
+        )
         # the data ranks' blocks are the global batch, in any layout; a batch across the epoch boundary
         for position in (0, 20):
             whole = seqs.batch(position, 8, 0, 1)
             for ranks in (2, 4):
                 parts = [seqs.batch(position, 8, r, ranks) for r in range(ranks)]
                 self.assertTrue(torch.equal(torch.cat(parts), whole))
-            self.assertTrue(torch.equal(whole[:, 1:] - whole[:, :-1], torch.ones(8, 3, dtype=torch.int64)))
+            self.assertTrue(
+                torch.equal(
+                    whole[:, 1:] - whole[:, :-1], torch.ones(8, 3, dtype=torch.int64)
+                )
+            )
         again = _data.Sequences(stream, seq_len=4, seed=3, shuffle=True)
         self.assertTrue(torch.equal(again.batch(20, 8, 1, 2), seqs.batch(20, 8, 1, 2)))
         plain = _data.Sequences(stream, seq_len=4, seed=3, shuffle=False)
-        self.assertEqual(plain.batch(26, 2, 0, 1).tolist(), [[4, 5, 6, 7], [8, 9, 10, 11]])
+        self.assertEqual(
+            plain.batch(26, 2, 0, 1).tolist(), [[4, 5, 6, 7], [8, 9, 10, 11]]
+        )
 
     def test_checkpoint_directories(self) -> None:
         run_dir = self.run_dir()
@@ -588,11 +724,15 @@ class TrainPartsTest(_RunDirTest):
         removing = ckpts.path(8, _checkpoints.CheckpointState.REMOVING)
         os.makedirs(removing)
         open(os.path.join(removing, _checkpoints.METADATA), "w").close()
-        os.makedirs(ckpts.path(5, _checkpoints.CheckpointState.COMPLETE))  # no .metadata
+        os.makedirs(
+            ckpts.path(5, _checkpoints.CheckpointState.COMPLETE)
+        )  # no .metadata
         self.assertEqual(ckpts.latest().step, 4)
         self.assertEqual([c.step for c in ckpts.complete()], [2, 4])
         self.assertEqual(ckpts.prune(1), [2])
-        self.assertEqual(sorted(os.listdir(ckpts.root)), ["step-00000004", "step-00000005"])
+        self.assertEqual(
+            sorted(os.listdir(ckpts.root)), ["step-00000004", "step-00000005"]
+        )
         ckpts.begin(7)  # no rank wrote it
         with self.assertRaisesRegex(RuntimeError, "no .metadata"):
             ckpts.commit(7)
@@ -603,7 +743,9 @@ class TrainPartsTest(_RunDirTest):
         lock.close()
 
     def test_learning_rate_schedule(self) -> None:
-        factors = [_state.lr_factor(s, steps=10, warmup=2, min_ratio=0.1) for s in range(12)]
+        factors = [
+            _state.lr_factor(s, steps=10, warmup=2, min_ratio=0.1) for s in range(12)
+        ]
         want = [lr_at(s, 10, 2, 1.0, 0.1) for s in range(12)]
         torch.testing.assert_close(torch.tensor(factors), torch.tensor(want))
         self.assertEqual(factors[1], 1.0)
@@ -615,7 +757,9 @@ class TrainPartsTest(_RunDirTest):
         from test_public_api import _imports, _private_parts
 
         offenders = []
-        for path in glob.glob(os.path.join(_REPO, "torch_pipelining_ext", "train", "*.py")):
+        for path in glob.glob(
+            os.path.join(_REPO, "torch_pipelining_ext", "train", "*.py")
+        ):
             with open(path) as f:
                 for module, name in _imports(f.read()):
                     if module.startswith("torch_pipelining_ext.train"):
@@ -629,17 +773,33 @@ class TrainPartsTest(_RunDirTest):
         import datasets
 
         directory = os.path.dirname(self.run_dir())
-        texts = [json.loads(line)["text"] for line in open(os.path.join(corpus(), "docs.jsonl"))]
-        datasets.Dataset.from_dict({"text": texts}).save_to_disk(os.path.join(directory, "ds"))
+        with open(os.path.join(corpus(), "docs.jsonl")) as f:
+            texts = [json.loads(line)["text"] for line in f]
+        datasets.Dataset.from_dict({"text": texts}).save_to_disk(
+            os.path.join(directory, "ds")
+        )
         plans = []
-        for source in (["--dataset", os.path.join(directory, "ds")], ["--data", os.path.join(corpus(), "docs.jsonl")]):
+        for source in (
+            ["--dataset", os.path.join(directory, "ds")],
+            ["--data", os.path.join(corpus(), "docs.jsonl")],
+        ):
             args = train.build_parser().parse_args(
-                ["--model-type", "qwen3_moe", "--tokenizer", os.path.join(corpus(), "tokenizer"), *source, "--run-dir", self.run_dir()]
+                [
+                    "--model-type",
+                    "qwen3_moe",
+                    "--tokenizer",
+                    os.path.join(corpus(), "tokenizer"),
+                    *source,
+                    "--run-dir",
+                    self.run_dir(),
+                ]
             )
             from torch_pipelining_ext.train._options import make_plan
 
             plans.append(make_plan(args, {}))
-        self.assertEqual(plans[0].stream.open().tolist(), plans[1].stream.open().tolist())
+        self.assertEqual(
+            plans[0].stream.open().tolist(), plans[1].stream.open().tolist()
+        )
 
 
 if __name__ == "__main__":
