@@ -314,6 +314,76 @@ class TrainSlowTest(_RunDirTest):
         if learn:
             self.assertLess(sum(losses[-3:]) / 3, losses[0] - 0.5, losses)
 
+    def test_overlap_and_checkpointing_change_nothing(self) -> None:
+        """PP=2 x EP=2: the sequential OVERLAP_F_B (--no-overlap) and full
+        activation checkpointing train bitwise as the concurrent overlap."""
+        results = []
+        for extra in ([], ["--no-overlap"], ["--activation-checkpointing", "full"]):
+            run_dir = self.run_dir()
+            export = os.path.join(os.path.dirname(run_dir), "export")
+            argv = [
+                "--model-type", "qwen3_moe", *text_flags(), *_TINY, *_TINY_MODEL,
+                *_LAYOUTS["pp2_ep2"], "--steps", "3", "--run-dir", run_dir, "--export", export, *extra,
+            ]  # fmt: skip
+            rc, err = run_main(*argv)
+            self.assertEqual(rc, 0, err)
+            results.append((losses_of(run_dir), exported(export)))
+        for losses, weights in results[1:]:
+            self.assertEqual(losses, results[0][0])
+            for key, value in results[0][1].items():
+                self.assertTrue(torch.equal(weights[key], value), key)
+
+    def test_bfloat16(self) -> None:
+        """--dtype bfloat16 computes in bfloat16 (autocast) with float32
+        weights: losses near the float32 reference, float32 export."""
+        run_dir = self.run_dir()
+        export = os.path.join(os.path.dirname(run_dir), "export")
+        argv = [
+            "--model-type", "qwen3_moe", *text_flags(), *_TINY, *_TINY_MODEL, "--ep", "2",
+            "--steps", "3", "--dtype", "bfloat16", "--run-dir", run_dir, "--export", export,
+        ]  # fmt: skip
+        rc, err = run_main(*argv)
+        self.assertEqual(rc, 0, err)
+        config = train.tiny_config("qwen3_moe", vocab_size=512, hidden_size=64)
+        want, model = reference_run(config, run_dir, argv, 3)
+        got = losses_of(run_dir)
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor(want), atol=3e-2, rtol=0
+        )
+        self.assertNotEqual(got, want)  # bfloat16 arithmetic did run
+        weights = exported(export)
+        self.assertTrue(all(v.dtype == torch.float32 for v in weights.values()))
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(weights[key], value, atol=2e-2, rtol=0, msg=key)
+
+    def test_balancing_deepseek_v3(self) -> None:
+        """DeepSeek-V3 with its sequence-wise auxiliary loss and the
+        auxiliary-loss-free bias update (PP=2 x EP=2): the biases move, every
+        step logs the expert-load imbalance."""
+        run_dir = self.run_dir()
+        export = os.path.join(os.path.dirname(run_dir), "export")
+        argv = [
+            "--model-type", "deepseek_v3", *text_flags(), *_TINY, *_TINY_MODEL, *_LAYOUTS["pp2_ep2"],
+            "--router-aux-loss", "sequence", "--router-aux-loss-coef", "1e-4",
+            "--expert-bias-rate", "1e-3", "--steps", "3", "--run-dir", run_dir, "--export", export,
+        ]  # fmt: skip
+        rc, err = run_main(*argv)
+        self.assertEqual(rc, 0, err)
+        records = train.read_metrics(run_dir)
+        self.assertTrue(all(r["imbalance"] >= 1.0 for r in records), records)
+        biases = {
+            k: v
+            for k, v in exported(export).items()
+            if k.endswith("e_score_correction_bias")
+        }
+        self.assertEqual(len(biases), 3)  # the MoE layers after the dense first one
+        for key, bias in biases.items():
+            # three updates of -rate, 0 or +rate per expert, not all zero
+            steps = bias / 1e-3
+            torch.testing.assert_close(steps, steps.round(), atol=1e-4, rtol=0, msg=key)
+            self.assertLessEqual(steps.abs().max().item(), 3 + 1e-4, key)
+            self.assertGreater(steps.abs().max().item(), 0.5, key)
+
     def test_killed_rank_resumes_bitwise(self) -> None:
         """SIGKILL to a random rank at a random step, the same command again:
         the losses bitwise and the final weights those of a run never
