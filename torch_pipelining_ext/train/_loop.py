@@ -156,14 +156,21 @@ class Trainer:
             f"{self.data.num_sequences:,} sequences of {args.seq_len}; {what}",
             flush=True,
         )
+        if self.step >= args.steps:
+            print(
+                f"train: step {self.step} reached: --steps {args.steps} leaves nothing to train",
+                flush=True,
+            )
 
-    # -- shape inference -------------------------------------------------------------
+    # -- shape inference -----------------------------------------------------
 
     def infer_shapes(self) -> None:
         """Run torch's first-step shape inference before the first step, so
         that it leaves no trace (``[Note: trainer state]``): one step's forward
         and backward on the next batch, inside ``fork_rng``, the gradients
         dropped and its expert load discarded; the optimizers do not step."""
+        if self.step >= self.args.steps:
+            return  # nothing to train
         self._enter(TrainerState.INFERRING_SHAPES)
         ids = self._batch()
         devices = [self.pipe.device] if self.pipe.device.type == "cuda" else []

@@ -279,7 +279,10 @@ def make_plan(
         _make_run_dir(args.run_dir)
         config = _config(args)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-        plan = RunPlan(args, world, args.pp, dp, args.ep, config, 0, 0, None, None)
+        plan = RunPlan(
+            args, world, args.pp, dp, args.ep, config,
+            num_stages=0, num_experts=0, stream=None, resume=None,
+        )  # fmt: skip
         plan.stream = _token_file(args, tokenizer)
         _fit_vocabulary(plan, len(tokenizer) if tokenizer is not None else None)
         _check_model(plan)
@@ -546,11 +549,6 @@ def _check_batch(plan: RunPlan) -> None:
             f"Schedule{args.schedule} needs at least as many microbatches as stages ({plan.num_stages}); "
             f"got --microbatches {args.microbatches}"
         )
-    if (
-        args.activation_checkpointing != "none"
-        and args.activation_checkpointing != "full"
-    ):
-        raise UsageError(f"--activation-checkpointing {args.activation_checkpointing}")
     sequences = plan.stream.num_tokens // args.seq_len
     if sequences < args.batch_size:
         raise UsageError(

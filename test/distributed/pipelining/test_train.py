@@ -812,6 +812,30 @@ class TrainPartsTest(_RunDirTest):
         self.assertIsNone(_checkpoints.lock_run_dir(run_dir))  # another job
         lock.close()
 
+    def test_check_checkpoint_without_process_group(self) -> None:
+        """hf.check_checkpoint: a checkpoint of the whole model passes, one of
+        another model is refused naming the keys and shapes."""
+        import torch.distributed.checkpoint as dcp
+
+        config = train.tiny_config("qwen3_moe", vocab_size=64, hidden_size=32, layers=2)
+        path = os.path.join(os.path.dirname(self.run_dir()), "ckpt")
+        with mock.patch("warnings.warn"):
+            dcp.save(
+                {"model": _model.initial_model(config, 0).state_dict()},
+                checkpoint_id=path,
+                no_dist=True,
+            )
+        hf.check_checkpoint(config, path)
+        hf.check_checkpoint(hf.meta_causal_lm(config), path)
+        config.num_experts = 4
+        with self.assertRaisesRegex(
+            ValueError,
+            r"experts.gate_up_proj': saved \[8, 256, 32\], here \[4, 256, 32\]",
+        ):
+            hf.check_checkpoint(config, path)
+        with self.assertRaises(FileNotFoundError):
+            hf.check_checkpoint(config, os.path.join(path, "missing"))
+
     def test_learning_rate_schedule(self) -> None:
         factors = [
             _state.lr_factor(s, steps=10, warmup=2, min_ratio=0.1) for s in range(12)
