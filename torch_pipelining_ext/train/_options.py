@@ -329,6 +329,15 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}"
             )
+    if not args.timeout > 0:
+        raise UsageError(
+            f"--timeout must be a number of seconds > 0, got {args.timeout}"
+        )
+    coef = args.router_aux_loss_coef
+    if coef is not None and not (math.isfinite(coef) and coef >= 0):
+        raise UsageError(
+            f"--router-aux-loss-coef must be a finite number >= 0, got {coef}"
+        )
     if not args.lr > 0 or args.min_lr > args.lr:
         raise UsageError(
             f"need 0 < --min-lr <= --lr, got --lr {args.lr} --min-lr {args.min_lr}"
