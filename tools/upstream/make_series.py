@@ -73,16 +73,10 @@ HEADER = (
 #   the module docstring's paragraph that starts with "Upstream file" or
 #   "Upstream target" (where the code goes) is dropped;
 #   torch's file header (HEADER) goes first.
-# Nothing may be left that names the package.
-UPSTREAM_MODULES = (
-    ("torch_pipelining_ext.overlap._handler", "_overlap"),
-    ("torch_pipelining_ext.overlap._marks", "_ep_marks"),
-    ("torch_pipelining_ext.overlap._turns", "_ep_turns"),
-    ("torch_pipelining_ext.overlap._rng", "_ep_rng"),
-    ("torch_pipelining_ext.overlap._policy", "_ep_policy"),
-    ("torch_pipelining_ext.overlap._streams", "_ep_streams"),
-    ("torch_pipelining_ext.overlap", "ep_overlap"),
-)
+# Nothing may be left that names the package.  The series proposes one new
+# module; the package keeps it private (``_stage_split``) behind its public
+# ``stage_split`` until upstream has it.
+UPSTREAM_MODULES = (("torch_pipelining_ext._stage_split", "stage_split"),)
 ENV_PREFIXES = ("TORCH_PIPELINING_EXT_", "TORCH_PIPELINING_")
 _UPSTREAM = dict(UPSTREAM_MODULES)
 _LEFTOVERS = re.compile(r"torch_pipelining_ext|TORCH_PIPELINING_EXT")
@@ -252,14 +246,16 @@ FIXES: tuple[Patch, ...] = (
     _fix("eval-adjacent-local-stages"),
 )
 
-# Proposals (RFC-first new modules, the runtime refactor, the overlap): their
-# tests are files of their own that import the helpers of SUPPORT.
+# Proposals: the RFC-first new module (its test a file of its own that imports
+# the helpers of SUPPORT) and the runtime refactor in two PRs, the extraction
+# (no test of its own: upstream's tests before and after) and the
+# custom-function API (tests inside upstream's test files, like a fix's).
 PROPOSALS: tuple[Patch, ...] = (
     Patch("stage-split", (NewModule("stage_split.py", "_stage_split.py"),)),
     Patch("runtime-action-methods", (HandWritten("patch.diff"),)),
-    Patch("runtime-context-per-step", (HandWritten("patch.diff"),)),
-    Patch("runtime-perform-action", (HandWritten("patch.diff"),)),
-    Patch("runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
+    Patch(
+        "runtime-custom-function-api", (HandWritten("patch.diff"),), tests="test.diff"
+    ),
 )
 
 

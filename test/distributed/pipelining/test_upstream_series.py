@@ -174,21 +174,29 @@ class UpstreamSeriesTest(TestCase):
     def test_rule_copies_with_upstream_names(self) -> None:
         source = (
             '"""Doc.\n\nUpstream file: ``x.py``.\n"""\n\n'
-            "from torch_pipelining_ext.overlap import _marks as _ep_marks\n"
-            "from torch_pipelining_ext.overlap import _turns as turns\n"
-            "from torch_pipelining_ext.overlap._rng import _RNGDevices\n"
-            "from torch_pipelining_ext.overlap import get_wait_timeout\n\n"
-            'ENV = "TORCH_PIPELINING_EXT_OVERLAP"  # see torch_pipelining_ext.overlap._handler\n'
+            "from torch_pipelining_ext import _stage_split as split\n"
+            "from torch_pipelining_ext import _stage_split\n"
+            "from torch_pipelining_ext._stage_split import split_by_names\n\n"
+            'ENV = "TORCH_PIPELINING_EXT_SPLIT"  # see torch_pipelining_ext._stage_split\n'
         )
         self.assertEqual(
             make_series.upstream_source(source, "m.py"),
             make_series.HEADER + '"""Doc.\n"""\n\n'
-            "from . import _ep_marks\n"
-            "from . import _ep_turns as turns\n"
-            "from ._ep_rng import _RNGDevices\n"
-            "from .ep_overlap import get_wait_timeout\n\n"
-            'ENV = "TORCH_PIPELINING_OVERLAP"  # see torch.distributed.pipelining._overlap\n',
+            "from . import stage_split as split\n"
+            "from . import stage_split as _stage_split\n"
+            "from .stage_split import split_by_names\n\n"
+            'ENV = "TORCH_PIPELINING_SPLIT"  # see torch.distributed.pipelining.stage_split\n',
         )
+
+    def test_upstream_modules_are_proposed_modules(self) -> None:
+        """Every module of the name mapping is one the series proposes (none withdrawn)."""
+        proposed = {
+            "torch_pipelining_ext." + part.module.removesuffix(".py").replace("/", ".")
+            for patch in make_series.SERIES
+            for part in patch.parts
+            if isinstance(part, make_series.NewModule)
+        }
+        self.assertEqual({m for m, _ in make_series.UPSTREAM_MODULES}, proposed)
 
     def test_rule_refuses_what_names_the_package(self) -> None:
         with self.assertRaisesRegex(ValueError, "still names the package"):
