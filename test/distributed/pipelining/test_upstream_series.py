@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -207,6 +208,31 @@ class UpstreamSeriesTest(TestCase):
             )
         with self.assertRaisesRegex(ValueError, "matches 0 times"):
             make_series.upstream_source("A = 1\n", "m.py", substitute=(("B", "C"),))
+
+    def test_package_cites_only_patches_of_the_series(self) -> None:
+        """Every patch number the package, README.md or CONTRIBUTING.md cites is in the series.
+
+        A re-cut renumbers the series (``make_series.py --renumber`` rewrites
+        the Markdown of ``tools/upstream`` only); a number left behind in the
+        package would send a reader to another patch or to none.
+        """
+        numbers = {p.name[:4] for p in make_series.SERIES}
+        repo = make_series.REPO
+        files = [
+            *sorted(make_series.PACKAGE.rglob("*.py")),
+            *sorted(make_series.PACKAGE.rglob("*.json")),
+            repo / "README.md",
+            repo / "CONTRIBUTING.md",
+        ]
+        cited = re.compile(r"(?<![\w.])0\d{3}(?![\w.])")
+        stale = [
+            f"{path.relative_to(repo)}:{n}: {number}"
+            for path in files
+            for n, line in enumerate(path.read_text().splitlines(), start=1)
+            for number in cited.findall(line)
+            if number not in numbers
+        ]
+        self.assertEqual(stale, [], "patch numbers the series does not have")
 
     def test_proposed_modules_have_no_markers_or_commented_code(self) -> None:
         modules = [
