@@ -246,8 +246,8 @@ FIXES: tuple[Patch, ...] = (
     _fix("eval-adjacent-local-stages"),
 )
 
-# Proposals: the RFC-first new module (its test a file of its own that imports
-# the helpers of SUPPORT) and the runtime refactor in two PRs, the extraction
+# Proposals: the RFC-first new module (its test a new test file of its own)
+# and the runtime refactor in two PRs, the extraction
 # (no test of its own: upstream's tests before and after) and the
 # custom-function API (tests inside upstream's test files, like a fix's).
 PROPOSALS: tuple[Patch, ...] = (
@@ -272,8 +272,6 @@ SERIES: tuple[Patch, ...] = _numbered(FIXES + PROPOSALS)
 # Unchanged copies of upstream's test files (provenance in its SOURCES.txt)
 TORCH_TESTS = HERE / "pytorch_tests"
 TORCH_TESTS_PATH = "test/distributed/pipelining"
-# Helper modules the proposals' own test files import
-SUPPORT = HERE / "support"
 
 
 # --------------------------------------------------------------------------- #
@@ -602,7 +600,7 @@ def test_hunk_problems() -> list[str]:
             _apply_hunks(series, patch.dir / patch.tests)
         except RuntimeError as e:
             problems.append(f"{patch.name} in series order: {e}")
-    for path in sorted((*HERE.glob("*/test_*.py"), *SUPPORT.glob("*.py"))):
+    for path in sorted(HERE.glob("*/test_*.py")):
         if "Upstream path:" in path.read_text():
             problems.append(
                 f"{path.relative_to(HERE)}: a package-only 'Upstream path:' line"
