@@ -210,11 +210,13 @@ class UpstreamSeriesTest(TestCase):
             make_series.upstream_source("A = 1\n", "m.py", substitute=(("B", "C"),))
 
     def test_package_cites_only_patches_of_the_series(self) -> None:
-        """Every patch number the package, README.md or CONTRIBUTING.md cites is in the series.
+        """Every patch number the package, the docs or the series' texts cite is in it.
 
         A re-cut renumbers the series (``make_series.py --renumber`` rewrites
-        the Markdown of ``tools/upstream`` only); a number left behind in the
-        package would send a reader to another patch or to none.
+        the numbers of the patches it moves, in the Markdown of
+        ``tools/upstream`` only); a number of a patch that was dropped, or one
+        left behind in the package, would send a reader to another patch or
+        to none.
         """
         numbers = {p.name[:4] for p in make_series.SERIES}
         repo = make_series.REPO
@@ -223,6 +225,7 @@ class UpstreamSeriesTest(TestCase):
             *sorted(make_series.PACKAGE.rglob("*.json")),
             repo / "README.md",
             repo / "CONTRIBUTING.md",
+            *sorted(make_series.HERE.rglob("*.md")),
         ]
         cited = re.compile(r"(?<![\w.])0\d{3}(?![\w.])")
         stale = [
