@@ -31,21 +31,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext import launcher, overlap as ep_overlap
 from torch_pipelining_ext.runtime import perform_action, sequential_overlap_f_b
 from torch_pipelining_ext.sim import (
     LinkCost,
@@ -122,12 +121,6 @@ class _Timer:
             )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ping_pong(rank: int, dim: int, tokens: int, repeats: int = 20) -> float:
     """One-way latency of an activation-sized send/recv between the two ranks (median)."""
     t = torch.zeros(tokens, dim)
@@ -145,17 +138,14 @@ def _ping_pong(rank: int, dim: int, tokens: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def _worker(
-    rank: int, world: int, port: int, args: argparse.Namespace, queue: Any
-) -> None:
+def _worker(rank: int, args: argparse.Namespace) -> tuple[float, list[Any]]:
+    """One rank (started by ``launcher.launch``): every case; returns the
+    p2p latency and the rows."""
     global _LATENCY_S
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    torch.set_num_threads(1)
+    world = dist.get_world_size()
     _LATENCY_S = args.latency_ms / 1e3
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
     link = _ping_pong(rank, args.dim, args.tokens)
     rows = []
     for label, name, v, overlap in CASES:
@@ -226,9 +216,7 @@ def _worker(
                 (label, name, v, overlap, steps, gathered, order, stage_to_rank)
             )
         dist.barrier()
-    if rank == 0:
-        queue.put((link, rows))
-    dist.destroy_process_group()
+    return link, rows
 
 
 def _durations(
@@ -393,47 +381,24 @@ def _parse_args() -> argparse.Namespace:
         "--timeout",
         type=float,
         default=1800.0,
-        help="seconds to wait for the ranks' results",
+        help="seconds a rank may wait for the other in a collective",
     )
     return p.parse_args()
 
 
 def _run_ranks(args: argparse.Namespace, world: int) -> tuple[float, list[Any]]:
-    """Run every case on ``world`` spawned ranks; rank 0's (p2p latency, rows)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, args, queue))
-        for r in range(world)
-    ]
-    for pr in procs:
-        pr.start()
-    deadline = time.monotonic() + args.timeout
-    while True:
-        try:
-            link, rows = queue.get(timeout=1.0)
-            break
-        except Exception:  # queue.Empty: check the ranks are alive
-            dead = [
-                (r, pr.exitcode)
-                for r, pr in enumerate(procs)
-                if pr.exitcode not in (None, 0)
-            ]
-            if dead or time.monotonic() > deadline:
-                for pr in procs:
-                    pr.kill()
-                what = (
-                    f"rank {dead[0][0]} exited with {dead[0][1]}"
-                    if dead
-                    else f"no result within {args.timeout:g} s"
-                )
-                raise SystemExit(
-                    f"calibrate_simulator: {what} (see the traceback above)"
-                ) from None
-    for pr in procs:
-        pr.join(timeout=60)
-    return link, rows
+    """Run every case on ``world`` ranks (``launcher.launch``); rank 0's
+    (p2p latency, rows)."""
+    try:
+        return launcher.launch(
+            _worker,
+            world,
+            args,
+            timeout=timedelta(seconds=args.timeout),
+            threads_per_rank=1,
+        )
+    except launcher.RankFailedError as e:
+        raise SystemExit(f"calibrate_simulator: {e}") from None
 
 
 def _predict_case(

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import sys
@@ -50,10 +49,11 @@ DIM, N_MICROBATCHES, MB_SIZE, PP, DP = 8, 4, 2, 2, 2
 N_STAGES = 2 * PP
 
 
-def _worker(rank: int, schedules: list[str], out_dir: str, port: int) -> None:
+def _worker(rank: int, schedules: list[str], out_dir: str) -> None:
+    """One rank of a configuration (its process group is initialised):
+    writes the gradient ratios of its stages (data-parallel rank 0)."""
     sys.path[:0] = [str(_ROOT), str(_ROOT / "test" / "distributed" / "pipelining")]
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
 
     import torch_pipelining_ext  # noqa: F401
@@ -62,11 +62,6 @@ def _worker(rank: int, schedules: list[str], out_dir: str, port: int) -> None:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as sched
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=PP * DP, timeout=datetime.timedelta(seconds=60)
-    )
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     loss_fn = nn.functional.mse_loss
@@ -127,10 +122,11 @@ def _worker(rank: int, schedules: list[str], out_dir: str, port: int) -> None:
             break  # the process group may be unusable now
     if dp_rank == 0:
         Path(out_dir, f"pp{pp_rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
-def _run_config(config: str, schedules: list[str], port: int) -> list[dict]:
+def _run_config(config: str, schedules: list[str]) -> list[dict]:
+    """The ranks of one configuration, in a process of its own (the package's
+    switches are read when it is imported), started by the launcher."""
     import subprocess
 
     with tempfile.TemporaryDirectory() as out_dir:
@@ -141,9 +137,10 @@ def _run_config(config: str, schedules: list[str], port: int) -> list[dict]:
         }
         env.update(_CONFIGS[config])
         code = (
-            f"import sys, torch.multiprocessing as mp; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import fsdp_pp_gradients as t; mp.spawn(t._worker, args=({schedules!r}, {out_dir!r}, {port:d}), "
-            f"nprocs={PP * DP:d})"
+            f"import sys, datetime; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(_ROOT)!r}]; "
+            "from torch_pipelining_ext import launcher; import fsdp_pp_gradients as t; "
+            f"launcher.launch(t._worker, {PP * DP:d}, {schedules!r}, {out_dir!r}, "
+            "timeout=datetime.timedelta(seconds=60), threads_per_rank=1)"
         )
         proc = subprocess.run(
             [sys.executable, "-c", code],
@@ -188,7 +185,7 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(_SCHEDULES))
     args = parser.parse_args()
     configs, schedules = args.configs.split(","), args.schedules.split(",")
-    table = {c: _run_config(c, schedules, 29600 + i) for i, c in enumerate(configs)}
+    table = {c: _run_config(c, schedules) for c in configs}
     print(
         f"torch {torch.__version__}: |grad| / |reference grad| per parameter (min-max over a stage's parameters)"
     )

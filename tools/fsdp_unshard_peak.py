@@ -29,10 +29,8 @@ unsharded bytes), then a machine-readable last line::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 
@@ -40,7 +38,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 PP, DP, N_STAGES, N_MICROBATCHES, MB_SIZE = 2, 2, 4, 4, 2
 
 
-def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, args: argparse.Namespace) -> list[dict]:
+    """One rank's peaks (a process group of every rank is initialised);
+    returns every rank's, by rank."""
     sys.path[:0] = [str(_ROOT), str(_ROOT / "test" / "distributed" / "pipelining")]
     import torch
     import torch.distributed as dist
@@ -51,10 +51,6 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -
     import torch_pipelining_ext
     from model_registry import FSDPMLPStage, fully_shard_stage
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=PP * DP
-    )
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     pp_rank = mesh["pp"].get_local_rank()
     stage_ids = [pp_rank, N_STAGES - 1 - pp_rank]
@@ -141,9 +137,9 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_dir: str) -
     result["stage"] = (
         sum(p.numel() for p in FSDPMLPStage(args.dim, args.layers).parameters()) * 4
     )
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    return everyone
 
 
 def main() -> int:
@@ -153,17 +149,10 @@ def main() -> int:
     )
     parser.add_argument("--dim", type=int, default=256)
     args = parser.parse_args()
-    import torch.multiprocessing as mp
+    sys.path.insert(0, str(_ROOT))
+    from torch_pipelining_ext import launcher
 
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        mp.start_processes(
-            _worker, args=(args, init_file, tmp), nprocs=PP * DP, start_method="spawn"
-        )
-        results = []
-        for r in range(PP * DP):
-            with open(os.path.join(tmp, f"{r}.json")) as f:
-                results.append(json.load(f))
+    results = launcher.launch(_worker, PP * DP, args, threads_per_rank=1)
     layer, stage = results[0]["layer"], results[0]["stage"]
     print(
         f"{args.layers} nested layers per stage, two stages per rank; one layer unsharded = {layer} bytes"

@@ -59,7 +59,6 @@ import argparse
 import contextlib
 import datetime
 import faulthandler
-import signal
 import importlib.util
 import json
 import math
@@ -373,32 +372,22 @@ def _max_abs(a, b) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def _rank_main(
-    rank: int, args: argparse.Namespace, store_path: str, out_path: str
-) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    # a rank still running at the time limit prints where each of its threads is (the driver signals it)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store_path, WORLD_SIZE),
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=args.collective_timeout),
-    )
+def _rank_main(rank: int, args: argparse.Namespace, out_path: str) -> None:
+    """One rank (started by ``launcher.launch``, its process group
+    initialised): the check, its result written to ``out_path.<rank>``."""
+    # a rank still running at the time limit prints where each of its threads
+    # is and exits (the launcher then stops the others)
+    faulthandler.dump_traceback_later(args.timeout, exit=True)
     result: dict[str, Any] = {"rank": rank}
     try:
         result.update(_rank_check(rank, args))
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
 
 
 def _rank_check(rank: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -550,34 +539,34 @@ def main(argv: list[str] | None = None) -> int:
             begun,
         )
     import torch
-    import torch.multiprocessing as mp
+
+    if (
+        args.no_thread_state
+    ):  # read when the package patches: before the launcher imports it
+        os.environ["TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE"] = "0"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from torch_pipelining_ext import launcher
 
     with tempfile.TemporaryDirectory() as tmp:
-        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "result")
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, args, store, out), daemon=True)
-            for r in range(WORLD_SIZE)
-        ]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + args.timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        timed_out = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        out = os.path.join(tmp, "result")
+        timed_out = []  # the rank that did not finish (time limit, or killed)
+        try:
+            launcher.launch(
+                _rank_main,
+                WORLD_SIZE,
+                args,
+                out,
+                timeout=datetime.timedelta(seconds=args.collective_timeout),
+                threads_per_rank=1,
+            )
+        except launcher.RankFailedError as e:
+            print(e)
+            timed_out = [e.rank]
         results = {}
         for r in range(WORLD_SIZE):
             with contextlib.suppress(FileNotFoundError):
                 with open(f"{out}.{r}") as f:
                     results[r] = json.load(f)
-        for proc in procs:
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGUSR1)  # each thread's stack on its stderr
-        for proc in procs:
-            if proc.is_alive():
-                proc.join(3)
-                proc.kill()
-                proc.join(10)
     return _report(args, results, timed_out, torch.__version__, begun)
 
 
@@ -691,7 +680,9 @@ def _report(
         )
         verdict = "pass" if ok else "fail"
     if timed_out:
-        print(f"ranks {timed_out} did not finish within {args.timeout:g} s")
+        print(
+            f"rank {timed_out[0]} did not finish (the time limit is {args.timeout:g} s); the others were stopped"
+        )
     print(
         f"torchtitan_spmd_check={verdict} backend=spmd_types schedule={args.schedule} ac={args.ac} "
         f"thread_state={'off' if args.no_thread_state else 'on'} steps={args.steps} "

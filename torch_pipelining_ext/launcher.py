@@ -170,7 +170,17 @@ def _launch_local(
     try:
         context = mp.start_processes(
             _local_rank,
-            args=(fn, nprocs, init_method, backend, timeout, threads, args, queue),
+            args=(
+                fn,
+                nprocs,
+                init_method,
+                backend,
+                timeout,
+                threads,
+                args,
+                queue,
+                os.getpid(),
+            ),
             nprocs=nprocs,
             join=False,
             start_method=method,
@@ -256,15 +266,44 @@ def _local_rank(
     threads: int,
     args: tuple[Any, ...],
     queue: Any,
+    parent: int,
 ) -> None:
     def failed() -> None:  # [Note: the first failed rank]
         queue.put(("failed", time.monotonic(), rank, traceback.format_exc()))
 
+    _die_with_parent(parent)
     result = _run_rank(
         fn, rank, nprocs, init_method, backend, timeout, threads, args, failed
     )
     if rank == 0:
         queue.put(("result", result))
+
+
+# [Note: ranks die with their launcher]
+# The local ranks are the launching process's children.  If it dies without
+# stopping them (SIGKILL, an OOM kill), they would go on training on their
+# own: a rerun of the same job would then share its run directory with them.
+# On Linux each rank asks the kernel for SIGKILL when its parent exits
+# (prctl PR_SET_PDEATHSIG), and exits at once if the parent is already gone.
+
+
+def _die_with_parent(parent: int) -> None:
+    """See ``[Note: ranks die with their launcher]`` (Linux only)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        logger.debug(
+            "prctl(PR_SET_PDEATHSIG) unavailable: ranks may outlive the launcher"
+        )
+        return
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
 
 
 def _run_rank(

@@ -42,6 +42,7 @@ import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import hf
 from torch_pipelining_ext.demo import _report, harness
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
+from torch_pipelining_ext.train import tiny_config
 
 
 __all__ = ["Pipeline", "build_parser", "main", "parse_args", "tiny_moe_config"]
@@ -100,38 +101,15 @@ def parse_args(
 
 
 def tiny_moe_config(args: argparse.Namespace):
-    """A tiny MoE config whose experts do most of a layer's work, as in real MoEs."""
-    import transformers
-
-    common = dict(
+    """A tiny MoE config whose experts do most of a layer's work, as in real
+    MoEs (the trainer's tiny config of ``--model``, sequences of ``SEQ_LEN``)."""
+    return tiny_config(
+        args.model,
         vocab_size=VOCAB,
+        layers=args.layers,
+        experts=args.experts,
         hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ_LEN,
-        num_experts_per_tok=2,
-    )
-    if args.model == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **common, head_dim=32, num_experts=args.experts, moe_intermediate_size=512
-        )
-    if args.model == "mixtral":
-        return transformers.MixtralConfig(**common, num_local_experts=args.experts)
-    return transformers.DeepseekV3Config(  # first layer dense, one shared expert, group-limited routing
-        **common,
-        moe_intermediate_size=512,
-        n_routed_experts=args.experts,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=32,
+        max_positions=SEQ_LEN,
     )
 
 

@@ -81,6 +81,7 @@ __all__ = [
     "ExpertParallelTransport",
     "ExpertShard",
     "HFCausalLMStage",
+    "check_checkpoint",
     "clip_grad_norm_",
     "estimate_layer_costs",
     "expert_load",
@@ -534,6 +535,31 @@ def load_checkpoint(
     _dcp.load_checkpoint(
         checkpoint_id, parts, optimizers, state, storage_reader, process_group
     )
+
+
+def check_checkpoint(model: Any, checkpoint_id: str | os.PathLike) -> None:
+    """Check a checkpoint of :func:`save_checkpoint` against a model, in one
+    process, before any process group exists (e.g. before a job resumes it).
+
+    The checks of :func:`load_checkpoint` for the model's state (``[Note: HF
+    checkpoint check]``): keys of the model the checkpoint lacks, keys the
+    model does not have, saved shapes that differ (experts: the whole
+    ``[E, ...]`` tensor) and expert keys of the other transformers major, in
+    one ``ValueError`` naming them.  Nothing is read but the checkpoint's
+    metadata.
+
+    Args:
+        model: the whole model (on any device; the meta device allocates
+            nothing) or its config (then it is built with :func:`meta_causal_lm`).
+        checkpoint_id: the checkpoint's directory.
+
+    Raises:
+        ValueError: the checkpoint does not fit the model.
+        FileNotFoundError: ``checkpoint_id`` is not a directory.
+    """
+    if not isinstance(model, nn.Module):
+        model = meta_causal_lm(model)
+    _dcp.check_checkpoint(model, checkpoint_id)
 
 
 def save_pretrained(

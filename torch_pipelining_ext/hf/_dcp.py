@@ -217,6 +217,16 @@ def _major_hint(missing: list[str], unexpected: list[str]) -> str | None:
     return None
 
 
+def check_checkpoint(model: nn.Module, checkpoint_id: Any) -> None:
+    """See :func:`torch_pipelining_ext.hf.check_checkpoint` (``model``: the
+    whole model, on any device)."""
+    reader = _reader(checkpoint_id, None)
+    problems = checkpoint_problems(
+        [model], model.state_dict(), None, reader.read_metadata()
+    )
+    _raise_problems(problems, checkpoint_id)
+
+
 def _raise_on_every_rank(problems: list[str], checkpoint_id: Any, group: Any) -> None:
     """Raise the problems of every rank on every rank of ``group`` (nobody is
     left waiting in the load's collectives)."""
@@ -225,9 +235,13 @@ def _raise_on_every_rank(problems: list[str], checkpoint_id: Any, group: Any) ->
     found: list[str] = []
     for rank_problems in everyone:
         found += [p for p in rank_problems if p not in found]
-    if found:
+    _raise_problems(found, checkpoint_id)
+
+
+def _raise_problems(problems: list[str], checkpoint_id: Any) -> None:
+    if problems:
         raise ValueError(
             f"cannot load checkpoint {checkpoint_id}: "
-            + "; ".join(found)
+            + "; ".join(problems)
             + ". Nothing was loaded"
         )

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
 from datetime import timedelta
 from unittest import mock
 
@@ -33,6 +38,20 @@ def _rank_one_is_killed(rank: int) -> None:
     dist.barrier()
 
 
+_REPO = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 class LauncherTest(TestCase):
     def test_returns_rank_zero_result(self) -> None:
         self.assertEqual(launcher.launch(_sum_of_ranks, 3, 10), (0, 3, 30))
@@ -49,6 +68,41 @@ class LauncherTest(TestCase):
         ) as cm:
             launcher.launch(_rank_one_is_killed, 2, timeout=timedelta(minutes=10))
         self.assertEqual(cm.exception.exit_code, -signal.SIGKILL)
+
+    @unittest.skipUnless(sys.platform == "linux", "PR_SET_PDEATHSIG is Linux's")
+    def test_ranks_die_with_the_launching_process(self) -> None:
+        """SIGKILL to the process that called launch() (it cannot stop its
+        ranks): its ranks, busy for minutes, are killed too."""
+        with tempfile.TemporaryDirectory() as tmp:
+            code = (
+                "import os, time; from torch_pipelining_ext import launcher\n"
+                "def fn(rank, tmp):\n"
+                "    open(os.path.join(tmp, f'{rank}.pid.partial'), 'w').write(str(os.getpid()))\n"
+                "    os.rename(os.path.join(tmp, f'{rank}.pid.partial'), os.path.join(tmp, f'{rank}.pid'))\n"
+                "    if rank == 1:\n"
+                "        while not os.path.exists(os.path.join(tmp, '0.pid')):\n"
+                "            time.sleep(0.01)\n"
+                "        os.kill(os.getppid(), 9)  # the launching process dies\n"
+                "    time.sleep(600)  # a rank left alone would live on\n"
+                f"launcher.launch(fn, 2, {tmp!r})\n"
+            )
+            env = dict(os.environ, PYTHONPATH=_REPO)
+            for var in ("RANK", "WORLD_SIZE"):
+                env.pop(var, None)
+            proc = subprocess.run(
+                [sys.executable, "-c", code], env=env, timeout=300, capture_output=True
+            )
+            self.assertEqual(proc.returncode, -signal.SIGKILL, proc.stderr[-2000:])
+            pids = []
+            for r in range(2):
+                with open(os.path.join(tmp, f"{r}.pid")) as f:
+                    pids.append(int(f.read()))
+            deadline = time.monotonic() + 60
+            while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+                time.sleep(
+                    0.05
+                )  # polls the processes' end; the result does not depend on it
+            self.assertEqual([pid for pid in pids if _alive(pid)], [])
 
     def test_torchrun_world_size_must_match(self) -> None:
         env = {"RANK": "0", "WORLD_SIZE": "4"}

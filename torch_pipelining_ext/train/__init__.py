@@ -1,0 +1,127 @@
+"""Train a Hugging Face causal LM with pipeline, data and expert parallelism.
+
+``python -m torch_pipelining_ext.train`` (also under ``torchrun
+--nproc-per-node N -m torch_pipelining_ext.train ...``; without torchrun it
+starts its own gloo ranks on this machine) takes a Hugging Face model
+directory (config + safetensors, each rank reading only its stages) or a
+model type with a tiny config, and text (plain text, JSON lines, a local
+``datasets`` dataset) with a tokenizer directory, or token ids already
+prepared (a flat ``uint16``/``uint32`` file); it trains with AdamW, linear
+warm-up and cosine decay, and clipping by the whole model's gradient norm::
+
+    python -m torch_pipelining_ext.train --model-type qwen3_moe \\
+        --tokenizer tok/ --data docs.jsonl --ep 2 --steps 100 \\
+        --run-dir run/ --export model/
+
+The run directory (``--run-dir``) holds:
+
+* ``checkpoints/step-NNNNNNNN/``: distributed checkpoints (model, AdamW,
+  learning-rate schedule, data position, every rank's random number
+  generators, step), every ``--checkpoint-every`` steps and at the end,
+  the last ``--keep`` of them; a checkpoint appears under that name only once
+  complete.  A run started again resumes the latest automatically, in any
+  layout (``--no-resume`` starts afresh);
+* ``metrics.jsonl``: one JSON object per step (loss, learning rate,
+  gradient norm, tokens/s, tokens/s per rank, step time, expert-load
+  imbalance, data position, ETA); rank 0 prints the same as one line per
+  step (and a progress bar on a terminal);
+* ``training.png``: loss, gradient norm, throughput and expert-load
+  imbalance over the steps (with matplotlib);
+* ``data/``: the text tokenized and packed, once.
+
+With ``--export DIR`` the trained model is written as a Hugging Face
+checkpoint, reloaded with ``from_pretrained`` and compared with the trained
+weights (``--no-verify-export`` skips that) before the run says it is done.
+
+Exit status: 0 when the run finished, 1 when a rank failed (the others are
+stopped), 2 for bad input, found before any process group starts (a layout
+that does not fit the world, experts not divisible by ``--ep``, a sequence
+longer than the model's positions, empty or unreadable data, a tokenizer
+larger than the model's vocabulary, a checkpoint of another model, ...).
+
+The trainer is built from the public API of :mod:`torch_pipelining_ext.hf`
+and :mod:`torch_pipelining_ext.launcher` only: its private modules are the
+worked example of that API (``_pipeline.py``: the stages and one step;
+``_loop.py``: resume, training, checkpoints, export).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from torch_pipelining_ext import launcher
+from torch_pipelining_ext.train._data import DataError
+from torch_pipelining_ext.train._metrics import read_metrics
+from torch_pipelining_ext.train._model import MODEL_TYPES, tiny_config
+from torch_pipelining_ext.train._options import build_parser, make_plan, UsageError
+
+
+__all__ = ["MODEL_TYPES", "build_parser", "main", "read_metrics", "tiny_config"]
+
+
+def main(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> int:
+    """Entry point of ``python -m torch_pipelining_ext.train``; returns the
+    exit status (see the module's docstring)."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    quiet = launcher.under_torchrun(environ) and environ.get("RANK") != "0"
+    try:
+        plan = make_plan(args, environ)
+    except (UsageError, DataError) as e:
+        if not quiet:  # under torchrun rank 0 alone explains
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    from torch_pipelining_ext.train import _checkpoints, _loop
+
+    lock = (
+        None
+        if launcher.under_torchrun(environ)
+        else _checkpoints.lock_run_dir(args.run_dir)
+    )
+    if lock is None and not launcher.under_torchrun(environ):
+        print(
+            f"{parser.prog}: error: another run uses --run-dir {args.run_dir}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        summary = launcher.launch(
+            _loop.run_rank,
+            plan.world_size,
+            plan,
+            backend="nccl" if args.device == "cuda" else "gloo",
+            timeout=timedelta(seconds=args.timeout),
+        )
+    except launcher.RankFailedError as e:
+        print(f"{parser.prog}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if lock is not None:
+            lock.close()
+    if summary:
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    lines = [f"done: {summary['steps']} steps"]
+    if summary["first_loss"] is not None:
+        lines[0] += f", loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
+    lines.append(f"checkpoint: {summary['checkpoint']}")
+    if summary["plot"]:
+        lines.append(f"plot: {summary['plot']}")
+    if summary["export"]:
+        checked = (
+            ""
+            if summary["export_unchecked"]
+            else " (reloaded with from_pretrained: equal)"
+        )
+        lines.append(f"export: {summary['export']}{checked}")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,164 @@
+"""A rank's share of the model: its stages in the job's layout, their
+schedule, optimizers and learning-rate schedules, and one training step.
+
+Private helper of :mod:`torch_pipelining_ext.train`, built from the public
+API of :mod:`torch_pipelining_ext.hf` and :mod:`torch_pipelining_ext.launcher`
+only (the trainer is also the worked example of that API).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle
+
+from torch_pipelining_ext import hf, launcher
+from torch_pipelining_ext.runtime import sequential_overlap_f_b
+from torch_pipelining_ext.train import _model, _state
+from torch_pipelining_ext.train._options import RunPlan
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """This rank's stages of the model in the job's layout, their schedule,
+    one AdamW per stage module and its learning-rate schedule."""
+
+    def __init__(
+        self, plan: RunPlan, mesh: Any, device: torch.device, resuming: bool
+    ) -> None:
+        args = plan.args
+        self.plan, self.mesh, self.device = plan, mesh, device
+        self.data = launcher.data_parallel_mesh(mesh)
+        schedule_cls = getattr(pipelining, f"Schedule{args.schedule}")
+        self.aux = args.router_aux_loss != "none"
+        self.stages, self.parts = hf.pipeline_hf_causal_lm(
+            *_model_source(plan, resuming), mesh, schedule_cls, device,
+            activation_checkpointing=None if args.activation_checkpointing == "none" else "full",
+            router_aux_loss=args.router_aux_loss if self.aux else None,
+            router_aux_loss_coef=args.router_aux_loss_coef,
+            **_weights_source(plan, resuming),
+        )  # fmt: skip
+        for part in self.parts:
+            part.train()  # (a model read with from_pretrained is in eval mode)
+        if plan.data_ranks > 1 and not args.no_fsdp:
+            hf.fully_shard_replicated(self.parts, mesh)  # FSDP2 over dp x ep
+        self.loss_fn = hf.CausalLMLoss(n_microbatches=args.microbatches)
+        single = issubclass(schedule_cls, PipelineScheduleSingle)
+        self.schedule = schedule_cls(
+            self.stages[0] if single else self.stages,
+            n_microbatches=args.microbatches,
+            loss_fn=self.loss_fn,
+            scale_grads=False,
+        )
+        if args.no_overlap and not single:
+            self.schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
+        self.optimizers = [_adamw(part, args) for part in self.parts]
+        self.lr = _state.LRSchedules(
+            [
+                torch.optim.lr_scheduler.LambdaLR(o, _lr_rule(args))
+                for o in self.optimizers
+            ]
+        )
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+        self.moe = plan.num_experts > 0
+
+    def forward_backward(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """The step's forward and backward on this data rank's ``ids``, the
+        gradients reduced over the data-parallel ranks; returns the
+        microbatch losses (ranks holding the last stage)."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        self.loss_fn.set_labels(ids, group=self.data.get_group())
+        inputs = (
+            (ids, torch.ones_like(ids)) if self.aux else (ids,)
+        )  # packed: no padding
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            self.schedule.step(
+                *(inputs if self.has_first else ()),
+                target=ids if self.has_last else None,
+                losses=losses,
+            )
+        if self.parts[0].tied_groups:
+            hf.sync_tied_gradients(self.parts, self.mesh["pp"].get_group())
+        hf.reduce_expert_parallel_gradients(self.parts, self.mesh)
+        return losses
+
+    def update(self) -> tuple[float, float, Any]:
+        """Clip, step the optimizers and the learning rate, balance the
+        experts; returns the gradient norm (before clipping), the step's
+        learning rate and the step's expert load (``None``: a dense model)."""
+        args = self.plan.args
+        max_norm = args.max_grad_norm or math.inf  # 0: the norm, no clipping
+        norm = hf.clip_grad_norm_(self.parts, max_norm, mesh=self.mesh)
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        for optimizer in self.optimizers:
+            optimizer.step()
+        self.lr.step()
+        load = None
+        if self.moe:  # every MoE layer on every rank: the same load everywhere
+            load = hf.expert_load(self.parts, dist.group.WORLD)
+            if args.expert_bias_rate > 0:
+                hf.update_expert_bias(self.parts, load, args.expert_bias_rate)
+        return float(norm), float(lr), load
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.plan.args.dtype == "float32":
+            return contextlib.nullcontext()
+        # float32 weights (the master copy), gradients and their reductions
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+def _model_source(plan: RunPlan, resuming: bool) -> tuple[Any]:
+    """What pipeline_hf_causal_lm builds from: the config (on meta) when a
+    checkpoint or the model directory provides the weights, else the tiny
+    model's initial weights (the same in every layout)."""
+    if resuming or plan.args.model is not None:
+        return (plan.config,)
+    return (_model.initial_model(plan.config, plan.args.seed),)
+
+
+def _weights_source(plan: RunPlan, resuming: bool) -> dict[str, Any]:
+    if resuming:
+        return {"init_weights": True}  # overwritten by the checkpoint
+    if plan.args.model is not None:
+        return {"checkpoint": plan.args.model}
+    return {}
+
+
+def _adamw(part: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norms and biases)."""
+    decay, rest = [], []
+    for p in part.parameters():
+        (decay if p.dim() >= 2 else rest).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}]
+    if rest:
+        groups.append({"params": rest, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas))
+
+
+def _lr_rule(args: Any) -> Any:
+    def factor(step: int) -> float:
+        return _state.lr_factor(
+            step,
+            steps=args.steps,
+            warmup=args.warmup_steps,
+            min_ratio=args.min_lr / args.lr,
+        )
+
+    return factor

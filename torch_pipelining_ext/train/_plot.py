@@ -1,0 +1,61 @@
+"""The run's PNG: loss, gradient norm, throughput and expert-load imbalance
+over the steps (matplotlib, the ``plot`` extra).
+
+Private helper of :mod:`torch_pipelining_ext.train`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+PLOT_FILE = "training.png"
+_PANELS = (
+    ("loss", "loss"),
+    ("grad_norm", "gradient norm (before clipping)"),
+    ("tokens_per_s", "tokens / s"),
+    ("imbalance", "expert load: max / mean (worst layer)"),
+)
+
+
+def plot_run(records: Sequence[dict[str, Any]], path: str, title: str) -> bool:
+    """Draw the records of ``metrics.jsonl`` into ``path``; ``False`` (and a
+    warning) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("no matplotlib: %s not drawn (pip install matplotlib)", path)
+        return False
+    fig, axes = plt.subplots(len(_PANELS), 1, figsize=(8, 10), sharex=True)
+    steps = [r["step"] for r in records]
+    for ax, (field, label) in zip(axes, _PANELS):
+        values = [r.get(field) for r in records]
+        points = [(s, v) for s, v in zip(steps, values) if v is not None]
+        if points:
+            ax.plot(*zip(*points), linewidth=1.2)
+        else:
+            ax.text(
+                0.5,
+                0.5,
+                "no MoE layer",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
