@@ -1069,7 +1069,9 @@ def _v_stage_count_error(style: str | type, pp_size: int, num_stages: int) -> st
         name = "a V-style schedule"
     else:
         name = style if isinstance(style, str) else style.__name__
-    ranks = "1 pipeline rank needs" if pp_size == 1 else f"{pp_size} pipeline ranks need"
+    ranks = (
+        "1 pipeline rank needs" if pp_size == 1 else f"{pp_size} pipeline ranks need"
+    )
     return (
         f"{name} runs exactly 2 stages on each pipeline rank (rank r runs stages r "
         f"and {2 * pp_size - 1} - r, a V), so {ranks} {2 * pp_size} stages, "
