@@ -53,6 +53,7 @@ PUBLIC_MODULES = (
     "torch_pipelining_ext.sim.plan",
     "torch_pipelining_ext.simulate",
     "torch_pipelining_ext.stage_split",
+    "torch_pipelining_ext.train",
 )
 
 
