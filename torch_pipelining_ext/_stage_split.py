@@ -43,24 +43,32 @@ modules therefore looks like this::
 
     def forward(self, h):
         h = call_if_present(self.tok_embeddings, h)  # tokens -> hidden on stage 0
-        for layer in self.layers.values():  # only this stage's layers
+        for layer in self.layers:  # only this stage's layers
             h = layer(h)
         h = call_if_present(self.norm, h)
         return call_if_present(self.output, h)
 
-Iterate over a sparse ``nn.ModuleList`` (``for layer in self.layers``) rather
-than indexing it: a stage holding layers 4 and 5 keeps the keys ``"4"`` and
-``"5"``, and ``self.layers[0]`` does not exist there.
+Iterate over the layers (``for layer in self.layers``, or
+``self.layers.values()`` for an ``nn.ModuleDict``) rather than indexing them:
+a stage holding layers 4 and 5 keeps the keys ``"4"`` and ``"5"``, and
+``self.layers[0]`` does not exist there.  Attributes that are not modules or
+tensors (a process group, a device mesh, a config) are copied with the kept
+modules, except those that cannot be copied, which the stage shares with the
+model (``[Note: what a stage shares with the model]``).
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import inspect
 import logging
 import math
+import pickle
+import types
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -359,6 +367,10 @@ def _check_coverage(
 # ---------------------------------------------------------------------------
 
 
+def _join(path: tuple[str, ...], key: str) -> str:
+    return ".".join((*path, key))
+
+
 def _shallow_module_copy(orig: nn.Module) -> nn.Module:
     """A new instance of ``type(orig)`` sharing its plain attributes, with its
     own (empty) parameter/buffer/module dicts and its own hook dicts."""
@@ -374,6 +386,190 @@ def _shallow_module_copy(orig: nn.Module) -> nn.Module:
             d[key] = copy.copy(value)
     d.update(fresh)
     return new
+
+
+# [Note: what a stage shares with the model]
+# Copying a kept module deep-copies its tensors and plain Python state, but a
+# module often also holds handles: a process group (``self.ep_group =
+# group``), a device mesh, a lock, a stream.  A handle cannot be copied
+# (``deepcopy`` of a ``ProcessGroup`` raises "cannot pickle") or must not be
+# (a copied ``DeviceMesh`` is another object than the one DTensors compare
+# with), and the stage needs the very same one anyway.  So before a kept
+# module is copied, its attributes are walked (through lists, tuples, sets,
+# dicts and plain objects, at any depth):
+#
+# * process groups and device meshes are entered into the copy's memo as
+#   themselves, so every reference to them in the copy is the original;
+# * every other object is copied on its own, innermost first; one that
+#   cannot be copied is shared the same way, unless it refers to a tensor or
+#   a module: sharing it would tie the stage to the original model, so the
+#   split raises a ``TypeError`` naming the attribute's full name and what
+#   to do instead (a ``__deepcopy__`` on its class, the state kept
+#   elsewhere, or ``move=True``, which copies nothing).
+#
+# A copy that fails halfway leaves no entry in the memo, and everything else
+# is copied exactly as ``copy.deepcopy`` of the module copies it.
+
+# what a failed deepcopy raises: pickling errors, "cannot pickle", ...
+_COPY_ERRORS = (
+    TypeError,
+    RuntimeError,
+    AttributeError,
+    NotImplementedError,
+    copy.Error,
+    pickle.PickleError,
+)
+
+# values deepcopy returns as they are, and tensors (copied by deepcopy itself)
+_NOT_WALKED = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type,
+    range,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.CodeType,
+    weakref.ref,
+    torch.dtype,
+    torch.device,
+    torch.Tensor,
+)
+
+# a module's own tables of tensors: deepcopy copies what they hold
+_TENSOR_TABLES = frozenset({"_parameters", "_buffers"})
+
+
+@functools.cache
+def _handle_types() -> tuple[type, ...]:
+    """Types a stage always shares with the model (see [Note: what a stage
+    shares with the model])."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return ()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return (dist.ProcessGroup, DeviceMesh)
+
+
+def _members(value: Any, name: str) -> Iterable[tuple[str, Any]]:
+    """The objects ``value`` refers to, with their full names, as
+    ``copy.deepcopy`` reaches them (a module's tensors aside)."""
+    if isinstance(value, nn.Module):
+        for key, child in value._modules.items():
+            yield f"{name}.{key}", child
+        for key, attr in vars(value).items():
+            if key != "_modules" and key not in _TENSOR_TABLES:
+                yield f"{name}.{key}", attr
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield f"{name}[{key!r}]", item
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for i, item in enumerate(value):
+            yield f"{name}[{i}]", item
+    elif isinstance(value, types.MethodType):
+        yield f"{name}.__self__", value.__self__
+    elif isinstance(getattr(value, "__dict__", None), dict):
+        for key, attr in vars(value).items():
+            yield f"{name}.{key}", attr
+
+
+def _objects_to_copy(
+    value: Any, name: str, memo: dict[int, Any]
+) -> list[tuple[str, Any]]:
+    """Enter the handles reachable from ``value`` into ``memo`` as
+    themselves; return the other objects that are neither containers nor
+    modules: first those that refer to nothing, then the others, innermost
+    first (so that a handle of an unknown type is shared before an object
+    that refers to it is copied)."""
+    leaves: list[tuple[str, Any]] = []
+    others: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    stack = [(name, value, False)]
+    while stack:
+        name, value, done = stack.pop()
+        if done:
+            others.append((name, value))
+            continue
+        if isinstance(value, _NOT_WALKED) or id(value) in memo or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, _handle_types()):
+            memo[id(value)] = value
+            continue
+        members = list(_members(value, name))
+        if not isinstance(value, (nn.Module, dict, list, tuple, set, frozenset)):
+            if members:
+                stack.append((name, value, True))  # after what it refers to
+            else:
+                leaves.append((name, value))
+        stack.extend((n, v, False) for n, v in reversed(members))
+    return leaves + others
+
+
+def _model_state_inside(value: Any, name: str) -> str | None:
+    """The full name of a tensor or module ``value`` refers to, if any."""
+    seen: set[int] = set()
+    stack = list(_members(value, name))
+    while stack:
+        name, item = stack.pop()
+        if isinstance(item, (torch.Tensor, nn.Module)):
+            return name
+        if isinstance(item, _NOT_WALKED) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        stack.extend(_members(item, name))
+    return None
+
+
+def _copy_or_share(value: Any, name: str, memo: dict[int, Any]) -> None:
+    """Copy ``value`` into ``memo``, or share it when it cannot be copied."""
+    before = len(memo)
+    try:
+        copy.deepcopy(value, memo)
+        return
+    except _COPY_ERRORS as e:
+        error = e
+    for key in list(memo)[before:]:  # the entries of the failed copy
+        del memo[key]
+    inner = _model_state_inside(value, name)
+    if inner is not None:
+        raise TypeError(
+            f"cannot build the stage: {name!r} ({type(value).__name__}) cannot be "
+            f"copied ({type(error).__name__}: {error}), and it cannot be shared "
+            f"with the model either, since it refers to {inner!r}. Give "
+            f"{type(value).__name__} a __deepcopy__ (returning self shares it), keep "
+            "that state out of the object, or pass move=True (the stage then takes "
+            "the model's modules instead of copies)"
+        ) from error
+    memo[id(value)] = value
+    logger.debug(
+        "stage split: %s (%s) cannot be copied (%s); the stage shares it",
+        name,
+        type(value).__name__,
+        error,
+    )
+
+
+def _copy_kept(obj: Any, fqn: str, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy(obj, memo)``, sharing what cannot be copied (see
+    [Note: what a stage shares with the model])."""
+    for name, value in _objects_to_copy(obj, fqn, memo):
+        _copy_or_share(value, name, memo)
+    try:
+        return copy.deepcopy(obj, memo)
+    except _COPY_ERRORS as e:
+        raise TypeError(
+            f"cannot build the stage: copying {fqn!r} ({type(obj).__name__}) "
+            f"failed ({type(e).__name__}: {e}). Give its class a __deepcopy__, or "
+            "pass move=True (the stage then takes the model's modules instead of "
+            "copies)"
+        ) from e
 
 
 def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Module:
@@ -392,11 +588,12 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
     memo: dict[int, Any] = {}
     moved: list[tuple[nn.Module, str, str]] = []  # (owner, dict name, key)
 
-    def take(obj: Any, owner: nn.Module, where: str, key: str, replicate: bool) -> Any:
+    def take(obj: Any, owner: nn.Module, where: str, fqn: str, replicate: bool) -> Any:
+        key = fqn.rpartition(".")[2]
         if move and not replicate:
             moved.append((owner, where, key))
             return obj
-        return copy.deepcopy(obj, memo)
+        return _copy_kept(obj, fqn, memo)
 
     def build(path: tuple[str, ...], orig: nn.Module) -> nn.Module:
         new = _shallow_module_copy(orig)
@@ -410,7 +607,7 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
                 it = whole.get(child_path)
                 if it is not None:
                     new._modules[key] = take(
-                        child, orig, "_modules", key, it.replicable
+                        child, orig, "_modules", it.fqn, it.replicable
                     )
                 else:
                     new._modules[key] = build(child_path, child)
@@ -424,13 +621,13 @@ def _build_stage(model: nn.Module, items: Sequence[_Item], move: bool) -> nn.Mod
         for key, p in orig._parameters.items():
             kept = key in keep_tensors and p is not None
             new._parameters[key] = (
-                take(p, orig, "_parameters", key, False) if kept else None
+                take(p, orig, "_parameters", _join(path, key), False) if kept else None
             )
         for key, b in orig._buffers.items():
             if b is None:
                 new._buffers[key] = None
             elif key in keep_tensors:
-                new._buffers[key] = take(b, orig, "_buffers", key, False)
+                new._buffers[key] = take(b, orig, "_buffers", _join(path, key), False)
             elif key in orig._non_persistent_buffers_set:
                 # Derived state (e.g. rotary tables) every stage may need.
                 new._buffers[key] = b if move else copy.deepcopy(b, memo)
@@ -467,20 +664,29 @@ def build_stage_module(
 
     Returns:
         A module of the same class as ``model`` holding only the named parts,
-        under their original FQNs (see the module docstring for what removed
-        parts look like).
+        under their original FQNs.  What it does not keep is gone: a removed
+        entry of an ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``
+        is dropped (the others keep their keys), a removed container is an
+        empty one, any other removed module or parameter is ``None``; so its
+        forward must skip what is ``None`` (:func:`call_if_present`) and
+        iterate over its layers instead of indexing them (see "What a stage
+        model looks like" in the module docstring).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or ``module_names`` is
-            a string or holds non-strings.
+        TypeError: ``model`` is not an ``nn.Module``; ``module_names`` is a
+            string or holds non-strings; or a kept module holds an object
+            that can be neither copied nor shared (it refers to tensors or
+            modules; the message names it and what to do).
         ValueError: ``module_names`` is empty or names something that does not
             exist (the message suggests close matches).
 
     The cost is proportional to what the stage keeps: only the kept subtrees
     are deep-copied, the containers above them are shallow copies.  Parameters
-    shared by kept modules stay shared in the stage.  Checks that need every
-    stage (overlaps, state kept by no stage, tensors tied across stages) are
-    made by :func:`pipeline_module_split`.
+    shared by kept modules stay shared in the stage.  Process groups, device
+    meshes and other attributes that cannot be copied are shared with the
+    model (see ``[Note: what a stage shares with the model]``).  Checks that
+    need every stage (overlaps, state kept by no stage, tensors tied across
+    stages) are made by :func:`pipeline_module_split`.
     """
     _check_model(model)
     items = _resolve_stage(model, module_names, "module_names")
@@ -857,6 +1063,23 @@ def _style(style: Any) -> str:
     return "v" if _is_v_schedule(resolve_schedule_class(style)) else "loop"
 
 
+def _v_stage_count_error(style: str | type, pp_size: int, num_stages: int) -> str:
+    """The wrong stage count of a V-style schedule, in plain words."""
+    if style == "v":
+        name = "a V-style schedule"
+    else:
+        name = style if isinstance(style, str) else style.__name__
+    ranks = (
+        "1 pipeline rank needs" if pp_size == 1 else f"{pp_size} pipeline ranks need"
+    )
+    return (
+        f"{name} runs exactly 2 stages on each pipeline rank (rank r runs stages r "
+        f"and {2 * pp_size - 1} - r, a V), so {ranks} {2 * pp_size} stages, "
+        f"but {num_stages} were given: make the stage names for {2 * pp_size} "
+        f"stages, e.g. generate_module_names_per_stage({2 * pp_size}, num_layers)"
+    )
+
+
 def stage_ids_this_rank(
     pp_rank: int, pp_size: int, num_stages: int, style: str | type = "loop"
 ) -> tuple[int, ...]:
@@ -877,7 +1100,7 @@ def stage_ids_this_rank(
         TypeError: ``style`` is a class that is not a pipeline schedule.
         ValueError: ``num_stages`` not divisible by ``pp_size``, a rank out of
             range, an unknown style or schedule name, or a V-style schedule
-            without exactly two stages per rank.
+            whose ``num_stages`` is not ``2 * pp_size``.
 
     Example::
 
@@ -899,23 +1122,16 @@ def stage_ids_this_rank(
         )
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank {pp_rank} is out of range for pp_size {pp_size}")
+    resolved = _style(style)
+    if resolved == "v" and num_stages != 2 * pp_size:
+        raise ValueError(_v_stage_count_error(style, pp_size, num_stages))
     if num_stages % pp_size != 0:
         raise ValueError(
-            f"num_stages ({num_stages}) must be divisible by the pipeline size "
-            f"({pp_size}) so that every rank runs the same number of stages"
+            f"{num_stages} stages cannot be spread evenly over {pp_size} pipeline "
+            f"ranks: every rank runs the same number of stages, so num_stages "
+            f"must be a multiple of the pipeline size ({pp_size}, {2 * pp_size}, ...)"
         )
-    resolved = _style(style)
-    per_rank = num_stages // pp_size
     if resolved == "v":
-        if per_rank != 2:
-            name = (
-                style if isinstance(style, str) else getattr(style, "__name__", style)
-            )
-            raise ValueError(
-                f"a V-style schedule ({name}) "
-                f"runs exactly 2 stages per rank, but {num_stages} stages on {pp_size} "
-                f"ranks give {per_rank}"
-            )
         return (pp_rank, num_stages - 1 - pp_rank)
     return tuple(range(pp_rank, num_stages, pp_size))
 

@@ -14,10 +14,15 @@
   :func:`mse_loss` and :func:`token_cross_entropy`, the tests' losses;
   :func:`random_batch` and :func:`random_tokens`, their seeded data.
 * :func:`load_csv` -- load a schedule written as a string.
+* :func:`parametrize_covering` -- ``parametrize`` over the product of several
+  arguments' values, of which the default run takes a covering subset (each
+  value of each argument at least once) and ``PYTORCH_TEST_WITH_SLOW=1`` the
+  rest.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import unittest
@@ -32,7 +37,12 @@ from torch.testing._internal.common_distributed import (
     requires_nccl,
     skip_if_lt_x_gpu,
 )
-from torch.testing._internal.common_utils import skip_but_pass_in_sandcastle_if
+from torch.testing._internal.common_utils import (
+    parametrize,
+    skip_but_pass_in_sandcastle_if,
+    subtest,
+    TEST_WITH_SLOW,
+)
 
 
 __all__ = [
@@ -41,6 +51,7 @@ __all__ = [
     "mse_loss",
     "nccl_decorators",
     "nccl_variant",
+    "parametrize_covering",
     "PipelineMultiProcTest",
     "random_batch",
     "random_tokens",
@@ -213,6 +224,34 @@ def check_on_all_ranks(
             if message is not None
         )
     )
+
+
+def parametrize_covering(**values: list[Any]) -> Any:
+    """``parametrize`` over every combination of ``values`` (argument name ->
+    its values, in the order of the test's name).
+
+    The default run takes ``max(len)`` of the combinations, the k-th made of
+    the k-th value of each argument (cyclically), so that each value of each
+    argument is tested at least once; the other combinations run with
+    ``PYTORCH_TEST_WITH_SLOW=1`` (upstream's slow-test switch), skipped before
+    any rank is asked to run them.
+    """
+    names = list(values)
+    axes = [list(v) for v in values.values()]
+    n = max(len(a) for a in axes)
+    covering = {tuple(a[k % len(a)] for a in axes) for k in range(n)}
+    slow = unittest.skipUnless(
+        TEST_WITH_SLOW, "another combination covers it: PYTORCH_TEST_WITH_SLOW=1"
+    )
+    cases = [
+        subtest(
+            combination,
+            name="_".join(f"{a}_{v}" for a, v in zip(names, combination)),
+            decorators=[] if combination in covering else [slow],
+        )
+        for combination in itertools.product(*axes)
+    ]
+    return parametrize(",".join(names), cases)
 
 
 def load_csv(schedule: Any, text: str, format: str = "compute_only") -> None:

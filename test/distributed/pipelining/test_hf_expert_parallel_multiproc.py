@@ -13,6 +13,10 @@ ep_group=...)``), four gloo ranks as PP=2 x EP=2, transformers 5.x:
 * uneven loads (an expert without tokens, a rank that receives none), the
   error for ``E`` not divisible by ``ep``, and the refusal of per-expert
   modules (4.57).
+
+The family x schedule and family x checkpointing matrices run a covering
+subset by default (each value once) and whole with
+``PYTORCH_TEST_WITH_SLOW=1``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from common_hf import HAS_FUSED, HFMultiProcTest
-from common_pipelining import load_csv, nccl_variant
+from common_pipelining import load_csv, nccl_variant, parametrize_covering
 from hf_model_registry import tiny_hf_model
 from torch.distributed.pipelining import (
     Schedule1F1B,
@@ -129,8 +133,7 @@ class HFExpertParallelGlooTest(HFMultiProcTest):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t[4 * ep_rank : 4 * ep_rank + 4] for t in batch)
 
-    @parametrize("schedule", list(_SCHEDULES))
-    @parametrize("family", FAMILIES)
+    @parametrize_covering(schedule=list(_SCHEDULES), family=FAMILIES)
     def test_training_matches_unsplit_model_on_the_global_batch(self, family, schedule):
         torch.set_num_threads(1)
         mesh, ep_group, ep_rank = self._mesh()
@@ -168,8 +171,7 @@ class HFExpertParallelGlooTest(HFMultiProcTest):
             ref_opt.step()
             pipe.optimizer.step()
 
-    @parametrize("ac", ["none", "full", "selective"])
-    @parametrize("family", FAMILIES)
+    @parametrize_covering(ac=["none", "full", "selective"], family=FAMILIES)
     def test_overlapped_equals_sequential_bitwise(self, family, ac):
         torch.set_num_threads(1)
         mesh, ep_group, ep_rank = self._mesh()

@@ -17,8 +17,9 @@ padding in every batch):
   DeepSeek-V3's bias update against its rule, the EP replicas bitwise equal;
 * the overlapped OVERLAP_F_B bitwise the sequential one.
 
-The full cross product of families and schedules runs in about 20 s (one
-process group kept alive across the tests).
+By default a covering subset of the families x schedules runs (each family
+and each schedule once); ``PYTORCH_TEST_WITH_SLOW=1`` runs the whole cross
+product.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common_hf import HAS_FUSED, HFMultiProcTest
-from common_pipelining import check_on_all_ranks
+from common_pipelining import check_on_all_ranks, parametrize_covering
 from hf_model_registry import (
     balanced_loss_by_hand,
     padded_batch,
@@ -177,8 +178,9 @@ class HFMoEBalanceTest(HFMultiProcTest):
                 for p in ref.parameters():
                     p -= 0.05 * p.grad
 
-    @parametrize("schedule", list(_SCHEDULES))
-    @parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+    @parametrize_covering(
+        schedule=list(_SCHEDULES), family=["qwen3_moe", "mixtral", "olmoe"]
+    )
     def test_pooled_matches_unsplit_model(self, family, schedule):
         ref = _model(family, "pooled")
         self._train(ref, self._pipeline(ref, schedule, "pooled"), "pooled")

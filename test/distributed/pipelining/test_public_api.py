@@ -52,6 +52,7 @@ PUBLIC_MODULES = (
     "torch_pipelining_ext.sim",
     "torch_pipelining_ext.sim.plan",
     "torch_pipelining_ext.stage_split",
+    "torch_pipelining_ext.train",
 )
 # Former names, kept importable with a DeprecationWarning: name -> the module it is
 DEPRECATED_MODULES = {

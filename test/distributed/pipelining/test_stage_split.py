@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import sys
+import threading
 import types
 import warnings
 from unittest import mock
@@ -563,18 +564,38 @@ class TestBadInput(TestCase):
 
     def test_stages_not_divisible_by_pp_size(self):
         with self.assertRaisesRegex(
-            ValueError, r"num_stages \(6\) must be divisible by the pipeline size \(4\)"
+            ValueError,
+            r"^6 stages cannot be spread evenly over 4 pipeline ranks: every rank "
+            r"runs the same number of stages, so num_stages must be a multiple of "
+            r"the pipeline size \(4, 8, \.\.\.\)$",
         ):
             stage_ids_this_rank(0, 4, 6)
 
     def test_v_schedule_needs_two_stages_per_rank(self):
-        for schedule in ("v", "ScheduleDualPipeV", "ZBVZeroBubble"):
-            with self.assertRaisesRegex(
-                ValueError, "exactly 2 stages per rank, but 12 stages on 4 ranks give 3"
-            ):
-                stage_ids_this_rank(0, 4, 12, schedule)
-            with self.assertRaisesRegex(ValueError, "exactly 2 stages per rank"):
-                stage_ids_this_rank(0, 4, 4, schedule)
+        for schedule, name in (
+            ("v", "a V-style schedule"),
+            ("ScheduleDualPipeV", "ScheduleDualPipeV"),
+            ("ZBVZeroBubble", "ZBVZeroBubble"),
+        ):
+            for num_stages in (12, 6, 4):
+                with self.assertRaisesRegex(
+                    ValueError,
+                    f"^{name} runs exactly 2 stages on each pipeline rank \\(rank r "
+                    r"runs stages r and 7 - r, a V\), so 4 pipeline ranks need 8 "
+                    f"stages, but {num_stages} were given: make the stage names for 8 "
+                    r"stages, e.g. generate_module_names_per_stage\(8, num_layers\)$",
+                ):
+                    stage_ids_this_rank(0, 4, num_stages, schedule)
+        from torch.distributed.pipelining import ScheduleDualPipeV
+
+        # the count of the issue's report: 4 stages for one pipeline rank
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^ScheduleDualPipeV runs exactly 2 stages on each pipeline rank \(rank r "
+            r"runs stages r and 1 - r, a V\), so 1 pipeline rank needs 2 stages, but "
+            r"4 were given",
+        ):
+            stage_ids_this_rank(0, 1, 4, ScheduleDualPipeV)
 
     def test_bad_rank_and_schedule(self):
         with self.assertRaisesRegex(ValueError, "pp_rank 4 is out of range"):
@@ -880,7 +901,7 @@ class TestPipelineModuleSplit(TestCase):
                 pipeline_module_split(
                     model, dist.group.WORLD, Schedule1F1B, "cpu", names
                 )
-            with self.assertRaisesRegex(ValueError, "exactly 2 stages per rank"):
+            with self.assertRaisesRegex(ValueError, "exactly 2 stages on each pipeline"):
                 pipeline_module_split(
                     model, dist.group.WORLD, "DualPipeV", "cpu", names + [["norm"]]
                 )
@@ -913,6 +934,141 @@ class TestPipelineModuleSplit(TestCase):
                     [names[0], ["outptu"]],
                 )
             self.assertEqual(build.call_count, 0)
+
+
+class _Dispatcher:
+    """A plain object a layer keeps: a group, a back-reference, some state."""
+
+    def __init__(self, group, owner: nn.Module | None = None) -> None:
+        self.group = group
+        self.owner = owner
+        self.sizes = [1, 2]
+
+
+class _Pinned:
+    """An object that cannot be copied (as a C++ handle or a socket)."""
+
+    def __init__(self, tensor: torch.Tensor | None = None) -> None:
+        self.tensor = tensor
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("cannot pickle '_Pinned' object")
+
+
+class _NotCopyableBlock(ToyBlock):
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot pickle '_NotCopyableBlock' object")
+
+
+class TestSharedAttributes(TestCase):
+    """What a stage shares with the model: process groups, device meshes and
+    what cannot be copied (see [Note: what a stage shares with the model])."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls._owns_pg = not dist.is_initialized()
+        if cls._owns_pg:
+            dist.init_process_group(
+                "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls._owns_pg:
+            dist.destroy_process_group()
+        super().tearDownClass()
+
+    def _model_with_handles(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = dist.new_group([0])
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+        model = ToyLLM(n_layers=4, container="list")
+        for layer in model.layers:
+            layer.ep_group = group  # the usual way: a group kept on the layer
+            layer.feed_forward.mesh = mesh
+            layer.settings = {"groups": [group], "top_k": 2}
+            layer.dispatcher = _Dispatcher(group, owner=layer)
+        return model, group, mesh
+
+    def test_groups_and_meshes_are_shared_the_rest_copied(self):
+        model, group, mesh = self._model_with_handles()
+        tokens = torch.randint(0, 32, (2, 8))
+        names = generate_module_names_per_stage(2, 4)
+        stages = _split_all(model, names)
+        h = tokens
+        for stage in stages:
+            for i, layer in stage.layers._modules.items():
+                orig = model.layers[int(i)]
+                self.assertIs(layer.ep_group, group)
+                self.assertIs(layer.feed_forward.mesh, mesh)
+                self.assertIsNot(layer.settings, orig.settings)
+                self.assertIs(layer.settings["groups"][0], group)
+                self.assertIsNot(layer.dispatcher, orig.dispatcher)
+                self.assertIs(layer.dispatcher.group, group)
+                self.assertIs(layer.dispatcher.owner, layer)  # the copy's own
+                self.assertEqual(layer.dispatcher.sizes, [1, 2])
+                self.assertIsNot(layer.dispatcher.sizes, orig.dispatcher.sizes)
+                self.assertIsNot(layer.attention.wq.weight, orig.attention.wq.weight)
+            h = stage(h)
+        torch.testing.assert_close(h, model(tokens))
+
+    def test_split_with_a_group_attribute_through_pipeline_module_split(self):
+        model, group, _ = self._model_with_handles()
+        stages, parts = pipeline_module_split(
+            model,
+            dist.group.WORLD,
+            "DualPipeV",
+            "cpu",
+            generate_module_names_per_stage(2, 4),
+        )
+        self.assertEqual(len(parts), 2)
+        self.assertTrue(all(lay.ep_group is group for p in parts for lay in p.layers))
+
+    def test_an_object_that_cannot_be_copied_is_shared(self):
+        model = ToyLLM(n_layers=2, container="list")
+        lock = threading.Lock()
+        pinned = _Pinned()
+        model.layers[1].lock = lock
+        model.layers[1].helper = types.SimpleNamespace(pinned=pinned, calls=[0])
+        # the layer refers to the helper before the lock: the lock is shared first
+        model.layers[1].dispatcher = _Dispatcher(None, owner=model.layers[1])
+        stage = build_stage_module(model, ["layers.1"])
+        layer = stage.layers._modules["1"]
+        self.assertIs(layer.lock, lock)
+        self.assertIsNot(layer.helper, model.layers[1].helper)
+        self.assertIs(layer.helper.pinned, pinned)
+        self.assertIsNot(layer.helper.calls, model.layers[1].helper.calls)
+        self.assertIs(layer.dispatcher.owner, layer)
+
+    def test_an_object_that_can_be_neither_copied_nor_shared_is_named(self):
+        model = ToyLLM(n_layers=2, container="list")
+        model.layers[1].feed_forward.cache = _Pinned(torch.zeros(3))
+        with self.assertRaisesRegex(
+            TypeError,
+            r"'layers\.1\.feed_forward\.cache' \(_Pinned\) cannot be copied "
+            r"\(TypeError: cannot pickle '_Pinned' object\), and it cannot be "
+            r"shared with the model either, since it refers to "
+            r"'layers\.1\.feed_forward\.cache\.tensor'.*__deepcopy__.*move=True",
+        ):
+            build_stage_module(model, ["layers.1"])
+        with self.assertRaisesRegex(TypeError, r"'layers\.1\.feed_forward\.cache'"):
+            _split_all(model, generate_module_names_per_stage(2, 2))
+        # move=True copies nothing: the stage takes the layer itself
+        layer = model.layers[1]
+        stage = build_stage_module(model, ["layers.1"], move=True)
+        self.assertIs(stage.layers._modules["1"], layer)
+
+    def test_a_module_that_cannot_be_copied_is_named(self):
+        model = ToyLLM(n_layers=2, container="list")
+        model.layers[1].__class__ = _NotCopyableBlock
+        with self.assertRaisesRegex(
+            TypeError,
+            r"copying 'layers\.1' \(_NotCopyableBlock\) failed \(TypeError: "
+            r"cannot pickle '_NotCopyableBlock' object\).*__deepcopy__.*move=True",
+        ):
+            build_stage_module(model, ["tok_embeddings", "layers.1"])
 
 
 class TestPublicNames(TestCase):
