@@ -5,7 +5,7 @@
 #   bash tools/upstream/check.sh              # the full check (FAIL -> PASS table)
 #   bash tools/upstream/check.sh --quick      # each patch applies on its dependencies
 #                                             # and its test passes there (CI)
-#   bash tools/upstream/check.sh 0013 0017    # the full check of these patches only
+#   bash tools/upstream/check.sh 0003 0011    # the full check of these patches only
 #
 # For each patch P (the "Depends on:" line of its PR.md names its dependencies;
 # their dependencies count too):

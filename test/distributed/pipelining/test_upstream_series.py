@@ -226,6 +226,8 @@ class UpstreamSeriesTest(TestCase):
             repo / "README.md",
             repo / "CONTRIBUTING.md",
             *sorted(make_series.HERE.rglob("*.md")),
+            *sorted(make_series.HERE.glob("*.py")),
+            *sorted(make_series.HERE.glob("*.sh")),
         ]
         cited = re.compile(r"(?<![\w.])0\d{3}(?![\w.])")
         stale = [
