@@ -44,6 +44,7 @@ CODE = sorted(
 PUBLIC_MODULES = (
     "torch_pipelining_ext",
     "torch_pipelining_ext.ep_overlap",
+    "torch_pipelining_ext.expert_parallel",
     "torch_pipelining_ext.hf",
     "torch_pipelining_ext.launcher",
     "torch_pipelining_ext.overlap",
