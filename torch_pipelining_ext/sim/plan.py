@@ -340,39 +340,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FIELD=VALUE",
         help="override a hardware field, e.g. achieved_fraction=0.35 (repeatable)",
     )
-    p.add_argument(
-        "--seq-len",
-        type=int,
-        default=4096,
-        help="tokens per sequence (default: %(default)s)",
-    )
-    p.add_argument(
-        "--global-batch",
-        type=int,
-        default=None,
-        help="sequences per step (default: 64 per DP rank of the smallest PP)",
-    )
-    p.add_argument("--pp", default="4,8,16", help="comma-separated PP degrees")
-    p.add_argument(
-        "--ep",
-        default=None,
-        help="comma-separated EP degrees (default: 1 for dense, 8,16,32,64 for MoE)",
-    )
-    p.add_argument(
-        "--microbatches",
-        default=None,
-        help="comma-separated counts (default: stages and 2x stages)",
-    )
-    p.add_argument(
-        "--schedules",
-        default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV",
-        help=f"comma-separated, of {', '.join(_SCHEDULES)}",
-    )
+    _add_grid_flags(p)
     p.add_argument(
         "--memory-limit-gib",
         type=float,
         default=None,
-        help="default: 90%% of the preset's HBM",
+        help="memory per GPU a candidate may use, GiB (default: 90%% of the preset's HBM)",
     )
     p.add_argument(
         "--a2a-bytes",
@@ -416,6 +389,38 @@ def _parser() -> argparse.ArgumentParser:
         "the table and a line saying why)",
     )
     return p
+
+
+def _add_grid_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the candidates' grid: batch, PP, EP, microbatches, schedules."""
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=4096,
+        help="tokens per sequence (default: %(default)s)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per step (default: 64 per DP rank of the smallest PP)",
+    )
+    p.add_argument("--pp", default="4,8,16", help="comma-separated PP degrees")
+    p.add_argument(
+        "--ep",
+        default=None,
+        help="comma-separated EP degrees (default: 1 for dense, 8,16,32,64 for MoE)",
+    )
+    p.add_argument(
+        "--microbatches",
+        default=None,
+        help="comma-separated counts (default: stages and 2x stages)",
+    )
+    p.add_argument(
+        "--schedules",
+        default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV",
+        help=f"comma-separated, of {', '.join(_SCHEDULES)}",
+    )
 
 
 def _model_config(args: argparse.Namespace) -> Any:
