@@ -52,6 +52,7 @@ class CustomMoEExampleTest(TestCase):
         result = example.run(args)
         expected = example.reference(args.dp * args.ep, args.microbatches)
         self.assertTrue(result["overlap_bitwise"])
+        self.assertGreater(result["overlapped_actions"], 0)  # the overlap did run
         self.assertEqual(len(result["losses"]), example.STEPS)
         for step in range(example.STEPS):
             torch.testing.assert_close(result["losses"][step], expected["losses"][step])
