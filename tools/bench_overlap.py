@@ -87,9 +87,10 @@ import argparse
 import dataclasses
 import math
 import os
-import socket
+import pickle
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -97,7 +98,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -105,7 +105,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch_pipelining_ext
-from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext import launcher, overlap as ep_overlap
 from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b
 
 
@@ -522,18 +522,15 @@ COUNTERPART = {
 }
 
 
-def _part1_worker(
-    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
-) -> None:
+def _part1_worker(rank: int, args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """Part 1 on one rank; rank 0 returns every rank's result."""
     global _LATENCY_S, _MARKS, _TRACER
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
     torch.set_num_threads(1)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    world = dist.get_world_size()
     n_stages = 2 * world
     tokens = args.microbatch_tokens
     block = torch.tensor([_block_time(args.dim, tokens)])
@@ -628,9 +625,9 @@ def _part1_worker(
         result["latency_ms"] = latency * 1e3
         result["step_times"] = step_times
         result["inside"] = inside
-    out.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    return gathered
 
 
 @dataclasses.dataclass
@@ -793,9 +790,8 @@ def _part2_schedule(
     )
 
 
-def _part2_worker(
-    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
-) -> None:
+def _part2_worker(rank: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Part 2 on one of its four ranks; rank 0 returns the step times."""
     sys.path.insert(
         0,
         os.path.join(
@@ -809,9 +805,6 @@ def _part2_worker(
     from model_registry import MoEModelArgs
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
     pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     # the same EP groups again, each with a twin: the free order
@@ -863,20 +856,15 @@ def _part2_worker(
     )
     flag = torch.tensor([1 if same else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if rank == 0:
-        out.put(
-            {
-                "steps": {n: statistics.median(v) for n, v in times.items()},
-                "same_losses": bool(flag),
-            }
-        )
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {
+        "steps": {n: statistics.median(v) for n, v in times.items()},
+        "same_losses": bool(flag),
+    }
 
 
-def _collective_cost_worker(
-    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
-) -> None:
+def _collective_cost_worker(rank: int, args: argparse.Namespace) -> dict[str, float]:
     """Microseconds per small all_reduce outside overlapped actions, with and without the coordination kernels.
 
     ``unpatch()`` removes the kernels; building a schedule that overlaps
@@ -885,9 +873,6 @@ def _collective_cost_worker(
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
     x, n = torch.ones(4), 2000
     times: dict[str, list[float]] = {"without": [], "with": []}
     for _ in range(args.collective_rounds):
@@ -905,8 +890,7 @@ def _collective_cost_worker(
             for _ in range(n):
                 dist.all_reduce(x)
             times[name].append((time.perf_counter() - t0) / n * 1e6)
-    out.put({name: statistics.median(v) for name, v in times.items()})
-    dist.destroy_process_group()
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 # --------------------------------------------------------------------------- #
@@ -914,45 +898,38 @@ def _collective_cost_worker(
 # --------------------------------------------------------------------------- #
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(
-    worker: Callable[..., None],
+def _launch(
+    worker: Callable[[int, argparse.Namespace], Any],
     world: int,
     args: argparse.Namespace,
-    n_results: int = 1,
-) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=worker, args=(r, world, port, args, out))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: list[Any] = []
-    # (read while the ranks run: a rank blocks on a full pipe until its result is read)
-    while len(results) < n_results:
-        if not out.empty():
-            results.append(out.get())
-        elif any(p.is_alive() for p in procs):
-            time.sleep(0.05)
-        else:
-            while not out.empty():
-                results.append(out.get())
-            break
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs) or len(results) < n_results:
-        raise SystemExit(
-            f"a rank of {worker.__name__} failed (exit codes {[p.exitcode for p in procs]})"
-        )
-    return results
+) -> Any:
+    """Rank 0's result of ``worker(rank, args)`` on ``world`` local gloo ranks
+    (``torch_pipelining_ext.launcher``: a rank that fails stops the others).
+
+    The result comes back through a file: the launcher hands rank 0's result
+    over a pipe it reads once the ranks have exited, which suits a few
+    numbers, not part 1's per-action records.
+    """
+    with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
+        path = os.path.join(tmp, "result.pkl")
+        try:
+            launcher.launch(_rank_main, world, worker, args, path, threads_per_rank=1)
+        except launcher.RankFailedError as e:
+            raise SystemExit(f"a rank of {worker.__name__} failed: {e}") from None
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+
+def _rank_main(
+    rank: int,
+    worker: Callable[[int, argparse.Namespace], Any],
+    args: argparse.Namespace,
+    path: str,
+) -> None:
+    result = worker(rank, args)
+    if rank == 0:
+        with open(path, "wb") as f:
+            pickle.dump(result, f)
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -1085,9 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{(args.switch_interval or sys.getswitchinterval()) * 1e3:g} ms"
     )
     world = args.pp
-    results = sorted(
-        _spawn(_part1_worker, world, args, n_results=world), key=lambda x: x["rank"]
-    )
+    results = sorted(_launch(_part1_worker, world, args), key=lambda x: x["rank"])
     r = results[0]
     bd = {} if args.no_breakdown else _breakdown(results, r["inside"])
     _print_part1(args, r, bd, world)
@@ -1161,7 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
     ep_ratio = ep_twin_ratio = math.nan
     ok = r["same_losses"]
     if not args.no_ep:
-        r2 = _spawn(_part2_worker, 4, args)[0]
+        r2 = _launch(_part2_worker, 4, args)
         ep_ratio = r2["steps"]["overlap"] / r2["steps"]["sequential"]
         ep_twin_ratio = r2["steps"]["overlap twin"] / r2["steps"]["sequential"]
         print(
@@ -1182,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         ok = ok and r2["same_losses"]
 
-    cost = _spawn(_collective_cost_worker, 1, args)[0]
+    cost = _launch(_collective_cost_worker, 1, args)
     print(
         "\nPart 3: a 4-element gloo all_reduce outside overlapped actions, one rank, "
         f"medians of {args.collective_rounds} interleaved rounds: {cost['without']:.1f} us "

@@ -31,6 +31,7 @@ tools and the tests)::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -166,7 +167,6 @@ def _launch_local(
     method = "fork" if sys.platform == "linux" else "spawn"
     store_dir = tempfile.mkdtemp(prefix="tpe-launch-")
     init_method = f"file://{os.path.join(store_dir, 'store')}"
-    queue = mp.get_context(method).SimpleQueue()
     try:
         context = mp.start_processes(
             _local_rank,
@@ -178,40 +178,59 @@ def _launch_local(
                 timeout,
                 threads,
                 args,
-                queue,
+                store_dir,
                 os.getpid(),
             ),
             nprocs=nprocs,
             join=False,
             start_method=method,
         )
-        _join(context, queue)
-        results = [item[1] for item in _drain(queue) if item[0] == "result"]
-        if not results:
+        _join(context, store_dir)
+        path = os.path.join(store_dir, _RESULT)
+        if not os.path.exists(path):
             raise RuntimeError("rank 0 finished without handing back a result")
-        return results[0]
+        return torch.load(path, weights_only=False)
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _drain(queue: Any) -> list[tuple]:
-    items = []
-    while not queue.empty():
-        items.append(queue.get())
-    return items
+# [Note: what the ranks hand back]
+# Rank 0's result and every failed rank's traceback reach the launcher as
+# files in the job's temporary directory, not through a pipe: a pipe holds
+# about 64 KiB, and a rank writing more than that would wait for a reader
+# that only reads once every rank has exited.  The result is written with
+# torch.save (tensors are copied into the file, not shared with a process
+# that is about to exit) under a temporary name and renamed when complete.
+_RESULT = "result.pt"
+
+
+def _failures(store_dir: str) -> list[tuple[float, int, str]]:
+    """(time, rank, traceback) of every rank that raised, earliest first."""
+    found = []
+    for name in os.listdir(store_dir):
+        if name.startswith("failed-") and name.endswith(".json"):
+            with open(os.path.join(store_dir, name)) as f:
+                item = json.load(f)
+            found.append((item["time"], item["rank"], item["traceback"]))
+    return sorted(found)
+
+
+def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+    write(path + ".partial")
+    os.replace(path + ".partial", path)
 
 
 # [Note: the first failed rank]
 # When a rank raises, the others fail soon after (its sockets close under
 # their collectives) and may exit first; torch's ProcessContext.join reports
-# whichever exit it notices first.  So every rank that raises puts the time
-# and its traceback on the launcher's queue before the exception leaves it,
+# whichever exit it notices first.  So every rank that raises writes the time
+# and its traceback for the launcher before the exception leaves it,
 # and the launcher names the rank that raised first; a rank that a signal
 # ended (other than the SIGTERM that stops the remaining ranks) is named
 # before any rank that raised, as the others' errors follow from its death.
 
 
-def _join(context: Any, queue: Any) -> None:
+def _join(context: Any, store_dir: str) -> None:
     """Wait for every rank; on the first failure stop the others and raise
     :class:`RankFailedError` naming the rank that failed first (see
     ``[Note: the first failed rank]``).  (``ProcessContext.join`` terminates
@@ -225,7 +244,7 @@ def _join(context: Any, queue: Any) -> None:
         killed = _killed_by_a_signal(context)
         if killed is not None:
             _raise_exited(killed, context.processes[killed].exitcode)
-        failures = sorted(item[1:] for item in _drain(queue) if item[0] == "failed")
+        failures = _failures(store_dir)
         rank, message = (
             (failures[0][1], failures[0][2]) if failures else (e.error_index, str(e))
         )
@@ -265,18 +284,30 @@ def _local_rank(
     timeout: timedelta,
     threads: int,
     args: tuple[Any, ...],
-    queue: Any,
+    store_dir: str,
     parent: int,
 ) -> None:
     def failed() -> None:  # [Note: the first failed rank]
-        queue.put(("failed", time.monotonic(), rank, traceback.format_exc()))
+        item = {
+            "time": time.monotonic(),
+            "rank": rank,
+            "traceback": traceback.format_exc(),
+        }
+
+        def write(path: str) -> None:
+            with open(path, "w") as f:
+                json.dump(item, f)
+
+        _write_atomically(os.path.join(store_dir, f"failed-{rank}.json"), write)
 
     _die_with_parent(parent)
     result = _run_rank(
         fn, rank, nprocs, init_method, backend, timeout, threads, args, failed
     )
-    if rank == 0:
-        queue.put(("result", result))
+    if rank == 0:  # [Note: what the ranks hand back]
+        _write_atomically(
+            os.path.join(store_dir, _RESULT), lambda path: torch.save(result, path)
+        )
 
 
 # [Note: ranks die with their launcher]

@@ -16,6 +16,7 @@ from typing import Any, TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from torch_pipelining_ext._ep_gradients import all_reduce_divided
 from torch_pipelining_ext.hf._arrival import group_device, GroupArrival
 from torch_pipelining_ext.hf._expert_parallel import is_expert_parameter
 
@@ -263,30 +264,27 @@ def reduce_expert_parallel_gradients(
     parts: Sequence[HFCausalLMStage], mesh_or_group: Any
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.reduce_expert_parallel_gradients`."""
+    from torch_pipelining_ext.expert_parallel import (
+        reduce_expert_parallel_gradients as reduce_gradients,
+    )
     from torch_pipelining_ext.hf._expert_parallel import expert_parameters
     from torch_pipelining_ext.hf._mesh import data_groups
 
-    groups = data_groups(mesh_or_group, parts)
-    replicated, experts = [], []
-    for part in parts:
-        shards = expert_parameters(part)
-        for name, p in part.named_parameters():
-            if name in shards:
-                experts.append((p, shards[name]))
-            elif not _is_dtensor(p):  # FSDP reduces its own
-                replicated.append(p)
-    if groups.data is not None:
-        _all_reduce_divided(replicated, groups.data, groups.data_size)
-    # experts: the sum over their dp replicas, divided by dp x ep unless a hook did
+    groups = data_groups(mesh_or_group, parts)  # checks the experts' sharding
+    experts = [
+        (part.get_parameter(name), shard)
+        for part in parts
+        for name, shard in expert_parameters(part).items()
+    ]
+    # experts whose gradients a hook divided by dp x ep already: summed over dp only
     hooked = [p for p, shard in experts if shard.divided_by_hook]
-    unhooked = [p for p, shard in experts if not shard.divided_by_hook]
-    if groups.dp is not None:
-        _all_reduce_divided(hooked, groups.dp, 1)
-        _all_reduce_divided(unhooked, groups.dp, groups.data_size)
-    else:
-        for p in unhooked:
-            if p.grad is not None:
-                p.grad.div_(groups.data_size)
+    reduce_gradients(
+        parts,
+        mesh_or_group,
+        sharded=[p for p, shard in experts if not shard.divided_by_hook],
+        ignore=hooked,
+    )
+    all_reduce_divided(hooked, groups.dp, 1)
     for _, shard in experts:
         shard.grads_pending = False
 
@@ -295,32 +293,6 @@ def _is_dtensor(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
-
-
-def _all_reduce_divided(params: list[torch.Tensor], group: Any, size: int) -> None:
-    """Sum the gradients of ``params`` over ``group`` and divide by ``size``
-    (one all-reduce of one float32 buffer; a missing gradient counts as
-    zeros)."""
-    import torch.distributed as dist
-
-    if not params:
-        return
-    flat = torch.cat(
-        [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-            for p in params
-        ]
-    )
-    dist.all_reduce(flat, group=group)
-    flat.div_(size)
-    offset = 0
-    for p in params:
-        total = flat[offset : offset + p.numel()].view(p.shape).to(p.dtype)
-        offset += p.numel()
-        if p.grad is None:
-            p.grad = total
-        else:
-            p.grad.copy_(total)
 
 
 def fully_shard_replicated(

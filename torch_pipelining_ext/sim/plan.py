@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -320,8 +321,18 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a built-in config")
     src.add_argument("--config", help="a Hugging Face config.json (dense or MoE)")
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--preset", choices=sorted(HARDWARE_PRESETS), default="H100")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        required=True,
+        help="GPUs of the job (PP x DP; EP divides DP)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(HARDWARE_PRESETS),
+        default="H100",
+        help="the GPU and its links (default: %(default)s)",
+    )
     p.add_argument(
         "--override",
         action="append",
@@ -329,34 +340,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FIELD=VALUE",
         help="override a hardware field, e.g. achieved_fraction=0.35 (repeatable)",
     )
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument(
-        "--global-batch",
-        type=int,
-        default=None,
-        help="sequences per step (default: 64 per DP rank of the smallest PP)",
-    )
-    p.add_argument("--pp", default="4,8,16", help="comma-separated PP degrees")
-    p.add_argument(
-        "--ep",
-        default=None,
-        help="comma-separated EP degrees (default: 1 for dense, 8,16,32,64 for MoE)",
-    )
-    p.add_argument(
-        "--microbatches",
-        default=None,
-        help="comma-separated counts (default: stages and 2x stages)",
-    )
-    p.add_argument(
-        "--schedules",
-        default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV",
-        help=f"comma-separated, of {', '.join(_SCHEDULES)}",
-    )
+    _add_grid_flags(p)
     p.add_argument(
         "--memory-limit-gib",
         type=float,
         default=None,
-        help="default: 90%% of the preset's HBM",
+        help="memory per GPU a candidate may use, GiB (default: 90%% of the preset's HBM)",
     )
     p.add_argument(
         "--a2a-bytes",
@@ -384,14 +373,54 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="FP8 weight matmuls (the preset's fp8_tflops)",
     )
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument(
+        "--top", type=int, default=10, help="candidates printed (default: %(default)s)"
+    )
     p.add_argument(
         "--trace",
         metavar="DIR",
         help="write the best candidate's timeline (best.json, best.png)",
     )
     p.add_argument("--quiet", action="store_true", help="print nothing (for tests)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1 when no candidate fits the memory limit (default: 0, "
+        "the table and a line saying why)",
+    )
     return p
+
+
+def _add_grid_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the candidates' grid: batch, PP, EP, microbatches, schedules."""
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=4096,
+        help="tokens per sequence (default: %(default)s)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per step (default: 64 per DP rank of the smallest PP)",
+    )
+    p.add_argument("--pp", default="4,8,16", help="comma-separated PP degrees")
+    p.add_argument(
+        "--ep",
+        default=None,
+        help="comma-separated EP degrees (default: 1 for dense, 8,16,32,64 for MoE)",
+    )
+    p.add_argument(
+        "--microbatches",
+        default=None,
+        help="comma-separated counts (default: stages and 2x stages)",
+    )
+    p.add_argument(
+        "--schedules",
+        default="1F1B,Interleaved1F1B,ZB1P,ZBVZeroBubble,DualPipeV",
+        help=f"comma-separated, of {', '.join(_SCHEDULES)}",
+    )
 
 
 def _model_config(args: argparse.Namespace) -> Any:
@@ -530,9 +559,70 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         parser.error(str(e))
     out = (lambda *a: None) if args.quiet else print
     _print_table(out, args, hardware, global_batch, limit, rows)
+    if rows and not any(c.fits for c in rows) and not args.quiet:
+        retry = functools.partial(
+            _plan_args,
+            shape=shape,
+            hardware=hardware,
+            global_batch=global_batch,
+            limit=limit,
+        )
+        out(_nothing_fits(args, shape, pps, eps, limit, rows, retry))
     if args.trace and rows:
         _write_trace(out, args.trace, rows[0])
+    if args.strict and not any(c.fits for c in rows):
+        raise SystemExit(1)
     return rows
+
+
+def _alternatives(
+    args: argparse.Namespace, shape: ModelShape, pps: list[int], eps: list[int]
+) -> list[tuple[str, argparse.Namespace, list[int], list[int]]]:
+    """Flags that lower the memory a candidate needs, most specific first."""
+    found = []
+    if args.recompute == "none" and shape.kv_lora_rank:
+        found.append(("--recompute deepseek", {"recompute": "deepseek"}, pps, eps))
+    if args.recompute != "full":
+        found.append(("--recompute full", {"recompute": "full"}, pps, eps))
+    more_pp = 2 * max(pps)
+    if args.gpus % more_pp == 0:
+        found.append((f"--pp {more_pp}", {}, [more_pp], eps))
+    return [
+        (flag, argparse.Namespace(**{**vars(args), **changes}), p, e)
+        for flag, changes, p, e in found
+    ]
+
+
+def _nothing_fits(
+    args: argparse.Namespace,
+    shape: ModelShape,
+    pps: list[int],
+    eps: list[int],
+    limit: float,
+    rows: Sequence[Candidate],
+    retry: Callable[..., list[Candidate]],
+) -> str:
+    """Why no candidate fits, and the first flag that makes one fit (tried)."""
+    need = sorted(c.memory_bytes for c in rows)
+    line = (
+        f"nothing fits: each of the {len(rows)} candidates needs more memory than the limit of "
+        f"{limit / 2**30:.1f} GiB per GPU (from {need[0] / 2**30:.1f} to {need[-1] / 2**30:.1f} GiB)."
+    )
+    tried = _alternatives(args, shape, pps, eps)
+    for flag, changed, alt_pps, alt_eps in tried:
+        fitting = [c for c in retry(changed, pps=alt_pps, eps=alt_eps) if c.fits]
+        if fitting:
+            best = fitting[0]
+            return (
+                f"{line} With {flag}, {len(fitting)} fit (best: {best.schedule}, pp {best.pp}, "
+                f"{best.microbatches} microbatches, ep {best.ep}, {best.step_time:.3f} s predicted); "
+                "a higher --memory-limit-gib also counts more as fitting."
+            )
+    flags = ", ".join(flag for flag, *_ in tried)
+    return (
+        f"{line} {'Tried ' + flags + ': none makes one fit. ' if flags else ''}"
+        "Try more --gpus, larger --ep or --microbatches values, or --memory-limit-gib."
+    )
 
 
 def _plan_args(

@@ -39,7 +39,6 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining import schedules as sched
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
-    parametrize,
     run_tests,
 )
 

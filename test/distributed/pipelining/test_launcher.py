@@ -69,6 +69,36 @@ class LauncherTest(TestCase):
             launcher.launch(_rank_one_is_killed, 2, timeout=timedelta(minutes=10))
         self.assertEqual(cm.exception.exit_code, -signal.SIGKILL)
 
+    def test_large_result_and_traceback(self) -> None:
+        """Rank 0's result and a failed rank's message far beyond a pipe's
+        64 KiB, tensors included, reach the launcher (a child process with a
+        timeout, so that a regression fails instead of hanging)."""
+        code = (
+            "import torch; from torch_pipelining_ext import launcher\n"
+            "def big(rank):\n"
+            "    return {'bytes': b'x' * (1 << 20), 't': torch.arange(1 << 18) * rank + 1}\n"
+            "out = launcher.launch(big, 2)\n"
+            "assert out['bytes'] == b'x' * (1 << 20)\n"
+            "assert torch.equal(out['t'], torch.ones(1 << 18, dtype=torch.long))\n"
+            "def fails(rank):\n"
+            "    if rank == 1:\n"
+            "        raise ValueError('y' * (1 << 18))\n"
+            "    torch.distributed.barrier()\n"
+            "try:\n"
+            "    launcher.launch(fails, 2)\n"
+            "except launcher.RankFailedError as e:\n"
+            "    assert e.rank == 1 and 'y' * (1 << 18) in str(e), str(e)[:200]\n"
+            "    print('ok')\n"
+        )
+        env = dict(os.environ, PYTHONPATH=_REPO)
+        for var in ("RANK", "WORLD_SIZE"):
+            env.pop(var, None)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, timeout=300, capture_output=True
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        self.assertEqual(proc.stdout.strip(), b"ok")
+
     @unittest.skipUnless(sys.platform == "linux", "PR_SET_PDEATHSIG is Linux's")
     def test_ranks_die_with_the_launching_process(self) -> None:
         """SIGKILL to the process that called launch() (it cannot stop its

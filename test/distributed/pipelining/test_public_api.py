@@ -10,7 +10,7 @@ the tools and the docs use public names only.
   which module is the lower layer).
 * No function or method of the package is longer than 80 lines (docstring
   included): a longer one is split into named steps.
-* No Python file of ``tools/`` or ``torch_pipelining_ext/demo/`` and no code
+* No Python file of ``tools/``, ``examples/`` or ``torch_pipelining_ext/demo/`` and no code
   block of the docs imports a private name of the package (a module or a name
   that starts with ``_``); the demo's own private modules
   (``torch_pipelining_ext.demo._*``) are allowed inside ``demo/`` only.
@@ -39,11 +39,18 @@ DOCS = [
     *sorted((REPO / "docs").glob("*.md")),
 ]
 # tools/upstream/NNNN-*/ hold upstream's files (they import torch only)
-CODE = sorted(
-    p for p in (REPO / "tools").rglob("*.py") if not re.match(r"\d{4}-", p.parent.name)
-) + sorted((REPO / PACKAGE / "demo").rglob("*.py"))
+CODE = (
+    sorted(
+        p
+        for p in (REPO / "tools").rglob("*.py")
+        if not re.match(r"\d{4}-", p.parent.name)
+    )
+    + sorted((REPO / PACKAGE / "demo").rglob("*.py"))
+    + sorted((REPO / "examples").rglob("*.py"))
+)
 PUBLIC_MODULES = (
     "torch_pipelining_ext",
+    "torch_pipelining_ext.expert_parallel",
     "torch_pipelining_ext.hf",
     "torch_pipelining_ext.launcher",
     "torch_pipelining_ext.overlap",

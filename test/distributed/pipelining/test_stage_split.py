@@ -901,7 +901,9 @@ class TestPipelineModuleSplit(TestCase):
                 pipeline_module_split(
                     model, dist.group.WORLD, Schedule1F1B, "cpu", names
                 )
-            with self.assertRaisesRegex(ValueError, "exactly 2 stages on each pipeline"):
+            with self.assertRaisesRegex(
+                ValueError, "exactly 2 stages on each pipeline"
+            ):
                 pipeline_module_split(
                     model, dist.group.WORLD, "DualPipeV", "cpu", names + [["norm"]]
                 )
