@@ -15,7 +15,7 @@ an action copies it.  This module writes it once:
 * :func:`stage_index_to_stage` -- the schedule's local stages by index.
 
 The patch table also installs them as the schedule methods upstream's
-patches 0007-0010 add (``_local_stages``, ``perform_action``,
+patches 0010-0011 add (``_local_stages``, ``perform_action``,
 ``prepare_compute_action``), which the OVERLAP_F_B handler calls.
 
 On every supported torch every action custom functions may replace runs this
@@ -72,7 +72,7 @@ __all__ = [
 class CustomFunctionRuntime(Protocol):
     """The methods of ``ctx.schedule_ref`` a custom function may call.
 
-    ``_PipelineScheduleRuntime`` gets them from upstream's patches 0007-0010
+    ``_PipelineScheduleRuntime`` gets them from upstream's patches 0010-0011
     (on every supported torch, the patch table installs them: each is a
     target of ``runtime_action_functions`` or ``runtime_custom_functions``
     in ``_patching/patches.json``, which a test checks).  The concurrent
@@ -518,7 +518,7 @@ def perform_action(action: _Action, ctx: _PipelineContext) -> None:
     run_action(action, ctx)
 
 
-# The schedule methods upstream's patches 0007-0010 add, installed by the patch
+# The schedule methods upstream's patches 0010-0011 add, installed by the patch
 # table (the OVERLAP_F_B handler calls them).
 
 

@@ -5,7 +5,7 @@
 #   bash tools/upstream/check.sh              # the full check (FAIL -> PASS table)
 #   bash tools/upstream/check.sh --quick      # each patch applies on its dependencies
 #                                             # and its test passes there (CI)
-#   bash tools/upstream/check.sh 0013 0017    # the full check of these patches only
+#   bash tools/upstream/check.sh 0003 0011    # the full check of these patches only
 #
 # For each patch P (the "Depends on:" line of its PR.md names its dependencies;
 # their dependencies count too):
@@ -21,7 +21,7 @@
 # A fix's test is the tests its test hunks (test.diff) add to upstream's own
 # test files (tools/upstream/pytorch_tests, unchanged copies), applied with the
 # test hunks of its dependencies; only those tests run (-k).  A proposal's test
-# is the test_*.py of its directory (helpers: tools/upstream/support).
+# is the test_*.py of its directory, a new upstream test file of its own.
 # Then every test again on the whole series, applied in order; the full check
 # also runs upstream's whole test_schedule.py on stock torch and on the whole
 # series: every test the hunks do not add must have the same outcome.
@@ -149,10 +149,9 @@ make_tree() {
     mkdir -p "${tree}/site/torch_pipelining_ext"
     echo 'raise ImportError("the upstream tests must not import torch_pipelining_ext")' \
         >"${tree}/site/torch_pipelining_ext/__init__.py"
-    # upstream's own test files (the fixes' test hunks apply to them), the
-    # proposals' helpers
+    # upstream's own test files (the test hunks apply to them)
     cp -r "${HERE}/pytorch_tests/"*.py "${HERE}/pytorch_tests/artifacts" \
-        "${HERE}/support/"*.py "${tree}/test/distributed/pipelining/"
+        "${tree}/test/distributed/pipelining/"
 }
 
 # apply_patches TREE NAME...: apply the patches in order; 1 (and a log) if one does not

@@ -73,16 +73,10 @@ HEADER = (
 #   the module docstring's paragraph that starts with "Upstream file" or
 #   "Upstream target" (where the code goes) is dropped;
 #   torch's file header (HEADER) goes first.
-# Nothing may be left that names the package.
-UPSTREAM_MODULES = (
-    ("torch_pipelining_ext.overlap._handler", "_overlap"),
-    ("torch_pipelining_ext.overlap._marks", "_ep_marks"),
-    ("torch_pipelining_ext.overlap._turns", "_ep_turns"),
-    ("torch_pipelining_ext.overlap._rng", "_ep_rng"),
-    ("torch_pipelining_ext.overlap._policy", "_ep_policy"),
-    ("torch_pipelining_ext.overlap._streams", "_ep_streams"),
-    ("torch_pipelining_ext.overlap", "ep_overlap"),
-)
+# Nothing may be left that names the package.  The series proposes one new
+# module; the package keeps it private (``_stage_split``) behind its public
+# ``stage_split`` until upstream has it.
+UPSTREAM_MODULES = (("torch_pipelining_ext._stage_split", "stage_split"),)
 ENV_PREFIXES = ("TORCH_PIPELINING_EXT_", "TORCH_PIPELINING_")
 _UPSTREAM = dict(UPSTREAM_MODULES)
 _LEFTOVERS = re.compile(r"torch_pipelining_ext|TORCH_PIPELINING_EXT")
@@ -252,14 +246,16 @@ FIXES: tuple[Patch, ...] = (
     _fix("eval-adjacent-local-stages"),
 )
 
-# Proposals (RFC-first new modules, the runtime refactor, the overlap): their
-# tests are files of their own that import the helpers of SUPPORT.
+# Proposals: the RFC-first new module (its test a new test file of its own)
+# and the runtime refactor in two PRs, the extraction
+# (no test of its own: upstream's tests before and after) and the
+# custom-function API (tests inside upstream's test files, like a fix's).
 PROPOSALS: tuple[Patch, ...] = (
     Patch("stage-split", (NewModule("stage_split.py", "_stage_split.py"),)),
     Patch("runtime-action-methods", (HandWritten("patch.diff"),)),
-    Patch("runtime-context-per-step", (HandWritten("patch.diff"),)),
-    Patch("runtime-perform-action", (HandWritten("patch.diff"),)),
-    Patch("runtime-prepare-compute-action", (HandWritten("patch.diff"),)),
+    Patch(
+        "runtime-custom-function-api", (HandWritten("patch.diff"),), tests="test.diff"
+    ),
 )
 
 
@@ -276,8 +272,6 @@ SERIES: tuple[Patch, ...] = _numbered(FIXES + PROPOSALS)
 # Unchanged copies of upstream's test files (provenance in its SOURCES.txt)
 TORCH_TESTS = HERE / "pytorch_tests"
 TORCH_TESTS_PATH = "test/distributed/pipelining"
-# Helper modules the proposals' own test files import
-SUPPORT = HERE / "support"
 
 
 # --------------------------------------------------------------------------- #
@@ -606,7 +600,7 @@ def test_hunk_problems() -> list[str]:
             _apply_hunks(series, patch.dir / patch.tests)
         except RuntimeError as e:
             problems.append(f"{patch.name} in series order: {e}")
-    for path in sorted((*HERE.glob("*/test_*.py"), *SUPPORT.glob("*.py"))):
+    for path in sorted(HERE.glob("*/test_*.py")):
         if "Upstream path:" in path.read_text():
             problems.append(
                 f"{path.relative_to(HERE)}: a package-only 'Upstream path:' line"

@@ -258,7 +258,7 @@ def register_thread_state(
 
     Example::
 
-        handle = ep_overlap.register_thread_state(
+        handle = overlap.register_thread_state(
             lambda: my_lib.current_mesh(),
             lambda mesh: my_lib.use_mesh(mesh),
         )
@@ -366,7 +366,7 @@ def overlap_f_b(action: Any, ctx: Any) -> None:
 
     Register it on a schedule to opt in::
 
-        schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)
+        schedule.register_custom_function(OVERLAP_F_B, overlap.overlap_f_b)
 
     The threads are started on first use (see ``_overlap.py``).
     """

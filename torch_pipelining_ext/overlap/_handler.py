@@ -1,7 +1,7 @@
 """Concurrent OVERLAP_F_B: the forward and the backward sub-actions on two threads.
 
 A schedule opts in with
-``schedule.register_custom_function(OVERLAP_F_B, ep_overlap.overlap_f_b)``.
+``schedule.register_custom_function(OVERLAP_F_B, overlap.overlap_f_b)``.
 
 Running one action::
 
@@ -223,7 +223,7 @@ def _run_sequentially(
     pair: tuple[int, int] | None,
 ) -> None:
     """The sub-actions one after the other (reported to the observer, if one is set)."""
-    observer = SETTINGS.observer  # see ep_overlap.observe_actions
+    observer = SETTINGS.observer  # see overlap.observe_actions
     for i, sub_action in enumerate(action.sub_actions):
         if observer is None or pair is None:
             schedule.perform_action(sub_action, ctx)
@@ -420,7 +420,7 @@ def _run_overlapped(
         raise RuntimeError(
             f"{where}: the backward sub-action {sub_actions[Side.BACKWARD]} "
             f"did not finish within {timeout:g} s after the forward sub-action "
-            "did (see ep_overlap.set_wait_timeout)"
+            "did (see torch_pipelining_ext.overlap.set_wait_timeout)"
         )
     if failures:
         _reraise(where, sub_actions, failures)
@@ -451,7 +451,7 @@ def _coordinated(
 ) -> tuple[_CommCoordinator, Callable[[], None], Callable[[], None]]:
     """The action's coordinator and its two computes, reporting to the observer.
 
-    See ``ep_overlap.observe_actions``: without an observer this is the plain
+    See ``overlap.observe_actions``: without an observer this is the plain
     coordinator and the computes as given.
     """
     observer = SETTINGS.observer

@@ -1,14 +1,14 @@
 """How this package installs concurrent OVERLAP_F_B (the ``overlap_f_b`` patch).
 
-Upstream, a schedule opts in by registering ``ep_overlap.overlap_f_b``.  Here
+A schedule of stock torch opts in by registering ``overlap.overlap_f_b``.  Here
 the patch table puts :class:`_FunctionMapWithOverlap` over the runtime's
 default custom-function map, so every ``_PipelineScheduleRuntime`` built
 while the package is patched runs OVERLAP_F_B with :func:`default_overlap_f_b`;
 opt out globally with ``TORCH_PIPELINING_EXT_OVERLAP=0`` (schedules built
 while it is set do not get it) or per schedule by registering another
 OVERLAP_F_B function.  :func:`_register_fork_rng_hook` and
-:func:`_make_fork_rng` are the ``torch.random`` change of upstream patch
-0017, see [Note: fork_rng hooks].
+:func:`_make_fork_rng` add a hook registry to ``torch.random.fork_rng``
+that torch lacks, see [Note: fork_rng hooks].
 """
 
 from __future__ import annotations
@@ -98,9 +98,10 @@ class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
 
 
 # [Note: fork_rng hooks]
-# Upstream patch 0017 adds to torch.random: a hook registered with
-# _register_fork_rng_hook(hook) is called as hook(devices, enabled,
-# device_type) whenever fork_rng is entered, and the context manager it
+# The package adds to torch.random (no upstream patch: the overlap's RFC,
+# tools/upstream/rfc-overlap-f-b/RFC.md, asks core for it): a hook
+# registered with _register_fork_rng_hook(hook) is called as hook(devices,
+# enabled, device_type) whenever fork_rng is entered, and the context manager it
 # returns is entered before fork_rng saves the generator states and exited
 # after it restores them.  The overlap's hook (_marks._fork_rng_window) opens
 # an RNG window on the backward side of an overlapped action.  On torches

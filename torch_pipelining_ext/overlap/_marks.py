@@ -1,4 +1,4 @@
-"""The communication marks of ``ep_overlap`` and the threads they bind to.
+"""The communication marks of ``torch_pipelining_ext.overlap`` and the threads they bind to.
 
 A mark finds the coordinator (``_turns._CommCoordinator``) of the
 overlapped action its thread runs a side of -- through a thread-local binding
@@ -107,10 +107,10 @@ def _engine_thread_binding() -> _Binding | None:
     if len(candidates) > 1:
         actions = ", ".join(b.coordinator.action for b in candidates)
         raise RuntimeError(
-            "ep_overlap: an autograd device thread reached a communication "
-            f"boundary while {len(candidates)} overlapped actions run backward "
-            f"in this process ({actions}); it cannot tell which one it belongs "
-            "to. Run one pipeline schedule step at a time per process."
+            "torch_pipelining_ext.overlap: an autograd device thread reached a "
+            f"communication boundary while {len(candidates)} overlapped actions "
+            f"run backward in this process ({actions}); it cannot tell which one "
+            "it belongs to. Run one pipeline schedule step at a time per process."
         )
     return candidates[0] if candidates else None
 
@@ -278,7 +278,7 @@ def _dispatcher_candidates(target: object) -> Iterator[tuple[str, object]]:
 def wrap_dispatch_combine(
     target: nn.Module | object, dispatch: str, combine: str
 ) -> list[str]:
-    """The body of ``ep_overlap.wrap_dispatch_combine``."""
+    """The body of ``overlap.wrap_dispatch_combine``."""
     if dispatch == combine:
         raise ValueError(
             "wrap_dispatch_combine: dispatch and combine must be different "
@@ -319,7 +319,7 @@ def wrap_dispatch_combine(
 def register_thread_state(
     capture: Callable[[], Any], apply: Callable[[Any], AbstractContextManager[Any]]
 ) -> RemovableHandle:
-    """The body of ``ep_overlap.register_thread_state``."""
+    """The body of ``overlap.register_thread_state``."""
     if not callable(capture) or not callable(apply):
         raise TypeError("register_thread_state: capture and apply must be callables")
     # RemovableHandle holds a weak reference to the OrderedDict

@@ -173,7 +173,7 @@ class _RNGWindows:
         self.state = (
             _RNGWindowState.WINDOW_OWNER if side == self.side else _RNGWindowState.OTHER
         )
-        logger.debug("ep_overlap: random-number generators handed to side %d", side)
+        logger.debug("overlap: random-number generators handed to side %d", side)
 
     def saved_state_of_other(self) -> _RNGState | None:
         """The other side's states when the outermost window began."""

@@ -21,8 +21,9 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-import unittest.mock
 import sys
+import unittest.mock
+import warnings
 from pathlib import Path
 
 from torch.testing._internal.common_utils import run_tests, TestCase
@@ -49,7 +50,6 @@ CODE = (
 )
 PUBLIC_MODULES = (
     "torch_pipelining_ext",
-    "torch_pipelining_ext.ep_overlap",
     "torch_pipelining_ext.expert_parallel",
     "torch_pipelining_ext.hf",
     "torch_pipelining_ext.launcher",
@@ -58,10 +58,14 @@ PUBLIC_MODULES = (
     "torch_pipelining_ext.runtime",
     "torch_pipelining_ext.sim",
     "torch_pipelining_ext.sim.plan",
-    "torch_pipelining_ext.simulate",
     "torch_pipelining_ext.stage_split",
     "torch_pipelining_ext.train",
 )
+# Former names, kept importable with a DeprecationWarning: name -> the module it is
+DEPRECATED_MODULES = {
+    "torch_pipelining_ext.ep_overlap": "torch_pipelining_ext.overlap",
+    "torch_pipelining_ext.simulate": "torch_pipelining_ext.sim",
+}
 
 
 def _code_blocks(text: str) -> list[str]:
@@ -174,7 +178,9 @@ class PublicApiTest(TestCase):
             for dotted in sorted(names):
                 if _private_parts(dotted, None):
                     continue  # the Layout sections name private modules: they are files, checked below
-                with self.subTest(doc=doc.name, name=dotted):
+                with self.subTest(doc=doc.name, name=dotted), warnings.catch_warnings():
+                    # the docs may name a former module (it warns on import)
+                    warnings.simplefilter("ignore", DeprecationWarning)
                     _resolve(dotted.removesuffix(".py"))
                     checked += 1
         self.assertGreater(checked, 10)
@@ -200,16 +206,46 @@ class PublicApiTest(TestCase):
                         )
 
     def test_aliases_are_the_same_modules(self) -> None:
-        import torch_pipelining_ext.ep_overlap as ep_overlap
-        import torch_pipelining_ext.overlap as overlap
         import torch_pipelining_ext.plan as plan
-        import torch_pipelining_ext.sim as sim
         import torch_pipelining_ext.sim.plan as sim_plan
-        import torch_pipelining_ext.simulate as simulate
 
-        self.assertIs(ep_overlap, overlap)
-        self.assertIs(simulate, sim)
         self.assertIs(plan, sim_plan)
+
+    def test_former_names_warn_and_are_the_same_modules(self) -> None:
+        """Each former name warns on import, naming the new one, and is the new module."""
+        for old, new in DEPRECATED_MODULES.items():
+            with self.subTest(module=old):
+                saved = sys.modules.pop(old, None)
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        module = importlib.import_module(old)
+                    self.assertIs(module, importlib.import_module(new))
+                    messages = [
+                        str(w.message)
+                        for w in caught
+                        if issubclass(w.category, DeprecationWarning)
+                    ]
+                    self.assertEqual(len(messages), 1, messages)
+                    self.assertIn(old, messages[0])
+                    self.assertIn(new, messages[0])
+                finally:
+                    if saved is not None:
+                        sys.modules[old] = saved
+
+    def test_tools_demo_and_docs_use_no_former_names(self) -> None:
+        sources = [(p, p.read_text()) for p in CODE]
+        sources += [
+            (doc, block) for doc in DOCS for block in _code_blocks(doc.read_text())
+        ]
+        offenders = [
+            f"{path.relative_to(REPO)}: {module}"
+            for path, source in sources
+            for module, name in _imports(source)
+            if module in DEPRECATED_MODULES
+            or (name is not None and f"{module}.{name}" in DEPRECATED_MODULES)
+        ]
+        self.assertEqual(offenders, [], "former module names imported")
 
     def test_plan_command_exit_status(self) -> None:
         """``python -m torch_pipelining_ext.plan`` (the alias) exits 0 after a plan, 2 on bad arguments.

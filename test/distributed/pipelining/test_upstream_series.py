@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -174,21 +175,29 @@ class UpstreamSeriesTest(TestCase):
     def test_rule_copies_with_upstream_names(self) -> None:
         source = (
             '"""Doc.\n\nUpstream file: ``x.py``.\n"""\n\n'
-            "from torch_pipelining_ext.overlap import _marks as _ep_marks\n"
-            "from torch_pipelining_ext.overlap import _turns as turns\n"
-            "from torch_pipelining_ext.overlap._rng import _RNGDevices\n"
-            "from torch_pipelining_ext.overlap import get_wait_timeout\n\n"
-            'ENV = "TORCH_PIPELINING_EXT_OVERLAP"  # see torch_pipelining_ext.overlap._handler\n'
+            "from torch_pipelining_ext import _stage_split as split\n"
+            "from torch_pipelining_ext import _stage_split\n"
+            "from torch_pipelining_ext._stage_split import split_by_names\n\n"
+            'ENV = "TORCH_PIPELINING_EXT_SPLIT"  # see torch_pipelining_ext._stage_split\n'
         )
         self.assertEqual(
             make_series.upstream_source(source, "m.py"),
             make_series.HEADER + '"""Doc.\n"""\n\n'
-            "from . import _ep_marks\n"
-            "from . import _ep_turns as turns\n"
-            "from ._ep_rng import _RNGDevices\n"
-            "from .ep_overlap import get_wait_timeout\n\n"
-            'ENV = "TORCH_PIPELINING_OVERLAP"  # see torch.distributed.pipelining._overlap\n',
+            "from . import stage_split as split\n"
+            "from . import stage_split as _stage_split\n"
+            "from .stage_split import split_by_names\n\n"
+            'ENV = "TORCH_PIPELINING_SPLIT"  # see torch.distributed.pipelining.stage_split\n',
         )
+
+    def test_upstream_modules_are_proposed_modules(self) -> None:
+        """Every module of the name mapping is one the series proposes (none withdrawn)."""
+        proposed = {
+            "torch_pipelining_ext." + part.module.removesuffix(".py").replace("/", ".")
+            for patch in make_series.SERIES
+            for part in patch.parts
+            if isinstance(part, make_series.NewModule)
+        }
+        self.assertEqual({m for m, _ in make_series.UPSTREAM_MODULES}, proposed)
 
     def test_rule_refuses_what_names_the_package(self) -> None:
         with self.assertRaisesRegex(ValueError, "still names the package"):
@@ -199,6 +208,36 @@ class UpstreamSeriesTest(TestCase):
             )
         with self.assertRaisesRegex(ValueError, "matches 0 times"):
             make_series.upstream_source("A = 1\n", "m.py", substitute=(("B", "C"),))
+
+    def test_package_cites_only_patches_of_the_series(self) -> None:
+        """Every patch number the package, the docs or the series' texts cite is in it.
+
+        A re-cut renumbers the series (``make_series.py --renumber`` rewrites
+        the numbers of the patches it moves, in the Markdown of
+        ``tools/upstream`` only); a number of a patch that was dropped, or one
+        left behind in the package, would send a reader to another patch or
+        to none.
+        """
+        numbers = {p.name[:4] for p in make_series.SERIES}
+        repo = make_series.REPO
+        files = [
+            *sorted(make_series.PACKAGE.rglob("*.py")),
+            *sorted(make_series.PACKAGE.rglob("*.json")),
+            repo / "README.md",
+            repo / "CONTRIBUTING.md",
+            *sorted(make_series.HERE.rglob("*.md")),
+            *sorted(make_series.HERE.glob("*.py")),
+            *sorted(make_series.HERE.glob("*.sh")),
+        ]
+        cited = re.compile(r"(?<![\w.])0\d{3}(?![\w.])")
+        stale = [
+            f"{path.relative_to(repo)}:{n}: {number}"
+            for path in files
+            for n, line in enumerate(path.read_text().splitlines(), start=1)
+            for number in cited.findall(line)
+            if number not in numbers
+        ]
+        self.assertEqual(stale, [], "patch numbers the series does not have")
 
     def test_proposed_modules_have_no_markers_or_commented_code(self) -> None:
         modules = [

@@ -11,8 +11,6 @@ gives the losses and every gradient of a single-process reference.
 
 import copy
 
-from pipeline_test_utils import nccl_variant, PipelineTestCase
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -28,10 +26,15 @@ from torch.distributed.pipelining.stage_split import (
     build_stage_module,
     stage_ids_this_rank,
 )
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest,
+    requires_nccl,
+)
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
+    skip_but_pass_in_sandcastle_if,
     TestCase,
 )
 
@@ -160,7 +163,20 @@ N_MICROBATCHES = 4
 MB_SIZE = 2
 
 
-class StageSplitMultiProcTest(PipelineTestCase):
+class StageSplitMultiProcTest(MultiProcContinuousTest):
+    """Two ranks on gloo/CPU (:class:`StageSplitMultiProcTestNCCL`: NCCL, two GPUs)."""
+
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls) -> str:
+        return "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        torch.set_num_threads(1)
+        return torch.device("cpu")
+
     @parametrize("ScheduleClass", [ScheduleInterleaved1F1B, ScheduleDualPipeV])
     def test_pipeline_module_split_gradients(self, ScheduleClass):
         ref = make_model().to(self.device)
@@ -200,10 +216,22 @@ class StageSplitMultiProcTest(PipelineTestCase):
                 torch.testing.assert_close(p.grad, ref_params[name].grad, msg=name)
 
 
+@requires_nccl()
+@skip_but_pass_in_sandcastle_if(
+    torch.cuda.device_count() < 2, "NCCL test requires 2+ GPUs"
+)
+class StageSplitMultiProcTestNCCL(StageSplitMultiProcTest):
+    @classmethod
+    def backend_str(cls) -> str:
+        return "nccl"
+
+    @property
+    def device(self) -> torch.device:
+        torch.cuda.set_device(self.rank)
+        return torch.device("cuda", self.rank)
+
+
 instantiate_parametrized_tests(StageSplitMultiProcTest)
-
-
-StageSplitMultiProcTestNCCL = nccl_variant(StageSplitMultiProcTest)
 
 
 if __name__ == "__main__":
