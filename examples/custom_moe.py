@@ -257,9 +257,11 @@ def train_steps(
     record: dict = {"losses": [], "grads": []}
     for step in range(STEPS):
         ids = global_batch(data.size(), args.microbatches, step)[mine]
+        # contiguous: torch 2.9's stages check the strides of their inputs
+        inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
         # [quick-start]
         losses: list[torch.Tensor] = []
-        schedule.step(ids[:, :-1], target=ids[:, 1:], losses=losses)
+        schedule.step(inputs, target=targets, losses=losses)
         # experts' gradients summed over their replicas, the rest averaged
         expert_parallel.reduce_expert_parallel_gradients(parts, mesh, sharded=is_expert)
         # [/quick-start]

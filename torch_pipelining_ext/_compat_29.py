@@ -8,7 +8,9 @@ where a feature probe finds them missing:
   ``_PipelineContext``, in ``_pipeline_context.py``);
 * the per-schedule state upstream keeps on the schedule (``fwd_recv_ops``,
   ``bwd_recv_ops``, ``unshard_ops``, ``unsharded_stages``,
-  ``_comp_type_to_function_map``) and ``_assert_unsharded``;
+  ``_comp_type_to_function_map``) and ``_assert_unsharded``; the function
+  map is made when the schedule is prepared (:func:`_make_prepare_with_map`),
+  as 2.10+ makes it in ``__init__``;
 * a step loop that dispatches custom functions and otherwise calls
   ``_schedule_runtime.run_action`` -- the whole of 2.10's loop is the ``for``
   statement in :func:`_runtime_step_microbatches`;
@@ -140,6 +142,26 @@ _RUNTIME_STATE: dict[str, Callable[[], Any]] = {
 def _lazy_runtime_state(name: str) -> _LazyScheduleAttribute:
     """The class attribute that gives every schedule its own ``name`` state."""
     return _LazyScheduleAttribute(name, _RUNTIME_STATE[name])
+
+
+def _make_prepare_with_map(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (2.9).
+
+    Torch 2.10+ assigns ``_comp_type_to_function_map`` in ``__init__``, so
+    what a new schedule's map holds -- the OVERLAP_F_B function chosen from
+    ``$TORCH_PIPELINING_EXT_OVERLAP`` included -- is fixed when the schedule
+    is built.  2.9's ``__init__`` has no map (the lazy attribute makes it on
+    first use, the first step); it ends by preparing the schedule
+    (``ScheduleDualPipeV``; a loaded CSV is prepared too), so the map is made
+    here, before a step can run, and the switch means the same on 2.9.
+    """
+
+    @functools.wraps(original)
+    def _prepare_schedule_with_comms(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._comp_type_to_function_map  # made now, not at the first step
+        return original(self, *args, **kwargs)
+
+    return _prepare_schedule_with_comms
 
 
 def _runtime_step_microbatches(

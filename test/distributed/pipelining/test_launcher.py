@@ -97,7 +97,8 @@ class LauncherTest(TestCase):
             [sys.executable, "-c", code], env=env, timeout=300, capture_output=True
         )
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        self.assertEqual(proc.stdout.strip(), b"ok")
+        # the last line: some torch releases print notices of their own
+        self.assertEqual(proc.stdout.strip().splitlines()[-1], b"ok", proc.stdout)
 
     @unittest.skipUnless(sys.platform == "linux", "PR_SET_PDEATHSIG is Linux's")
     def test_ranks_die_with_the_launching_process(self) -> None:

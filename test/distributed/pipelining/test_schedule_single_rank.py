@@ -228,6 +228,40 @@ class ScheduleSingleRankTest(_OneRankTestCase):
                         msg=lambda m: f"step {step} stage {i} {name}: {m}",
                     )
 
+    def test_overlap_switch_read_when_the_schedule_is_built(self) -> None:
+        # TORCH_PIPELINING_EXT_OVERLAP=0 while a schedule is built makes that
+        # schedule's OVERLAP_F_B sequential for its whole life, whatever the
+        # variable says at its steps (torch 2.9 made the map at the first step)
+        from torch_pipelining_ext import _schedule_runtime
+        from torch_pipelining_ext.overlap import _install
+
+        dev = self._device("cpu")
+        torch.manual_seed(0)
+        reference = nn.Sequential(MLPStage(DIM), MLPStage(DIM))
+        with mock.patch.dict(os.environ, {_install.OVERLAP_ENV: "0"}):
+            sequential = _build(
+                sched.ScheduleDualPipeV,
+                [copy.deepcopy(m) for m in reference],
+                dev,
+                mse_loss,
+            )
+        overlapped = _build(
+            sched.ScheduleDualPipeV,
+            [copy.deepcopy(m) for m in reference],
+            dev,
+            mse_loss,
+        )
+        for step in range(2):
+            x, y = _batch(step, dev)
+            outputs = [s.step(x, target=y) for s in (sequential, overlapped)]
+            torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+        functions = [
+            s._comp_type_to_function_map[sched.OVERLAP_F_B]
+            for s in (sequential, overlapped)
+        ]
+        self.assertIs(functions[0], _schedule_runtime.sequential_overlap_f_b)
+        self.assertIs(functions[1], _install.default_overlap_f_b)
+
     @parametrize("device", DEVICES)
     @parametrize("schedule_class", MULTI_STAGE + SINGLE_STAGE)
     def test_eval_between_steps(self, schedule_class: type, device: str) -> None:
