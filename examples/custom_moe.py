@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from typing import Any
 
 import torch
@@ -289,7 +288,7 @@ def bitwise_equal(a: dict, b: dict) -> bool:
     return bool(flag.item())
 
 
-def train_rank(rank: int, args: argparse.Namespace) -> bool | None:
+def train_rank(rank: int, args: argparse.Namespace) -> dict | None:
     """One rank's work; rank 0 returns every rank's results gathered."""
     mesh = launcher.device_mesh(pp=args.pp, dp=args.dp, ep=args.ep)
     ep_group = mesh["ep"].get_group() if args.ep > 1 else None
@@ -312,15 +311,11 @@ def train_rank(rank: int, args: argparse.Namespace) -> bool | None:
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return None
-    # written to a file: the launcher hands rank 0's result back through a
-    # pipe, which suits a few numbers, not a model's gradients
-    result = {
+    return {
         "overlap_bitwise": equal,
         "overlapped_actions": sum(r["overlapped_actions"] for r in gathered),
         **assemble(gathered, args.ep),
     }
-    torch.save(result, args.out)
-    return equal
 
 
 def assemble(ranks: list[dict], ep: int) -> dict:
@@ -413,11 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict | None:
     """Launch the ranks; every rank's results, gathered by rank 0 (``None``
     on the other ranks ``torchrun`` started)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        args.out = os.path.join(tmp, "results.pt")
-        if launcher.launch(train_rank, args.nprocs, args, threads_per_rank=1) is None:
-            return None
-        return torch.load(args.out)
+    return launcher.launch(train_rank, args.nprocs, args, threads_per_rank=1)
 
 
 def main(argv: list[str] | None = None) -> int:

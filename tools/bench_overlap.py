@@ -87,10 +87,8 @@ import argparse
 import dataclasses
 import math
 import os
-import pickle
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -904,32 +902,11 @@ def _launch(
     args: argparse.Namespace,
 ) -> Any:
     """Rank 0's result of ``worker(rank, args)`` on ``world`` local gloo ranks
-    (``torch_pipelining_ext.launcher``: a rank that fails stops the others).
-
-    The result comes back through a file: the launcher hands rank 0's result
-    over a pipe it reads once the ranks have exited, which suits a few
-    numbers, not part 1's per-action records.
-    """
-    with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
-        path = os.path.join(tmp, "result.pkl")
-        try:
-            launcher.launch(_rank_main, world, worker, args, path, threads_per_rank=1)
-        except launcher.RankFailedError as e:
-            raise SystemExit(f"a rank of {worker.__name__} failed: {e}") from None
-        with open(path, "rb") as f:
-            return pickle.load(f)
-
-
-def _rank_main(
-    rank: int,
-    worker: Callable[[int, argparse.Namespace], Any],
-    args: argparse.Namespace,
-    path: str,
-) -> None:
-    result = worker(rank, args)
-    if rank == 0:
-        with open(path, "wb") as f:
-            pickle.dump(result, f)
+    (``torch_pipelining_ext.launcher``: a rank that fails stops the others)."""
+    try:
+        return launcher.launch(worker, world, args, threads_per_rank=1)
+    except launcher.RankFailedError as e:
+        raise SystemExit(f"a rank of {worker.__name__} failed: {e}") from None
 
 
 def _fmt(value: float, spec: str) -> str:

@@ -14,6 +14,10 @@
   :func:`mse_loss` and :func:`token_cross_entropy`, the tests' losses;
   :func:`random_batch` and :func:`random_tokens`, their seeded data.
 * :func:`load_csv` -- load a schedule written as a string.
+* :func:`local_ranks_env` -- the environment of a command a test runs that
+  starts its own ranks (not one of torchrun's);
+  :class:`OneRankGroupTestCase` -- a one-rank gloo default process group
+  for a class of single-process tests.
 * :func:`parametrize_covering` -- ``parametrize`` over the product of several
   arguments' values, of which the default run takes a covering subset (each
   value of each argument at least once) and ``PYTORCH_TEST_WITH_SLOW=1`` the
@@ -42,20 +46,24 @@ from torch.testing._internal.common_utils import (
     skip_but_pass_in_sandcastle_if,
     subtest,
     TEST_WITH_SLOW,
+    TestCase,
 )
 
 
 __all__ = [
     "check_on_all_ranks",
     "load_csv",
+    "local_ranks_env",
     "mse_loss",
     "nccl_decorators",
     "nccl_variant",
+    "OneRankGroupTestCase",
     "parametrize_covering",
     "PipelineMultiProcTest",
     "random_batch",
     "random_tokens",
     "reference_step",
+    "REPO",
     "token_cross_entropy",
 ]
 
@@ -224,6 +232,53 @@ def check_on_all_ranks(
             if message is not None
         )
     )
+
+
+REPO = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
+# what torchrun sets for its ranks
+_TORCHRUN_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def local_ranks_env() -> dict[str, str]:
+    """The environment of a command that starts its own local ranks (the
+    demo, the trainer, the launcher): this repository first on the import
+    path, one intra-op thread unless set, and none of torchrun's variables,
+    so that the command does not take itself for one of torchrun's ranks."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for var in _TORCHRUN_VARIABLES:
+        env.pop(var, None)
+    return env
+
+
+class OneRankGroupTestCase(TestCase):
+    """Owns a one-rank gloo default process group for the class (unless one
+    exists already): single-process tests of code that asks for a group."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        cls._owns_pg = not dist.is_initialized()
+        if cls._owns_pg:
+            dist.init_process_group(
+                "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        if cls._owns_pg:
+            dist.destroy_process_group()
+        super().tearDownClass()
 
 
 def parametrize_covering(**values: list[Any]) -> Any:

@@ -26,15 +26,13 @@ import tempfile
 import unittest
 from unittest import mock
 
+from common_pipelining import local_ranks_env, REPO
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 import torch_pipelining_ext  # noqa: F401
 from torch_pipelining_ext.demo import harness, train
 
 
-_REPO = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-)
 _TIMEOUT_S = 300
 _NO_FUSED = harness.fused_experts_problem()
 # small enough for a few seconds per step on 2 CPU cores
@@ -51,22 +49,10 @@ _SHORT = [
 
 
 def _run_demo(*flags: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        env.pop(var, None)  # not under torchrun: the demo starts its ranks
     return subprocess.run(
         [sys.executable, "-m", "torch_pipelining_ext.demo", *flags],
-        cwd=_REPO,
-        env=env,
+        cwd=REPO,
+        env=local_ranks_env(),  # not under torchrun: the demo starts its ranks
         capture_output=True,
         text=True,
         timeout=_TIMEOUT_S,

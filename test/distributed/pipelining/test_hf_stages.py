@@ -17,6 +17,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from common_pipelining import OneRankGroupTestCase
 from hf_model_registry import HF_FAMILIES, tiny_hf_config, tiny_hf_model
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -375,24 +376,9 @@ def _save_hf(model: nn.Module, directory: str, **kwargs) -> None:
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
-class TestHFLoading(TestCase):
+class TestHFLoading(OneRankGroupTestCase):
     """Meta construction and per-stage loading through ``pipeline_hf_causal_lm``
     on a one-rank gloo group (every stage local)."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls._owns_pg = not dist.is_initialized()
-        if cls._owns_pg:
-            dist.init_process_group(
-                "gloo", store=dist.HashStore(), rank=0, world_size=1
-            )
-
-    @classmethod
-    def tearDownClass(cls):
-        if cls._owns_pg:
-            dist.destroy_process_group()
-        super().tearDownClass()
 
     def setUp(self):
         super().setUp()

@@ -15,6 +15,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from common_pipelining import local_ranks_env
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 from torch_pipelining_ext import launcher
@@ -36,11 +37,6 @@ def _rank_one_is_killed(rank: int) -> None:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
-
-
-_REPO = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-)
 
 
 def _alive(pid: int) -> bool:
@@ -90,11 +86,11 @@ class LauncherTest(TestCase):
             "    assert e.rank == 1 and 'y' * (1 << 18) in str(e), str(e)[:200]\n"
             "    print('ok')\n"
         )
-        env = dict(os.environ, PYTHONPATH=_REPO)
-        for var in ("RANK", "WORLD_SIZE"):
-            env.pop(var, None)
         proc = subprocess.run(
-            [sys.executable, "-c", code], env=env, timeout=300, capture_output=True
+            [sys.executable, "-c", code],
+            env=local_ranks_env(),
+            timeout=300,
+            capture_output=True,
         )
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         # the last line: some torch releases print notices of their own
@@ -117,11 +113,11 @@ class LauncherTest(TestCase):
                 "    time.sleep(600)  # a rank left alone would live on\n"
                 f"launcher.launch(fn, 2, {tmp!r})\n"
             )
-            env = dict(os.environ, PYTHONPATH=_REPO)
-            for var in ("RANK", "WORLD_SIZE"):
-                env.pop(var, None)
             proc = subprocess.run(
-                [sys.executable, "-c", code], env=env, timeout=300, capture_output=True
+                [sys.executable, "-c", code],
+                env=local_ranks_env(),
+                timeout=300,
+                capture_output=True,
             )
             self.assertEqual(proc.returncode, -signal.SIGKILL, proc.stderr[-2000:])
             pids = []

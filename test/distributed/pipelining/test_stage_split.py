@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import given, settings, strategies as st
+from common_pipelining import OneRankGroupTestCase
 from model_registry import NestedToyLLM, ToyBlock, ToyLLM, toy_moe_llm
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -817,23 +818,8 @@ class TestStagePlacement(TestCase):
                     )
 
 
-class TestPipelineModuleSplit(TestCase):
+class TestPipelineModuleSplit(OneRankGroupTestCase):
     """``pipeline_module_split`` on a one-rank gloo group (all stages local)."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls._owns_pg = not dist.is_initialized()
-        if cls._owns_pg:
-            dist.init_process_group(
-                "gloo", store=dist.HashStore(), rank=0, world_size=1
-            )
-
-    @classmethod
-    def tearDownClass(cls):
-        if cls._owns_pg:
-            dist.destroy_process_group()
-        super().tearDownClass()
 
     def test_group_and_mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -962,24 +948,9 @@ class _NotCopyableBlock(ToyBlock):
         raise TypeError("cannot pickle '_NotCopyableBlock' object")
 
 
-class TestSharedAttributes(TestCase):
+class TestSharedAttributes(OneRankGroupTestCase):
     """What a stage shares with the model: process groups, device meshes and
     what cannot be copied (see [Note: what a stage shares with the model])."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls._owns_pg = not dist.is_initialized()
-        if cls._owns_pg:
-            dist.init_process_group(
-                "gloo", store=dist.HashStore(), rank=0, world_size=1
-            )
-
-    @classmethod
-    def tearDownClass(cls):
-        if cls._owns_pg:
-            dist.destroy_process_group()
-        super().tearDownClass()
 
     def _model_with_handles(self):
         from torch.distributed.device_mesh import init_device_mesh

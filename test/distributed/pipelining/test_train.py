@@ -47,6 +47,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+from common_pipelining import local_ranks_env, REPO
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -69,9 +70,6 @@ try:
 except ImportError:
     HAS_FUSED = False
 
-_REPO = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-)
 _NEEDS = "needs transformers 5.x (fused experts)"
 _TIMEOUT_S = 600
 # small: a step takes a few hundred milliseconds on two cores
@@ -95,7 +93,7 @@ _LOSS_TOLERANCE = dict(atol=2e-5, rtol=2e-5)
 
 def _prepare_text_tool() -> Any:
     spec = importlib.util.spec_from_file_location(
-        "prepare_text", os.path.join(_REPO, "tools", "prepare_text.py")
+        "prepare_text", os.path.join(REPO, "tools", "prepare_text.py")
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -455,7 +453,7 @@ class TrainSlowTest(_RunDirTest):
     def _command(self, argv: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "torch_pipelining_ext.train", *argv],
-            cwd=_REPO, env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S,
+            cwd=REPO, env=local_ranks_env(), capture_output=True, text=True, timeout=_TIMEOUT_S,
         )  # fmt: skip
 
     def _run_and_kill(
@@ -465,7 +463,7 @@ class TrainSlowTest(_RunDirTest):
         ``victim`` (a child of the launching process)."""
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch_pipelining_ext.train", *argv],
-            cwd=_REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO, env=local_ranks_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         deadline = time.monotonic() + _TIMEOUT_S
         while len(train.read_metrics(run_dir)) < after:
@@ -492,22 +490,6 @@ def _children(pid: int) -> list[int]:
         with open(f"/proc/{pid}/task/{task}/children") as f:
             kids += [int(k) for k in f.read().split()]
     return sorted(kids)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        env.pop(var, None)  # not under torchrun: the trainer starts its ranks
-    return env
 
 
 instantiate_parametrized_tests(TrainSlowTest)
@@ -852,7 +834,7 @@ class TrainPartsTest(_RunDirTest):
 
         offenders = []
         for path in glob.glob(
-            os.path.join(_REPO, "torch_pipelining_ext", "train", "*.py")
+            os.path.join(REPO, "torch_pipelining_ext", "train", "*.py")
         ):
             with open(path) as f:
                 for module, name in _imports(f.read()):
