@@ -14,7 +14,12 @@ Part (b) -- device-level overlap with the stream plan, in this process:
 each stage ``--layers`` MoE-like layers whose dispatch and combine regions
 (between the ``ep_overlap`` marks) hold a communication stand-in kernel of
 known duration, ``torch.cuda._sleep`` (one thread block spinning for a
-calibrated number of cycles), in forward and in backward.  It measures
+calibrated number of cycles), in forward and in backward.  Inside an
+overlapped action the stand-in runs as a ProcessGroupNCCL collective does: a
+real one-rank collective, then the kernel on one communication stream ordered
+after the issuing stream (``--standin comm-stream``); a second measurement
+runs it on the issuing stream itself (``side-stream``: two communicators that
+never wait for each other).  See [Note: where the stand-in runs].  It measures
 
 * the step time with the package's OVERLAP_F_B and with a sequential one
   (interleaved, medians);
@@ -40,9 +45,11 @@ The last line is machine-readable::
 
     gpu_check=pass|fail|no_cuda|dry_run tests_passed=... tests_failed=... tests_skipped_cuda=... hidden_fraction_device=...
     hidden_fraction_device_sequential=... step_ratio=... bitwise_equal=... allocator_warnings=... seconds=...
-    actions_timed=... simulated_step_ratio=...
+    actions_timed=... simulated_step_ratio=... hidden_fraction_device_side_stream=...
+    step_ratio_side_stream=...
 
-(one line; ``step_ratio`` is overlapped / sequential step time).  Part (b) also
+(one line; ``step_ratio`` is overlapped / sequential step time; the verdict
+is the comm-stream measurement's, and both must be bitwise equal).  Part (b) also
 records the device time of each plain action's kernels in the sequential step
 (``action_kernel_times.json`` in ``--out``: compute and stand-in time per
 stage and computation), and ``simulated_step_ratio`` is what the schedule
@@ -282,7 +289,10 @@ def action_kernel_times(
     """Per plain action (``PP:<stage><F|I|W|B><mb>`` ranges), its kernels' device time, from Chrome-trace events.
 
     A kernel belongs to the action whose range holds the CPU launch with the
-    same ``correlation`` id; stand-in kernels count as communication.  Returns
+    same ``correlation`` id: the range of the launching thread, else the only
+    range open at the launch (a backward's kernels are launched by autograd's
+    device thread) -- so the trace must be of a sequential step, one action at
+    a time; stand-in kernels count as communication.  Returns
     ``"<stage><kind>"`` -> ``compute_us``, ``standin_us`` (medians over the
     microbatches) and ``n``.  Without kernel events (a CPU run) the range's own
     duration is the compute time.
@@ -320,14 +330,16 @@ def action_kernel_times(
             if corr not in kernels or str(e.get("cat", "")).lower() == "kernel":
                 continue
             ts = float(e.get("ts", 0.0))
-            for a, b, tid, key in ranges:
-                if a <= ts <= b and tid == e.get("tid"):
-                    k = kernels[corr]
-                    slot = per.setdefault((a, key), [0.0, 0.0])
-                    slot[1 if standin in str(k.get("name", "")) else 0] += float(
-                        k["dur"]
-                    )
-                    break
+            holding = [r for r in ranges if r[0] <= ts <= r[1]]
+            # a backward's kernels are launched by autograd's device thread,
+            # not the thread that opened the range: the range of the launching
+            # thread if any, else the one range open at that time
+            same = [r for r in holding if r[2] == e.get("tid")]
+            if same or len(holding) == 1:
+                a, _, _, key = (same or holding)[0]
+                k = kernels[corr]
+                slot = per.setdefault((a, key), [0.0, 0.0])
+                slot[1 if standin in str(k.get("name", "")) else 0] += float(k["dur"])
     else:
         for a, b, _, key in ranges:
             per[(a, key)] = [b - a, 0.0]
@@ -378,6 +390,10 @@ def simulated_step_ratio(
     costs = []
     for stage in range(len(schedule.stage_index_to_group_rank)):
         f, i, w, b = (compute(stage, k) for k in "FIWB")
+        if i is None and b is None and w is not None:
+            # a first stage's I has no kernels (its input needs no gradient):
+            # its W ran the whole backward, communication regions included
+            b, w = w, None
         if f is None or (i is None and b is None):
             return math.nan
         i = i if i is not None else b / 2
@@ -414,8 +430,14 @@ def captured_stderr() -> Iterator[list[str]]:
             lines.extend(tmp.read().decode(errors="replace").splitlines())
 
 
-def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
-    """Part (b); returns the numbers for the summary (see the module docstring)."""
+def measure_overlap(
+    args: argparse.Namespace, out_dir: str, standin: str = "comm-stream"
+) -> dict[str, Any]:
+    """Part (b) with one stand-in model; returns the numbers for the summary.
+
+    ``standin`` is where the stand-in kernel runs (see [Note: where the
+    stand-in runs]): ``"comm-stream"`` or ``"side-stream"``.
+    """
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -473,18 +495,43 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
             probe / elapsed_ms(lambda: torch.cuda._sleep(probe)) for _ in range(3)
         )
 
+    # [Note: where the stand-in runs]
+    # ProcessGroupNCCL runs a collective on a stream of its own, ordered after
+    # the issuing stream, and a wait on its work makes the issuing stream wait
+    # for that stream; a group's collectives are thereby queued on the device
+    # in the order they were issued.  "comm-stream" models this: inside an
+    # overlapped action the stand-in is a real one-rank collective, which the
+    # overlap's turn-taking sees as one on a communicator both sides use,
+    # followed by the stand-in kernel on one communication stream.  Outside
+    # an overlapped action it runs on the current stream, so that the trace
+    # tells the two apart by stream.
+    # "side-stream" runs it on the current stream always: communication on two
+    # communicators that never wait for each other.
+    comm_stream = (
+        torch.cuda.Stream(device) if cuda and standin == "comm-stream" else None
+    )
+    in_overlapped_action = [False]  # set by the OVERLAP_F_B function below
+
     class StandIn(torch.autograd.Function):
-        """Communication stand-in: a kernel of known duration on the current stream, forward and backward."""
+        """Communication stand-in: a kernel of known duration, forward and backward."""
 
         cycles = 0
         seconds = 0.0  # the dry run's sleep
 
         @staticmethod
         def wait() -> None:
-            if cuda:
-                torch.cuda._sleep(StandIn.cycles)
-            else:
+            if not cuda:
                 time.sleep(StandIn.seconds)
+                return
+            if comm_stream is None or not in_overlapped_action[0]:
+                torch.cuda._sleep(StandIn.cycles)
+                return
+            dist.all_reduce(torch.zeros(1, device=device))
+            issuing = torch.cuda.current_stream(device)
+            comm_stream.wait_stream(issuing)
+            with torch.cuda.stream(comm_stream):
+                torch.cuda._sleep(StandIn.cycles)
+            issuing.wait_stream(comm_stream)
 
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -552,7 +599,11 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     current = {"mode": "overlap"}
 
     def overlap_f_b(action: Any, ctx: Any) -> None:
-        handlers[current["mode"]](action, ctx)
+        in_overlapped_action[0] = current["mode"] == "overlap"
+        try:
+            handlers[current["mode"]](action, ctx)
+        finally:
+            in_overlapped_action[0] = False
 
     schedule.register_custom_function(sched.OVERLAP_F_B, overlap_f_b)
     n_overlap = sum(
@@ -640,6 +691,7 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     )
     return {
         "torch": torch.__version__,
+        "standin": standin,
         "gpu": torch.cuda.get_device_name(device) if cuda else "CPU (dry run)",
         "block_ms": block_ms,
         "latency_ms": latency_ms,
@@ -659,7 +711,7 @@ def measure_overlap(args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
 
 
 def _measure_with_warnings(
-    args: argparse.Namespace, out_dir: str
+    args: argparse.Namespace, out_dir: str, standin: str = "comm-stream"
 ) -> tuple[dict[str, Any], list[str]]:
     """Part (b) with every warning captured: (result, warning lines)."""
     with (
@@ -668,7 +720,7 @@ def _measure_with_warnings(
     ):
         warnings.simplefilter("always")
         try:
-            result = measure_overlap(args, out_dir)
+            result = measure_overlap(args, out_dir, standin)
         except BaseException as e:
             result = {"error": f"{type(e).__name__}: {e}"}
     for line in stderr_lines:  # what was written to stderr, as it would have been
@@ -696,6 +748,7 @@ def _print_summary(
     result: dict[str, Any],
     found: list[str],
     allocator: list[str],
+    side: dict[str, Any],
 ) -> None:
     print("\ngpu_check summary")
     if not args.skip_tests:
@@ -714,7 +767,7 @@ def _print_summary(
         print(
             f"  (b) {r['gpu']}, torch {r['torch']}: {args.layers} layers per stage, dim {args.dim}, "
             f"{args.tokens} tokens per microbatch, {args.microbatches} microbatches, "
-            f"{r['overlap_actions']} OVERLAP_F_B actions"
+            f"{r['overlap_actions']} OVERLAP_F_B actions; stand-in on the {r['standin']}"
         )
         print(
             f"      one block {r['block_ms']:.2f} ms; stand-in {r['latency_ms']:.2f} ms ({r['cycles_per_ms']:.0f} cycles/ms)"
@@ -736,6 +789,18 @@ def _print_summary(
             f"{_fmt(r['simulated_step_ratio'])} vs measured {r['step_ratio']:.3f} (a prediction from those times)"
         )
         print(f"      traces: {', '.join(r['traces'])}")
+    if "error" in side:
+        print(f"  (b') side-stream stand-in FAILED: {side['error']}")
+    elif side:
+        same = (
+            "bitwise equal"
+            if side["bitwise_equal"]
+            else f"DIFFERENT ({side['mismatch']})"
+        )
+        print(
+            f"  (b') stand-in on the side stream: device hidden fraction "
+            f"{_fmt(side['device']['fraction'])}, step ratio {side['step_ratio']:.3f}, {same}"
+        )
     print(
         f"      warnings: {len(found)}, of the allocator or record_stream: {len(allocator)}"
     )
@@ -784,6 +849,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="cpu: a dry run of part (b) on the CPU (no part (a), nothing measured on a device; checks the plumbing)",
     )
     p.add_argument(
+        "--standin",
+        choices=("both", "comm-stream", "side-stream"),
+        default="both",
+        help="where the communication stand-in runs (part b; see [Note: where the "
+        "stand-in runs]): both measures comm-stream (the verdict) then side-stream",
+    )
+    p.add_argument(
         "pytest_args", nargs="*", help="extra pytest arguments for part (a), after --"
     )
     args = p.parse_args(argv)
@@ -811,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_tests:
         tests = run_tests(args.pytest_args, args.tests_timeout, out_dir)
     result: dict[str, Any] = {}
+    side: dict[str, Any] = {}
     found: list[str] = []
     if not args.skip_overlap:
         backend = "gloo, a dry run on the CPU" if dry_run else "NCCL"
@@ -818,10 +891,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(b) device-level overlap: ScheduleDualPipeV, 2 stages on 1 rank ({backend}, world size 1)",
             flush=True,
         )
-        result, found = _measure_with_warnings(args, out_dir)
+        primary = "side-stream" if args.standin == "side-stream" else "comm-stream"
+        result, found = _measure_with_warnings(args, out_dir, primary)
+        if args.standin == "both" and not dry_run:
+            side_dir = os.path.join(out_dir, "side_stream")
+            os.makedirs(side_dir, exist_ok=True)
+            side, found_side = _measure_with_warnings(args, side_dir, "side-stream")
+            found += found_side
     allocator = [w for w in found if _ALLOCATOR_WARNING.search(w)]
 
-    _print_summary(args, tests, result, found, allocator)
+    _print_summary(args, tests, result, found, allocator, side)
     hidden = result.get("device", {}).get("fraction", math.nan)
     control = result.get("control_fraction", math.nan)
     ratio = result.get("step_ratio", math.nan)
@@ -835,6 +914,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks += [
             "error" not in result,
             bool(bitwise),
+            not side or ("error" not in side and bool(side["bitwise_equal"])),
             dry_run or hidden >= HIDDEN_TARGET,
             not allocator,
         ]
@@ -849,7 +929,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"bitwise_equal={'na' if bitwise is None else ('yes' if bitwise else 'no')} "
         f"allocator_warnings={len(allocator)} seconds={seconds:.0f} "
         f"actions_timed={len(result.get('action_kernel_times', {}))} "
-        f"simulated_step_ratio={_fmt(result.get('simulated_step_ratio', math.nan))}"
+        f"simulated_step_ratio={_fmt(result.get('simulated_step_ratio', math.nan))} "
+        f"hidden_fraction_device_side_stream={_fmt(side.get('device', {}).get('fraction', math.nan))} "
+        f"step_ratio_side_stream={_fmt(side.get('step_ratio', math.nan))}"
     )
     return 0 if ok else 1
 

@@ -195,6 +195,60 @@ class DeviceOverlapTest(TestCase):
         self.assertAlmostEqual(gpu_check.device_overlap(events)["fraction"], 0.5)
 
 
+class ActionKernelTimesTest(TestCase):
+    @staticmethod
+    def _launch(corr: int, tid: int, ts: float) -> dict:
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid,
+                "ts": ts, "dur": 1.0, "args": {"correlation": corr}}  # fmt: skip
+
+    @staticmethod
+    def _range(name: str, tid: int, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "user_annotation", "name": name, "tid": tid, "ts": ts,
+                "dur": dur}  # fmt: skip
+
+    def test_backward_kernels_launched_by_another_thread(self) -> None:
+        # the step loop (tid 1) opens the ranges; a backward's kernels are
+        # launched by autograd's device thread (tid 2)
+        kernels = [
+            _kernel("gemm", 7, 100.0, 30.0),
+            _kernel(SPIN, 7, 130.0, 20.0),
+            _kernel("gemm", 7, 150.0, 50.0),
+            _kernel(SPIN, 7, 200.0, 20.0),
+        ]
+        for corr, k in enumerate(kernels):
+            k["args"]["correlation"] = corr
+        events = kernels + [
+            self._range("PP:0F0", 1, 0.0, 10.0),
+            self._launch(0, 1, 2.0),
+            self._launch(1, 1, 3.0),
+            self._range("PP:0B0", 1, 20.0, 10.0),
+            self._launch(2, 2, 22.0),
+            self._launch(3, 2, 23.0),
+            self._launch(9, 2, 50.0),  # no kernel of that correlation
+            # its device-side copy is not a range
+            self._range("PP:0B0", 7, 150.0, 70.0) | {"cat": "gpu_user_annotation"},
+        ]
+        times = gpu_check.action_kernel_times(events)
+        self.assertEqual(
+            times,
+            {
+                "0F": {"compute_us": 30.0, "standin_us": 20.0, "n": 1.0},
+                "0B": {"compute_us": 50.0, "standin_us": 20.0, "n": 1.0},
+            },
+        )
+
+    def test_launch_while_two_ranges_of_other_threads_are_open(self) -> None:
+        k = _kernel("gemm", 7, 100.0, 30.0)
+        k["args"]["correlation"] = 0
+        events = [
+            k,
+            self._range("PP:0F0", 1, 0.0, 10.0),
+            self._range("PP:1F0", 3, 0.0, 10.0),
+            self._launch(0, 2, 5.0),  # ambiguous: attributed to neither
+        ]
+        self.assertEqual(gpu_check.action_kernel_times(events), {})
+
+
 class GpuCheckDryRunTest(TestCase):
     def test_measurement_dry_run_on_cpu(self) -> None:
         torch.set_num_threads(1)
@@ -233,7 +287,7 @@ class GpuCheckDryRunTest(TestCase):
         self.assertIn("5 OVERLAP_F_B actions", out.getvalue())
 
     def test_warnings_of_python_and_cpp_are_captured(self) -> None:
-        def measure(args, out_dir):
+        def measure(args, out_dir, standin="comm-stream"):
             warnings.warn("a Python warning")
             sys.stderr.flush()
             os.write(
