@@ -660,11 +660,13 @@ def _wait_reduce_grad(
 # * during a step of the patched loop it also answers for the communication
 #   actions custom functions may not replace (SEND/RECV, 2.15's send waits),
 #   with perform_action, so torch's nested _perform_action runs nothing;
-# * a lookup by the loop (map[computation_type]) returns a call of the
-#   function with the step's one context (_ScheduleState.step_context: the
-#   first context the loop built in the step, with the step's options).
+# * during such a step, a lookup (map[computation_type], what the loop does)
+#   returns a call of the function with the step's one context
+#   (_ScheduleState.step_context: the first context the loop built in the
+#   step, with the step's options).
 #
-# Reading the map (get, iteration, len) shows what it holds, as torch's.
+# Outside a step, and with get, iteration and len at any time, the map shows
+# what it holds, as torch's does.
 
 _FUNCTION_MAP = "_comp_type_to_function_map"
 
@@ -699,6 +701,8 @@ class _CustomFunctionMap(dict):
 
     def __getitem__(self, computation_type: Any) -> Callable[..., None]:
         function = self.get(computation_type)
+        if not self._state.in_step:
+            return super().__getitem__(computation_type)
         if function is None:
             if not self._runs_communication(computation_type):
                 raise KeyError(computation_type)
