@@ -436,7 +436,11 @@ def _run_send(
     key = (action.computation_type, action.stage_index, mb_index)
     if tracker is not None:
         tracker.check_can_register(key)
-    ops = stage.get_fwd_send_ops(mb_index) if forward else stage.get_bwd_send_ops(mb_index)
+    ops = (
+        stage.get_fwd_send_ops(mb_index)
+        if forward
+        else stage.get_bwd_send_ops(mb_index)
+    )
     works = _schedules._batch_p2p(ops)
     if tracker is None:
         state.pending_sends.append(works)
@@ -456,7 +460,9 @@ def _wait_send(action: PipelineAction, schedule: _PipelineScheduleRuntime) -> No
 
 
 def _run_recv(
-    action: PipelineAction, schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase
+    action: PipelineAction,
+    schedule: _PipelineScheduleRuntime,
+    stage: _PipelineStageBase,
 ) -> None:
     """RECV_F / RECV_B: start the receives, for the compute action to wait."""
     stage_idx, mb_index = action.stage_index, action.microbatch_index
@@ -474,7 +480,9 @@ def _run_recv(
 
 
 def _run_unshard_or_reshard(
-    action: PipelineAction, schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase
+    action: PipelineAction,
+    schedule: _PipelineScheduleRuntime,
+    stage: _PipelineStageBase,
 ) -> None:
     """UNSHARD / RESHARD of the stage's FSDP modules (nothing for a stage without).
 

@@ -92,7 +92,11 @@ class _ScheduleState:
 
             if not isinstance(ctx, PipelineContext):  # torch's own class
                 ctx = PipelineContext(
-                    ctx.schedule_ref, ctx.arg_mbs, ctx.kwarg_mbs, ctx.target_mbs, ctx.losses
+                    ctx.schedule_ref,
+                    ctx.arg_mbs,
+                    ctx.kwarg_mbs,
+                    ctx.target_mbs,
+                    ctx.losses,
                 )
             ctx.return_outputs, ctx.loss_kwargs = self.return_outputs, self.loss_kwargs
             self.context = ctx

@@ -308,7 +308,8 @@ def _probe_public_names() -> tuple[str, str]:
     context = getattr(_schedules, "PipelineContext", None)
     action = getattr(_schedules, "PipelineAction", None)
     if context is None and action is None:
-        _schedules._Action  # noqa: B018  (raises on an unrecognised torch)
+        if not hasattr(_schedules, "_Action"):
+            raise AttributeError("schedules has no _Action")
         return PatchNeeded, "schedules has no PipelineContext / PipelineAction"
     fields = {f.name for f in dataclasses.fields(context)} if context else set()
     if (

@@ -283,7 +283,9 @@ class ScheduleStateTest(TestCase):
         first = sched.PipelineContext("schedule", losses=[])
         self.assertIs(state.step_context(first), first)
         self.assertIs(state.step_context(sched.PipelineContext("schedule")), first)
-        self.assertEqual((first.return_outputs, first.loss_kwargs), (False, {"scale": 2}))
+        self.assertEqual(
+            (first.return_outputs, first.loss_kwargs), (False, {"scale": 2})
+        )
         state.end_step()
         state.begin_step(True, None)
         self.assertIsNot(state.step_context(sched.PipelineContext("schedule")), first)
@@ -567,7 +569,9 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
 
         # OVERLAP_F_B without a custom function: the schedules are built
         # without the concurrent handler
-        with unittest.mock.patch.dict(os.environ, {"TORCH_PIPELINING_EXT_OVERLAP": "0"}):
+        with unittest.mock.patch.dict(
+            os.environ, {"TORCH_PIPELINING_EXT_OVERLAP": "0"}
+        ):
             run = self._run(Recording)
             builtin = self._run(ScheduleDualPipeV)
         run.schedule.performed = []
@@ -581,11 +585,16 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
             self.assertTrue({F, sched.SEND_F, sched.RECV_B} <= kinds, kinds)
             self.assertIn(
                 OVERLAP_F_B,
-                {a.computation_type for a in run.schedule.pipeline_order_with_comms[self.rank]},
+                {
+                    a.computation_type
+                    for a in run.schedule.pipeline_order_with_comms[self.rank]
+                },
             )
             self.assertEqual(run.schedule.performed, expected * 2)
             for module, builtin_module in zip(run.modules, builtin.modules):
-                for p, builtin_p in zip(module.parameters(), builtin_module.parameters()):
+                for p, builtin_p in zip(
+                    module.parameters(), builtin_module.parameters()
+                ):
                     torch.testing.assert_close(p.grad, builtin_p.grad, rtol=0, atol=0)
 
         check_on_all_ranks(check, self.device)
@@ -640,7 +649,9 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         def check() -> None:
             self.assertIs(concurrent, overlap_install.default_overlap_f_b)
             self.assertGreater(n_forward, 0)
-            self.assertEqual(forwards[: 2 * n_forward], list(range(1, n_forward + 1)) * 2)
+            self.assertEqual(
+                forwards[: 2 * n_forward], list(range(1, n_forward + 1)) * 2
+            )
             first, second = per_step
             self.assertGreaterEqual(len(first), len(lowered))
             for contexts in per_step:
