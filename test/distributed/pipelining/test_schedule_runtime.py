@@ -56,7 +56,11 @@ import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import _compat_29, _compute_comms, _schedule_runtime as rt
 from torch_pipelining_ext._backward_counter import BackwardCounter
 from torch_pipelining_ext._schedule_state import _ScheduleState
-from torch_pipelining_ext.overlap import _install as overlap_install
+from torch_pipelining_ext import overlap
+from torch_pipelining_ext.overlap import (
+    _handler as overlap_handler,
+    _install as overlap_install,
+)
 from torch_pipelining_ext.overlap._handler import _OverlapState
 
 
@@ -663,6 +667,42 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
             self.assertIsNot(first[0], second[0])
             if options:
                 self.assertEqual(options, {"return_outputs": False})
+
+        check_on_all_ranks(check, self.device)
+
+    def test_overlap_engine_registered_through_the_public_entry_point(self) -> None:
+        """The concurrent OVERLAP_F_B engine plugs into a schedule as any custom function.
+
+        A schedule built without the package's default handler (as on a torch
+        with upstream patch 0011 alone) gets the engine through
+        ``register_custom_function(OVERLAP_F_B, overlap.overlap_f_b)``; its
+        actions run concurrently and the results are the sequential ones,
+        bitwise.
+        """
+        with unittest.mock.patch.dict(
+            os.environ, {"TORCH_PIPELINING_EXT_OVERLAP": "0"}
+        ):
+            engine = self._run(ScheduleDualPipeV)
+            sequential = self._run(ScheduleDualPipeV)
+        function_map = engine.schedule._comp_type_to_function_map
+        self.assertIs(function_map.get(OVERLAP_F_B), rt.sequential_overlap_f_b)
+        engine.schedule.register_custom_function(OVERLAP_F_B, overlap.overlap_f_b)
+        with unittest.mock.patch.object(
+            overlap_handler, "_run_overlapped", wraps=overlap_handler._run_overlapped
+        ) as concurrent:
+            for step in range(2):
+                engine.step(self, step)
+                sequential.step(self, step)
+
+        def check() -> None:
+            self.assertGreater(concurrent.call_count, 0)
+            for module, sequential_module in zip(engine.modules, sequential.modules):
+                for p, sequential_p in zip(
+                    module.parameters(), sequential_module.parameters()
+                ):
+                    torch.testing.assert_close(
+                        p.grad, sequential_p.grad, rtol=0, atol=0
+                    )
 
         check_on_all_ranks(check, self.device)
 
