@@ -4,16 +4,16 @@ The pieces of the PR that introduced ``register_custom_function`` and
 ``_PipelineContext`` in ``schedules.py``, which the patch table installs only
 where a feature probe finds them missing:
 
-* ``register_custom_function`` with upstream's semantics (and
-  ``_PipelineContext``, in ``_pipeline_context.py``);
+* ``register_custom_function`` with upstream's semantics (the context,
+  ``_pipeline_context.PipelineContext``, is installed on every torch);
 * the per-schedule state upstream keeps on the schedule (``fwd_recv_ops``,
   ``bwd_recv_ops``, ``unshard_ops``, ``unsharded_stages``,
   ``_comp_type_to_function_map``) and ``_assert_unsharded``; the function
   map is made when the schedule is prepared (:func:`_make_prepare_with_map`),
   as 2.10+ makes it in ``__init__``;
-* a step loop that dispatches custom functions and otherwise calls
-  ``_schedule_runtime.run_action`` -- the whole of 2.10's loop is the ``for``
-  statement in :func:`_runtime_step_microbatches`;
+* a step loop that dispatches custom functions and otherwise calls the
+  schedule's ``perform_action`` -- the loop of upstream patch 0011 is the
+  ``for`` statement in :func:`_runtime_step_microbatches`;
 * OVERLAP_F_B kept through lowering (2.9's ``_add_send_recv`` flattens it).
 """
 
@@ -32,9 +32,9 @@ from torch_pipelining_ext import _fsdp_stage
 from torch_pipelining_ext._pipeline_context import (
     _CustomFunctionProtocol,
     _customizable_types,
-    _PipelineContext,
+    PipelineContext,
 )
-from torch_pipelining_ext._schedule_runtime import run_action, sequential_overlap_f_b
+from torch_pipelining_ext._schedule_runtime import perform_action
 from torch_pipelining_ext._schedule_state import rank_label, schedule_state
 
 
@@ -63,7 +63,7 @@ def register_custom_function(
     Args:
         computation_type: a ``_ComputationType``.
         custom_function: called as ``custom_function(action, ctx)`` with the
-            action and a ``_PipelineContext``.
+            action and the step's ``PipelineContext``.
 
     Raises:
         ValueError: ``computation_type`` cannot be overridden.
@@ -173,9 +173,11 @@ def _runtime_step_microbatches(
 ) -> None:
     """Torch 2.9's ``_PipelineScheduleRuntime._step_microbatches``, with custom functions.
 
-    Mirrors the loop of torch 2.10+: a registered custom function runs
-    instead of the built-in action; OVERLAP_F_B without one runs its
-    sub-actions in order; every other action is :func:`run_action`.  Grads
+    The loop of upstream patch 0011: one ``PipelineContext`` for the step;
+    a registered custom function runs instead of the built-in action;
+    OVERLAP_F_B without one runs its sub-actions in order; every other
+    action is the schedule's ``perform_action`` (the map answers for them
+    all, see [Note: the step loop through the custom-function map]).  Grads
     are scaled after a stage's last backward whether that is a FULL_BACKWARD
     or a BACKWARD_WEIGHT (2.9's own loop missed the latter).
     """
@@ -191,9 +193,8 @@ def _runtime_step_microbatches(
     self.backward_counter.clear()
     self.unshard_ops.clear()
     self.unsharded_stages.clear()
-    ctx = _PipelineContext(self, arg_mbs, kwarg_mbs, target_mbs, losses)
+    ctx = PipelineContext(self, arg_mbs, kwarg_mbs, target_mbs, losses)
     state = schedule_state(self)
-    send_ops = state.pending_sends
 
     for time_step, action in enumerate(self.pipeline_order_with_comms[self.rank]):
         state.record_action(time_step, action)
@@ -204,15 +205,15 @@ def _runtime_step_microbatches(
         )
         try:
             with record_function(_schedules._get_profiler_function_name(action)):
-                custom_function = self._comp_type_to_function_map.get(
-                    action.computation_type
-                )
-                if custom_function is not None:
-                    custom_function(action, ctx)
+                if action.computation_type in self._comp_type_to_function_map:
+                    self._comp_type_to_function_map[action.computation_type](
+                        action, ctx
+                    )
                 elif action.computation_type == _schedules.OVERLAP_F_B:
-                    sequential_overlap_f_b(action, ctx)
+                    for sub_action in action.sub_actions or ():
+                        perform_action(sub_action, ctx)
                 else:
-                    run_action(action, ctx, send_ops)
+                    perform_action(action, ctx)
         except Exception:
             logger.error(
                 "[%s] _PipelineScheduleRuntime caught exception at time step %s when running "

@@ -10,25 +10,25 @@ an action copies it.  This module writes it once:
 * :func:`prepare_compute_action` -- the part of a compute action that must
   run in schedule order, on the calling thread; returns the compute itself as
   a closure that may run on another thread (how OVERLAP_F_B overlaps);
-* :func:`run_action` -- any single action, sequentially, and
-  :func:`perform_action`, the same as a custom function;
+* :func:`run_action` -- any single action, sequentially: the body of the
+  schedule's ``perform_action`` method, which :func:`perform_action` calls;
 * :func:`stage_index_to_stage` -- the schedule's local stages by index.
 
 The patch table also installs them as the schedule methods upstream's
 patches 0010-0011 add (``_local_stages``, ``perform_action``,
 ``prepare_compute_action``), which the OVERLAP_F_B handler calls.
 
-On every supported torch every action custom functions may replace runs this
-code: each schedule's custom-function map starts with :func:`perform_action`
-for those types (:class:`_FunctionMapWithDefaults`), which torch's step loop
-(2.10+) calls instead of its nested ``_perform_action``; the 2.9 loop
-(``_compat_29``) calls :func:`run_action` for the rest.  Only the
-communication actions torch does not let custom functions replace (SEND/RECV,
-and 2.15's send waits) stay torch's on 2.10+.
+On every supported torch the step loop runs as 0011 describes it: one
+``PipelineContext`` per step, passed to every custom function of the step,
+and every action without a custom function -- OVERLAP_F_B's sub-actions and
+the communication actions included -- run by the schedule's
+``perform_action`` method, so that a subclass overriding it sees every one.
+See [Note: the step loop through the custom-function map].
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, TYPE_CHECKING
@@ -38,18 +38,24 @@ from torch.distributed.pipelining import schedules as _schedules
 
 from torch_pipelining_ext import _fsdp_stage
 from torch_pipelining_ext._pipeline_context import (
+    _communication_types,
     _compute_types,
     _computation_type,
     _CustomFunctionProtocol,
     _customizable_types,
-    _PipelineContext,
     _reduce_grad_type,
+    PipelineAction,
+    PipelineContext,
 )
-from torch_pipelining_ext._schedule_state import rank_label, schedule_state
+from torch_pipelining_ext._schedule_state import (
+    _ScheduleState,
+    rank_label,
+    schedule_state,
+)
 
 
 if TYPE_CHECKING:
-    from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
 
@@ -83,12 +89,17 @@ class CustomFunctionRuntime(Protocol):
         """The schedule's stages on this rank, by stage index."""
         ...
 
-    def perform_action(self, action: _Action, ctx: _PipelineContext) -> None:
-        """Run one action as the runtime does (see :func:`perform_action`)."""
+    def perform_action(self, action: PipelineAction, ctx: PipelineContext) -> None:
+        """Run one action the built-in way (:func:`run_action`).
+
+        The step loop calls it for every action without a custom function
+        and for the sub-actions of OVERLAP_F_B run sequentially, so a
+        subclass may override it to wrap every action.
+        """
         ...
 
     def prepare_compute_action(
-        self, action: _Action, ctx: _PipelineContext, *, wait_inputs: bool = True
+        self, action: PipelineAction, ctx: PipelineContext, *, wait_inputs: bool = True
     ) -> _PreparedCompute:
         """A compute action's in-order bookkeeping; its compute, as a closure."""
         ...
@@ -134,7 +145,7 @@ class _PendingRecv:
         self,
         schedule: _PipelineScheduleRuntime,
         recv_ops: dict[tuple[int, int], list[dist.Work]],
-        action: _Action,
+        action: PipelineAction,
         what: str,
     ) -> None:
         works = recv_ops.pop((action.stage_index, action.microbatch_index), None)
@@ -233,7 +244,7 @@ def _finish_last_backward(
 
 
 def prepare_compute_action(
-    action: _Action, ctx: _PipelineContext, *, wait_inputs: bool = True
+    action: PipelineAction, ctx: PipelineContext, *, wait_inputs: bool = True
 ) -> _PreparedCompute:
     """Do ``action``'s in-order bookkeeping now; return its compute as a closure.
 
@@ -281,8 +292,8 @@ def prepare_compute_action(
 
 
 def _prepare_forward(
-    action: _Action,
-    ctx: _PipelineContext,
+    action: PipelineAction,
+    ctx: PipelineContext,
     stages: dict[int, _PipelineStageBase],
     wait_inputs: bool,
 ) -> _PreparedCompute:
@@ -293,8 +304,11 @@ def _prepare_forward(
     if not stage.is_first and stage_idx - 1 not in stages:
         recv = _PendingRecv(schedule, schedule.fwd_recv_ops, action, "activations")
     recv = _wait_now_or_defer(recv, wait_inputs)
+    # torch's own _PipelineContext (where the package's is not installed) has
+    # no step options: the step's are on the schedule's state
     state = schedule_state(schedule)
-    return_outputs, loss_kwargs = state.return_outputs, state.loss_kwargs
+    return_outputs = getattr(ctx, "return_outputs", state.return_outputs)
+    loss_kwargs = getattr(ctx, "loss_kwargs", state.loss_kwargs)
     next_stage = stages.get(stage_idx + 1)
     arg_mbs = (
         ctx.arg_mbs if ctx.arg_mbs is not None else [()] * schedule._n_microbatches
@@ -317,7 +331,7 @@ def _prepare_forward(
 
 
 def _prepare_backward(
-    action: _Action,
+    action: PipelineAction,
     schedule: _PipelineScheduleRuntime,
     stages: dict[int, _PipelineStageBase],
     wait_inputs: bool,
@@ -357,16 +371,12 @@ def _prepare_backward(
     return _PreparedCompute(backward, recv)
 
 
-def run_action(
-    action: _Action,
-    ctx: _PipelineContext,
-    send_ops: list[list[dist.Work]] | None = None,
-) -> None:
-    """Run one action of the lowered schedule, sequentially.
+def run_action(action: PipelineAction, ctx: PipelineContext) -> None:
+    """Run one action of the lowered schedule, sequentially: the built-in ``perform_action``.
 
     Compute actions go through :func:`prepare_compute_action`; SEND_F/SEND_B
-    start their sends (appended to ``send_ops``, or waited before the step
-    returns when ``send_ops`` is None); RECV_F/RECV_B start their receives
+    start their sends, which the step waits before it returns (torch 2.15+:
+    which WAIT_SEND_F/WAIT_SEND_B wait); RECV_F/RECV_B start their receives
     and store them in ``schedule.fwd_recv_ops`` / ``bwd_recv_ops`` for the
     compute action to wait; UNSHARD/RESHARD act on every FSDP module of the
     stage; REDUCE_GRAD and WAIT_REDUCE_GRAD (where torch has them) reduce
@@ -388,7 +398,12 @@ def run_action(
 
     stage = stage_index_to_stage(schedule)[action.stage_index]
     if ctype in (_schedules.SEND_F, _schedules.SEND_B):
-        _run_send(action, schedule, stage, send_ops)
+        _run_send(action, schedule, stage)
+    elif ctype is not None and ctype in (
+        _computation_type("WAIT_SEND_F"),
+        _computation_type("WAIT_SEND_B"),
+    ):
+        _wait_send(action, schedule)
     elif ctype in (_schedules.RECV_F, _schedules.RECV_B):
         _run_recv(action, schedule, stage)
     elif ctype in (_schedules.UNSHARD, _schedules.RESHARD):
@@ -402,26 +417,52 @@ def run_action(
 
 
 def _run_send(
-    action: _Action,
+    action: PipelineAction,
     schedule: _PipelineScheduleRuntime,
     stage: _PipelineStageBase,
-    send_ops: list[list[dist.Work]] | None,
 ) -> None:
-    """SEND_F / SEND_B: start the sends, kept in ``send_ops`` or the step's pending sends."""
-    if action.microbatch_index is None:
+    """SEND_F / SEND_B: start the sends, kept in the step's pending sends.
+
+    Torch 2.15+ (the state has a send tracker): registered under (type,
+    stage, microbatch) for the WAIT_SEND action that retires them (a forward
+    send's outputs are released then), as torch's loop does.
+    """
+    mb_index = action.microbatch_index
+    if mb_index is None:
         raise AssertionError(f"{action=} missing mb_index")
-    if send_ops is None:
-        send_ops = schedule_state(schedule).pending_sends
-    get_ops = (
-        stage.get_fwd_send_ops
-        if action.computation_type == _schedules.SEND_F
-        else stage.get_bwd_send_ops
+    forward = action.computation_type == _schedules.SEND_F
+    state = schedule_state(schedule)
+    tracker = state.send_tracker
+    key = (action.computation_type, action.stage_index, mb_index)
+    if tracker is not None:
+        tracker.check_can_register(key)
+    ops = (
+        stage.get_fwd_send_ops(mb_index)
+        if forward
+        else stage.get_bwd_send_ops(mb_index)
     )
-    send_ops.append(_schedules._batch_p2p(get_ops(action.microbatch_index)))
+    works = _schedules._batch_p2p(ops)
+    if tracker is None:
+        state.pending_sends.append(works)
+        return
+    release = functools.partial(stage.release_fwd_send_outputs, mb_index)
+    tracker.register(key, ops, works, release if forward else None)
+
+
+def _wait_send(action: PipelineAction, schedule: _PipelineScheduleRuntime) -> None:
+    """WAIT_SEND_F / WAIT_SEND_B (torch 2.15+): wait and retire the matching send."""
+    tracker = schedule_state(schedule).send_tracker
+    if tracker is None:
+        raise AssertionError(f"{action}: no step in progress tracks its send")
+    wait_f = action.computation_type == _computation_type("WAIT_SEND_F")
+    send_type = _schedules.SEND_F if wait_f else _schedules.SEND_B
+    tracker.wait((send_type, action.stage_index, action.microbatch_index))
 
 
 def _run_recv(
-    action: _Action, schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase
+    action: PipelineAction,
+    schedule: _PipelineScheduleRuntime,
+    stage: _PipelineStageBase,
 ) -> None:
     """RECV_F / RECV_B: start the receives, for the compute action to wait."""
     stage_idx, mb_index = action.stage_index, action.microbatch_index
@@ -439,7 +480,9 @@ def _run_recv(
 
 
 def _run_unshard_or_reshard(
-    action: _Action, schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase
+    action: PipelineAction,
+    schedule: _PipelineScheduleRuntime,
+    stage: _PipelineStageBase,
 ) -> None:
     """UNSHARD / RESHARD of the stage's FSDP modules (nothing for a stage without).
 
@@ -485,37 +528,45 @@ def _reshard(
     schedule.unsharded_stages.remove(stage_idx)
 
 
-def sequential_overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:
+def sequential_overlap_f_b(action: PipelineAction, ctx: PipelineContext) -> None:
     """Run an OVERLAP_F_B action as torch does: its sub-actions one after the other.
 
-    Custom-function protocol.  Registered for OVERLAP_F_B, it opts one
-    schedule out of the concurrent handler (``_overlap.overlap_f_b``)::
+    Custom-function protocol.  Each sub-action goes through
+    :func:`perform_action` (the schedule's ``perform_action`` method), as
+    0011's step loop runs an OVERLAP_F_B without a custom function.
+    Registered for OVERLAP_F_B, it opts one schedule out of the concurrent
+    handler (``overlap.overlap_f_b``)::
 
         schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
     """
     for sub_action in action.sub_actions or ():
-        run_action(sub_action, ctx)
+        perform_action(sub_action, ctx)
 
 
-def perform_action(action: _Action, ctx: _PipelineContext) -> None:
-    """Run one action with this module's implementation: :func:`run_action` as a custom function.
+def perform_action(action: PipelineAction, ctx: PipelineContext) -> None:
+    """Run one action as ``ctx.schedule_ref`` runs it: its ``perform_action`` method.
 
     Custom-function protocol.  Every schedule's custom-function map holds it
     for each computation type ``register_custom_function`` accepts (except
-    OVERLAP_F_B, see :class:`_FunctionMapWithDefaults`), so every compute,
-    UNSHARD, RESHARD and gradient-reduction action runs the same bookkeeping
-    whether it is a plain action or a sub-action of OVERLAP_F_B, on every
-    supported torch.  A custom function that only adds to an action calls it::
+    OVERLAP_F_B, see :class:`_FunctionMapWithDefaults`), so every action
+    without a custom function, plain or a sub-action of OVERLAP_F_B, reaches
+    the schedule's method -- :func:`run_action`, unless a subclass overrides
+    it (an override calls ``super().perform_action``, not this function).  A
+    custom function that only adds to an action calls it, or the method::
 
         def forward_with_timing(action, ctx):
             start = time.perf_counter()
-            perform_action(action, ctx)
+            ctx.schedule_ref.perform_action(action, ctx)
             times.append(time.perf_counter() - start)
 
 
         schedule.register_custom_function(FORWARD, forward_with_timing)
     """
-    run_action(action, ctx)
+    method = getattr(ctx.schedule_ref, "perform_action", None)
+    if method is None:  # a schedule built before unpatch() removed the method
+        run_action(action, ctx)
+    else:
+        method(action, ctx)
 
 
 # The schedule methods upstream's patches 0010-0011 add, installed by the patch
@@ -523,16 +574,23 @@ def perform_action(action: _Action, ctx: _PipelineContext) -> None:
 
 
 def _perform_action_method(
-    self: _PipelineScheduleRuntime, action: _Action, ctx: _PipelineContext
+    self: _PipelineScheduleRuntime, action: PipelineAction, ctx: PipelineContext
 ) -> None:
-    """``_PipelineScheduleRuntime.perform_action``: :func:`run_action`."""
+    """Run one action (not OVERLAP_F_B) the built-in way: :func:`run_action`.
+
+    The step loop calls it for every action without a custom function and
+    for the sub-actions of OVERLAP_F_B; custom functions call it to run the
+    actions, or the sub-actions of an OVERLAP_F_B, they do not implement
+    themselves.  ``ctx`` is the step's context, as custom functions receive
+    it.
+    """
     run_action(action, ctx)
 
 
 def _prepare_compute_action_method(
     self: _PipelineScheduleRuntime,
-    action: _Action,
-    ctx: _PipelineContext,
+    action: PipelineAction,
+    ctx: PipelineContext,
     *,
     wait_inputs: bool = True,
 ) -> _PreparedCompute:
@@ -591,22 +649,83 @@ def _wait_reduce_grad(
 
 
 # --------------------------------------------------------------------------- #
-# Every torch: every customizable action runs this module's implementation     #
+# Every torch: the step loop as 0011 describes it                              #
 # --------------------------------------------------------------------------- #
 
+# [Note: the step loop through the custom-function map]
+# Upstream patch 0011's step loop builds one PipelineContext per step, passes
+# it to every custom function of the step, and runs every other action (and
+# the sub-actions of an OVERLAP_F_B without a custom function) with
+# self.perform_action(action, ctx).  The package gets that from torch's own
+# loop (2.10+; ours on 2.9, _compat_29) without replacing it, through the one
+# thing the loop consults for every action, the schedule's
+# _comp_type_to_function_map (a _CustomFunctionMap):
+#
+# * it holds, besides what the user registers, perform_action for every
+#   customizable type and an OVERLAP_F_B function that runs the sub-actions
+#   with perform_action (or the concurrent handler, overlap/_install.py);
+#   perform_action calls the schedule's method, so an override sees them;
+# * during a step of the patched loop it also answers for the communication
+#   actions custom functions may not replace (SEND/RECV, 2.15's send waits),
+#   with perform_action, so torch's nested _perform_action runs nothing;
+# * during such a step, a lookup (map[computation_type], what the loop does)
+#   returns a call of the function with the step's one context
+#   (_ScheduleState.step_context: the first context the loop built in the
+#   step, with the step's options).
+#
+# Outside a step, and with get, iteration and len at any time, the map shows
+# what it holds, as torch's does.
+
 _FUNCTION_MAP = "_comp_type_to_function_map"
+
+
+def _call_with_step_context(
+    state: _ScheduleState,
+    function: _CustomFunctionProtocol,
+    action: PipelineAction,
+    ctx: PipelineContext,
+) -> None:
+    function(action, state.step_context(ctx))
+
+
+class _CustomFunctionMap(dict):
+    """A schedule's custom-function map: computation type -> function.
+
+    See [Note: the step loop through the custom-function map].  ``state`` is
+    the schedule's ``_ScheduleState``.
+    """
+
+    def __init__(self, functions: dict, state: _ScheduleState) -> None:
+        super().__init__(functions)
+        self._state = state
+
+    def _runs_communication(self, computation_type: Any) -> bool:
+        return self._state.in_step and computation_type in _communication_types()
+
+    def __contains__(self, computation_type: object) -> bool:
+        return super().__contains__(computation_type) or self._runs_communication(
+            computation_type
+        )
+
+    def __getitem__(self, computation_type: Any) -> Callable[..., None]:
+        function = self.get(computation_type)
+        if not self._state.in_step:
+            return super().__getitem__(computation_type)
+        if function is None:
+            if not self._runs_communication(computation_type):
+                raise KeyError(computation_type)
+            function = perform_action
+        return functools.partial(_call_with_step_context, self._state, function)
 
 
 class _FunctionMapWithDefaults:
     """Class-level data descriptor for ``_PipelineScheduleRuntime._comp_type_to_function_map``.
 
-    Every schedule's custom-function map starts with this module's functions:
-    :func:`perform_action` for each type ``register_custom_function`` accepts
-    and :meth:`overlap_function` for OVERLAP_F_B.  Torch's step loop (2.10+)
-    calls a mapped function instead of its nested ``_perform_action``, so a
-    plain FORWARD and the FORWARD inside an OVERLAP_F_B share one
-    implementation.  Communication actions (SEND/RECV and, on 2.15+, the
-    send waits) cannot be customised and stay torch's.
+    Every schedule's custom-function map is a :class:`_CustomFunctionMap`
+    that starts with this module's functions: :func:`perform_action` for
+    each type ``register_custom_function`` accepts and
+    :meth:`overlap_function` for OVERLAP_F_B (see [Note: the step loop
+    through the custom-function map]).
 
     The map is assigned in ``__init__`` (torch 2.10+) or created on first use
     (torch 2.9); either way it lives in the instance ``__dict__`` under the
@@ -621,10 +740,10 @@ class _FunctionMapWithDefaults:
         try:
             return obj.__dict__[_FUNCTION_MAP]
         except KeyError:
-            return obj.__dict__.setdefault(_FUNCTION_MAP, self._with_defaults({}))
+            return obj.__dict__.setdefault(_FUNCTION_MAP, self._with_defaults(obj, {}))
 
     def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[_FUNCTION_MAP] = self._with_defaults(value)
+        obj.__dict__[_FUNCTION_MAP] = self._with_defaults(obj, value)
 
     def __delete__(self, obj: Any) -> None:
         obj.__dict__.pop(_FUNCTION_MAP, None)
@@ -645,7 +764,8 @@ class _FunctionMapWithDefaults:
         """Whether ``function`` is what this descriptor puts in a new map for ``computation_type``."""
         return function is self.defaults().get(computation_type)
 
-    def _with_defaults(self, function_map: dict) -> dict:
+    def _with_defaults(self, obj: Any, functions: dict) -> _CustomFunctionMap:
+        function_map = _CustomFunctionMap(functions, schedule_state(obj))
         for computation_type, function in self.defaults().items():
             function_map.setdefault(computation_type, function)
         return function_map
@@ -667,12 +787,13 @@ def _make_register_custom_function(
     ) -> None:
         descriptor = inspect.getattr_static(type(self), _FUNCTION_MAP, None)
         function_map = self._comp_type_to_function_map
+        function = function_map.get(computation_type)
         if (
             isinstance(descriptor, _FunctionMapWithDefaults)
-            and computation_type in function_map
+            and function is not None
+            and descriptor.is_default(computation_type, function)
         ):
-            if descriptor.is_default(computation_type, function_map[computation_type]):
-                del function_map[computation_type]
+            del function_map[computation_type]
         original(self, computation_type, custom_function)
 
     register_custom_function.__doc__ = original.__doc__

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any, TYPE_CHECKING
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
+logger = logging.getLogger(__name__)
+
 _STATE_ATTR = "_pipelining_ext_state"
 
 
@@ -35,16 +38,24 @@ class _ScheduleState:
     """Per-schedule state of the package, held by the schedule (see :func:`schedule_state`).
 
     Attributes:
+        in_step: a step of the patched loop is in progress.
         return_outputs: ``return_outputs`` of the step in progress (True between steps).
         loss_kwargs: ``loss_kwargs`` of the step in progress.
-        pending_sends: sends started during the step that it waits before returning.
+        context: the step's one ``PipelineContext`` (see :meth:`step_context`).
+        pending_sends: sends started during the step that it waits before
+            returning (torch < 2.15, whose schedules have no send waits).
+        send_tracker: torch 2.15+: the step's ``_PendingSendTracker``; each
+            send is retired by its WAIT_SEND_F / WAIT_SEND_B action.
         time_step: position in the rank's lowered schedule of the action running now.
         action: the action running now (last started, when the step failed).
     """
 
+    in_step: bool = False
     return_outputs: bool = True
     loss_kwargs: dict[str, Any] | None = None
+    context: Any = None
     pending_sends: list[list[dist.Work]] = dataclasses.field(default_factory=list)
+    send_tracker: Any = None
     time_step: int | None = None
     action: _Action | None = None
 
@@ -52,25 +63,76 @@ class _ScheduleState:
         self, return_outputs: bool, loss_kwargs: dict[str, Any] | None
     ) -> None:
         """Start a step with these ``step()`` arguments."""
+        from torch.distributed.pipelining import schedules
+
+        self.in_step = True
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
+        self.context = None
         self.pending_sends.clear()
+        # torch 2.15+ retires each send with a WAIT_SEND action
+        tracker = getattr(schedules, "_PendingSendTracker", None)
+        if tracker is None or not hasattr(schedules._ComputationType, "WAIT_SEND_F"):
+            self.send_tracker = None
+        else:
+            self.send_tracker = tracker()
         self.time_step = self.action = None
+
+    def step_context(self, ctx: Any) -> Any:
+        """The step's one context: the first ``ctx`` the step loop passed, or ``ctx`` outside a step.
+
+        Torch's step loop (2.10+) builds a context for every custom function
+        it calls; the first one of the step, with the step's options, is the
+        one every custom function of the step receives.
+        """
+        if not self.in_step:
+            return ctx
+        if self.context is None:
+            from torch_pipelining_ext._pipeline_context import PipelineContext
+
+            if not isinstance(ctx, PipelineContext):  # torch's own class
+                ctx = PipelineContext(
+                    ctx.schedule_ref,
+                    ctx.arg_mbs,
+                    ctx.kwarg_mbs,
+                    ctx.target_mbs,
+                    ctx.losses,
+                )
+            ctx.return_outputs, ctx.loss_kwargs = self.return_outputs, self.loss_kwargs
+            self.context = ctx
+        return self.context
 
     def record_action(self, time_step: int, action: _Action | None) -> None:
         """The step loop is at ``time_step``, running ``action``."""
         self.time_step, self.action = time_step, action
 
     def wait_sends(self) -> None:
-        """Wait the sends the step started and has not waited."""
+        """The step's loop is done: wait the sends it left (torch 2.15+: raise if one has no wait)."""
         from torch.distributed.pipelining.schedules import _wait_batch_p2p
 
         while self.pending_sends:
             _wait_batch_p2p(self.pending_sends.pop())
+        if self.send_tracker is not None:
+            try:
+                self.send_tracker.assert_empty()
+            except Exception:
+                self.drain_sends()
+                raise
+
+    def drain_sends(self) -> None:
+        """The step failed: wait the sends still pending (as torch's loop does), logging failures."""
+        if self.send_tracker is None:
+            return
+        try:
+            self.send_tracker.drain()
+        except Exception:
+            logger.exception("Failed to drain pending pipeline sends")
 
     def end_step(self) -> None:
-        """End the step, however it ended: forget its sends and options."""
+        """End the step, however it ended: forget its sends, options and context."""
+        self.in_step = False
         self.pending_sends.clear()
+        self.send_tracker = self.context = None
         self.return_outputs, self.loss_kwargs = True, None
 
     def recording(self, actions: list[_Action | None]) -> _RecordedActions:

@@ -3,10 +3,10 @@
 :func:`_make_step_context` wraps the step loop (torch's, or ours on 2.9,
 ``_compat_29``) once: each step begins and ends on the schedule's
 ``_schedule_state._ScheduleState``, which carries the step's
-``return_outputs`` / ``loss_kwargs`` (which ``_PipelineContext`` does not
-carry) to ``prepare_compute_action``, the sends to wait when the step ends,
-and the time step and action that any exception the step raises is noted
-with.  The OVERLAP_F_B handler's state on the schedule (``_overlap_state``)
+``return_outputs`` / ``loss_kwargs`` (which torch's ``_PipelineContext`` does
+not carry) to the step's one ``PipelineContext``, the sends to wait when the
+step ends, and the time step and action that any exception the step raises is
+noted with.  The OVERLAP_F_B handler's state on the schedule (``_overlap_state``)
 ends its step here too.
 """
 
@@ -78,11 +78,13 @@ def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``_PipelineScheduleRuntime._step_microbatches`` (torch's loop or ours) once.
 
     The step begins and ends on the schedule's ``_ScheduleState``: before the
-    loop it holds the step's ``return_outputs`` and ``loss_kwargs`` for
-    :func:`prepare_compute_action`; after it, the sends that custom functions
-    started through ``run_action(..., send_ops=None)`` are waited; when the
-    step ends, however it ends, the OVERLAP_F_B backward thread is closed.  On
-    an exception a note names the rank, the time step and the action
+    loop it holds the step's ``return_outputs`` and ``loss_kwargs``, which the
+    step's one ``PipelineContext`` carries (``_ScheduleState.step_context``);
+    after it, the sends the step's SEND actions started are waited (torch
+    2.15+: each was retired by its wait action, and one left is an error);
+    when the step ends, however it ends, the OVERLAP_F_B backward thread is
+    closed.  On an exception the pending sends are drained, as torch's loop
+    does, and a note names the rank, the time step and the action
     (upstream logs the time step and action, but neither the rank nor the
     exception says where the step failed) and the exception is re-raised.
     Our loop (torch 2.9, marked ``records_actions``) records its time step
@@ -109,6 +111,7 @@ def _make_step_context(original: Callable[..., Any]) -> Callable[..., Any]:
             state.wait_sends()
             return result
         except Exception as e:
+            state.drain_sends()
             note = f"[{rank_label(self)}] {type(self).__name__} step failed"
             if state.time_step is not None:
                 note += f" at time step {state.time_step} running action {state.action}"

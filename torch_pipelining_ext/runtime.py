@@ -2,17 +2,24 @@
 
 A function registered with
 ``schedule.register_custom_function(computation_type, fn)`` receives
-``(action, ctx)``; these functions do the runtime's own work for an action,
-so a custom function can add to it instead of copying it:
+``(action, ctx)``: a ``schedules.PipelineAction`` and the step's one
+``schedules.PipelineContext`` (the same object for every custom function of
+a step, a new one for the next; the package installs both names where torch
+lacks them).  These functions do the runtime's own work for an action, so a
+custom function can add to it instead of copying it:
 
-* :func:`perform_action` -- everything the runtime does for one action of a
-  customizable type (plain, or a sub-action of OVERLAP_F_B);
+* :func:`perform_action` -- one action as the schedule runs it:
+  ``ctx.schedule_ref.perform_action(action, ctx)``, the method the step loop
+  calls for every action without a custom function (OVERLAP_F_B's
+  sub-actions and the communication actions included), which a subclass
+  may override;
 * :func:`prepare_compute_action` -- a compute action's in-order bookkeeping
   (receives, FSDP checks, the backward count, the loss); returns the compute;
-* :func:`run_action` -- one action as the step loop runs it, sends included;
+* :func:`run_action` -- one action the built-in way, sends included (the
+  body of the schedule's ``perform_action``);
 * :func:`sequential_overlap_f_b` -- OVERLAP_F_B's sub-actions one after the
-  other: register it for ``OVERLAP_F_B`` to opt a schedule out of the
-  concurrent handler.
+  other, through :func:`perform_action`: register it for ``OVERLAP_F_B`` to
+  opt a schedule out of the concurrent handler.
 
 :class:`CustomFunctionRuntime` declares the methods a custom function may
 call on ``ctx.schedule_ref`` (the package installs them on every supported

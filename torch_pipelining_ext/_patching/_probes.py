@@ -268,28 +268,60 @@ def _probe_action_functions() -> tuple[str, str]:
         raise RuntimeError(
             "_PipelineScheduleRuntime._step_microbatches does not look up custom functions"
         )
+    # the send waits run by the package need torch's tracker of pending sends
+    if hasattr(_schedules._ComputationType, "WAIT_SEND_F"):
+        from torch.distributed.pipelining import stage
+
+        for owner, name in (
+            (_schedules, "_PendingSendTracker"),
+            (stage._PipelineStageBase, "release_fwd_send_outputs"),
+        ):
+            if not hasattr(owner, name):
+                raise AttributeError(f"torch has WAIT_SEND_F but no {name}")
     return (
         PatchNeeded,
-        "plain actions bypass the custom-function map: they and OVERLAP_F_B's sub-actions would run different code",
+        "the step loop runs its own nested _perform_action: a subclass's perform_action sees no action",
     )
 
 
 def _probe_custom_functions() -> tuple[str, str]:
 
     runtime = _schedules._PipelineScheduleRuntime
-    if hasattr(runtime, "register_custom_function") and hasattr(
-        _schedules, "_PipelineContext"
-    ):
+    if hasattr(runtime, "register_custom_function"):
         return (
             AlreadyUpstream,
-            "_PipelineScheduleRuntime.register_custom_function and _PipelineContext exist",
+            "_PipelineScheduleRuntime.register_custom_function exists",
         )
     for name in ("_step_microbatches", "_prepare_schedule_with_comms"):
         if not hasattr(runtime, name):
             raise RuntimeError(f"_PipelineScheduleRuntime has no {name}")
     return (
         PatchNeeded,
-        "no register_custom_function / _PipelineContext on _PipelineScheduleRuntime",
+        "no register_custom_function on _PipelineScheduleRuntime",
+    )
+
+
+def _probe_public_names() -> tuple[str, str]:
+    """Probe of ``runtime_public_names``: ``PipelineContext`` and ``PipelineAction`` as upstream patch 0011 adds them."""
+    import dataclasses
+
+    context = getattr(_schedules, "PipelineContext", None)
+    action = getattr(_schedules, "PipelineAction", None)
+    if context is None and action is None:
+        if not hasattr(_schedules, "_Action"):
+            raise AttributeError("schedules has no _Action")
+        return PatchNeeded, "schedules has no PipelineContext / PipelineAction"
+    fields = {f.name for f in dataclasses.fields(context)} if context else set()
+    if (
+        context is getattr(_schedules, "_PipelineContext", None)
+        and action is _schedules._Action
+        and {"return_outputs", "loss_kwargs"} <= fields
+        and {"PipelineContext", "PipelineAction"} <= set(_schedules.__all__)
+    ):
+        return AlreadyUpstream, "schedules has PipelineContext and PipelineAction"
+    raise RuntimeError(
+        "schedules has PipelineContext or PipelineAction, but not as upstream "
+        "patch 0011 adds them"
     )
 
 
@@ -350,7 +382,7 @@ def _probe_step_context() -> tuple[str, str]:
     inspect.signature(loop).bind(None)  # raises if the loop needs other arguments
     return (
         PatchNeeded,
-        "_PipelineContext carries no return_outputs / loss_kwargs, errors do not name the rank",
+        "custom functions get a new context per call, without the step's options; errors do not name the rank",
     )
 
 

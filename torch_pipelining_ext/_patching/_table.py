@@ -76,9 +76,12 @@ def _make(entry: dict[str, Any], wrappers: dict[Any, Any]) -> Callable[[Any], An
         return lambda original: _obj(spec)(*entry.get("args", ()))
 
     def wrap(original: Any) -> Any:
-        if (spec, original) not in wrappers:
-            wrappers[spec, original] = _obj(spec)(original)
-        return wrappers[spec, original]
+        # keyed by identity (a list such as __all__ is unhashable); the entry
+        # keeps the original alive, so its id is not reused
+        key = (spec, id(original))
+        if key not in wrappers:
+            wrappers[key] = (original, _obj(spec)(original))
+        return wrappers[key][1]
 
     return wrap
 

@@ -141,7 +141,7 @@ def _forward_and_backward(action: _Action) -> tuple[int, int] | None:
 def overlap_f_b(action: _Action, ctx: Any) -> None:
     """Run an OVERLAP_F_B action with its forward and backward sub-actions concurrently.
 
-    Custom-function protocol: ``(action, ctx: _PipelineContext) -> None``.
+    Custom-function protocol: ``(action, ctx: PipelineContext) -> None``.
     The sub-actions' bookkeeping runs first, on this thread, in schedule
     order; then the backward computes on a worker thread while the forward
     computes here.  A pair that is not one forward plus one FULL_BACKWARD,

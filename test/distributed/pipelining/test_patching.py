@@ -44,6 +44,7 @@ stage_init_handshake                 A    A    A    A    A    A    U
 p2p_to_own_rank                      A    A    A    A    A    A    A
 schedule_backward_counter            A    A    A    A    A    A    A
 runtime_custom_functions             A    U    U    U    U    U    U
+runtime_public_names                 A    A    A    A    A    A    A
 runtime_step_loop                    A    U    U    U    U    U    U
 runtime_keep_overlap_f_b             A    U    U    U    U    U    U
 runtime_step_context                 A    A    A    A    A    A    A

@@ -14,7 +14,9 @@ single-process reference.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
+import os
 import logging
 import unittest
 import unittest.mock
@@ -54,6 +56,11 @@ import torch_pipelining_ext  # noqa: F401  (applies the patches)
 from torch_pipelining_ext import _compat_29, _compute_comms, _schedule_runtime as rt
 from torch_pipelining_ext._backward_counter import BackwardCounter
 from torch_pipelining_ext._schedule_state import _ScheduleState
+from torch_pipelining_ext import overlap
+from torch_pipelining_ext.overlap import (
+    _handler as overlap_handler,
+    _install as overlap_install,
+)
 from torch_pipelining_ext.overlap._handler import _OverlapState
 
 
@@ -221,7 +228,7 @@ class LoweringTest(TestCase):
 
 
 def _local_stage_indices(schedule_class: type, rank: int) -> list[int]:
-    if schedule_class in V_SCHEDULES:
+    if issubclass(schedule_class, V_SCHEDULES):
         return [rank, 2 * PP - 1 - rank]
     return [rank, rank + PP]
 
@@ -257,11 +264,58 @@ class ScheduleStateTest(TestCase):
         state = _ScheduleState()
         state.begin_step(False, {"scale": 2})
         state.pending_sends.append([])
+        state.step_context(sched._PipelineContext(None))
         state.end_step()
         self.assertEqual(
-            (state.return_outputs, state.loss_kwargs, state.pending_sends),
-            (True, None, []),
+            (
+                state.in_step,
+                state.return_outputs,
+                state.loss_kwargs,
+                state.context,
+                state.pending_sends,
+                state.send_tracker,
+            ),
+            (False, True, None, None, [], None),
         )
+
+    def test_step_context_is_the_first_of_the_step(self) -> None:
+        state = _ScheduleState()
+        outside = sched.PipelineContext("schedule")
+        self.assertIs(state.step_context(outside), outside)  # no step: as given
+        self.assertIsNone(state.context)
+        state.begin_step(False, {"scale": 2})
+        first = sched.PipelineContext("schedule", losses=[])
+        self.assertIs(state.step_context(first), first)
+        self.assertIs(state.step_context(sched.PipelineContext("schedule")), first)
+        self.assertEqual(
+            (first.return_outputs, first.loss_kwargs), (False, {"scale": 2})
+        )
+        state.end_step()
+        state.begin_step(True, None)
+        self.assertIsNot(state.step_context(sched.PipelineContext("schedule")), first)
+
+
+class PublicNamesTest(TestCase):
+    def test_pipeline_context_and_action_are_public(self) -> None:
+        # Upstream patch 0011's names, the former ones aliases of the same classes
+        self.assertIs(sched.PipelineContext, sched._PipelineContext)
+        self.assertIs(sched.PipelineAction, sched._Action)
+        self.assertIn("PipelineContext", sched.__all__)
+        self.assertIn("PipelineAction", sched.__all__)
+        fields = [f.name for f in dataclasses.fields(sched.PipelineContext)]
+        self.assertEqual(
+            fields,
+            [
+                "schedule_ref",
+                "arg_mbs",
+                "kwarg_mbs",
+                "target_mbs",
+                "losses",
+                "return_outputs",
+                "loss_kwargs",
+            ],
+        )
+        self.assertIsNotNone(sched.PipelineContext.__doc__)
 
     def test_overlap_state_end_step_closes_the_worker(self) -> None:
         class Worker:
@@ -489,6 +543,170 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
             run.step(self, 0)
         self.assertEqual(prepared, compute_actions)
         self.assertEqual(len(forwards), sum(a.computation_type == F for a in lowered))
+
+    def _performed(self, schedule: Any) -> list[_Action]:
+        """The rank's lowered actions as the step loop performs them, OVERLAP_F_B's in turn."""
+        return [
+            sub
+            for action in schedule.pipeline_order_with_comms[self.rank]
+            for sub in (
+                action.sub_actions
+                if action.computation_type == OVERLAP_F_B
+                else (action,)
+            )
+        ]
+
+    def test_perform_action_override_sees_every_action(self) -> None:
+        """Every action without a custom function reaches the schedule's perform_action.
+
+        Upstream patch 0011's step loop: plain actions, the sub-actions of an
+        OVERLAP_F_B without a custom function and the communication actions,
+        in schedule order, on every torch; results bitwise the built-in ones.
+        """
+
+        class Recording(ScheduleDualPipeV):
+            performed: list[_Action]
+
+            def perform_action(self, action: _Action, ctx: Any) -> None:
+                self.performed.append(action)
+                super().perform_action(action, ctx)
+
+        # OVERLAP_F_B without a custom function: the schedules are built
+        # without the concurrent handler
+        with unittest.mock.patch.dict(
+            os.environ, {"TORCH_PIPELINING_EXT_OVERLAP": "0"}
+        ):
+            run = self._run(Recording)
+            builtin = self._run(ScheduleDualPipeV)
+        run.schedule.performed = []
+        expected = self._performed(run.schedule)
+        for step in range(2):
+            run.step(self, step)
+            builtin.step(self, step)
+
+        def check() -> None:
+            kinds = {a.computation_type for a in expected}
+            # torch 2.15+ retires each send with a wait action
+            waits = {getattr(sched, "WAIT_SEND_F", F), getattr(sched, "WAIT_SEND_B", F)}
+            self.assertTrue({F, sched.SEND_F, sched.RECV_B, *waits} <= kinds, kinds)
+            self.assertIn(
+                OVERLAP_F_B,
+                {
+                    a.computation_type
+                    for a in run.schedule.pipeline_order_with_comms[self.rank]
+                },
+            )
+            self.assertEqual(run.schedule.performed, expected * 2)
+            for module, builtin_module in zip(run.modules, builtin.modules):
+                for p, builtin_p in zip(
+                    module.parameters(), builtin_module.parameters()
+                ):
+                    torch.testing.assert_close(p.grad, builtin_p.grad, rtol=0, atol=0)
+
+        check_on_all_ranks(check, self.device)
+
+    def test_one_context_per_step(self) -> None:
+        """Every custom function of a step, and every built-in action, get the step's one PipelineContext.
+
+        The same object (a function may keep state on it), a new one for the
+        next step, carrying the step's options; the concurrent OVERLAP_F_B
+        handler gets it too.
+        """
+
+        class Recording(ScheduleDualPipeV):
+            contexts: list[Any]
+
+            def perform_action(self, action: _Action, ctx: Any) -> None:
+                self.contexts.append(ctx)
+                super().perform_action(action, ctx)
+
+        run = self._run(Recording)
+        schedule = run.schedule
+        schedule.contexts = []
+        concurrent = schedule._comp_type_to_function_map.get(OVERLAP_F_B)
+        forwards: list[int] = []
+
+        def counting_forward(action: _Action, ctx: Any) -> None:
+            ctx.forwards = getattr(ctx, "forwards", 0) + 1
+            forwards.append(ctx.forwards)
+            schedule.contexts.append(ctx)
+            ctx.schedule_ref.perform_action(action, ctx)
+
+        def recording_overlap_f_b(action: _Action, ctx: Any) -> None:
+            schedule.contexts.append(ctx)
+            concurrent(action, ctx)
+
+        schedule.register_custom_function(F, counting_forward)
+        schedule.register_custom_function(OVERLAP_F_B, recording_overlap_f_b)
+        lowered = schedule.pipeline_order_with_comms[self.rank]
+        n_forward = sum(a.computation_type == F for a in lowered)
+        per_step: list[list[Any]] = []
+        for step in range(2):
+            schedule.contexts = []
+            run.step(self, step)
+            per_step.append(schedule.contexts)
+        options = {}
+        if "return_outputs" in inspect.signature(schedule.step).parameters:
+            schedule.contexts = []
+            x, y = (t.to(self.device) for t in _batch(2))
+            schedule.step(x, target=y, return_outputs=False)
+            options = {"return_outputs": schedule.contexts[0].return_outputs}
+
+        def check() -> None:
+            self.assertIs(concurrent, overlap_install.default_overlap_f_b)
+            self.assertGreater(n_forward, 0)
+            self.assertEqual(
+                forwards[: 2 * n_forward], list(range(1, n_forward + 1)) * 2
+            )
+            first, second = per_step
+            self.assertGreaterEqual(len(first), len(lowered))
+            for contexts in per_step:
+                self.assertEqual({id(c) for c in contexts}, {id(contexts[0])})
+                self.assertIsInstance(contexts[0], sched.PipelineContext)
+                self.assertIs(contexts[0].schedule_ref, schedule)
+                self.assertTrue(contexts[0].return_outputs)
+                self.assertIsNone(contexts[0].loss_kwargs)
+            self.assertIsNot(first[0], second[0])
+            if options:
+                self.assertEqual(options, {"return_outputs": False})
+
+        check_on_all_ranks(check, self.device)
+
+    def test_overlap_engine_registered_through_the_public_entry_point(self) -> None:
+        """The concurrent OVERLAP_F_B engine plugs into a schedule as any custom function.
+
+        A schedule built without the package's default handler (as on a torch
+        with upstream patch 0011 alone) gets the engine through
+        ``register_custom_function(OVERLAP_F_B, overlap.overlap_f_b)``; its
+        actions run concurrently and the results are the sequential ones,
+        bitwise.
+        """
+        with unittest.mock.patch.dict(
+            os.environ, {"TORCH_PIPELINING_EXT_OVERLAP": "0"}
+        ):
+            engine = self._run(ScheduleDualPipeV)
+            sequential = self._run(ScheduleDualPipeV)
+        function_map = engine.schedule._comp_type_to_function_map
+        self.assertIs(function_map.get(OVERLAP_F_B), rt.sequential_overlap_f_b)
+        engine.schedule.register_custom_function(OVERLAP_F_B, overlap.overlap_f_b)
+        with unittest.mock.patch.object(
+            overlap_handler, "_run_overlapped", wraps=overlap_handler._run_overlapped
+        ) as concurrent:
+            for step in range(2):
+                engine.step(self, step)
+                sequential.step(self, step)
+
+        def check() -> None:
+            self.assertGreater(concurrent.call_count, 0)
+            for module, sequential_module in zip(engine.modules, sequential.modules):
+                for p, sequential_p in zip(
+                    module.parameters(), sequential_module.parameters()
+                ):
+                    torch.testing.assert_close(
+                        p.grad, sequential_p.grad, rtol=0, atol=0
+                    )
+
+        check_on_all_ranks(check, self.device)
 
     @parametrize("schedule_class", MULTI_STAGE_SCHEDULES)
     def test_gradient_accumulation(self, schedule_class: type) -> None:
