@@ -47,6 +47,10 @@ def route(x: torch.Tensor) -> list[int]:
 
 def run(rank: int, store_path: str, result_path: str) -> None:
     torch.set_num_threads(1)
+    # uninitialised memory made visible, the same on every run: with
+    # deterministic algorithms, torch.empty / empty_strided fill with NaN
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=2
     )
