@@ -17,8 +17,8 @@ padding in every batch):
   DeepSeek-V3's bias update against its rule, the EP replicas bitwise equal;
 * the overlapped OVERLAP_F_B bitwise the sequential one.
 
-By default a covering subset of the families x schedules runs (each family
-and each schedule once); ``PYTORCH_TEST_WITH_SLOW=1`` runs the whole cross
+The class runs with ``PYTORCH_TEST_WITH_SLOW=1`` only (it starts four ranks;
+CI runs it once, in its slow step), the whole families x schedules cross
 product.
 """
 
@@ -49,6 +49,7 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
+    TEST_WITH_SLOW,
 )
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
@@ -100,6 +101,10 @@ class _Pipeline:
 
 @unittest.skipIf(
     not HAS_FUSED, "needs transformers 5.x (routers apart from fused experts)"
+)
+@unittest.skipIf(
+    not TEST_WITH_SLOW,
+    "slow (four ranks started for the class): PYTORCH_TEST_WITH_SLOW=1 runs it",
 )
 @instantiate_parametrized_tests
 class HFMoEBalanceTest(HFMultiProcTest):

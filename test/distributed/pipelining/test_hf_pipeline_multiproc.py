@@ -10,6 +10,9 @@
   stages, and loads into PP=4 stages and into the unsplit model; every tensor
   equals the original (tied weights and replicated rotary modules included);
   the FSDP2 case with ``PYTORCH_TEST_WITH_SLOW=1``.
+
+The class runs with ``PYTORCH_TEST_WITH_SLOW=1`` only (it starts four ranks;
+CI runs it in its slow steps, under both transformers majors).
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
+@unittest.skipIf(
+    not TEST_WITH_SLOW,
+    "slow (four ranks started for the class): PYTORCH_TEST_WITH_SLOW=1 runs it",
+)
 class HFPipelineGlooTest(HFMultiProcTest):
     # ------------------------------------------------------------------
     # Training
