@@ -34,7 +34,10 @@ from torch_pipelining_ext._pipeline_context import (
     _customizable_types,
     PipelineContext,
 )
-from torch_pipelining_ext._schedule_runtime import perform_action
+from torch_pipelining_ext._schedule_runtime import (
+    perform_action,
+    sequential_overlap_f_b,
+)
 from torch_pipelining_ext._schedule_state import rank_label, schedule_state
 
 
@@ -210,8 +213,7 @@ def _runtime_step_microbatches(
                         action, ctx
                     )
                 elif action.computation_type == _schedules.OVERLAP_F_B:
-                    for sub_action in action.sub_actions or ():
-                        perform_action(sub_action, ctx)
+                    sequential_overlap_f_b(action, ctx)
                 else:
                     perform_action(action, ctx)
         except Exception:
