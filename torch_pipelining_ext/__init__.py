@@ -55,7 +55,12 @@ def patch() -> list[PatchRecord]:
 def unpatch() -> None:
     """Restore every attribute the package patched to the object that was there
     before (by identity), and remove the package's thread-state hooks.
-    :func:`patch` applies the patches again."""
+    :func:`patch` applies the patches again.
+
+    Schedules built while patched keep their custom-function maps (the
+    package's defaults included, e.g. the concurrent OVERLAP_F_B handler);
+    build a schedule again after ``unpatch()`` for stock behaviour.
+    """
     with _lock:
         _REGISTRY.undo_all()
         _torchtitan_compat.unregister()

@@ -13,11 +13,11 @@ What a trace contains (and what the lanes are built from):
   ranges around the two sub-actions of an OVERLAP_F_B action, on the thread
   that ran each (the concurrent OVERLAP_F_B handler adds them when profiling;
   the demo adds the same names to its sequential run's sub-actions when it traces);
-* ``ep_overlap::... communication (... thread)`` ranges around the
+* ``OVERLAP_F_B <phase> communication (<side> thread)`` ranges around the
   expert-parallel communication inside overlapped actions
   (``torch_pipelining_ext.overlap``), plus the all-to-all ops themselves,
   which also mark communication outside them (the simulated link latency
-  waits inside the ep_overlap ranges, in no operator);
+  waits inside these ranges, in no operator);
 * the ATen operators each thread ran: the compute time of a sub-action (so
   time a thread spends blocked -- in a collective, or waiting for its turn at
   a communication boundary -- is not drawn as compute).
@@ -42,7 +42,7 @@ __all__ = ["phases_from_chrome_trace", "plot_timeline"]
 _SUB_ACTION = re.compile(r"^OVERLAP_F_B (forward|backward) (\S+)$")
 _PP_ACTION = re.compile(r"^PP:(\d+)(F|B|I|W)(\d+)$")
 _OVERLAP_ACTION = re.compile(r"^PP:\(.*\)OVERLAP_F_B$")
-_EP_COMM = re.compile(r"^ep_overlap::.*communication")
+_EP_COMM = re.compile(r"^OVERLAP_F_B \S+( backward)? communication \(")
 # all-to-all ops and autograd nodes (c10d::alltoall_base_, _AlltoAllSingle,
 # ...), and the demo's simulated link latency (--comm-latency-ms)
 _COMM_OP = re.compile(r"all_?to_?all|_LinkLatency", re.IGNORECASE)
@@ -143,7 +143,7 @@ def _thread_indices(
     ops: Sequence[dict[str, Any]], ranges: Sequence[dict[str, Any]]
 ) -> tuple[dict[Any, _Index], dict[Any, _Index]]:
     """Per thread id: when ATen operators ran (close ones merged), and when
-    it communicated (all-to-all ops and the ep_overlap communication ranges)."""
+    it communicated (all-to-all ops and the overlap's communication ranges)."""
     ops_by_tid: dict[Any, list[Interval]] = {}
     comm_by_tid: dict[Any, list[Interval]] = {}
     for e in ops:

@@ -177,7 +177,7 @@ class _CommCoordinator:
             self._enter(side, where)
         if me.depth == 1 and torch.autograd.profiler._is_profiler_enabled:
             rf = record_function(
-                f"ep_overlap::{phase} communication ({side.thread_name} thread)"
+                f"OVERLAP_F_B {phase} communication ({side.thread_name} thread)"
             )
             rf.__enter__()
             me.profiler_range = rf

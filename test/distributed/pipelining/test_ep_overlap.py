@@ -1155,10 +1155,22 @@ class ThreadStateTest(TestCase):
         names = {e.name for e in prof.events()}
         self.assertIn("OVERLAP_F_B forward 0F1", names)
         self.assertIn("OVERLAP_F_B backward 3B0", names)
-        self.assertIn("ep_overlap::dispatch communication (forward thread)", names)
+        self.assertIn("OVERLAP_F_B dispatch communication (forward thread)", names)
         self.assertIn(
-            "ep_overlap::combine backward communication (backward thread)", names
+            "OVERLAP_F_B combine backward communication (backward thread)", names
         )
+        # the demo's timeline tells the communication ranges from the
+        # sub-actions by these names
+        from torch_pipelining_ext.demo._timeline import _EP_COMM, _SUB_ACTION
+
+        ours = sorted(n for n in names if n.startswith("OVERLAP_F_B "))
+        comm = [n for n in ours if _EP_COMM.match(n)]
+        subs = [n for n in ours if _SUB_ACTION.match(n)]
+        self.assertEqual(sorted(comm + subs), ours)
+        self.assertEqual(
+            sorted(subs), ["OVERLAP_F_B backward 3B0", "OVERLAP_F_B forward 0F1"]
+        )
+        self.assertIn("OVERLAP_F_B dispatch communication (forward thread)", comm)
 
 
 @contextlib.contextmanager
