@@ -40,11 +40,24 @@ Sharded = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter]
 
 @dataclass(frozen=True)
 class DataGroups:
-    """The groups a reduction uses; ``None``: a dimension of one rank."""
+    """The ranks that hold the same stages and train on different data:
+    ``ep`` (the experts' group: experts differ between its ranks), ``dp``
+    (the replicas of this rank's experts), ``data`` (all of them, ``dp x
+    ep``) and its ``data_mesh`` (for FSDP; ``None`` without a mesh); a
+    dimension of one rank is ``None``."""
 
-    data: dist.ProcessGroup | None = None  # every rank with its own data (dp x ep)
-    data_size: int = 1
-    dp: dist.ProcessGroup | None = None  # the replicas of this rank's experts
+    ep: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+    data: dist.ProcessGroup | None = None
+    data_mesh: Any = None
+
+    @property
+    def data_size(self) -> int:
+        return _size(self.data)
+
+    @property
+    def dp_size(self) -> int:
+        return _size(self.dp)
 
 
 def _is_mesh(value: Any) -> bool:
@@ -76,22 +89,27 @@ def data_groups(mesh_or_group: Any) -> DataGroups:
                 f"the mesh has neither an 'ep' nor a 'dp' dimension (its dimensions: {names})"
             )
         data_mesh = launcher.data_parallel_mesh(mesh_or_group)
-        data = data_mesh.get_group() if data_mesh.size() > 1 else None
-        return DataGroups(data, _size(data), _group_of(mesh_or_group, "dp"))
+        return DataGroups(
+            ep=_group_of(mesh_or_group, "ep"),
+            dp=_group_of(mesh_or_group, "dp"),
+            data=data_mesh.get_group() if data_mesh.size() > 1 else None,
+            data_mesh=data_mesh,
+        )
     if _is_mesh(mesh_or_group):
         name = (mesh_or_group.mesh_dim_names or (None,))[0]
         if name == "pp":  # a pipeline alone: every rank has the same data
             return DataGroups()
         group = mesh_or_group.get_group() if mesh_or_group.size() > 1 else None
-        dp = group if name == "dp" else None
-        return DataGroups(group, _size(group), dp)
+        if name == "dp":  # data parallelism alone: experts (if any) not sharded
+            return DataGroups(dp=group, data=group, data_mesh=mesh_or_group)
+        return DataGroups(ep=group, data=group, data_mesh=mesh_or_group)
     if mesh_or_group is not None and not isinstance(mesh_or_group, dist.ProcessGroup):
         raise TypeError(
             "expected the job's DeviceMesh, a 1-D DeviceMesh or the expert-parallel "
             f"ProcessGroup, got {type(mesh_or_group).__name__}"
         )
     group = mesh_or_group if _size(mesh_or_group) > 1 else None
-    return DataGroups(group, _size(group))
+    return DataGroups(ep=group, data=group)
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -9,88 +9,26 @@ Private helper of :mod:`torch_pipelining_ext.hf`; the layout is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch_pipelining_ext import launcher
+from torch_pipelining_ext import _ep_gradients
+from torch_pipelining_ext._ep_gradients import _group_of, DataGroups
 from torch_pipelining_ext.hf._expert_parallel import sharded_experts
 
 
 __all__: list[str] = []
 
 
-@dataclass(frozen=True)
-class DataGroups:
-    """The ranks that hold the same stages and train on different data:
-    ``ep`` (the experts' group: experts differ between its ranks), ``dp``
-    (the experts' replicas), ``data`` (all of them, ``dp x ep``) and its
-    ``data_mesh`` (for FSDP); a dimension of one rank is ``None``."""
-
-    ep: Any = None
-    dp: Any = None
-    data: Any = None
-    data_mesh: Any = None
-
-    @property
-    def data_size(self) -> int:
-        return 1 if self.data is None else dist.get_world_size(self.data)
-
-    @property
-    def dp_size(self) -> int:
-        return 1 if self.dp is None else dist.get_world_size(self.dp)
-
-
-def _is_mesh(x: Any) -> bool:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return isinstance(x, DeviceMesh)
-
-
-def _group_of(mesh: Any, name: str) -> Any:
-    """The group of ``mesh``'s dimension ``name``, or ``None`` where it is
-    missing or of one rank."""
-    if name not in (mesh.mesh_dim_names or ()):
-        return None
-    sub = mesh[name]
-    return sub.get_group() if sub.size() > 1 else None
-
-
 def data_groups(mesh_or_ep_group: Any, parts: Sequence[nn.Module] = ()) -> DataGroups:
     """The data-parallel groups of a mesh with ``"dp"``/``"ep"`` dimensions,
-    or of an expert-parallel group alone (a ``ProcessGroup`` or 1-D mesh:
-    no ``dp``)."""
-    if _is_mesh(mesh_or_ep_group) and mesh_or_ep_group.ndim > 1:
-        mesh = mesh_or_ep_group
-        names = mesh.mesh_dim_names or ()
-        if "ep" not in names and "dp" not in names:
-            raise ValueError(
-                f"the mesh has neither an 'ep' nor a 'dp' dimension (its dimensions: {names})"
-            )
-        data_mesh = launcher.data_parallel_mesh(mesh)
-        ep, dp = _group_of(mesh, "ep"), _group_of(mesh, "dp")
-        _check_shards(parts, ep)
-        data = data_mesh.get_group() if data_mesh.size() > 1 else None
-        return DataGroups(ep=ep, dp=dp, data=data, data_mesh=data_mesh)
-    if _is_mesh(mesh_or_ep_group):
-        mesh = mesh_or_ep_group
-        name = (mesh.mesh_dim_names or (None,))[0]
-        group = mesh.get_group() if mesh.size() > 1 else None
-        if name == "pp":  # a pipeline alone: no data-parallel ranks
-            _check_shards(parts, None)
-            return DataGroups()
-        if name == "dp":  # data parallelism alone: experts (if any) are not sharded
-            _check_shards(parts, None)
-            return DataGroups(dp=group, data=group, data_mesh=mesh)
-        _check_shards(parts, group)
-        return DataGroups(ep=group, data=group, data_mesh=mesh)
-    group = mesh_or_ep_group
-    if group is not None and dist.get_world_size(group) == 1:
-        group = None
-    _check_shards(parts, group)
-    return DataGroups(ep=group, data=group)
+    a 1-D mesh, or an expert-parallel group alone (a ``ProcessGroup``: no
+    ``dp``), checked against how ``parts``' experts are sharded."""
+    groups = _ep_gradients.data_groups(mesh_or_ep_group)
+    _check_shards(parts, groups.ep)
+    return groups
 
 
 def _check_shards(parts: Sequence[nn.Module], ep: Any) -> None:
