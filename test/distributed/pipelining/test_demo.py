@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -31,6 +32,7 @@ from torch.testing._internal.common_utils import run_tests, TestCase
 
 import torch_pipelining_ext  # noqa: F401
 from torch_pipelining_ext.demo import harness, train
+from torch_pipelining_ext.demo._timeline import _EP_COMM
 
 
 _TIMEOUT_S = 300
@@ -103,6 +105,10 @@ class DemoRunTest(TestCase):
                         )
                         > 0
                     )
+            # the timeline finds the overlap's communication ranges by name
+            with open(os.path.join(tmp, "trace_overlap_rank0.json")) as f:
+                names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+            self.assertTrue(any(_EP_COMM.match(n) for n in names))
             for png in ("timeline.png", "expert_load.png"):
                 with open(os.path.join(tmp, png), "rb") as f:
                     self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n", png)
