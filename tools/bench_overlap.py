@@ -9,7 +9,7 @@ Part 1 -- simulated communication latency (the headline numbers).  PP=2 on two
 gloo ranks (``--pp 1``: one rank), ``ScheduleDualPipeV``, each of the
 ``2 * pp`` stages ``--layers`` MoE-like layers: an attention-like block, a
 dispatch region, an expert block, a combine region.  Inside each region
-(between the ``ep_overlap`` marks) an op sleeps L ms in forward and in
+(between the ``overlap`` marks) an op sleeps L ms in forward and in
 backward, releasing the GIL -- a stand-in for the interconnect.  L defaults to
 one forward block's compute time, measured at start-up.  Round by round, in
 rotating order so that machine drift hits every mode alike, one step of each
@@ -74,7 +74,7 @@ issue no collective, so they take no turns: part 1 times the free rule (each
 side its own communicator); part 2 times both rules with real all-to-alls.
 
 The timestamps of the overlapped actions come from
-``ep_overlap.observe_actions`` (the sub-actions' computes and the
+``overlap.observe_actions`` (the sub-actions' computes and the
 turn-taking's transitions ``start``, ``open``, ``close``, ``finish``); the
 sequential handler's from this script's own OVERLAP_F_B function, which runs
 each sub-action as ``runtime.sequential_overlap_f_b`` does
@@ -103,7 +103,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch_pipelining_ext
-from torch_pipelining_ext import launcher, overlap as ep_overlap
+from torch_pipelining_ext import launcher, overlap
 from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b
 
 
@@ -151,10 +151,10 @@ class _ActionTrace:
     coord: list[tuple[str, int, float, float]] = dataclasses.field(default_factory=list)
 
 
-class _Tracer(ep_overlap.ActionObserver):
+class _Tracer(overlap.ActionObserver):
     """Records :class:`_ActionTrace` s while an OVERLAP_F_B handler runs (this process only).
 
-    Under ``ep_overlap.observe_actions`` for the overlapped handler; the
+    Under ``overlap.observe_actions`` for the overlapped handler; the
     sequential handler (:func:`timed_sequential_overlap_f_b`) reports its
     computes to :meth:`sub_action` itself.
     """
@@ -420,9 +420,9 @@ class MoELikeLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.attention_block(x)
-        t = _comm(h, ep_overlap.dispatch_begin, ep_overlap.dispatch_end)
+        t = _comm(h, overlap.dispatch_begin, overlap.dispatch_end)
         t = self.expert_block(t)
-        t = _comm(t, ep_overlap.combine_begin, ep_overlap.combine_end)
+        t = _comm(t, overlap.combine_begin, overlap.combine_end)
         return h + t
 
 
@@ -457,7 +457,7 @@ class _Timed:
     def __init__(self, fn: Callable[[Any, Any], None], observed: bool = False) -> None:
         self.fn = fn
         self.observed = (
-            observed  # the package's handler: traced through ep_overlap.observe_actions
+            observed  # the package's handler: traced through overlap.observe_actions
         )
         self.seconds = 0.0
 
@@ -468,7 +468,7 @@ class _Timed:
             tracer.current = _ActionTrace(start=t0)
         try:
             if tracer is not None and self.observed:
-                with ep_overlap.observe_actions(tracer):
+                with overlap.observe_actions(tracer):
                     self.fn(action, ctx)
             else:
                 self.fn(action, ctx)
@@ -548,7 +548,7 @@ def _part1_worker(rank: int, args: argparse.Namespace) -> list[dict[str, Any]] |
         stages, args.microbatches, loss_fn=lambda y, t: F.mse_loss(y, t)
     )
     handlers = {
-        True: _Timed(ep_overlap.overlap_f_b, observed=True),
+        True: _Timed(overlap.overlap_f_b, observed=True),
         False: _Timed(timed_sequential_overlap_f_b),
     }
     switch = _Switch(schedule)
@@ -808,7 +808,7 @@ def _part2_worker(rank: int, args: argparse.Namespace) -> dict[str, Any] | None:
     # the same EP groups again, each with a twin: the free order
     twinned = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pp_group, ep_group = pp_groups[rank % 2], ep_groups[rank // 2]
-    ep_overlap.create_twin_group(twinned[rank // 2])
+    overlap.create_twin_group(twinned[rank // 2])
     margs = MoEModelArgs(
         vocab_size=256, dim=args.ep_dim, n_heads=4, n_dense_layers=1, n_moe_layers=7, n_experts=8, top_k=2,
         moe_hidden=args.ep_dim, dense_hidden=2 * args.ep_dim,
@@ -817,9 +817,9 @@ def _part2_worker(rank: int, args: argparse.Namespace) -> dict[str, Any] | None:
     twin, twin_stages, _ = _part2_schedule(args, pp_group, twinned[rank // 2], margs)
     # mode -> (schedule, its stages, OVERLAP_F_B function)
     modes = {
-        "overlap": (one, stages, _Timed(ep_overlap.overlap_f_b)),
+        "overlap": (one, stages, _Timed(overlap.overlap_f_b)),
         "sequential": (one, stages, _Timed(sequential_overlap_f_b)),
-        "overlap twin": (twin, twin_stages, _Timed(ep_overlap.overlap_f_b)),
+        "overlap twin": (twin, twin_stages, _Timed(overlap.overlap_f_b)),
     }
     switches = {id(one): _Switch(one), id(twin): _Switch(twin)}
     gen = torch.Generator().manual_seed(rank % 2)

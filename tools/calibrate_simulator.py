@@ -3,7 +3,7 @@
 For each case (schedule, OVERLAP_F_B handler) this script runs real steps on
 PP=2 gloo ranks (CPU, one thread each) with a small MLP per stage whose
 middle holds an expert-parallel stand-in: a sleep of ``--latency-ms`` in
-forward and in backward between ``ep_overlap.dispatch_begin``/``dispatch_end``
+forward and in backward between ``overlap.dispatch_begin``/``dispatch_end``
 marks (the simulated link latency).  Per-action costs are taken from the same
 run (every F/I/W/B action timed through ``register_custom_function``, minus the
 time it waited for its input -- see :func:`_durations` -- median per stage and
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from torch_pipelining_ext import launcher, overlap as ep_overlap
+from torch_pipelining_ext import launcher, overlap
 from torch_pipelining_ext.runtime import perform_action, sequential_overlap_f_b
 from torch_pipelining_ext.sim import (
     LinkCost,
@@ -92,7 +92,7 @@ class _Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.a(x))
-        h = ep_overlap.dispatch_end(_LinkSleep.apply(ep_overlap.dispatch_begin(h)))
+        h = overlap.dispatch_end(_LinkSleep.apply(overlap.dispatch_begin(h)))
         return torch.tanh(self.b(h))
 
 
@@ -148,7 +148,7 @@ def _worker(rank: int, args: argparse.Namespace) -> tuple[float, list[Any]]:
     _LATENCY_S = args.latency_ms / 1e3
     link = _ping_pong(rank, args.dim, args.tokens)
     rows = []
-    for label, name, v, overlap in CASES:
+    for label, name, v, overlapped in CASES:
         cls = schedules.get_schedule_class(name)
         n_stages = world * v
         if name in ("ZBVZeroBubble", "DualPipeV"):
@@ -168,7 +168,7 @@ def _worker(rank: int, args: argparse.Namespace) -> tuple[float, list[Any]]:
                         label,
                         name,
                         v,
-                        overlap,
+                        overlapped,
                         None,
                         f"{cls.__name__} has no custom-function map here",
                     )
@@ -182,7 +182,7 @@ def _worker(rank: int, args: argparse.Namespace) -> tuple[float, list[Any]]:
             schedules.FULL_BACKWARD,
         ):
             sched._comp_type_to_function_map[comp] = timer
-        if overlap is False:
+        if overlapped is False:
             sched._comp_type_to_function_map[schedules.OVERLAP_F_B] = (
                 sequential_overlap_f_b
             )
@@ -213,7 +213,7 @@ def _worker(rank: int, args: argparse.Namespace) -> tuple[float, list[Any]]:
                 sched
             )  # with send/recv actions, as the simulator runs it
             rows.append(
-                (label, name, v, overlap, steps, gathered, order, stage_to_rank)
+                (label, name, v, overlapped, steps, gathered, order, stage_to_rank)
             )
         dist.barrier()
     return link, rows
@@ -456,14 +456,14 @@ def main() -> None:
         f"{'error':>8}{'err IQR':>8}  verdict"
     )
     within = 0
-    for label, name, v, overlap, steps, *rest in rows:
+    for label, name, v, overlapped, steps, *rest in rows:
         if steps is None:
             print(
                 f"{label:<24}{'-':>11}{'-':>8}{'-':>8}{'-':>9}{'-':>12}{'-':>8}{'-':>8}  unmeasurable ({rest[0]})"
             )
             continue
         predicted, errors, posts, fixeds = _predict_case(
-            args, world, link, name, v, overlap, steps, *rest
+            args, world, link, name, v, overlapped, steps, *rest
         )
         measured = statistics.median(steps)
         spread = (max(steps) - min(steps)) / measured

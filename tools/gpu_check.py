@@ -12,7 +12,7 @@ subprocess; a CUDA variant that is skipped counts as a failure.
 Part (b) -- device-level overlap with the stream plan, in this process:
 ``ScheduleDualPipeV`` with its two stages on one rank (world size 1, NCCL),
 each stage ``--layers`` MoE-like layers whose dispatch and combine regions
-(between the ``ep_overlap`` marks) hold a communication stand-in kernel of
+(between the ``overlap`` marks) hold a communication stand-in kernel of
 known duration, ``torch.cuda._sleep`` (one thread block spinning for a
 calibrated number of cycles), in forward and in backward.  Inside an
 overlapped action the stand-in runs as a ProcessGroupNCCL collective does: a
@@ -446,7 +446,7 @@ def measure_overlap(
     from torch.distributed.pipelining import schedules as sched
 
     import torch_pipelining_ext  # (applies the patches)
-    from torch_pipelining_ext import overlap as ep_overlap
+    from torch_pipelining_ext import overlap
     from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
     cuda = args.device == "cuda"
@@ -559,9 +559,9 @@ def measure_overlap(
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.attention(x)
-            t = ep_overlap.dispatch_end(StandIn.apply(ep_overlap.dispatch_begin(h)))
+            t = overlap.dispatch_end(StandIn.apply(overlap.dispatch_begin(h)))
             t = self.expert(t)
-            t = ep_overlap.combine_end(StandIn.apply(ep_overlap.combine_begin(t)))
+            t = overlap.combine_end(StandIn.apply(overlap.combine_begin(t)))
             return h + t
 
     torch.manual_seed(0)
@@ -595,7 +595,7 @@ def measure_overlap(
             f"{patches.get('overlap_f_b')}"
         )
     # the two handlers, registered explicitly: one function that each step points at either
-    handlers = {"overlap": ep_overlap.overlap_f_b, "sequential": sequential_overlap_f_b}
+    handlers = {"overlap": overlap.overlap_f_b, "sequential": sequential_overlap_f_b}
     current = {"mode": "overlap"}
 
     def overlap_f_b(action: Any, ctx: Any) -> None:
@@ -668,7 +668,7 @@ def measure_overlap(
         prof.export_chrome_trace(path)
         with open(path) as f:
             traces[mode] = json.load(f).get("traceEvents", [])
-    overlap = device_overlap(traces["overlap"])
+    hidden = device_overlap(traces["overlap"])
     control = device_overlap(traces["sequential"], inside_actions=False)["fraction"]
     # per-action kernel times of the sequential step, for calibrating the simulator on the device
     kernel_times = action_kernel_times(traces["sequential"])
@@ -700,7 +700,7 @@ def measure_overlap(
         "overlap_step_ms": t_o * 1e3,
         "sequential_step_ms": t_s * 1e3,
         "step_ratio": t_o / t_s,
-        "device": overlap,
+        "device": hidden,
         "control_fraction": control,
         "bitwise_equal": bitwise,
         "mismatch": mismatch,

@@ -12,7 +12,7 @@ with its ``AllToAllTokenDispatcher``, activation checkpointing, FSDP2 with
 summed gradients) and its ``DualPipeV`` schedule; the steps run inside
 torchtitan's own SPMD context (``get_spmd_context``, the trainer's
 ``train_context``), the dispatchers marked by
-``ep_overlap.wrap_dispatch_combine``.  Each of ``--steps`` steps (an SGD step
+``overlap.wrap_dispatch_combine``.  Each of ``--steps`` steps (an SGD step
 in between) is compared with the unsplit model on the whole global batch in
 one process -- the loss, and every parameter gradient (this rank's shard of
 it; tolerances in [Note: tolerances]) -- and the overlapped run with the
@@ -284,7 +284,7 @@ class _Run:
         from torch.distributed.pipelining import schedules as sched
         from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
-        from torch_pipelining_ext import overlap as ep_overlap
+        from torch_pipelining_ext import overlap
         from torch_pipelining_ext.runtime import sequential_overlap_f_b
 
         spec = config.model_spec
@@ -309,7 +309,7 @@ class _Run:
                 if isinstance(module, FSDPModule):
                     module.set_force_sum_reduction_for_comms(True)
         # the token dispatchers of this rank's MoE layers (a stage may have none)
-        self.marked = ep_overlap.wrap_dispatch_combine(torch.nn.ModuleList(self.parts))
+        self.marked = overlap.wrap_dispatch_combine(torch.nn.ModuleList(self.parts))
         if not overlapped:
             self.schedule.register_custom_function(
                 sched.OVERLAP_F_B, sequential_overlap_f_b

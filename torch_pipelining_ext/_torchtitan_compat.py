@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext import overlap
 
 
 __all__: list[str] = []
@@ -197,13 +197,13 @@ def _apply(state: _SpmdThreadState | None) -> Iterator[None]:
 
 
 def register() -> RemovableHandle | None:
-    """Register the pair with :func:`ep_overlap.register_thread_state` (once; later calls return the same handle).
+    """Register the pair with :func:`overlap.register_thread_state` (once; later calls return the same handle).
 
     Registers nothing and returns ``None`` while ``$TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE`` is ``0``.
     """
     global _handle
     if _handle is None and os.environ.get(THREAD_STATE_ENV, "1").strip() != "0":
-        _handle = ep_overlap.register_thread_state(_capture, _apply)
+        _handle = overlap.register_thread_state(_capture, _apply)
     return _handle
 
 

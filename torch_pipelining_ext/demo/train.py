@@ -140,7 +140,7 @@ class Pipeline:
         overlap: bool,
     ):
         self.ep_group = mesh["ep"].get_group()
-        # every MoE layer keeps E / ep experts; all-to-alls inside ep_overlap regions
+        # every MoE layer keeps E / ep experts; all-to-alls inside the overlap's marked regions
         self.stages, self.parts = hf.pipeline_hf_causal_lm(
             model, mesh, ScheduleDualPipeV, "cpu", names
         )

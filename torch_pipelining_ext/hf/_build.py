@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch_pipelining_ext import overlap as ep_overlap, stage_split
+from torch_pipelining_ext import overlap, stage_split
 from torch_pipelining_ext.hf import _compat, _config
 from torch_pipelining_ext.hf._checkpoint import load_stage_weights
 from torch_pipelining_ext.hf._costs import module_names_per_stage
@@ -101,7 +101,7 @@ def build_stages(
     transformers = _compat.require_transformers()
     pp_mesh_or_group, ep_group = _config.pp_and_ep(pp_mesh_or_group, options.ep_group)
     if ep_group is not None:  # each side of an overlapped action its own communicator
-        ep_overlap.create_twin_group(ep_group)
+        overlap.create_twin_group(ep_group)
     if isinstance(model, transformers.PretrainedConfig):
         model = build_on_meta(model, options.dtype)
     schedule_cls = stage_split.resolve_schedule_class(schedule)

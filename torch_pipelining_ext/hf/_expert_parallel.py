@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext import overlap
 from torch_pipelining_ext.hf._arrival import group_device
 from torch_pipelining_ext.hf._routing import fused_experts_problem
 from torch_pipelining_ext.hf._selfcheck import tiny_config
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 #      expert), with the model's own formula act(x W_g) * (x W_u) W_d;
 #   4. combine region: the reverse all_to_all;
 #   5. weight by the routing weights and add each slot into its token.
-# The regions are marked with ep_overlap, so inside an overlapped
+# The regions are marked with the overlap's marks, so inside an overlapped
 # OVERLAP_F_B the other sub-action computes while this one communicates, and
 # autograd mirrors the marks in backward.  EP ranks see different tokens
 # (expert parallelism carved out of data parallelism).
@@ -128,7 +128,7 @@ class _AllToAll(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        _exchange(out, x, out_splits, in_splits, ep_overlap.side_group(group))
+        _exchange(out, x, out_splits, in_splits, overlap.side_group(group))
         return out
 
     @staticmethod
@@ -137,7 +137,7 @@ class _AllToAll(torch.autograd.Function):
         grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         # the backward's side's communicator, looked up now
         _exchange(
-            grad_in, grad, in_splits, out_splits, ep_overlap.side_group(ctx.group)
+            grad_in, grad, in_splits, out_splits, overlap.side_group(ctx.group)
         )
         return grad_in, None, None, None
 
@@ -278,18 +278,18 @@ def _expert_parallel_forward(
         return torch.zeros_like(hidden_states)
     order, token_of_slot, counts = _slots(top_k_index, shard.num_experts)
 
-    routed = ep_overlap.dispatch_begin(hidden_states.index_select(0, token_of_slot))
+    routed = overlap.dispatch_begin(hidden_states.index_select(0, token_of_slot))
     recv_counts = torch.empty_like(counts)
-    _slot.transport.counts(recv_counts, counts, ep_overlap.side_group(shard.group))
+    _slot.transport.counts(recv_counts, counts, overlap.side_group(shard.group))
     send = counts.view(shard.size, shard.local).sum(dim=1).tolist()
     recv_counts = recv_counts.view(shard.size, shard.local)
     recv = recv_counts.sum(dim=1).tolist()
-    received = ep_overlap.dispatch_end(_AllToAll.apply(routed, recv, send, shard.group))
+    received = overlap.dispatch_end(_AllToAll.apply(routed, recv, send, shard.group))
 
     out = local_experts(self, received, recv_counts)
 
-    back = ep_overlap.combine_end(
-        _AllToAll.apply(ep_overlap.combine_begin(out), send, recv, shard.group)
+    back = overlap.combine_end(
+        _AllToAll.apply(overlap.combine_begin(out), send, recv, shard.group)
     )
     return _add_slots(hidden_states, back, order, token_of_slot, top_k_weights)
 

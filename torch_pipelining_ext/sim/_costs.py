@@ -74,7 +74,7 @@ class StageCost:
 
     ``forward`` and ``backward_input`` are either a compute time or a sequence
     ``(compute, comm, compute, comm, ..., compute)``: the expert-parallel
-    communication regions (the ``ep_overlap`` marks) between compute
+    communication regions (the ``overlap`` marks) between compute
     segments.  ``backward_weight`` (W) has no communication.  A full backward
     (B) is I's segments with W's compute spread over I's compute segments in
     proportion (``full_backward`` overrides it).

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext import overlap
 
 
 class MLPStage(nn.Module):
@@ -321,7 +321,7 @@ def fully_shard_stage(stage: FSDPMLPStage, mesh: object) -> FSDPMLPStage:
 # Used by test_schedule_overlap.py and test_schedule_single_rank.py: a small
 # DeepSeek-style model (token embeddings, dense blocks, MoE blocks with a
 # shared expert and top-k routed experts, norm, head) whose MoE layers
-# exchange tokens with all_to_all_single inside ep_overlap's communication
+# exchange tokens with all_to_all_single inside the overlap's communication
 # marks (MoEModelArgs.comm_boundaries=False: no marks).  Without an ep_group
 # every expert is local: the same seed gives the single-process reference.
 # Blocks live in ``layers`` (an nn.ModuleDict keyed by the global layer
@@ -343,7 +343,7 @@ class MoEModelArgs:
         moe_hidden: hidden width of each routed and shared expert.
         n_shared_experts: width multiplier of the shared expert (0: none).
         dense_hidden: hidden width of the dense feed-forward.
-        comm_boundaries: wrap ``dispatch``/``combine`` with the ep_overlap marks.
+        comm_boundaries: wrap ``dispatch``/``combine`` with the overlap's marks.
     """
 
     vocab_size: int = 64
@@ -381,7 +381,7 @@ def is_expert_param(fqn: str) -> bool:
 class _EPAllToAll(torch.autograd.Function):
     """``all_to_all_single`` with variable split sizes; the backward is the reverse exchange.
 
-    Both run on ``ep_overlap.side_group(group)``, looked up when they run: the
+    Both run on ``overlap.side_group(group)``, looked up when they run: the
     group's twin on the backward side of an overlapped OVERLAP_F_B, where the
     group has one.
     """
@@ -401,7 +401,7 @@ class _EPAllToAll(torch.autograd.Function):
             x.contiguous(),
             out_splits,
             in_splits,
-            group=ep_overlap.side_group(group),
+            group=overlap.side_group(group),
         )
         return out
 
@@ -414,7 +414,7 @@ class _EPAllToAll(torch.autograd.Function):
             grad.contiguous(),
             in_splits,
             out_splits,
-            group=ep_overlap.side_group(ctx.group),
+            group=overlap.side_group(ctx.group),
         )
         return grad_in, None, None, None
 
@@ -533,7 +533,7 @@ class EPMoE(nn.Module):
             return routed, counts.view(1, self.n_local), None
         ep = dist.get_world_size(group)
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=ep_overlap.side_group(group))
+        dist.all_to_all_single(recv_counts, counts, group=overlap.side_group(group))
         send = counts.view(ep, self.n_local).sum(dim=1).tolist()
         recv_counts = recv_counts.view(ep, self.n_local)
         recv = recv_counts.sum(dim=1).tolist()
@@ -625,7 +625,7 @@ class MoETransformer(nn.Module):
         self.norm = nn.RMSNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.comm_boundaries and args.n_moe_layers:
-            ep_overlap.wrap_dispatch_combine(self)
+            overlap.wrap_dispatch_combine(self)
 
     def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
         # Stages made by stage_split have None for the modules they do not keep.

@@ -1,5 +1,5 @@
 # Owner(s): ["oncall: distributed"]
-"""Thread-level tests of the expert-parallel communication boundaries (``ep_overlap``).
+"""Thread-level tests of the expert-parallel communication boundaries (``torch_pipelining_ext.overlap``).
 
 Two threads run as in an overlapped OVERLAP_F_B action (``_overlap._run_overlapped``):
 the forward of one toy MoE stack on the calling thread, the backward of another
@@ -36,7 +36,7 @@ from torch.testing._internal.common_utils import (
 from torch.utils.checkpoint import checkpoint
 
 import torch_pipelining_ext
-from torch_pipelining_ext import overlap as ep_overlap
+from torch_pipelining_ext import overlap
 from torch_pipelining_ext.overlap._handler import _run_overlapped, _StreamPlan
 from torch_pipelining_ext.overlap import _marks as _ep_marks
 from torch_pipelining_ext.overlap import _turns as _ep_turns
@@ -160,15 +160,15 @@ class ToyMoELayer(nn.Module):
             h = BackwardNoise.apply(h)
         if self.random_ops:
             h = self._draw(h)
-        h = ep_overlap.dispatch_begin(h)
+        h = overlap.dispatch_begin(h)
         h = FakeAllToAll.apply(self.comm, f"{self.name}.dispatch", h)
-        h = ep_overlap.dispatch_end(h)
+        h = overlap.dispatch_end(h)
         h = Jitter.apply(self.jitter, torch.tanh(self.expert(h)))
         if self.random_ops:
             h = self._draw(h)
-        h = ep_overlap.combine_begin(h)
+        h = overlap.combine_begin(h)
         h = FakeAllToAll.apply(self.comm, f"{self.name}.combine", h)
-        h = ep_overlap.combine_end(h)
+        h = overlap.combine_end(h)
         return x + h
 
 
@@ -731,7 +731,7 @@ class FailureTest(TestCase):
         def apply(value):
             raise OSError(f"cannot apply {value}")
 
-        handle = ep_overlap.register_thread_state(lambda: "mesh", apply)
+        handle = overlap.register_thread_state(lambda: "mesh", apply)
         try:
             run = PairRun(2, 2)
             with self.assertRaisesRegex(
@@ -857,35 +857,35 @@ class InputWaitTest(TestCase):
 
 class TimeoutSettingTest(TestCase):
     def tearDown(self) -> None:
-        ep_overlap.set_wait_timeout(None)
+        overlap.set_wait_timeout(None)
         super().tearDown()
 
     def test_set_wait_timeout(self) -> None:
         self.assertEqual(
-            ep_overlap.get_wait_timeout(), ep_overlap.DEFAULT_WAIT_TIMEOUT_S
+            overlap.get_wait_timeout(), overlap.DEFAULT_WAIT_TIMEOUT_S
         )
-        ep_overlap.set_wait_timeout(5)
-        self.assertEqual(ep_overlap.get_wait_timeout(), 5.0)
-        ep_overlap.set_wait_timeout(math.inf)
-        self.assertEqual(ep_overlap.get_wait_timeout(), math.inf)
-        ep_overlap.set_wait_timeout(None)
-        self.assertEqual(ep_overlap.get_wait_timeout(), 600.0)
+        overlap.set_wait_timeout(5)
+        self.assertEqual(overlap.get_wait_timeout(), 5.0)
+        overlap.set_wait_timeout(math.inf)
+        self.assertEqual(overlap.get_wait_timeout(), math.inf)
+        overlap.set_wait_timeout(None)
+        self.assertEqual(overlap.get_wait_timeout(), 600.0)
         for bad in (True, "5", [5]):
             with self.assertRaisesRegex(
                 TypeError, "set_wait_timeout: the timeout must be a number"
             ):
-                ep_overlap.set_wait_timeout(bad)
+                overlap.set_wait_timeout(bad)
         for bad in (0, -5, math.nan, -math.inf):
             with self.assertRaisesRegex(
                 ValueError, "set_wait_timeout: the timeout must be a positive number"
             ):
-                ep_overlap.set_wait_timeout(bad)
+                overlap.set_wait_timeout(bad)
         self.assertEqual(
-            ep_overlap.get_wait_timeout(), 600.0
+            overlap.get_wait_timeout(), 600.0
         )  # a rejected value changes nothing
 
     def test_environment_variable(self) -> None:
-        env = ep_overlap.TIMEOUT_ENV
+        env = overlap.TIMEOUT_ENV
         for value, expected in (
             ("7", 7.0),
             (" 0.5 ", 0.5),
@@ -893,18 +893,18 @@ class TimeoutSettingTest(TestCase):
             ("", 600.0),
         ):
             with unittest.mock.patch.dict(os.environ, {env: value}):
-                self.assertEqual(ep_overlap.get_wait_timeout(), expected)
+                self.assertEqual(overlap.get_wait_timeout(), expected)
         for value in ("-5", "0", "nan", "abc", "-inf"):
             with unittest.mock.patch.dict(os.environ, {env: value}):
                 with self.assertRaisesRegex(ValueError, rf"\${env}='{value}'"):
-                    ep_overlap.get_wait_timeout()
+                    overlap.get_wait_timeout()
         with unittest.mock.patch.dict(os.environ, {env: "abc"}):
-            ep_overlap.set_wait_timeout(3)  # the programmatic setting wins
-            self.assertEqual(ep_overlap.get_wait_timeout(), 3.0)
+            overlap.set_wait_timeout(3)  # the programmatic setting wins
+            self.assertEqual(overlap.get_wait_timeout(), 3.0)
 
     def test_no_limit_runs_and_leaves_no_thread(self) -> None:
         for _ in range(2):  # the step after is fine too
-            ep_overlap.set_wait_timeout(math.inf)
+            overlap.set_wait_timeout(math.inf)
             run = PairRun(2, 2, jitter=0.001)
             run.run(timeout=None)
             self.assertEqual(run.comm.log, expected_order("F", 2, "B", 2))
@@ -958,7 +958,7 @@ class WorkerContextTest(TestCase):
                 del local.mesh
 
         seen = {}
-        handle = ep_overlap.register_thread_state(lambda: local.mesh, apply)
+        handle = overlap.register_thread_state(lambda: local.mesh, apply)
         try:
             _run_overlapped(
                 lambda: None,
@@ -982,7 +982,7 @@ class WorkerContextTest(TestCase):
         )
         self.assertIsNone(seen["mesh"])  # removed: not carried any more
         with self.assertRaises(TypeError):
-            ep_overlap.register_thread_state(None, apply)
+            overlap.register_thread_state(None, apply)
 
 
 class ThreadStateTest(TestCase):
@@ -1181,7 +1181,7 @@ def _entered(*managers):
         yield
 
 
-class _Recorder(ep_overlap.ActionObserver):
+class _Recorder(overlap.ActionObserver):
     def __init__(self) -> None:
         self.events: list[
             tuple[str, str, int, float, float]
@@ -1197,7 +1197,7 @@ class _Recorder(ep_overlap.ActionObserver):
 class ObserverTest(TestCase):
     def test_observer_gets_computes_and_transitions_on_their_threads(self) -> None:
         recorder = _Recorder()
-        with ep_overlap.observe_actions(recorder):
+        with overlap.observe_actions(recorder):
             coordinator = PairRun(2, 1).run()
         self.assertIs(type(coordinator), _ep_turns._ObservedCoordinator)
         threads = {
@@ -1229,15 +1229,15 @@ class ObserverTest(TestCase):
 
     def test_observe_actions_nests_and_checks_its_argument(self) -> None:
         outer, inner = _Recorder(), _Recorder()
-        with ep_overlap.observe_actions(outer):
-            with ep_overlap.observe_actions(inner):
+        with overlap.observe_actions(outer):
+            with overlap.observe_actions(inner):
                 PairRun(1, 1).run()
             self.assertEqual(outer.events, [])
             PairRun(1, 1).run()
         self.assertTrue(inner.events and outer.events)
         self.assertIsNone(SETTINGS.observer)
         with self.assertRaisesRegex(TypeError, "expected an ActionObserver"):
-            with ep_overlap.observe_actions(object()):
+            with overlap.observe_actions(object()):
                 pass
 
 
@@ -1246,10 +1246,10 @@ class MarksTest(TestCase):
         x = torch.randn(3, DIM)
         y = torch.randn(3, DIM, requires_grad=True)
         for mark in (
-            ep_overlap.dispatch_begin,
-            ep_overlap.dispatch_end,
-            ep_overlap.combine_begin,
-            ep_overlap.combine_end,
+            overlap.dispatch_begin,
+            overlap.dispatch_end,
+            overlap.combine_begin,
+            overlap.combine_end,
         ):
             self.assertIs(mark(x), x)  # no grad needed: the very same object
             with torch.no_grad():
@@ -1274,7 +1274,7 @@ class MarksTest(TestCase):
         with _ep_marks.bound(coordinator, Side.FORWARD):
             coordinator.open(Side.FORWARD, "held", "dispatch")
             t = threading.Thread(
-                target=lambda: seen.append(ep_overlap.dispatch_begin(torch.ones(1)))
+                target=lambda: seen.append(overlap.dispatch_begin(torch.ones(1)))
             )
             t.start()
             t.join(5.0)
@@ -1286,9 +1286,9 @@ class MarksTest(TestCase):
         with self.assertRaisesRegex(
             ValueError, "phase must be 'dispatch' or 'combine'"
         ):
-            ep_overlap.all_to_all(x, phase="gather")
+            overlap.all_to_all(x, phase="gather")
         with self.assertRaisesRegex(ValueError, "give both output_split_sizes"):
-            ep_overlap.all_to_all(x, [1, 1], None)
+            overlap.all_to_all(x, [1, 1], None)
 
     def test_wrap_dispatch_combine(self) -> None:
         class MoE(nn.Module):
@@ -1310,9 +1310,9 @@ class MarksTest(TestCase):
                 return self.combine(self.w(h))
 
         model = nn.Sequential(MoE(), nn.ReLU(), MoE())
-        self.assertEqual(ep_overlap.wrap_dispatch_combine(model), ["0", "2"])
+        self.assertEqual(overlap.wrap_dispatch_combine(model), ["0", "2"])
         self.assertEqual(
-            ep_overlap.wrap_dispatch_combine(model), ["0", "2"]
+            overlap.wrap_dispatch_combine(model), ["0", "2"]
         )  # idempotent
         x = torch.randn(2, DIM, requires_grad=True)
         out = model(x)
@@ -1355,11 +1355,11 @@ class MarksTest(TestCase):
             ValueError,
             "nothing in Linear .* has both a 'dispatch' and a 'combine' method",
         ):
-            ep_overlap.wrap_dispatch_combine(nn.Linear(2, 2))
+            overlap.wrap_dispatch_combine(nn.Linear(2, 2))
         with self.assertRaisesRegex(
             ValueError, "dispatch and combine must be different methods"
         ):
-            ep_overlap.wrap_dispatch_combine(
+            overlap.wrap_dispatch_combine(
                 model, dispatch="dispatch", combine="dispatch"
             )
         del model[0].dispatch, model[0].combine  # undo
@@ -1393,7 +1393,7 @@ class MarksTest(TestCase):
             Experts(TokenDispatcher()), Experts(shared), Experts(shared)
         )
         self.assertEqual(
-            ep_overlap.wrap_dispatch_combine(model), ["0.dispatcher", "1.dispatcher"]
+            overlap.wrap_dispatch_combine(model), ["0.dispatcher", "1.dispatcher"]
         )  # shared: once
         self.assertIsInstance(shared.dispatch, _ep_marks._MarkedMethod)
         self.assertIsInstance(model[0].dispatcher.combine, _ep_marks._MarkedMethod)
@@ -1410,7 +1410,7 @@ class MarksTest(TestCase):
         self.assertEqual(order, ["dispatch_begin (forward)", "combine_begin (forward)"])
         # an explicit object
         other = TokenDispatcher()
-        self.assertEqual(ep_overlap.wrap_dispatch_combine(other), [""])
+        self.assertEqual(overlap.wrap_dispatch_combine(other), [""])
         self.assertIsInstance(other.combine, _ep_marks._MarkedMethod)
 
         class Slotted:
@@ -1423,7 +1423,7 @@ class MarksTest(TestCase):
                 return x
 
         with self.assertRaisesRegex(TypeError, "cannot wrap Slotted.dispatch"):
-            ep_overlap.wrap_dispatch_combine(Slotted())
+            overlap.wrap_dispatch_combine(Slotted())
 
 
 class PatchTest(TestCase):

@@ -164,9 +164,9 @@ class _Delay(torch.autograd.Function):
 
 def _marked_delay(x: torch.Tensor) -> torch.Tensor:
     """A stand-in for expert-parallel communication: a random delay between dispatch marks."""
-    from torch_pipelining_ext import overlap as ep_overlap
+    from torch_pipelining_ext import overlap
 
-    return ep_overlap.dispatch_end(_Delay.apply(ep_overlap.dispatch_begin(x)))
+    return overlap.dispatch_end(_Delay.apply(overlap.dispatch_begin(x)))
 
 
 FULL_MATRIX = os.environ.get("TORCH_PIPELINING_EXT_FULL_MATRIX", "0") == "1"

@@ -15,7 +15,7 @@ exists, so CUDA tensors go through NCCL with world size 1).
   equal to a sequential OVERLAP_F_B (on CUDA when cuBLAS is deterministic,
   ``CUBLAS_WORKSPACE_CONFIG=:4096:8``); with the MoE model of ``model_registry`` and an
   expert-parallel group of size 1 (``all_to_all_single`` and the
-  ``ep_overlap`` marks in both threads), equal to the sequential run and the
+  ``overlap`` marks in both threads), equal to the sequential run and the
   reference.  Every OVERLAP_F_B of the MoE model runs concurrently; a stage
   pair of the MLP (no marks) runs concurrently once per step and then, on
   CPU, sequentially (on CUDA it stays concurrent: the device may overlap it).
