@@ -9,11 +9,12 @@ to the worker thread of an overlapped ``OVERLAP_F_B``:
   the dense and sparse meshes and the stack of current meshes that
   ``current_spmd_mesh()`` reads, e.g. in the token dispatcher's all-to-alls);
 * the current-mesh stack of the ``spmd_types`` library
-  (``spmd_types.set_current_mesh``);
-* autograd's multithreading switch, which torchtitan turns off on the thread
-  that initialises it (``torch.autograd.set_multithreading_enabled``), so that
-  backward (and the recomputation of checkpointed layers) runs on the thread
-  that holds the meshes.
+  (``spmd_types.set_current_mesh``).
+
+Autograd's multithreading switch, which torchtitan turns off on the thread
+that initialises it (``torch.autograd.set_multithreading_enabled``) so that
+backward runs on the thread that holds the meshes, needs nothing here: the
+engine carries it to the worker with the rest of torch's thread state.
 
 Nothing here imports torchtitan; see [Note: torchtitan thread state].
 ``TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE=0`` when the package is imported
@@ -31,7 +32,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import torch
 from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext import overlap
@@ -86,7 +86,6 @@ class _SpmdThreadState(NamedTuple):
 
     torchtitan: dict[str, Any] | None  # the attributes of torchtitan's ``_MESH_TLS``
     spmd_mesh_stack: list[Any] | None  # the ``spmd_types`` library's current-mesh stack
-    autograd_multithreading: bool
 
 
 def _copied(attributes: dict[str, Any]) -> dict[str, Any]:
@@ -144,9 +143,7 @@ def _capture() -> _SpmdThreadState | None:
             spmd_stack = list(getattr(tls, "mesh_stack", []))
         elif _torchtitan_backend() == "spmd_types":
             raise _unknown_layout(f"the threading.local '_tls' of {_SPMD_TYPES_STATE}")
-    return _SpmdThreadState(
-        titan_attrs, spmd_stack, torch._C._is_multithreading_enabled()
-    )
+    return _SpmdThreadState(titan_attrs, spmd_stack)
 
 
 @contextlib.contextmanager
@@ -184,9 +181,6 @@ def _apply(state: _SpmdThreadState | None) -> Iterator[None]:
                     tls, {**vars(tls), "mesh_stack": state.spmd_mesh_stack}
                 )
             )
-        stack.enter_context(
-            torch.autograd.set_multithreading_enabled(state.autograd_multithreading)
-        )
         logger.debug(
             "%s: torchtitan SPMD state applied (torchtitan meshes: %s, spmd_types mesh stack depth: %s)",
             threading.current_thread().name,

@@ -136,9 +136,7 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         # the backward's side's communicator, looked up now
-        _exchange(
-            grad_in, grad, in_splits, out_splits, overlap.side_group(ctx.group)
-        )
+        _exchange(grad_in, grad, in_splits, out_splits, overlap.side_group(ctx.group))
         return grad_in, None, None, None
 
 

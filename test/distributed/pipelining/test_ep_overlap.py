@@ -861,9 +861,7 @@ class TimeoutSettingTest(TestCase):
         super().tearDown()
 
     def test_set_wait_timeout(self) -> None:
-        self.assertEqual(
-            overlap.get_wait_timeout(), overlap.DEFAULT_WAIT_TIMEOUT_S
-        )
+        self.assertEqual(overlap.get_wait_timeout(), overlap.DEFAULT_WAIT_TIMEOUT_S)
         overlap.set_wait_timeout(5)
         self.assertEqual(overlap.get_wait_timeout(), 5.0)
         overlap.set_wait_timeout(math.inf)
@@ -1311,9 +1309,7 @@ class MarksTest(TestCase):
 
         model = nn.Sequential(MoE(), nn.ReLU(), MoE())
         self.assertEqual(overlap.wrap_dispatch_combine(model), ["0", "2"])
-        self.assertEqual(
-            overlap.wrap_dispatch_combine(model), ["0", "2"]
-        )  # idempotent
+        self.assertEqual(overlap.wrap_dispatch_combine(model), ["0", "2"])  # idempotent
         x = torch.randn(2, DIM, requires_grad=True)
         out = model(x)
         self.assertEqual(

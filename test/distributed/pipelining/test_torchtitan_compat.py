@@ -143,8 +143,7 @@ class CaptureApplyTest(TestCase):
                 [dense],
             )
             spmd_tls.mesh_stack = ["dense entry"]
-            with torch.autograd.set_multithreading_enabled(False):
-                state = _capture()
+            state = _capture()
 
             def worker() -> dict[str, Any]:
                 titan_tls.dense_mesh = "the worker's own"
@@ -156,25 +155,17 @@ class CaptureApplyTest(TestCase):
                         list(titan_tls.mesh_stack),
                     )
                     seen["spmd"] = list(spmd_tls.mesh_stack)
-                    seen["multithreading"] = torch._C._is_multithreading_enabled()
                     titan_tls.mesh_stack.append(
                         sparse
                     )  # maybe_set_sparse_mesh() on the worker
                     spmd_tls.mesh_stack.append("sparse entry")
-                seen["after"] = (
-                    dict(vars(titan_tls)),
-                    dict(vars(spmd_tls)),
-                    torch._C._is_multithreading_enabled(),
-                )
+                seen["after"] = (dict(vars(titan_tls)), dict(vars(spmd_tls)))
                 return seen
 
             seen = _on_thread(worker)
             self.assertEqual(seen["titan"], (dense, sparse, [dense]))
             self.assertEqual(seen["spmd"], ["dense entry"])
-            self.assertFalse(seen["multithreading"])
-            self.assertEqual(
-                seen["after"], ({"dense_mesh": "the worker's own"}, {}, True)
-            )
+            self.assertEqual(seen["after"], ({"dense_mesh": "the worker's own"}, {}))
             # the worker pushed onto copies: the caller's stacks are unchanged
             self.assertEqual(titan_tls.mesh_stack, [dense])
             self.assertEqual(spmd_tls.mesh_stack, ["dense entry"])
