@@ -14,15 +14,9 @@ ep_group=...)``), four gloo ranks as PP=2 x EP=2, transformers 5.x:
   error for ``E`` not divisible by ``ep``, and the refusal of per-expert
   modules (4.57).
 
-The class runs with ``PYTORCH_TEST_WITH_SLOW=1`` only (it starts four ranks;
-CI runs it in its slow step on torch 2.13 and again on 2.15): the
-family x schedule and family x checkpointing matrices whole, or, under
-``parametrize_covering``'s default, a covering subset (each value once).  The
-default run keeps one small case of each feature elsewhere: Hugging Face MoE
-stages with expert parallelism trained against the unsplit model in
-``test_hf_training_state_multiproc.py`` (PP=2 x EP=2 and PP=1 x DP=2 x EP=2),
-and the concurrent OVERLAP_F_B on a Hugging Face MoE model, bitwise the
-sequential handler, in the demo's test (``test_demo.py``).
+The family x schedule and family x checkpointing matrices run a covering
+subset by default (each value once) and whole with
+``PYTORCH_TEST_WITH_SLOW=1``.
 """
 
 from __future__ import annotations
@@ -46,7 +40,6 @@ from torch.distributed.pipelining import schedules as sched
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     run_tests,
-    TEST_WITH_SLOW,
 )
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
@@ -128,10 +121,6 @@ class _Pipeline:
 
 
 @unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
-@unittest.skipIf(
-    not TEST_WITH_SLOW,
-    "slow (four ranks started for the class): PYTORCH_TEST_WITH_SLOW=1 runs it",
-)
 @instantiate_parametrized_tests
 class HFExpertParallelGlooTest(HFMultiProcTest):
     def _mesh(self):
