@@ -55,10 +55,6 @@ class DataGroups:
     def data_size(self) -> int:
         return _size(self.data)
 
-    @property
-    def dp_size(self) -> int:
-        return _size(self.dp)
-
 
 def _is_mesh(value: Any) -> bool:
     from torch.distributed.device_mesh import DeviceMesh
