@@ -2,9 +2,9 @@
 
 ``import torch_pipelining_ext`` adds to the installed torch (2.9 - 2.15) what its
 ``torch.distributed.pipelining`` lacks.  Each addition is a patch in the table
-in ``_patches.py``; patches are chosen by feature probes, never by version
-string, and a patch whose behaviour torch already has is reported as
-``upstream`` and left alone.
+``_patching/patches.json``; patches are chosen by feature probes
+(``_patching/_probes.py``), never by version string, and a patch whose
+behaviour torch already has is reported as ``upstream`` and left alone.
 
 Set ``TORCH_PIPELINING_EXT_DISABLE=1`` to import the package without patching.
 ``python -m torch_pipelining_ext`` prints the patch table.

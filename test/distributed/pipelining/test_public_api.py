@@ -1,10 +1,16 @@
 # Owner(s): ["oncall: distributed"]
-"""The package's public face: what the README documents exists, and the demo,
+"""The package's public face: what the docs document exists, and the demo,
 the tools and the docs use public names only.
 
-* Every ``torch_pipelining_ext.<name>`` the README, CONTRIBUTING and the docs
-  mention (dotted references and the imports of their code blocks) resolves,
-  and every public module lists what it exports in ``__all__``.
+* Every ``torch_pipelining_ext.<name>`` the README, CONTRIBUTING and the pages
+  of ``docs/`` mention (dotted references and the imports of their code
+  blocks) resolves, and every public module lists what it exports in
+  ``__all__``.
+* Every relative link of those files leads to a file that exists and, with a
+  ``#fragment``, to a heading of it; every file and folder CONTRIBUTING's
+  Layout section names exists.
+* The README stays the front door: the two commands CI runs, a link to every
+  page of ``docs/``, at most 300 lines (the rest belongs in ``docs/``).
 * The package's modules import each other without a cycle (a cycle works
   only while every import in it stays lazy or in the right order, and it hides
   which module is the lower layer).
@@ -85,6 +91,27 @@ def _imports(source: str) -> list[tuple[str, str | None]]:
             if node.module.split(".")[0] == PACKAGE:
                 found += [(node.module, a.name) for a in node.names]
     return found
+
+
+def _strip_fences(text: str) -> str:
+    """``text`` without its fenced code blocks (indented ones in list items too)."""
+    return re.sub(r"^[ \t]*```.*?^[ \t]*```", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced code blocks and inline code (links there are not links)."""
+    return re.sub(r"`[^`\n]*`", "", _strip_fences(text))
+
+
+def _anchors(text: str) -> set[str]:
+    """The fragments GitHub gives the headings of a Markdown text (first occurrence)."""
+    anchors = set()
+    for heading in re.findall(
+        r"^#{1,6} (.*)$", _strip_fences(text), flags=re.MULTILINE
+    ):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
 
 
 def _private_parts(module: str, name: str | None) -> list[str]:
@@ -310,14 +337,53 @@ class PublicApiTest(TestCase):
                         long.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
         self.assertEqual(long, [], "functions over 80 lines:\n" + "\n".join(long))
 
-    def test_layout_paths_exist(self) -> None:
-        """Every file and folder the README's Layout section names exists, where it says."""
+    def test_relative_links_resolve(self) -> None:
+        """Every relative link of the docs leads to a file, and a fragment to a heading."""
+        checked = 0
+        for doc in DOCS:
+            for target in re.findall(r"\]\(([^)\s]+)\)", _prose(doc.read_text())):
+                if re.match(r"[a-z]+:", target):
+                    continue  # https:, mailto:
+                path, _, fragment = target.partition("#")
+                linked = (doc.parent / path).resolve() if path else doc
+                with self.subTest(doc=doc.name, link=target):
+                    self.assertTrue(linked.exists(), f"{doc.name}: {target} is missing")
+                    if fragment:
+                        self.assertIn(
+                            fragment,
+                            _anchors(linked.read_text()),
+                            f"{doc.name}: {target}: no such heading",
+                        )
+                    checked += 1
+        self.assertGreater(checked, 10)
+
+    def test_readme_is_the_front_door(self) -> None:
+        """The README keeps the two commands CI runs and links every page of docs/."""
         text = (REPO / "README.md").read_text()
+        commands = re.findall(
+            r"^\s*```bash\n(.*?)^\s*```", text, re.DOTALL | re.MULTILINE
+        )
+        lines = {line.strip() for block in commands for line in block.splitlines()}
+        # .ci/run runs the README's test command as it is written here
+        self.assertIn("bash tools/run_demo.sh", lines)
+        self.assertIn("bash tools/run_tests.sh", lines)
+        for page in sorted((REPO / "docs").glob("*.md")):
+            with self.subTest(page=page.name):
+                self.assertIn(f"](docs/{page.name})", text)
+        self.assertLessEqual(
+            len(text.splitlines()), 300, "README.md: move the details to docs/"
+        )
+
+    def test_layout_paths_exist(self) -> None:
+        """Every file and folder CONTRIBUTING's Layout section names exists, where it says."""
+        text = (REPO / "CONTRIBUTING.md").read_text()
         layout = re.search(
-            r"^## Layout\n\n```\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE
+            r"^## Layout\n(?:(?!^#).)*?^```\n(.*?)^```",
+            text,
+            flags=re.DOTALL | re.MULTILINE,
         )
         self.assertIsNotNone(
-            layout, "README.md has no Layout section with a code block"
+            layout, "CONTRIBUTING.md has no Layout section with a code block"
         )
         folders: list[
             tuple[int, Path]
@@ -335,7 +401,7 @@ class PublicApiTest(TestCase):
                 with self.subTest(path=str(path.relative_to(REPO))):
                     self.assertTrue(
                         path.exists(),
-                        f"{path.relative_to(REPO)} (README Layout) does not exist",
+                        f"{path.relative_to(REPO)} (CONTRIBUTING.md Layout) does not exist",
                     )
                     checked += 1
                 if name.endswith("/"):
