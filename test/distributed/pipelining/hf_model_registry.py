@@ -18,7 +18,7 @@ import sys
 import torch
 
 
-# Every family the package claims (README): exact against the unsplit model
+# Every family the package claims (docs/hf.md): exact against the unsplit model
 # on transformers 4.57.x and 5.x.
 HF_FAMILIES = (
     "llama",
