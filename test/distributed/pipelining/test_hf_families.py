@@ -67,6 +67,17 @@ class FamiliesAgreeWithTheModelsTest(TestCase):
             ModelShape.from_hf_config(fields), ModelShape.from_hf_config(config)
         )
 
+    def test_self_check_keeps_a_layer_past_each_pattern(self) -> None:
+        """The self-check's tiny config keeps the dense first layers and one MoE layer."""
+        from torch_pipelining_ext.hf import _selfcheck
+
+        config = tiny_hf_config("deepseek_v3", num_layers=8, first_k_dense_replace=3)
+        tiny = _selfcheck.tiny_config(config)
+        self.assertEqual(tiny.num_hidden_layers, 4)
+        self.assertEqual(_families.first_dense_layers(tiny), 3)
+        config = tiny_hf_config("qwen3_moe", num_layers=8, decoder_sparse_step=3)
+        self.assertEqual(_selfcheck.tiny_config(config).num_hidden_layers, 4)
+
     def test_dense_layers_past_the_first(self) -> None:
         config = tiny_hf_config("qwen3_moe", num_layers=6, mlp_only_layers=[0, 4])
         self.assertEqual(_families.first_dense_layers(config), 2)
