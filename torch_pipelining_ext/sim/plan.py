@@ -306,10 +306,6 @@ def _check_plan_args(
         )
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torch_pipelining_ext.plan",
@@ -428,15 +424,6 @@ def _model_config(args: argparse.Namespace) -> dict[str, Any]:
     return MODEL_PRESETS[args.model]
 
 
-def _check_schedules(parser: argparse.ArgumentParser, schedules: str) -> None:
-    """Exit with a usage error if ``--schedules`` names a schedule the planner does not offer."""
-    unknown = [x for x in schedules.split(",") if x not in _SCHEDULES]
-    if unknown:
-        parser.error(
-            f"--schedules: unknown {', '.join(unknown)} (known: {', '.join(_SCHEDULES)})"
-        )
-
-
 def _hardware(
     parser: argparse.ArgumentParser, preset_name: str, override: Sequence[str]
 ) -> Hardware:
@@ -514,7 +501,7 @@ def _write_trace(out: Callable[..., None], directory: str, best: Candidate) -> N
 def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
     """``text`` as comma-separated integers, or a usage error naming ``flag``."""
     try:
-        return _ints(text)
+        return [int(x) for x in text.split(",") if x]
     except ValueError:
         parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
 
@@ -530,7 +517,6 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         shape = ModelShape.from_hf_config(_model_config(args))
     except (OSError, ValueError, TypeError) as e:
         parser.error(f"{args.config or args.model}: {e}")
-    _check_schedules(parser, args.schedules)
     hardware = _hardware(parser, args.preset, args.override)
     pps = _int_list(parser, "--pp", args.pp)
     eps = (
@@ -550,8 +536,13 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         if args.memory_limit_gib is not None
         else 0.9 * hardware.hbm_bytes
     )
+    microbatches = (
+        _int_list(parser, "--microbatches", args.microbatches)
+        if args.microbatches
+        else None
+    )
     search = functools.partial(
-        _plan_args, args, shape, hardware, global_batch, limit, eps
+        _plan_args, args, shape, hardware, global_batch, limit, eps, microbatches
     )
     try:
         rows = search(pps, args.recompute)
@@ -629,6 +620,7 @@ def _plan_args(
     global_batch: int,
     limit: float,
     eps: list[int],
+    microbatches: list[int] | None,
     pps: list[int],
     recompute: str,
 ) -> list[Candidate]:
@@ -642,7 +634,7 @@ def _plan_args(
         global_batch=global_batch,
         pps=pps,
         eps=eps,
-        microbatches=_ints(args.microbatches) if args.microbatches else None,
+        microbatches=microbatches,
         schedules=args.schedules.split(","),
         memory_limit=limit,
         a2a_bytes=args.a2a_bytes,
