@@ -129,7 +129,7 @@ def simulate(
 
 
 def _check_models(
-    costs: StageCost | Sequence[StageCost], link: Any, overlap: Any
+    costs: StageCost | Sequence[StageCost], link: object, overlap: object
 ) -> None:
     """``ValueError`` naming the argument unless the costs, link and overlap are the simulator's types."""
     if not isinstance(link, LinkCost):
