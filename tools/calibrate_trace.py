@@ -34,17 +34,15 @@ import os
 import sys
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from torch_pipelining_ext.sim import (
+    CostOptions,
     HARDWARE_PRESETS,
     Hardware,
     ModelShape,
     OverlapModel,
-    layer_costs,
-    layer_phase_times,
     overlap_pair,
     stage_costs_from_layers,
 )
@@ -125,29 +123,26 @@ def read_trace(path: str) -> TracePhases:
 
 
 def predict(
-    shape: ModelShape, hardware: Hardware, layers: int, options: Mapping[str, Any]
+    shape: ModelShape,
+    hardware: Hardware,
+    layers: int,
+    options: CostOptions,
+    *,
+    tokens: int,
+    seq_len: int,
+    ep: int,
 ) -> tuple[dict[str, float], float]:
-    """Predicted per-phase seconds of ``layers`` MoE layers, and the overlapped pair's time."""
+    """Predicted per-phase seconds of ``layers`` MoE layers of ``tokens`` tokens
+    each, and the overlapped pair's time."""
     first = shape.first_dense_layers
     index = range(first, first + layers)
-    compute_opts = {
-        k: options[k] for k in ("tp", "fp8_gemms", "routing_imbalance", "recompute")
-    }
     phases = dict.fromkeys(PHASES, 0.0)
     for i in index:
-        for name, t in layer_phase_times(
-            shape,
-            hardware,
-            i,
-            tokens=options["tokens"],
-            seq_len=options["seq_len"],
-            **compute_opts,
-        ).items():
+        times = options.phase_times(shape, hardware, i, tokens=tokens, seq_len=seq_len)
+        for name, t in times.items():
             phases[name] += t
-    all_layers, _, _ = layer_costs(
-        shape,
-        hardware,
-        **{k: v for k, v in options.items() if k != "layers"},
+    all_layers, _, _ = options.layer_costs(
+        shape, hardware, tokens=tokens, seq_len=seq_len, ep=ep
     )
     mine = [all_layers[i] for i in index]
     for layer in mine:
@@ -233,11 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     hardware = HARDWARE_PRESETS[args.preset]
     if args.achieved_fraction is not None:
         hardware = hardware.with_overrides(achieved_fraction=args.achieved_fraction)
-    options = dict(
-        tokens=args.tokens,
-        seq_len=args.seq_len,
-        ep=args.ep,
-        tp=1,
+    options = CostOptions(
         a2a_dtype_bytes=args.dispatch_bytes,
         combine_dtype_bytes=args.combine_bytes,
         fp8_gemms=not args.bf16,
@@ -248,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.trace}: {measured.layers} layers of {args.model}; predicted for {hardware.name} "
         f"({'bf16' if args.bf16 else 'FP8'} GEMMs), EP{args.ep}, {args.tokens} tokens/microbatch"
     )
-    phases, pair = predict(shape, hardware, measured.layers, options)
+    run = dict(tokens=args.tokens, seq_len=args.seq_len, ep=args.ep)
+    phases, pair = predict(shape, hardware, measured.layers, options, **run)
     errors = _report(
         measured, phases, pair, f"achieved fraction {hardware.achieved_fraction:g}"
     )
@@ -259,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             hardware.achieved_fraction * sum(phases[p] for p in _COMPUTE) / m, 3
         )
         hardware = hardware.with_overrides(achieved_fraction=fitted)
-        phases, pair = predict(shape, hardware, measured.layers, options)
+        phases, pair = predict(shape, hardware, measured.layers, options, **run)
         errors = _report(
             measured,
             phases,

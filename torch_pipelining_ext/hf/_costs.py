@@ -12,12 +12,11 @@ from typing import Any
 import torch.nn as nn
 
 from torch_pipelining_ext import stage_split
+from torch_pipelining_ext.hf import _families
 from torch_pipelining_ext.hf._layout import DecoderLayout
 
 
 __all__: list[str] = []
-
-_NUM_EXPERTS_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
 def layer_costs(model: nn.Module, layout: DecoderLayout) -> list[float]:
@@ -59,14 +58,7 @@ def _num_fused_experts(experts: nn.Module, config: Any) -> int:
     module's or the config's expert count, checked against its parameters."""
     n = getattr(experts, "num_experts", None)
     if not isinstance(n, int):
-        n = next(
-            (
-                getattr(config, a)
-                for a in _NUM_EXPERTS_ATTRS
-                if isinstance(getattr(config, a, None), int)
-            ),
-            0,
-        )
+        n = _families.num_routed_experts(config)
     params = list(experts.parameters(recurse=False))
     if n and params and all(p.dim() >= 2 and p.shape[0] == n for p in params):
         return n

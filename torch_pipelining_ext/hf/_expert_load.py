@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from torch_pipelining_ext.hf import _families
 from torch_pipelining_ext.hf._arrival import group_device
 
 
@@ -261,7 +262,7 @@ def update_expert_bias(
         for part, _ in _counters(parts, "update_expert_bias")
         for layer, router in part._routers.items()
     ]
-    biased = [(i, r) for i, r in routers if hasattr(r, "e_score_correction_bias")]
+    biased = [(i, r) for i, r in routers if _families.has_expert_bias(r)]
     if not biased:
         kind = {
             getattr(getattr(p, "config", None), "model_type", type(p).__name__)
@@ -269,7 +270,7 @@ def update_expert_bias(
         }
         raise ValueError(
             f"update_expert_bias: the routers of these stages ({', '.join(sorted(kind))}) have no "
-            "e_score_correction_bias: "
+            f"{_families.EXPERT_BIAS_BUFFER}: "
             "the auxiliary-loss-free bias update is DeepSeek-V3's (and GLM-4-MoE's); balance other MoEs with "
             "router_aux_loss"
         )
@@ -289,7 +290,7 @@ def update_expert_bias(
                     "the ExpertLoad of these stages' step, summed over a group that includes this rank"
                 )
             tokens = load.tokens_per_expert[load.layers.index(layer)]
-            bias = router.e_score_correction_bias
+            bias = getattr(router, _families.EXPERT_BIAS_BUFFER)
             # sign(mean - load_i) in integers: sign(sum - E * load_i)
             below = tokens.sum() - tokens.numel() * tokens
             step = torch.sign(below).to(device=bias.device, dtype=bias.dtype)

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from torch_pipelining_ext import stage_split
+from torch_pipelining_ext.hf import _families
 from torch_pipelining_ext.hf._costs import module_names_per_stage
 from torch_pipelining_ext.hf._layout import detect_layout
 from torch_pipelining_ext.hf._stage import HFCausalLMStage
@@ -60,7 +61,6 @@ _WIDTHS = {
     "n_embd": 64,
     "n_head": 4,
 }
-_EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")
 MAX_LAYERS = 8
 SEQ = 8
 
@@ -78,7 +78,7 @@ def tiny_config(config: Any) -> Any:
         values["num_key_value_heads"] = (
             2 if config.num_key_value_heads < config.num_attention_heads else 4
         )
-    for name in _EXPERTS:
+    for name in _families.EXPERT_COUNT_ATTRIBUTES:
         experts = values.get(name)
         if isinstance(experts, int) and experts > 0:
             experts = values[name] = min(experts, 8)
@@ -117,13 +117,14 @@ def _shrink_layers(values: dict, config: Any) -> None:
     if types:
         while keep < len(types) and set(types[:keep]) != set(types):
             keep += 1
-    for name in (
-        "first_k_dense_replace",
-        "max_window_layers",
-        "full_attention_interval",
-        "decoder_sparse_step",
+    # one layer past each pattern's first period: the dense first layers, the
+    # sliding-window ones, a full-attention interval, an MoE step
+    for value in (
+        _families.first_dense_layers(config),
+        getattr(config, "max_window_layers", None),
+        getattr(config, "full_attention_interval", None),
+        _families.moe_layer_step(config),
     ):
-        value = getattr(config, name, None)
         if isinstance(value, int) and 0 < value < n:
             keep = max(keep, value + 1)
     keep = min(keep, n, MAX_LAYERS)

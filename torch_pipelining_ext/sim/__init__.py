@@ -34,18 +34,15 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from torch_pipelining_ext.sim._costs import (
-    HARDWARE_PRESETS,
-    Hardware,
-    LayerCost,
-    LinkCost,
-    ModelShape,
-    OverlapModel,
-    StageCost,
+from torch_pipelining_ext.sim._cost_model import (
+    CostOptions,
     layer_costs,
     layer_phase_times,
-    stage_costs_from_layers,
 )
+from torch_pipelining_ext.sim._hardware import HARDWARE_PRESETS, Hardware
+from torch_pipelining_ext.sim._inputs import LinkCost, OverlapModel, StageCost
+from torch_pipelining_ext.sim._layers import LayerCost, stage_costs_from_layers
+from torch_pipelining_ext.sim._shape import ModelShape
 from torch_pipelining_ext.sim._engine import (
     ActionRecord,
     RankSummary,
@@ -68,6 +65,7 @@ from torch_pipelining_ext.sim._timeline import (
 
 __all__ = [
     "ActionRecord",
+    "CostOptions",
     "HARDWARE_PRESETS",
     "Hardware",
     "LayerCost",
@@ -131,7 +129,7 @@ def simulate(
 
 
 def _check_models(
-    costs: StageCost | Sequence[StageCost], link: Any, overlap: Any
+    costs: StageCost | Sequence[StageCost], link: object, overlap: object
 ) -> None:
     """``ValueError`` naming the argument unless the costs, link and overlap are the simulator's types."""
     if not isinstance(link, LinkCost):

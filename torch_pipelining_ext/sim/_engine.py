@@ -28,7 +28,7 @@ from torch_pipelining_ext.overlap.policy import (
     Order,
     Side,
 )
-from torch_pipelining_ext.sim._costs import LinkCost, OverlapModel, Segments, StageCost
+from torch_pipelining_ext.sim._inputs import LinkCost, OverlapModel, Segments, StageCost
 from torch_pipelining_ext.sim._schedule import kind
 
 

@@ -4,7 +4,7 @@
 
 For every candidate (schedule, PP, stages per rank, microbatches, EP,
 OVERLAP_F_B overlap on/off) the per-action costs come from the model shape
-and the hardware description (:func:`torch_pipelining_ext.sim.layer_costs`),
+and the hardware description (:meth:`torch_pipelining_ext.sim.CostOptions.layer_costs`),
 torch's schedule is simulated (:mod:`torch_pipelining_ext.sim`), and the
 candidates that fit the memory limit are printed fastest first.  Every number
 printed is a prediction from a roofline-style cost model, not a measurement.
@@ -23,24 +23,22 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from torch_pipelining_ext.sim import (
+    CostOptions,
     HARDWARE_PRESETS,
+    Hardware,
     LinkCost,
     ModelShape,
     OverlapModel,
     SimulationResult,
     StageCost,
-    layer_costs,
     plot_timeline,
     simulate_schedule,
     stage_costs_from_layers,
     write_chrome_trace,
 )
-from torch_pipelining_ext.sim._costs import (
-    check_number,
-    even_layer_split,
-    stage_params,
-    static_memory_bytes,
-)
+from torch_pipelining_ext.sim._inputs import check_number
+from torch_pipelining_ext.sim._layers import even_layer_split
+from torch_pipelining_ext.sim._memory import stage_params, static_memory_bytes
 
 
 __all__ = ["MODEL_PRESETS", "Candidate", "main", "plan"]
@@ -130,19 +128,18 @@ def _configurations(
 
 def _stage_inputs(
     shape: ModelShape,
-    hardware: Any,
+    hardware: Hardware,
     schedule: _Schedule,
     point: _GridPoint,
     *,
     seq_len: int,
     global_batch: int,
-    options: dict[str, Any],
+    options: CostOptions,
 ) -> tuple[list[StageCost], list[tuple[float, float]]]:
-    """The per-stage costs and (dense, expert) parameters of ``point``'s even layer split
-    (``options``: keyword arguments of :func:`~torch_pipelining_ext.sim.layer_costs`)."""
+    """The per-stage costs and (dense, expert) parameters of ``point``'s even layer split."""
     tokens = global_batch // (point.dp * point.microbatches) * seq_len
-    layers, embed, head = layer_costs(
-        shape, hardware, tokens=tokens, seq_len=seq_len, ep=point.ep, **options
+    layers, embed, head = options.layer_costs(
+        shape, hardware, tokens=tokens, seq_len=seq_len, ep=point.ep
     )
     split = even_layer_split(shape.num_layers, point.pp * schedule.stages_per_rank)
     costs = stage_costs_from_layers(layers, split, first_extra=embed, last_extra=head)
@@ -219,7 +216,7 @@ def _point_candidates(
 
 def plan(
     shape: ModelShape,
-    hardware: Any,
+    hardware: Hardware,
     *,
     gpus: int,
     seq_len: int,
@@ -238,7 +235,7 @@ def plan(
 
     ``a2a_bytes`` (the dispatch's, and the combine's unless
     ``combine_bytes``), ``recompute`` and ``fp8_gemms`` are the cost model's
-    options (:func:`~torch_pipelining_ext.sim.layer_costs`).
+    options (:class:`~torch_pipelining_ext.sim.CostOptions`).
 
     Raises:
         ValueError: an argument is invalid (the message names it and its value).
@@ -250,7 +247,7 @@ def plan(
     )
     check_number("memory_limit", memory_limit, positive=True)
     check_number("a2a_bytes", a2a_bytes, positive=True)
-    options = dict(
+    options = CostOptions(
         a2a_dtype_bytes=a2a_bytes,
         combine_dtype_bytes=combine_bytes,
         recompute=recompute,
@@ -307,10 +304,6 @@ def _check_plan_args(
         raise ValueError(
             f"schedules must be some of {', '.join(_SCHEDULES)}, got {list(schedules)!r}"
         )
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -423,7 +416,7 @@ def _add_grid_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _model_config(args: argparse.Namespace) -> Any:
+def _model_config(args: argparse.Namespace) -> dict[str, Any]:
     """The fields of ``--config``'s file, or of the ``--model`` preset."""
     if args.config:
         with open(args.config) as f:
@@ -431,18 +424,9 @@ def _model_config(args: argparse.Namespace) -> Any:
     return MODEL_PRESETS[args.model]
 
 
-def _check_schedules(parser: argparse.ArgumentParser, schedules: str) -> None:
-    """Exit with a usage error if ``--schedules`` names a schedule the planner does not offer."""
-    unknown = [x for x in schedules.split(",") if x not in _SCHEDULES]
-    if unknown:
-        parser.error(
-            f"--schedules: unknown {', '.join(unknown)} (known: {', '.join(_SCHEDULES)})"
-        )
-
-
 def _hardware(
     parser: argparse.ArgumentParser, preset_name: str, override: Sequence[str]
-) -> Any:
+) -> Hardware:
     """The preset with the ``--override FIELD=VALUE`` items applied (converted to the field's type)."""
     preset = HARDWARE_PRESETS[preset_name]
     fields = [f.name for f in dataclasses.fields(preset)]
@@ -463,7 +447,7 @@ def _hardware(
         parser.error(f"--override: {e}")
 
 
-def _peak(args: argparse.Namespace, hardware: Any) -> str:
+def _peak(args: argparse.Namespace, hardware: Hardware) -> str:
     """The peak the cost model uses, for the header."""
     if args.fp8:
         return f"FP8 GEMMs {hardware.fp8_tflops:g} TFLOP/s, attention {hardware.bf16_tflops:g}"
@@ -473,7 +457,7 @@ def _peak(args: argparse.Namespace, hardware: Any) -> str:
 def _print_table(
     out: Callable[..., None],
     args: argparse.Namespace,
-    hardware: Any,
+    hardware: Hardware,
     global_batch: int,
     limit: float,
     rows: Sequence[Candidate],
@@ -517,7 +501,7 @@ def _write_trace(out: Callable[..., None], directory: str, best: Candidate) -> N
 def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
     """``text`` as comma-separated integers, or a usage error naming ``flag``."""
     try:
-        return _ints(text)
+        return [int(x) for x in text.split(",") if x]
     except ValueError:
         parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
 
@@ -533,7 +517,6 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         shape = ModelShape.from_hf_config(_model_config(args))
     except (OSError, ValueError, TypeError) as e:
         parser.error(f"{args.config or args.model}: {e}")
-    _check_schedules(parser, args.schedules)
     hardware = _hardware(parser, args.preset, args.override)
     pps = _int_list(parser, "--pp", args.pp)
     eps = (
@@ -553,21 +536,22 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
         if args.memory_limit_gib is not None
         else 0.9 * hardware.hbm_bytes
     )
+    microbatches = (
+        _int_list(parser, "--microbatches", args.microbatches)
+        if args.microbatches
+        else None
+    )
+    search = functools.partial(
+        _plan_args, args, shape, hardware, global_batch, limit, eps, microbatches
+    )
     try:
-        rows = _plan_args(args, shape, hardware, pps, eps, global_batch, limit)
+        rows = search(pps, args.recompute)
     except ValueError as e:
         parser.error(str(e))
     out = (lambda *a: None) if args.quiet else print
     _print_table(out, args, hardware, global_batch, limit, rows)
     if rows and not any(c.fits for c in rows) and not args.quiet:
-        retry = functools.partial(
-            _plan_args,
-            shape=shape,
-            hardware=hardware,
-            global_batch=global_batch,
-            limit=limit,
-        )
-        out(_nothing_fits(args, shape, pps, eps, limit, rows, retry))
+        out(_nothing_fits(args, shape, pps, limit, rows, search))
     if args.trace and rows:
         _write_trace(out, args.trace, rows[0])
     if args.strict and not any(c.fits for c in rows):
@@ -575,32 +559,36 @@ def main(argv: Sequence[str] | None = None) -> list[Candidate]:
     return rows
 
 
+class _Alternative(NamedTuple):
+    """A flag that lowers the memory a candidate needs, and the search with it."""
+
+    flag: str
+    recompute: str
+    pps: list[int]
+
+
 def _alternatives(
-    args: argparse.Namespace, shape: ModelShape, pps: list[int], eps: list[int]
-) -> list[tuple[str, argparse.Namespace, list[int], list[int]]]:
+    args: argparse.Namespace, shape: ModelShape, pps: list[int]
+) -> list[_Alternative]:
     """Flags that lower the memory a candidate needs, most specific first."""
     found = []
     if args.recompute == "none" and shape.kv_lora_rank:
-        found.append(("--recompute deepseek", {"recompute": "deepseek"}, pps, eps))
+        found.append(_Alternative("--recompute deepseek", "deepseek", pps))
     if args.recompute != "full":
-        found.append(("--recompute full", {"recompute": "full"}, pps, eps))
+        found.append(_Alternative("--recompute full", "full", pps))
     more_pp = 2 * max(pps)
     if args.gpus % more_pp == 0:
-        found.append((f"--pp {more_pp}", {}, [more_pp], eps))
-    return [
-        (flag, argparse.Namespace(**{**vars(args), **changes}), p, e)
-        for flag, changes, p, e in found
-    ]
+        found.append(_Alternative(f"--pp {more_pp}", args.recompute, [more_pp]))
+    return found
 
 
 def _nothing_fits(
     args: argparse.Namespace,
     shape: ModelShape,
     pps: list[int],
-    eps: list[int],
     limit: float,
     rows: Sequence[Candidate],
-    retry: Callable[..., list[Candidate]],
+    retry: Callable[[list[int], str], list[Candidate]],
 ) -> str:
     """Why no candidate fits, and the first flag that makes one fit (tried)."""
     need = sorted(c.memory_bytes for c in rows)
@@ -608,17 +596,17 @@ def _nothing_fits(
         f"nothing fits: each of the {len(rows)} candidates needs more memory than the limit of "
         f"{limit / 2**30:.1f} GiB per GPU (from {need[0] / 2**30:.1f} to {need[-1] / 2**30:.1f} GiB)."
     )
-    tried = _alternatives(args, shape, pps, eps)
-    for flag, changed, alt_pps, alt_eps in tried:
-        fitting = [c for c in retry(changed, pps=alt_pps, eps=alt_eps) if c.fits]
+    tried = _alternatives(args, shape, pps)
+    for alt in tried:
+        fitting = [c for c in retry(alt.pps, alt.recompute) if c.fits]
         if fitting:
             best = fitting[0]
             return (
-                f"{line} With {flag}, {len(fitting)} fit (best: {best.schedule}, pp {best.pp}, "
+                f"{line} With {alt.flag}, {len(fitting)} fit (best: {best.schedule}, pp {best.pp}, "
                 f"{best.microbatches} microbatches, ep {best.ep}, {best.step_time:.3f} s predicted); "
                 "a higher --memory-limit-gib also counts more as fitting."
             )
-    flags = ", ".join(flag for flag, *_ in tried)
+    flags = ", ".join(alt.flag for alt in tried)
     return (
         f"{line} {'Tried ' + flags + ': none makes one fit. ' if flags else ''}"
         "Try more --gpus, larger --ep or --microbatches values, or --memory-limit-gib."
@@ -628,13 +616,16 @@ def _nothing_fits(
 def _plan_args(
     args: argparse.Namespace,
     shape: ModelShape,
-    hardware: Any,
-    pps: list[int],
-    eps: list[int],
+    hardware: Hardware,
     global_batch: int,
     limit: float,
+    eps: list[int],
+    microbatches: list[int] | None,
+    pps: list[int],
+    recompute: str,
 ) -> list[Candidate]:
-    """:func:`plan` with the command line's arguments."""
+    """:func:`plan` with the command line's arguments (``pps`` and ``recompute``
+    may differ from the command line's: an alternative tried)."""
     return plan(
         shape,
         hardware,
@@ -643,11 +634,11 @@ def _plan_args(
         global_batch=global_batch,
         pps=pps,
         eps=eps,
-        microbatches=_ints(args.microbatches) if args.microbatches else None,
+        microbatches=microbatches,
         schedules=args.schedules.split(","),
         memory_limit=limit,
         a2a_bytes=args.a2a_bytes,
-        recompute=args.recompute,
+        recompute=recompute,
         combine_bytes=args.combine_bytes,
         fp8_gemms=args.fp8,
     )

@@ -27,6 +27,7 @@ import torch_pipelining_ext  # noqa: F401  (patches torch: OVERLAP_F_B kept thro
 from torch_pipelining_ext.overlap.policy import Order
 from torch_pipelining_ext.sim import plan
 from torch_pipelining_ext.sim import (
+    CostOptions,
     HARDWARE_PRESETS,
     LayerCost,
     LinkCost,
@@ -757,6 +758,46 @@ class DeepSeekOptionsTest(TestCase):
         with self.assertRaisesRegex(ValueError, "recompute must be"):
             self._layer(recompute="some")
 
+    def test_cost_options_are_the_keywords(self):
+        """``layer_costs``' keywords and one ``CostOptions`` give the same costs;
+        the options are checked when they are made."""
+        kwargs = dict(
+            tp=2,
+            a2a_dtype_bytes=1,
+            combine_dtype_bytes=2,
+            recompute=True,
+            fp8_gemms=True,
+            routing_imbalance=1.25,
+        )
+        options = CostOptions(**kwargs)
+        self.assertEqual(options.recompute, "full")
+        run = dict(tokens=4096, seq_len=4096)
+        self.assertEqual(
+            options.layer_costs(self.shape, self.h800, ep=64, **run),
+            layer_costs(self.shape, self.h800, ep=64, **run, **kwargs),
+        )
+        self.assertEqual(
+            options.phase_times(self.shape, self.h800, 5, **run),
+            layer_phase_times(
+                self.shape, self.h800, 5, **run, tp=2, fp8_gemms=True,
+                routing_imbalance=1.25, recompute="full",
+            ),
+        )  # fmt: skip
+        for field, bad in (
+            ("tp", 0),
+            ("dtype_bytes", -2),
+            ("a2a_dtype_bytes", 0),
+            ("fp8_gemms", "yes"),
+            ("routing_imbalance", math.nan),
+        ):
+            with (
+                self.subTest(field=field),
+                self.assertRaisesRegex(
+                    ValueError, rf"CostOptions\.{field} must be .*got {bad!r}"
+                ),
+            ):
+                CostOptions(**{field: bad})
+
 
 class TraceCalibrationTest(TestCase):
     """tools/calibrate_trace.py on a synthetic trace in the profiler's format (no trace is vendored)."""
@@ -814,18 +855,22 @@ class TraceCalibrationTest(TestCase):
         self.assertAlmostEqual(measured.annotated_span, 1900e-6)
         self.assertAlmostEqual(measured.kernel_span, (3000 + 500 - 2000) * 1e-6)
         shape = ModelShape.from_hf_config(plan.MODEL_PRESETS["deepseek-v3"])
-        options = dict(
-            tokens=4096,
-            seq_len=4096,
-            ep=64,
-            tp=1,
+        options = CostOptions(
             a2a_dtype_bytes=1,
             combine_dtype_bytes=2,
             fp8_gemms=True,
             routing_imbalance=1.0,
             recompute="deepseek",
         )
-        phases, pair = tool.predict(shape, HARDWARE_PRESETS["H800"], 1, options)
+        phases, pair = tool.predict(
+            shape,
+            HARDWARE_PRESETS["H800"],
+            1,
+            options,
+            tokens=4096,
+            seq_len=4096,
+            ep=64,
+        )
         self.assertLessEqual(pair, sum(phases.values()) + 1e-12)
         self.assertGreaterEqual(pair, sum(phases[p] for p in tool._COMPUTE) - 1e-12)
 
