@@ -57,7 +57,12 @@ from torch_pipelining_ext import launcher
 from torch_pipelining_ext.train._data import DataError
 from torch_pipelining_ext.train._metrics import read_metrics
 from torch_pipelining_ext.train._model import MODEL_TYPES, tiny_config
-from torch_pipelining_ext.train._options import build_parser, make_plan, UsageError
+from torch_pipelining_ext.train._options import (
+    build_parser,
+    check_options,
+    UsageError,
+)
+from torch_pipelining_ext.train._plan import make_plan
 
 
 __all__ = ["MODEL_TYPES", "build_parser", "main", "read_metrics", "tiny_config"]
@@ -73,7 +78,7 @@ def main(
     args = parser.parse_args(argv)
     quiet = launcher.under_torchrun(environ) and environ.get("RANK") != "0"
     try:
-        plan = make_plan(args, environ)
+        plan = make_plan(args, check_options(args, environ))
     except (UsageError, DataError) as e:
         if not quiet:  # under torchrun rank 0 alone explains
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -94,7 +99,7 @@ def main(
     try:
         summary = launcher.launch(
             _loop.run_rank,
-            plan.world_size,
+            plan.layout.world_size,
             plan,
             backend="nccl" if args.device == "cuda" else "gloo",
             timeout=timedelta(seconds=args.timeout),

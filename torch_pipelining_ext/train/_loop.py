@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from torch_pipelining_ext import hf, launcher
 from torch_pipelining_ext.train import _checkpoints, _data, _metrics, _plot, _state
-from torch_pipelining_ext.train._options import RunPlan
+from torch_pipelining_ext.train._plan import RunPlan
 from torch_pipelining_ext.train._pipeline import Pipeline
 
 
@@ -51,7 +51,9 @@ class TrainerState(enum.Enum):
 def run_rank(rank: int, plan: RunPlan) -> dict[str, Any]:
     """Everything one rank does; returns (on rank 0) the run's summary."""
     device = _device(plan, rank)
-    mesh = launcher.device_mesh(plan.pp, plan.dp, plan.ep, device_type=device.type)
+    mesh = launcher.device_mesh(
+        plan.layout.pp, plan.layout.dp, plan.layout.ep, device_type=device.type
+    )
     trainer = Trainer(plan, mesh, device, rank)
     trainer.start()
     trainer.infer_shapes()
@@ -82,7 +84,7 @@ class Trainer:
         )
         self.step = 0
         self.position = 0
-        self.layout = f"pp{plan.pp}_dp{plan.dp}_ep{plan.ep}"
+        self.layout = f"pp{plan.layout.pp}_dp{plan.layout.dp}_ep{plan.layout.ep}"
         self.metrics: _metrics.MetricsLog | None = None
         self.progress: _metrics.Progress | None = None
         self.times: list[float] = []
@@ -150,7 +152,7 @@ class Trainer:
         print(
             f"train: {model} ({plan.config.model_type}, {plan.config.num_hidden_layers} layers"
             + (f", {plan.num_experts} experts" if plan.num_experts else "")
-            + f"), {plan.world_size} ranks pp={plan.pp} x dp={plan.dp} x ep={plan.ep}, Schedule{args.schedule}"
+            + f"), {plan.layout.world_size} ranks pp={plan.layout.pp} x dp={plan.layout.dp} x ep={plan.layout.ep}, Schedule{args.schedule}"
             + (" (overlap off)" if args.no_overlap else "")
             + f", {args.microbatches} microbatches, {args.dtype}; data: {plan.stream.num_tokens:,} tokens, "
             f"{self.data.num_sequences:,} sequences of {args.seq_len}; {what}",
@@ -211,7 +213,7 @@ class Trainer:
         if self.pipe.has_last:
             total += torch.stack([loss.detach() for loss in losses]).sum().double()
         dist.all_reduce(total)
-        return float(total) / self.plan.data_ranks
+        return float(total) / self.plan.layout.data_ranks
 
     def _record(
         self, loss: float, norm: float, lr: float, load: Any, seconds: float
@@ -223,7 +225,7 @@ class Trainer:
         record = _metrics.StepRecord(
             step=self.step, loss=loss, lr=lr, grad_norm=norm, tokens=tokens,
             step_time_s=seconds, tokens_per_s=tokens / seconds,
-            tokens_per_s_per_rank=tokens / seconds / self.plan.world_size,
+            tokens_per_s_per_rank=tokens / seconds / self.plan.layout.world_size,
             imbalance=None if load is None else float(load.imbalance().max()),
             data_position=self.position,
             eta_s=(self.args.steps - self.step) * sum(self.times) / len(self.times),
@@ -261,7 +263,11 @@ class Trainer:
         info = {
             "step": self.step,
             "data_position": self.position,
-            "layout": {"pp": self.plan.pp, "dp": self.plan.dp, "ep": self.plan.ep},
+            "layout": {
+                "pp": self.plan.layout.pp,
+                "dp": self.plan.layout.dp,
+                "ep": self.plan.layout.ep,
+            },
             "model_type": self.plan.config.model_type,
             "schedule": self.args.schedule,
         }
@@ -296,7 +302,7 @@ class Trainer:
     def _title(self) -> str:
         plan = self.plan
         return (
-            f"{plan.config.model_type}, pp={plan.pp} x dp={plan.dp} x ep={plan.ep}, "
+            f"{plan.config.model_type}, pp={plan.layout.pp} x dp={plan.layout.dp} x ep={plan.layout.ep}, "
             f"Schedule{self.args.schedule}, {self.args.dtype}"
         )
 

@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineSchedule
 from torch_pipelining_ext import hf, launcher
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
 from torch_pipelining_ext.train import _model, _state
-from torch_pipelining_ext.train._options import RunPlan
+from torch_pipelining_ext.train._plan import RunPlan
 
 
 __all__: list[str] = []
@@ -50,7 +50,7 @@ class Pipeline:
         )  # fmt: skip
         for part in self.parts:
             part.train()  # (a model read with from_pretrained is in eval mode)
-        if plan.data_ranks > 1 and not args.no_fsdp:
+        if plan.layout.data_ranks > 1 and not args.no_fsdp:
             hf.fully_shard_replicated(self.parts, mesh)  # FSDP2 over dp x ep
         self.loss_fn = hf.CausalLMLoss(n_microbatches=args.microbatches)
         single = issubclass(schedule_cls, PipelineScheduleSingle)
