@@ -50,7 +50,7 @@ class TrainerState(enum.Enum):
 
 def run_rank(rank: int, plan: RunPlan) -> dict[str, Any]:
     """Everything one rank does; returns (on rank 0) the run's summary."""
-    device = _device(plan, rank)
+    device = rank_device(plan, rank)
     mesh = launcher.device_mesh(
         plan.layout.pp, plan.layout.dp, plan.layout.ep, device_type=device.type
     )
@@ -61,7 +61,8 @@ def run_rank(rank: int, plan: RunPlan) -> dict[str, Any]:
     return trainer.finish()
 
 
-def _device(plan: RunPlan, rank: int) -> torch.device:
+def rank_device(plan: RunPlan, rank: int) -> torch.device:
+    """This rank's device (``--device cuda``: the GPU of its local rank)."""
     if plan.args.device == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -199,21 +200,12 @@ class Trainer:
             norm, lr, load = self.pipe.update()
             self.step += 1
             self.position += self.args.batch_size
-            loss = self._global_loss(losses)
+            loss = self.pipe.global_loss(losses)
             self._record(loss, norm, lr, load, time.perf_counter() - start)
             if every and self.step % every == 0 and self.step < self.args.steps:
                 self.save()
         if self.plan.resume is None or self.step != self.plan.resume.step:
             self.save()  # the last step's checkpoint: nothing of the run lost
-
-    def _global_loss(self, losses: list[torch.Tensor]) -> float:
-        """The global batch's loss: the data ranks' losses averaged (each
-        rank holding a last stage adds its microbatch losses)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.pipe.device)
-        if self.pipe.has_last:
-            total += torch.stack([loss.detach() for loss in losses]).sum().double()
-        dist.all_reduce(total)
-        return float(total) / self.plan.layout.data_ranks
 
     def _record(
         self, loss: float, norm: float, lr: float, load: Any, seconds: float

@@ -39,6 +39,8 @@ SCHEDULES = (
 AUX_LOSSES = ("none", "pooled", "per_layer", "sequence")
 CHECKPOINTING = ("none", "full")
 PROG = "python -m torch_pipelining_ext.train"
+SYNTHETIC_VOCAB = 256  # --synthetic-data's default vocabulary
+MAX_LATENCY_MS = 1000.0
 # the tiny config's flags (a --model directory has its own config)
 _TINY_DEFAULTS = {"layers": 4, "experts": 8, "hidden_size": 128, "vocab_size": None}
 
@@ -53,198 +55,84 @@ _DESCRIPTION = (
 )
 
 
+# The flags in ``--help`` order, by group: (flag, ``add_argument``'s keywords).
+_FLAGS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    "model": (
+        ("--model", dict(metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")),
+        ("--model-type", dict(choices=_model.MODEL_TYPES, help="a tiny config of this model type instead, for trying the trainer out")),
+        ("--layers", dict(type=int, default=_TINY_DEFAULTS["layers"], help="decoder layers (--model-type)")),
+        ("--experts", dict(type=int, default=_TINY_DEFAULTS["experts"], help="routed experts per MoE layer (--model-type)")),
+        ("--hidden-size", dict(type=int, default=_TINY_DEFAULTS["hidden_size"], help="hidden size (--model-type)")),
+        ("--vocab-size", dict(type=int, help="vocabulary (--model-type; default: the tokenizer's, or the token file's largest id + 1)")),
+    ),
+    "data": (
+        ("--data", dict(nargs="+", metavar="PATH", help="plain text (.txt: one document per file), JSON lines (.jsonl: a text field per line) or token ids (.bin)")),
+        ("--synthetic-data", dict(action="store_true", help=f"sequences that follow a random permutation of the vocabulary (--vocab-size, default {SYNTHETIC_VOCAB}) instead: no text, no tokenizer")),
+        ("--dataset", dict(metavar="NAME_OR_PATH", help="a local datasets dataset instead (optional package; nothing is downloaded)")),
+        ("--dataset-split", dict(default="train", help="the split of --dataset")),
+        ("--text-field", dict(default="text", help="the text field of JSON lines and datasets")),
+        ("--tokenizer", dict(metavar="DIR", help="a Hugging Face tokenizer directory (needed for text)")),
+        ("--token-dtype", dict(choices=tuple(_data.TOKEN_DTYPES), default="uint16", help="the ids of .bin files")),
+        ("--seq-len", dict(type=int, default=128, help="tokens per sequence")),
+        ("--batch-size", dict(type=int, default=16, help="sequences per step, over all data-parallel ranks")),
+        ("--no-shuffle", dict(action="store_true", help="read the sequences in file order")),
+    ),
+    "layout": (
+        ("--pp", dict(type=int, default=1, help="pipeline-parallel ranks")),
+        ("--dp", dict(type=int, help="data-parallel ranks (default: the world over pp x ep)")),
+        ("--ep", dict(type=int, default=1, help="expert-parallel ranks (inside data parallelism)")),
+        ("--nproc", dict(type=int, help="local ranks to start without torchrun (default: pp x dp x ep)")),
+        ("--no-fsdp", dict(action="store_true", help="replicate over dp x ep instead of FSDP2")),
+        ("--schedule", dict(choices=SCHEDULES, default="DualPipeV", help="pipeline schedule")),
+        ("--microbatches", dict(type=int, default=4, help="microbatches per step and data-parallel rank")),
+        ("--no-overlap", dict(action="store_true", help="run OVERLAP_F_B sequentially (what stock torch does)")),
+        ("--activation-checkpointing", dict(choices=CHECKPOINTING, default="none")),
+        ("--router-aux-loss", dict(choices=AUX_LOSSES, default="none", help="MoE router auxiliary loss")),
+        ("--router-aux-loss-coef", dict(type=float, help="its coefficient (default: the config's; required for sequence)")),
+        ("--expert-bias-rate", dict(type=float, default=0.0, help="DeepSeek-V3's auxiliary-loss-free bias update rate (0: off)")),
+    ),
+    "optimization": (
+        ("--steps", dict(type=int, default=100, help="optimizer steps of the whole run")),
+        ("--lr", dict(type=float, default=3e-3, help="peak learning rate (AdamW)")),
+        ("--min-lr", dict(type=float, default=3e-4, help="learning rate at the end of the cosine decay")),
+        ("--warmup-steps", dict(type=int, default=10, help="linear warm-up steps")),
+        ("--weight-decay", dict(type=float, default=0.1)),
+        ("--betas", dict(type=float, nargs=2, default=(0.9, 0.95), metavar=("B1", "B2"))),
+        ("--max-grad-norm", dict(type=float, default=1.0, help="clip the whole model's gradient norm (0: no clipping)")),
+        ("--dtype", dict(choices=("float32", "bfloat16"), default="float32", help="compute dtype (weights, gradients and their reductions stay float32)")),
+        ("--seed", dict(type=int, default=0, help="initial weights, data order, random ops")),
+    ),
+    "run": (
+        ("--run-dir", dict(metavar="DIR", help="checkpoints, metrics.jsonl, training.png (required; with --compare-sequential only the data, by default in a temporary directory)")),
+        ("--checkpoint-every", dict(type=int, default=50, help="steps between checkpoints (0: only the last)")),
+        ("--keep", dict(type=int, default=2, help="complete checkpoints to keep")),
+        ("--no-resume", dict(action="store_true", help="start afresh (removes the run's checkpoints)")),
+        ("--export", dict(metavar="DIR", help="write the trained model there as a Hugging Face checkpoint")),
+        ("--overwrite-export", dict(action="store_true", help="replace an existing --export directory")),
+        ("--no-verify-export", dict(action="store_true", help="skip reloading the export with from_pretrained")),
+        ("--device", dict(choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL, one GPU per rank")),
+        ("--timeout", dict(type=float, default=600.0, help="seconds a collective may wait for its peers")),
+        ("--no-progress", dict(action="store_true", help="no progress bar (the step lines stay)")),
+    ),
+    "comparison": (
+        ("--compare-sequential", dict(action="store_true", help="train every step twice from the same weights, with the concurrent OVERLAP_F_B of ScheduleDualPipeV and with the sequential one (what stock torch runs), and the unsplit model on the global batch: a table of both, exit status 1 unless their losses and weights are bitwise equal and the unsplit model's losses equal within float rounding; no checkpoints")),
+        ("--comm-latency-ms", dict(type=float, metavar="L", help="simulated link: L ms per token all-to-all, forward and backward (default: one layer's local expert compute, measured at start-up; 0: loopback only)")),
+        ("--trace", dict(metavar="DIR", help="profile the last step of both runs: Chrome traces per rank, timeline.png, expert_load.png")),
+    ),
+}  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m torch_pipelining_ext.train``."""
     formatter = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(
         PROG, description=_DESCRIPTION, formatter_class=formatter
     )
-    for title, add_flags in (
-        ("model", _model_flags),
-        ("data", _data_flags),
-        ("layout", _layout_flags),
-        ("optimization", _optimizer_flags),
-        ("run", _run_flags),
-    ):
-        add_flags(p.add_argument_group(title))
+    for title, flags in _FLAGS.items():
+        group = p.add_argument_group(title)
+        for flag, keywords in flags:
+            group.add_argument(flag, **keywords)
     return p
-
-
-def _model_flags(g: Any) -> None:
-    g.add_argument(
-        "--model",
-        metavar="DIR",
-        help="a Hugging Face model directory (config.json + safetensors)",
-    )
-    g.add_argument(
-        "--model-type",
-        choices=_model.MODEL_TYPES,
-        help="a tiny config of this model type instead, for trying the trainer out",
-    )
-    g.add_argument(
-        "--layers",
-        type=int,
-        default=_TINY_DEFAULTS["layers"],
-        help="decoder layers (--model-type)",
-    )
-    g.add_argument(
-        "--experts",
-        type=int,
-        default=_TINY_DEFAULTS["experts"],
-        help="routed experts per MoE layer (--model-type)",
-    )
-    g.add_argument(
-        "--hidden-size",
-        type=int,
-        default=_TINY_DEFAULTS["hidden_size"],
-        help="hidden size (--model-type)",
-    )
-    g.add_argument("--vocab-size", type=int, help="vocabulary (--model-type; default: the tokenizer's, or the token file's largest id + 1)")  # fmt: skip
-
-
-def _data_flags(g: Any) -> None:
-    g.add_argument("--data", nargs="+", metavar="PATH", help="plain text (.txt: one document per file), JSON lines (.jsonl: a text field per line) or token ids (.bin)")  # fmt: skip
-    g.add_argument("--dataset", metavar="NAME_OR_PATH", help="a local datasets dataset instead (optional package; nothing is downloaded)")  # fmt: skip
-    g.add_argument("--dataset-split", default="train", help="the split of --dataset")
-    g.add_argument(
-        "--text-field", default="text", help="the text field of JSON lines and datasets"
-    )
-    g.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="a Hugging Face tokenizer directory (needed for text)",
-    )
-    g.add_argument("--token-dtype", choices=tuple(_data.TOKEN_DTYPES), default="uint16", help="the ids of .bin files")  # fmt: skip
-    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    g.add_argument(
-        "--batch-size",
-        type=int,
-        default=16,
-        help="sequences per step, over all data-parallel ranks",
-    )
-    g.add_argument(
-        "--no-shuffle", action="store_true", help="read the sequences in file order"
-    )
-
-
-def _layout_flags(g: Any) -> None:
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    g.add_argument(
-        "--dp", type=int, help="data-parallel ranks (default: the world over pp x ep)"
-    )
-    g.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel ranks (inside data parallelism)",
-    )
-    g.add_argument(
-        "--nproc",
-        type=int,
-        help="local ranks to start without torchrun (default: pp x dp x ep)",
-    )
-    g.add_argument(
-        "--no-fsdp", action="store_true", help="replicate over dp x ep instead of FSDP2"
-    )
-    g.add_argument(
-        "--schedule", choices=SCHEDULES, default="DualPipeV", help="pipeline schedule"
-    )
-    g.add_argument(
-        "--microbatches",
-        type=int,
-        default=4,
-        help="microbatches per step and data-parallel rank",
-    )
-    g.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="run OVERLAP_F_B sequentially (what stock torch does)",
-    )
-    g.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="none")
-    g.add_argument(
-        "--router-aux-loss",
-        choices=AUX_LOSSES,
-        default="none",
-        help="MoE router auxiliary loss",
-    )
-    g.add_argument("--router-aux-loss-coef", type=float, help="its coefficient (default: the config's; required for sequence)")  # fmt: skip
-    g.add_argument("--expert-bias-rate", type=float, default=0.0, help="DeepSeek-V3's auxiliary-loss-free bias update rate (0: off)")  # fmt: skip
-
-
-def _optimizer_flags(g: Any) -> None:
-    g.add_argument(
-        "--steps", type=int, default=100, help="optimizer steps of the whole run"
-    )
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    g.add_argument(
-        "--min-lr",
-        type=float,
-        default=3e-4,
-        help="learning rate at the end of the cosine decay",
-    )
-    g.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument(
-        "--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("B1", "B2")
-    )
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the whole model's gradient norm (0: no clipping)")  # fmt: skip
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (weights, gradients and their reductions stay float32)")  # fmt: skip
-    g.add_argument(
-        "--seed", type=int, default=0, help="initial weights, data order, random ops"
-    )
-
-
-def _run_flags(g: Any) -> None:
-    g.add_argument(
-        "--run-dir",
-        required=True,
-        metavar="DIR",
-        help="checkpoints, metrics.jsonl, training.png",
-    )
-    g.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=50,
-        help="steps between checkpoints (0: only the last)",
-    )
-    g.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
-    g.add_argument(
-        "--no-resume",
-        action="store_true",
-        help="start afresh (removes the run's checkpoints)",
-    )
-    g.add_argument(
-        "--export",
-        metavar="DIR",
-        help="write the trained model there as a Hugging Face checkpoint",
-    )
-    g.add_argument(
-        "--overwrite-export",
-        action="store_true",
-        help="replace an existing --export directory",
-    )
-    g.add_argument(
-        "--no-verify-export",
-        action="store_true",
-        help="skip reloading the export with from_pretrained",
-    )
-    g.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cpu: gloo; cuda: NCCL, one GPU per rank",
-    )
-    g.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="seconds a collective may wait for its peers",
-    )
-    g.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (the step lines stay)",
-    )
 
 
 @dataclass(frozen=True)
@@ -275,7 +163,16 @@ def check_options(
     single = issubclass(schedule_cls, PipelineScheduleSingle)
     layout = Layout(world, args.pp, dp, args.ep, args.pp if single else 2 * args.pp)
     _check_batch(args, layout)
-    _check_directories(args)
+    if args.compare_sequential:
+        _check_comparison(args)
+    elif args.run_dir is None:
+        raise UsageError(
+            "--run-dir DIR is required (checkpoints, metrics.jsonl, training.png)"
+        )
+    for flag, path in (("--run-dir", args.run_dir), ("--trace", args.trace)):
+        if path is not None:
+            _check_creatable(flag, path)
+    _check_export(args)
     return layout
 
 
@@ -319,8 +216,12 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise UsageError(
             "give the model: --model DIR (a Hugging Face directory) or --model-type TYPE (a tiny config)"
         )
-    if (args.data is None) == (args.dataset is None):
-        raise UsageError("give the data: --data PATH... or --dataset NAME_OR_PATH")
+    if [args.data is not None, args.dataset is not None, args.synthetic_data].count(
+        True
+    ) != 1:
+        raise UsageError(
+            "give the data: --data PATH..., --dataset NAME_OR_PATH or --synthetic-data"
+        )
     tiny = [f for f, default in _TINY_DEFAULTS.items() if getattr(args, f) != default]
     if args.model is not None and tiny:
         raise UsageError(
@@ -379,19 +280,47 @@ def _check_batch(args: argparse.Namespace, layout: Layout) -> None:
         )
 
 
-def _check_directories(args: argparse.Namespace) -> None:
-    """The run directory can be created (it is, once the run is planned);
-    the export directory is free."""
-    path = os.path.abspath(args.run_dir)
+def _check_comparison(args: argparse.Namespace) -> None:
+    """What ``--compare-sequential`` runs: ScheduleDualPipeV both ways, in
+    float32, the losses of the unsplit model comparable."""
+    latency = args.comm_latency_ms
+    # (not "< 0": nan compares false with everything; inf would reach time.sleep)
+    if latency is not None and not 0 <= latency <= MAX_LATENCY_MS:
+        raise UsageError(
+            f"--comm-latency-ms must be a number of milliseconds >= 0 and <= {MAX_LATENCY_MS:g}, got {latency:g}: "
+            "it is spent in every all-to-all, forward and backward, dozens of times per step"
+        )
+    conflicts = {
+        "--schedule": args.schedule != "DualPipeV",
+        "--no-overlap": args.no_overlap,
+        "--export": args.export is not None,
+        "--dtype": args.dtype != "float32",
+        "--router-aux-loss": args.router_aux_loss != "none",
+        "--expert-bias-rate": args.expert_bias_rate > 0,
+    }
+    given = [flag for flag, conflict in conflicts.items() if conflict]
+    if given:
+        raise UsageError(
+            f"--compare-sequential runs ScheduleDualPipeV's OVERLAP_F_B both ways in float32 and compares with the "
+            f"unsplit Hugging Face model: drop {', '.join(given)}"
+        )
+
+
+def _check_creatable(flag: str, directory: str) -> None:
+    """``directory`` is one, or can be made (it is, once the run is planned)."""
+    path = os.path.abspath(directory)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"--run-dir {args.run_dir} is not a directory")
+        raise UsageError(f"{flag} {directory} is not a directory")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(
-            f"--run-dir {args.run_dir}: cannot create it or write there ({existing} is not a writable directory)"
+            f"{flag} {directory}: cannot create it or write there ({existing} is not a writable directory)"
         )
+
+
+def _check_export(args: argparse.Namespace) -> None:
     export = args.export
     if export is not None and (
         os.path.isfile(export)

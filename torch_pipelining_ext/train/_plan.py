@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from torch_pipelining_ext import hf
 from torch_pipelining_ext.train import _checkpoints, _data, _model
-from torch_pipelining_ext.train._options import Layout, UsageError
+from torch_pipelining_ext.train._options import Layout, SYNTHETIC_VOCAB, UsageError
 
 
 __all__: list[str] = []
@@ -28,10 +29,11 @@ __all__: list[str] = []
 # Every check that needs no file of the run comes first (``_options.py``:
 # the flags; here: the config, the tokenizer, the token file, the meta model,
 # the checkpoint to resume), and the run directory is created only when they
-# all passed.  Tokenizing text is the one step that must write before the
-# last check (whether the data holds one step's batch): if that check fails,
+# all passed.  Writing the data (text tokenized, or synthetic sequences) is
+# the one step that must come before the last check (whether the data holds one step's batch): if that check fails,
 # the run directory is removed again when this call created it, so a refused
-# command leaves the file system as it found it.
+# command leaves the file system as it found it.  A comparison without
+# --run-dir keeps its data in a temporary directory, removed after the run.
 
 
 @dataclass
@@ -45,6 +47,7 @@ class RunPlan:
     num_experts: int
     stream: _data.TokenStream
     resume: _checkpoints.Checkpoint | None
+    temporary_run_dir: bool = False
 
 
 def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
@@ -60,15 +63,29 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
         plan = RunPlan(
             args, layout, config, num_experts, stream, _resume_point(args, config)
         )
-        created = not os.path.isdir(args.run_dir)
-        os.makedirs(args.run_dir, exist_ok=True)
+        if args.run_dir is None:  # --compare-sequential
+            args.run_dir = tempfile.mkdtemp(prefix="torch_pipelining_ext_compare_")
+            plan.temporary_run_dir = created = True
+        else:
+            created = not os.path.isdir(args.run_dir)
+            os.makedirs(args.run_dir, exist_ok=True)
     except (_data.DataError, UsageError):
         raise
+    except ImportError as e:
+        raise UsageError(
+            f"the trainer needs transformers: pip install 'torch_pipelining_ext[hf]' ({e})"
+        ) from e
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from e
     try:
-        if plan.stream is None:  # text
-            plan.stream = _tokenized(args, tokenizer)
+        data = os.path.join(args.run_dir, "data")
+        if args.synthetic_data:
+            sequences = args.steps * args.batch_size  # one epoch: the whole run
+            plan.stream = _data.synthetic_stream(
+                config.vocab_size, args.seq_len, sequences, args.seed, data
+            )
+        elif plan.stream is None:  # text
+            plan.stream = _tokenized(args, tokenizer, data)
         _check_data_size(plan)
     except BaseException:
         if created:
@@ -79,6 +96,8 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
 
 def _token_file(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream | None:
     """The run's token file where ``--data`` is one (``None``: text)."""
+    if args.synthetic_data:
+        return None
     if args.data is not None:
         kinds = {_data.source_kind(p) for p in args.data}
         if "binary" in kinds:
@@ -94,7 +113,9 @@ def _token_file(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream |
     return None
 
 
-def _tokenized(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream:
+def _tokenized(
+    args: argparse.Namespace, tokenizer: Any, directory: str
+) -> _data.TokenStream:
     """The text tokenized into the run directory (once: named by a fingerprint)."""
     if args.dataset is not None:
         docs, fingerprint = _data.dataset_documents(
@@ -106,9 +127,7 @@ def _tokenized(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream:
             args.data, args.tokenizer, args.text_field
         )
         docs = _data.documents(args.data, args.text_field)
-    return _data.tokenized_stream(
-        docs, tokenizer, fingerprint, os.path.join(args.run_dir, "data")
-    )
+    return _data.tokenized_stream(docs, tokenizer, fingerprint, directory)
 
 
 def load_tokenizer(directory: str) -> Any:
@@ -140,7 +159,8 @@ def _config(
     if args.model is not None:
         config = _model.load_config(args.model)
     else:
-        vocab = args.vocab_size or tokenizer_vocab or (max_id + 1)
+        vocab = args.vocab_size or tokenizer_vocab
+        vocab = vocab or (SYNTHETIC_VOCAB if stream is None else max_id + 1)
         config = _model.tiny_config(
             args.model_type, vocab_size=vocab, layers=args.layers, experts=args.experts,
             hidden_size=args.hidden_size,
@@ -185,7 +205,8 @@ def _check_model(args: argparse.Namespace, layout: Layout, config: Any) -> int:
             )
         if not hf.has_fused_experts():
             raise UsageError(
-                "--ep > 1 needs transformers 5.x (fused experts, which expert parallelism shards)"
+                "--ep > 1 needs transformers 5.x (fused experts, which expert parallelism shards): "
+                "pip install 'transformers>=5,<6'"
             )
     if args.router_aux_loss != "none" and num_experts == 0:
         raise UsageError(
@@ -209,7 +230,7 @@ def _resume_point(
 ) -> _checkpoints.Checkpoint | None:
     """The checkpoint to resume (checked against the model: another model's
     is refused before anything is written)."""
-    if args.no_resume:
+    if args.no_resume or args.run_dir is None:
         return None
     latest = _checkpoints.RunCheckpoints(args.run_dir).latest()
     if latest is None:
