@@ -663,6 +663,11 @@ class TrainArgumentsTest(_RunDirTest):
         self.assertIn(
             "give the model", self.refused(*text_flags(), "--run-dir", self.run_dir())
         )
+        self.assertIn("--run-dir DIR is required", self.refused(*self.base()[:-2]))
+        self.assertIn(
+            "give the data",
+            self.refused(*self.base("--synthetic-data")),
+        )
         dense = self.refused(
             "--model-type",
             "llama",
@@ -836,6 +841,20 @@ class TrainPartsTest(_RunDirTest):
             hf.check_checkpoint(config, path)
         with self.assertRaises(FileNotFoundError):
             hf.check_checkpoint(config, os.path.join(path, "missing"))
+
+    def test_synthetic_sequences(self) -> None:
+        """--synthetic-data: every sequence follows one permutation of the
+        vocabulary from its first id, and the file is the same for a seed."""
+        directory = os.path.dirname(self.run_dir())
+        stream = _data.synthetic_stream(64, 16, 40, 7, directory)
+        ids = torch.from_numpy(stream.open().astype(np.int64)).view(40, 16)
+        successor: dict[int, int] = {}
+        for a, b in zip(ids[:, :-1].flatten().tolist(), ids[:, 1:].flatten().tolist()):
+            self.assertEqual(successor.setdefault(a, b), b)
+        self.assertEqual(len(set(successor.values())), len(successor))  # one-to-one
+        self.assertGreater(len(set(ids[:, 0].tolist())), 1)
+        again = _data.synthetic_stream(64, 16, 40, 7, os.path.join(directory, "again"))
+        self.assertTrue(np.array_equal(again.open(), stream.open()))
 
     def test_learning_rate_schedule(self) -> None:
         factors = [
