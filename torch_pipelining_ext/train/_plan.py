@@ -4,7 +4,7 @@ Private helper of :mod:`torch_pipelining_ext.train`.  Once the flags passed
 ``_options.check_options``, :func:`make_plan` reads the model's config, the
 tokenizer and the data, checks them against each other (positions, experts,
 the split into stages on a meta model, the vocabulary, the checkpoint to
-resume), then creates the run directory and tokenizes the text into it.  It
+resume), then creates the run directory and writes the data into it.  It
 raises :class:`UsageError` (exit status 2) for what it finds wrong and
 leaves nothing behind: see ``[Note: a refused run writes nothing]``.
 """
@@ -52,9 +52,10 @@ class RunPlan:
 
 def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
     """Read and check the model, the tokenizer and the data of ``args``
-    (checked by ``check_options``), then create the run directory and
-    tokenize the text; raises :class:`UsageError` with a message saying
-    what to change."""
+    (checked by ``check_options``), then create the run directory (a
+    temporary one for a comparison without ``--run-dir``) and write the data
+    into it (the text tokenized, or ``--synthetic-data``); raises
+    :class:`UsageError` with a message saying what to change."""
     try:
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         stream = _token_file(args, tokenizer)
