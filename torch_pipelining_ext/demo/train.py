@@ -1,109 +1,72 @@
-"""The main job: train a tiny Hugging Face MoE with pipeline x expert parallelism.
+"""The main job: ``python -m torch_pipelining_ext.demo`` (``bash tools/run_demo.sh``).
 
-``python -m torch_pipelining_ext.demo`` (``bash tools/run_demo.sh``) builds a
-tiny Qwen3-MoE (``--model``: Mixtral, DeepSeek-V3) from a transformers 5.x
-config -- no download -- and trains it on synthetic data with
-``ScheduleDualPipeV`` and expert parallelism (:mod:`torch_pipelining_ext.hf`):
+The demo is the trainer's comparison mode with the demo's defaults:
+``python -m torch_pipelining_ext.demo [FLAGS]`` runs
+``python -m torch_pipelining_ext.train`` with :data:`DEMO_FLAGS` followed by
+``FLAGS`` (a later flag overrides an earlier one; ``--model TYPE`` is taken
+as ``--model-type TYPE``).  It trains a tiny Qwen3-MoE from a transformers
+5.x config -- no download -- on synthetic sequences with
+``ScheduleDualPipeV`` and expert parallelism (EP=2, both stages of the V on
+each of 2 processes; ``--pp 2``: PP=2 x EP=2 on 4), every step with the
+concurrent OVERLAP_F_B and with the sequential one over a simulated slow
+link, and the unsplit Hugging Face model as the reference; see
+:mod:`torch_pipelining_ext.train` (``--compare-sequential``).
 
-* default layout: 2 processes, EP=2, each holding both stages of the V
-  (PP=1), so every OVERLAP_F_B action pairs the forward of one local stage
-  with the backward of the other; ``--pp 2``: PP=2 x EP=2 on 4 processes;
-* each MoE layer keeps ``E / ep`` experts; tokens travel to their experts by
-  all-to-all, over a simulated link on which every all-to-all costs what one
-  layer's local expert compute costs (measured at start-up;
-  ``--comm-latency-ms`` overrides, 0 leaves loopback alone);
-* each step runs twice from the same weights: with the package's concurrent
-  OVERLAP_F_B and with the sequential one (what stock torch runs).  Their
-  losses and weights must be bitwise equal; rank 0 then trains the unsplit
-  Hugging Face model on the global batch as the reference (float tolerance);
-* after each step :func:`torch_pipelining_ext.hf.expert_load` sums the tokens
-  routed to each expert of every MoE layer over all ranks; the last step's
-  balance is printed (and plotted with ``--trace``).
+Exit status: 0 when the losses and weights of both runs are bitwise equal
+and the reference's losses equal within float rounding, 1 when not, 2 for
+bad arguments.
 
-Exit status: 0 when all of that holds, 1 when not, 2 for bad arguments.
-Under ``torchrun`` the demo joins its env:// rendezvous instead of spawning.
-Launching and the simulated link live in :mod:`torch_pipelining_ext.demo.harness`,
-the checks and the report in ``demo/_report.py``.
+The rest of this module is the workload of ``tools/bench_hf_overlap.py``
+and ``tools/bench_moe_balance.py``: the tiny config, the synthetic global
+batch and a pipeline trained with SGD.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import ScheduleDualPipeV
 from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
 import torch_pipelining_ext  # noqa: F401  (applies the patches)
-from torch_pipelining_ext import hf
-from torch_pipelining_ext.demo import _report, harness
+from torch_pipelining_ext import hf, train
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
-from torch_pipelining_ext.train import tiny_config
 
 
-__all__ = ["Pipeline", "build_parser", "main", "parse_args", "tiny_moe_config"]
+__all__ = ["DEMO_FLAGS", "Pipeline", "main", "tiny_moe_config"]
 
 VOCAB, SEQ_LEN, MICROBATCH_SIZE, LR = 256, 256, 2, 0.2
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
 
-
-_LATENCY_HELP = (
-    "simulated link: L ms per token all-to-all, forward and backward (default: one "
-    "layer's local expert compute, measured at start-up; 0: loopback only)"
-)
-_TRACE_HELP = "profile the last step of both runs: Chrome traces per rank"
-# The demo's options in ``--help`` order: (flag, type, default, help), and the
-# further ``add_argument`` keywords of some of them.
-_OPTIONS: tuple[tuple[str, type | None, Any, str], ...] = (
-    ("--pp", int, 1, "pipeline ranks (each holds 2 stages of the V)"),
-    ("--ep", int, 2, "expert-parallel ranks (also data parallel)"),
-    ("--model", None, "qwen3_moe", "transformers model type"),
-    ("--layers", int, 4, "decoder layers"),
-    ("--experts", int, 8, "routed experts per MoE layer (divisible by --ep)"),
-    ("--microbatches", int, 8, "microbatches per step and EP rank"),
-    ("--steps", int, 6, "training steps (each run in both modes)"),
-    ("--seed", int, 0, "seed of the weights and the data"),
-    ("--comm-latency-ms", float, None, _LATENCY_HELP),
-    ("--trace", None, None, _TRACE_HELP),
-)
-_EXTRA_KEYWORDS: dict[str, dict[str, Any]] = {
-    "--model": {"choices": MODELS},
-    "--comm-latency-ms": {"metavar": "L"},
-    "--trace": {"metavar": "DIR"},
-}
+DEMO_FLAGS = (
+    "--compare-sequential", "--synthetic-data", "--model-type", "qwen3_moe",
+    "--layers", "4", "--experts", "8", "--ep", "2", "--microbatches", "8",
+    "--batch-size", "32", "--seq-len", str(SEQ_LEN), "--vocab-size", str(VOCAB),
+    "--steps", "6", "--warmup-steps", "1", "--timeout", "300",
+)  # fmt: skip
+"""The trainer's flags of the demo, before the command line's."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m torch_pipelining_ext.demo",
-        description="Train a tiny Hugging Face MoE with PP x EP and the concurrent OVERLAP_F_B of "
-        "ScheduleDualPipeV; compare with the sequential OVERLAP_F_B and with the unsplit model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for flag, type_, default, help_ in _OPTIONS:
-        extra = _EXTRA_KEYWORDS.get(flag, {})
-        p.add_argument(flag, type=type_, default=default, help=help_, **extra)
-    return p
-
-
-def parse_args(
-    argv: Sequence[str] | None = None, environ: dict[str, str] | None = None
-) -> argparse.Namespace:
-    """Parse and validate; bad input exits with status 2 before any process starts."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _report.validate(parser, args, environ)
-    return args
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m torch_pipelining_ext.demo``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # the demo's former --model TYPE is the trainer's --model-type (--model: a directory)
+    for i, arg in enumerate(argv):
+        if arg == "--model":
+            argv[i] = "--model-type"
+        elif arg.startswith("--model="):
+            argv[i] = "--model-type=" + arg.split("=", 1)[1]
+    return train.main([*DEMO_FLAGS, *argv])
 
 
 def tiny_moe_config(args: argparse.Namespace):
     """A tiny MoE config whose experts do most of a layer's work, as in real
     MoEs (the trainer's tiny config of ``--model``, sequences of ``SEQ_LEN``)."""
-    return tiny_config(
+    return train.tiny_config(
         args.model,
         vocab_size=VOCAB,
         layers=args.layers,
@@ -180,64 +143,3 @@ class Pipeline:
         )  # replicated: average over EP; experts: / ep
         self.optimizer.step()
         return [loss.detach() for loss in losses]
-
-
-def train(args: argparse.Namespace, rank: int) -> int:
-    """One rank's run; returns the exit status (the same on every rank)."""
-    import transformers
-
-    mesh = init_device_mesh("cpu", (args.pp, args.ep), mesh_dim_names=("pp", "ep"))
-    ep_rank = mesh["ep"].get_local_rank()
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    config = tiny_moe_config(args)
-    model = transformers.AutoModelForCausalLM.from_config(config)  # no download
-    # 2 stages per pipeline rank (the V); embedding and head cost little here
-    names = hf.hf_module_names_per_stage(
-        model, 2 * args.pp, input_weight=0.25, output_weight=0.5
-    )
-    runs = {
-        mode: Pipeline(model, mesh, names, args, overlap=mode == "overlap")
-        for mode in ("overlap", "sequential")
-    }
-    # calibrates the simulated link, prints the header
-    report = _report.Report(
-        args, rank, runs, names, MICROBATCH_SIZE * SEQ_LEN, config.num_experts_per_tok
-    )
-
-    for step in range(args.steps):
-        ids = global_batch(args, step).chunk(args.ep)[ep_rank]
-        order = (
-            list(runs) if step % 2 == 0 else list(reversed(runs))
-        )  # drift hits both modes alike
-        for mode in order:
-            with report.timed(mode, step):
-                losses = runs[mode].train_step(ids)
-            report.losses(mode, step, losses)
-            # tokens per expert of every MoE layer, summed over all ranks and microbatches
-            report.expert_load(mode, hf.expert_load(runs[mode].parts, dist.group.WORLD))
-        report.print_step(step)
-
-    report.params_identical(runs["overlap"].parts, runs["sequential"].parts)
-    if rank == 0:
-        report.reference(reference_losses(model, args))
-    return report.finish()
-
-
-def reference_losses(model: torch.nn.Module, args: argparse.Namespace) -> list[float]:
-    """The unsplit Hugging Face model trained on the global batches: per-step loss."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    out = []
-    for step in range(args.steps):
-        optimizer.zero_grad()
-        ids = global_batch(args, step)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        out.append(loss.item())
-    return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m torch_pipelining_ext.demo``; returns the exit status."""
-    args = parse_args(argv)
-    return harness.launch(args, train)

@@ -29,6 +29,20 @@ The run directory (``--run-dir``) holds:
   imbalance over the steps (with matplotlib);
 * ``data/``: the text tokenized and packed, once.
 
+With ``--compare-sequential`` (:mod:`torch_pipelining_ext.train.compare`;
+``python -m torch_pipelining_ext.demo`` is its preset) the run trains every
+step twice from the same weights, with ScheduleDualPipeV's concurrent
+OVERLAP_F_B and with the sequential one (what stock torch runs), over a
+simulated slow link for the expert-parallel all-to-alls
+(``--comm-latency-ms``), and rank 0 trains the unsplit Hugging Face model on
+the global batches as the reference; it prints both runs' step times and a
+table, and exits with status 1 unless both runs' losses and weights are
+bitwise equal and the reference's losses equal within float rounding.
+``--trace DIR`` profiles the last step (Chrome traces, ``timeline.png``,
+``expert_load.png``).  It writes no checkpoint; ``--synthetic-data`` trains
+on sequences that follow a random permutation of the vocabulary, and
+without ``--run-dir`` the data goes to a temporary directory.
+
 With ``--export DIR`` the trained model is written as a Hugging Face
 checkpoint, reloaded with ``from_pretrained`` and compared with the trained
 weights (``--no-verify-export`` skips that) before the run says it is done.
@@ -41,23 +55,31 @@ larger than the model's vocabulary, a checkpoint of another model, ...).
 
 The trainer is built from the public API of :mod:`torch_pipelining_ext.hf`
 and :mod:`torch_pipelining_ext.launcher` only: its private modules are the
-worked example of that API (``_pipeline.py``: the stages and one step;
-``_loop.py``: resume, training, checkpoints, export).
+worked example of that API (``_options.py``: the flags; ``_plan.py``: the
+model, tokenizer and data, checked; ``_pipeline.py``: the stages and one
+step; ``_loop.py``: resume, training, checkpoints, export).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from torch_pipelining_ext import launcher
+from torch_pipelining_ext.train import _checkpoints, _loop, compare
 from torch_pipelining_ext.train._data import DataError
 from torch_pipelining_ext.train._metrics import read_metrics
 from torch_pipelining_ext.train._model import MODEL_TYPES, tiny_config
-from torch_pipelining_ext.train._options import build_parser, make_plan, UsageError
+from torch_pipelining_ext.train._options import (
+    build_parser,
+    check_options,
+    UsageError,
+)
+from torch_pipelining_ext.train._plan import make_plan, RunPlan
 
 
 __all__ = ["MODEL_TYPES", "build_parser", "main", "read_metrics", "tiny_config"]
@@ -73,41 +95,53 @@ def main(
     args = parser.parse_args(argv)
     quiet = launcher.under_torchrun(environ) and environ.get("RANK") != "0"
     try:
-        plan = make_plan(args, environ)
+        plan = make_plan(args, check_options(args, environ))
     except (UsageError, DataError) as e:
         if not quiet:  # under torchrun rank 0 alone explains
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
-    from torch_pipelining_ext.train import _checkpoints, _loop
+    try:
+        if args.compare_sequential:
+            return _launch(compare.run_rank, plan)
+        return _train(plan, parser.prog, environ)
+    except launcher.RankFailedError as e:
+        print(f"{parser.prog}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if plan.temporary_run_dir:
+            shutil.rmtree(args.run_dir, ignore_errors=True)
 
-    lock = (
-        None
-        if launcher.under_torchrun(environ)
-        else _checkpoints.lock_run_dir(args.run_dir)
-    )
-    if lock is None and not launcher.under_torchrun(environ):
+
+def _train(plan: RunPlan, prog: str, environ: Mapping[str, str]) -> int:
+    """The training run of ``plan``: the run directory locked, the summary printed."""
+    torchrun = launcher.under_torchrun(environ)
+    lock = None if torchrun else _checkpoints.lock_run_dir(plan.args.run_dir)
+    if lock is None and not torchrun:
         print(
-            f"{parser.prog}: error: another run uses --run-dir {args.run_dir}",
+            f"{prog}: error: another run uses --run-dir {plan.args.run_dir}",
             file=sys.stderr,
         )
         return 2
     try:
-        summary = launcher.launch(
-            _loop.run_rank,
-            plan.world_size,
-            plan,
-            backend="nccl" if args.device == "cuda" else "gloo",
-            timeout=timedelta(seconds=args.timeout),
-        )
-    except launcher.RankFailedError as e:
-        print(f"{parser.prog}: {e}", file=sys.stderr)
-        return 1
+        summary = _launch(_loop.run_rank, plan)
     finally:
         if lock is not None:
             lock.close()
     if summary:
         _print_summary(summary)
     return 0
+
+
+def _launch(fn: Callable[[int, RunPlan], Any], plan: RunPlan) -> Any:
+    """``fn(rank, plan)`` on every rank; what it returned on rank 0 (under
+    torchrun: on this rank)."""
+    return launcher.launch(
+        fn,
+        plan.layout.world_size,
+        plan,
+        backend="nccl" if plan.args.device == "cuda" else "gloo",
+        timeout=timedelta(seconds=plan.args.timeout),
+    )
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -212,6 +212,30 @@ def tokenized_stream(
     return binary_stream(path, dtype)
 
 
+def synthetic_stream(
+    vocab_size: int, seq_len: int, num_sequences: int, seed: int, cache_dir: str
+) -> TokenStream:
+    """``num_sequences`` sequences of ``seq_len`` ids that follow one random
+    permutation of the vocabulary from a random first id (a rule the model
+    learns in a few steps), written to a token file of ``cache_dir``: data
+    for trying the trainer out, and for ``--compare-sequential``, without
+    text or a tokenizer."""
+    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(vocab_size, generator=gen)
+    ids = torch.empty(num_sequences, seq_len, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, vocab_size, (num_sequences,), generator=gen)
+    for t in range(1, seq_len):
+        ids[:, t] = perm[ids[:, t - 1]]
+    os.makedirs(cache_dir, exist_ok=True)
+    name = f"synthetic-v{vocab_size}-s{seed}-{num_sequences}x{seq_len}.{dtype}.bin"
+    path = os.path.join(cache_dir, name)
+    partial = f"{path}.partial-{os.getpid()}"
+    ids.numpy().astype(TOKEN_DTYPES[dtype]).tofile(partial)
+    os.replace(partial, path)
+    return binary_stream(path, dtype)
+
+
 def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
     batch: list[str] = []
     for doc in docs:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from torch_pipelining_ext import hf, launcher
 from torch_pipelining_ext.train import _checkpoints, _data, _metrics, _plot, _state
-from torch_pipelining_ext.train._options import RunPlan
+from torch_pipelining_ext.train._plan import RunPlan
 from torch_pipelining_ext.train._pipeline import Pipeline
 
 
@@ -50,8 +50,10 @@ class TrainerState(enum.Enum):
 
 def run_rank(rank: int, plan: RunPlan) -> dict[str, Any]:
     """Everything one rank does; returns (on rank 0) the run's summary."""
-    device = _device(plan, rank)
-    mesh = launcher.device_mesh(plan.pp, plan.dp, plan.ep, device_type=device.type)
+    device = rank_device(plan, rank)
+    mesh = launcher.device_mesh(
+        plan.layout.pp, plan.layout.dp, plan.layout.ep, device_type=device.type
+    )
     trainer = Trainer(plan, mesh, device, rank)
     trainer.start()
     trainer.infer_shapes()
@@ -59,7 +61,8 @@ def run_rank(rank: int, plan: RunPlan) -> dict[str, Any]:
     return trainer.finish()
 
 
-def _device(plan: RunPlan, rank: int) -> torch.device:
+def rank_device(plan: RunPlan, rank: int) -> torch.device:
+    """This rank's device (``--device cuda``: the GPU of its local rank)."""
     if plan.args.device == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -82,7 +85,7 @@ class Trainer:
         )
         self.step = 0
         self.position = 0
-        self.layout = f"pp{plan.pp}_dp{plan.dp}_ep{plan.ep}"
+        self.layout = f"pp{plan.layout.pp}_dp{plan.layout.dp}_ep{plan.layout.ep}"
         self.metrics: _metrics.MetricsLog | None = None
         self.progress: _metrics.Progress | None = None
         self.times: list[float] = []
@@ -150,7 +153,7 @@ class Trainer:
         print(
             f"train: {model} ({plan.config.model_type}, {plan.config.num_hidden_layers} layers"
             + (f", {plan.num_experts} experts" if plan.num_experts else "")
-            + f"), {plan.world_size} ranks pp={plan.pp} x dp={plan.dp} x ep={plan.ep}, Schedule{args.schedule}"
+            + f"), {plan.layout.world_size} ranks pp={plan.layout.pp} x dp={plan.layout.dp} x ep={plan.layout.ep}, Schedule{args.schedule}"
             + (" (overlap off)" if args.no_overlap else "")
             + f", {args.microbatches} microbatches, {args.dtype}; data: {plan.stream.num_tokens:,} tokens, "
             f"{self.data.num_sequences:,} sequences of {args.seq_len}; {what}",
@@ -197,21 +200,12 @@ class Trainer:
             norm, lr, load = self.pipe.update()
             self.step += 1
             self.position += self.args.batch_size
-            loss = self._global_loss(losses)
+            loss = self.pipe.global_loss(losses)
             self._record(loss, norm, lr, load, time.perf_counter() - start)
             if every and self.step % every == 0 and self.step < self.args.steps:
                 self.save()
         if self.plan.resume is None or self.step != self.plan.resume.step:
             self.save()  # the last step's checkpoint: nothing of the run lost
-
-    def _global_loss(self, losses: list[torch.Tensor]) -> float:
-        """The global batch's loss: the data ranks' losses averaged (each
-        rank holding a last stage adds its microbatch losses)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.pipe.device)
-        if self.pipe.has_last:
-            total += torch.stack([loss.detach() for loss in losses]).sum().double()
-        dist.all_reduce(total)
-        return float(total) / self.plan.data_ranks
 
     def _record(
         self, loss: float, norm: float, lr: float, load: Any, seconds: float
@@ -223,7 +217,7 @@ class Trainer:
         record = _metrics.StepRecord(
             step=self.step, loss=loss, lr=lr, grad_norm=norm, tokens=tokens,
             step_time_s=seconds, tokens_per_s=tokens / seconds,
-            tokens_per_s_per_rank=tokens / seconds / self.plan.world_size,
+            tokens_per_s_per_rank=tokens / seconds / self.plan.layout.world_size,
             imbalance=None if load is None else float(load.imbalance().max()),
             data_position=self.position,
             eta_s=(self.args.steps - self.step) * sum(self.times) / len(self.times),
@@ -261,7 +255,11 @@ class Trainer:
         info = {
             "step": self.step,
             "data_position": self.position,
-            "layout": {"pp": self.plan.pp, "dp": self.plan.dp, "ep": self.plan.ep},
+            "layout": {
+                "pp": self.plan.layout.pp,
+                "dp": self.plan.layout.dp,
+                "ep": self.plan.layout.ep,
+            },
             "model_type": self.plan.config.model_type,
             "schedule": self.args.schedule,
         }
@@ -296,7 +294,7 @@ class Trainer:
     def _title(self) -> str:
         plan = self.plan
         return (
-            f"{plan.config.model_type}, pp={plan.pp} x dp={plan.dp} x ep={plan.ep}, "
+            f"{plan.config.model_type}, pp={plan.layout.pp} x dp={plan.layout.dp} x ep={plan.layout.ep}, "
             f"Schedule{self.args.schedule}, {self.args.dtype}"
         )
 

@@ -2,7 +2,7 @@
 of a model type for trying the trainer out.
 
 Private helper of :mod:`torch_pipelining_ext.train`: everything here runs
-before any process group exists (the checks of ``_options.py``) or on every
+before any process group exists (the checks of ``_plan.py``) or on every
 rank alike (the initial weights of a tiny model).
 """
 

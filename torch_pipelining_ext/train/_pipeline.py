@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineSchedule
 from torch_pipelining_ext import hf, launcher
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
 from torch_pipelining_ext.train import _model, _state
-from torch_pipelining_ext.train._options import RunPlan
+from torch_pipelining_ext.train._plan import RunPlan
 
 
 __all__: list[str] = []
@@ -34,8 +34,16 @@ class Pipeline:
     one AdamW per stage module and its learning-rate schedule."""
 
     def __init__(
-        self, plan: RunPlan, mesh: Any, device: torch.device, resuming: bool
+        self,
+        plan: RunPlan,
+        mesh: Any,
+        device: torch.device,
+        resuming: bool,
+        *,
+        overlap: bool | None = None,
     ) -> None:
+        """``overlap``: run OVERLAP_F_B concurrently (default: unless
+        ``--no-overlap``)."""
         args = plan.args
         self.plan, self.mesh, self.device = plan, mesh, device
         self.data = launcher.data_parallel_mesh(mesh)
@@ -50,7 +58,7 @@ class Pipeline:
         )  # fmt: skip
         for part in self.parts:
             part.train()  # (a model read with from_pretrained is in eval mode)
-        if plan.data_ranks > 1 and not args.no_fsdp:
+        if plan.layout.data_ranks > 1 and not args.no_fsdp:
             hf.fully_shard_replicated(self.parts, mesh)  # FSDP2 over dp x ep
         self.loss_fn = hf.CausalLMLoss(n_microbatches=args.microbatches)
         single = issubclass(schedule_cls, PipelineScheduleSingle)
@@ -60,12 +68,14 @@ class Pipeline:
             loss_fn=self.loss_fn,
             scale_grads=False,
         )
-        if args.no_overlap and not single:
+        if overlap is None:
+            overlap = not args.no_overlap
+        if not overlap and not single:
             self.schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
-        self.optimizers = [_adamw(part, args) for part in self.parts]
+        self.optimizers = [adamw(part, args) for part in self.parts]
         self.lr = _state.LRSchedules(
             [
-                torch.optim.lr_scheduler.LambdaLR(o, _lr_rule(args))
+                torch.optim.lr_scheduler.LambdaLR(o, lr_rule(args))
                 for o in self.optimizers
             ]
         )
@@ -94,6 +104,16 @@ class Pipeline:
             hf.sync_tied_gradients(self.parts, self.mesh["pp"].get_group())
         hf.reduce_expert_parallel_gradients(self.parts, self.mesh)
         return losses
+
+    def global_loss(self, losses: list[torch.Tensor]) -> float:
+        """The global batch's loss from :meth:`forward_backward`'s: the data
+        ranks' losses averaged (each rank holding a last stage adds its
+        microbatch losses); a collective over all ranks."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.has_last:
+            total += torch.stack([loss.detach() for loss in losses]).sum().double()
+        dist.all_reduce(total)
+        return float(total) / self.plan.layout.data_ranks
 
     def update(self) -> tuple[float, float, Any]:
         """Clip, step the optimizers and the learning rate, balance the
@@ -141,7 +161,7 @@ def _weights_source(plan: RunPlan, resuming: bool) -> dict[str, Any]:
     return {}
 
 
-def _adamw(part: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
+def adamw(part: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on norms and biases)."""
     decay, rest = [], []
     for p in part.parameters():
@@ -152,7 +172,7 @@ def _adamw(part: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas))
 
 
-def _lr_rule(args: Any) -> Any:
+def lr_rule(args: Any) -> Any:
     def factor(step: int) -> float:
         return _state.lr_factor(
             step,

@@ -1,11 +1,14 @@
 # Owner(s): ["oncall: distributed"]
-"""Tests of the end-to-end demo, ``python -m torch_pipelining_ext.demo``.
+"""Tests of the end-to-end demo, ``python -m torch_pipelining_ext.demo``:
+the trainer's comparison mode (``python -m torch_pipelining_ext.train
+--compare-sequential``) with the demo's flags.
 
 * The entry point itself, in a subprocess, for two steps of the default
   layout (two gloo ranks, EP=2, both V-stages on each) with a simulated link
   and ``--trace``: exit status 0, the overlapped run's losses bitwise equal to
   the sequential run's, both equal to the unsplit Hugging Face model's on the
-  global batch (float tolerance), the table, the traces and the timeline.
+  global batch (float tolerance), the table, the traces and the timeline; the
+  temporary directory of its data is gone afterwards.
 * A reference that disagrees makes the exit status 1.
 * Argument validation: bad input exits with status 2 and a message naming the
   flag to change, before any process starts; so does a transformers without
@@ -31,8 +34,11 @@ from common_pipelining import local_ranks_env, REPO
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 import torch_pipelining_ext  # noqa: F401
+from torch_pipelining_ext import launcher
 from torch_pipelining_ext.demo import harness, train
-from torch_pipelining_ext.demo._timeline import _EP_COMM
+from torch_pipelining_ext.train import build_parser, compare
+from torch_pipelining_ext.train._options import check_options
+from torch_pipelining_ext.train.timeline import EP_COMM_RANGE
 
 
 _TIMEOUT_S = 300
@@ -47,14 +53,19 @@ _SHORT = [
     "2",
     "--comm-latency-ms",
     "0.5",
+    "--batch-size",
+    "8",
 ]
 
 
-def _run_demo(*flags: str) -> subprocess.CompletedProcess:
+def _run_demo(*flags: str, tmpdir: str | None = None) -> subprocess.CompletedProcess:
+    env = local_ranks_env()  # not under torchrun: the demo starts its ranks
+    if tmpdir is not None:
+        env["TMPDIR"] = tmpdir
     return subprocess.run(
         [sys.executable, "-m", "torch_pipelining_ext.demo", *flags],
         cwd=REPO,
-        env=local_ranks_env(),  # not under torchrun: the demo starts its ranks
+        env=env,
         capture_output=True,
         text=True,
         timeout=_TIMEOUT_S,
@@ -64,8 +75,12 @@ def _run_demo(*flags: str) -> subprocess.CompletedProcess:
 @unittest.skipIf(_NO_FUSED is not None, _NO_FUSED or "")
 class DemoRunTest(TestCase):
     def test_two_steps_with_trace(self) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            proc = _run_demo(*_SHORT, "--trace", tmp)
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            tempfile.TemporaryDirectory() as tmpdir,
+        ):
+            proc = _run_demo(*_SHORT, "--trace", tmp, tmpdir=tmpdir)
+            self.assertEqual(os.listdir(tmpdir), [])  # the data's directory is gone
             out = proc.stdout
             self.assertEqual(
                 proc.returncode, 0, msg=f"stdout:\n{out}\nstderr:\n{proc.stderr}"
@@ -108,19 +123,19 @@ class DemoRunTest(TestCase):
             # the timeline finds the overlap's communication ranges by name
             with open(os.path.join(tmp, "trace_overlap_rank0.json")) as f:
                 names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
-            self.assertTrue(any(_EP_COMM.match(n) for n in names))
+            self.assertTrue(any(EP_COMM_RANGE.match(n) for n in names))
             for png in ("timeline.png", "expert_load.png"):
                 with open(os.path.join(tmp, png), "rb") as f:
                     self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n", png)
 
     def test_reference_mismatch_exits_1(self) -> None:
         # in this process: the forked ranks inherit the patch; rank 0's reference is off by 1%
-        real = train.reference_losses
+        real = compare.reference_losses
 
-        def off(model, args):
-            return [x * 1.01 for x in real(model, args)]
+        def off(plan, data):
+            return [x * 1.01 for x in real(plan, data)]
 
-        with mock.patch.object(train, "reference_losses", off), _quiet_fds():
+        with mock.patch.object(compare, "reference_losses", off), _quiet_fds():
             status = train.main(
                 [
                     "--steps",
@@ -131,6 +146,8 @@ class DemoRunTest(TestCase):
                     "2",
                     "--comm-latency-ms",
                     "0",
+                    "--batch-size",
+                    "8",
                 ]
             )
         self.assertEqual(status, 1)
@@ -155,7 +172,7 @@ def _quiet_fds():
 
 
 class DemoArgumentsTest(TestCase):
-    """Bad input fails in argument parsing: exit status 2, a message saying what to change, no process started."""
+    """Bad input fails before any process starts: exit status 2, a message saying what to change."""
 
     def _error(self, argv: list[str], environ: dict[str, str] | None = None) -> str:
         stderr = io.StringIO()
@@ -168,15 +185,23 @@ class DemoArgumentsTest(TestCase):
         with (
             mock.patch.dict(os.environ, env, clear=True),
             mock.patch.object(
-                harness, "launch", side_effect=AssertionError("launched")
+                launcher, "launch", side_effect=AssertionError("launched")
             ) as launch,
             contextlib.redirect_stderr(stderr),
-            self.assertRaises(SystemExit) as cm,
         ):
-            train.main(argv)
-        self.assertEqual(cm.exception.code, 2, stderr.getvalue())
+            try:
+                status = train.main(argv)
+            except SystemExit as e:  # argparse's own errors
+                status = e.code
+        self.assertEqual(status, 2, stderr.getvalue())
         launch.assert_not_called()
         return stderr.getvalue()
+
+    def _args(self, *argv: str):
+        """The demo's flags, then ``argv``, parsed and checked."""
+        args = build_parser().parse_args([*train.DEMO_FLAGS, *argv])
+        check_options(args, {})
+        return args
 
     def test_without_fused_experts(self) -> None:
         # transformers 4.x holds experts as separate modules: the demo says what to install
@@ -184,32 +209,39 @@ class DemoArgumentsTest(TestCase):
             "torch_pipelining_ext.hf.has_fused_experts", return_value=False
         ):
             msg = self._error([])
-        self.assertIn("the demo needs transformers 5.x (fused experts", msg)
+        self.assertIn("--ep > 1 needs transformers 5.x (fused experts", msg)
         self.assertIn("pip install 'transformers>=5,<6'", msg)
 
-    @unittest.skipIf(_NO_FUSED is not None, _NO_FUSED or "")
     def test_defaults(self) -> None:
-        args = train.parse_args([], environ={})
+        args = self._args()
         self.assertEqual(
-            (args.pp, args.ep, args.model, args.comm_latency_ms),
-            (1, 2, "qwen3_moe", None),
+            (
+                args.compare_sequential,
+                args.pp,
+                args.ep,
+                args.model_type,
+                args.comm_latency_ms,
+            ),
+            (True, 1, 2, "qwen3_moe", None),
         )
 
     @unittest.skipIf(_NO_FUSED is not None, _NO_FUSED or "")
     def test_bad_arguments(self) -> None:
         for argv, want in (
-            (["--experts", "5"], "--experts 5 is not divisible by --ep 2"),
-            (["--experts", "5"], "use e.g. --experts 4"),
+            (["--experts", "5"], "5 experts are not divisible by --ep 2"),
             (
-                ["--pp", "2", "--layers", "3"],
-                "--layers 3 cannot fill the 4 stages of ScheduleDualPipeV",
-            ),
-            (["--model", "deepseek_v3", "--layers", "2"], "use at least --layers 3"),
-            (
-                ["--pp", "2", "--microbatches", "3"],
+                ["--pp", "2", "--microbatches", "2", "--batch-size", "8"],
                 "needs at least as many microbatches as stages (4)",
             ),
-            (["--model", "llama"], "invalid choice: 'llama'"),
+            (["--microbatches", "3"], "cannot be cut into --microbatches 3"),
+            # the demo's former --model TYPE is the trainer's --model-type
+            (["--model", "llama"], "llama has no experts"),
+            (["--model", "gpt2"], "invalid choice: 'gpt2'"),
+            (
+                ["--no-overlap"],
+                "--compare-sequential runs ScheduleDualPipeV's OVERLAP_F_B both ways",
+            ),
+            (["--schedule", "1F1B", "--dtype", "bfloat16"], "drop --schedule, --dtype"),
         ):
             self.assertIn(want, self._error(argv))
         for flag in (
@@ -222,14 +254,13 @@ class DemoArgumentsTest(TestCase):
         ):
             self.assertIn(f"{flag} must be at least 1, got 0", self._error([flag, "0"]))
         msg = self._error([], {"RANK": "0", "WORLD_SIZE": "3"})
-        self.assertIn("torchrun started 3 processes but --pp 1 x --ep 2 = 2", msg)
+        self.assertIn("the world of 3 ranks is not divisible by --pp 1 x --ep 2", msg)
         with tempfile.NamedTemporaryFile() as f:
             self.assertIn(
-                "cannot create the directory",
+                "cannot create it or write there",
                 self._error(["--trace", os.path.join(f.name, "sub")]),
             )
 
-    @unittest.skipIf(_NO_FUSED is not None, _NO_FUSED or "")
     def test_comm_latency_bounds(self) -> None:
         # inf would reach time.sleep, 1e12 hang; nan compares false with everything
         for value in ("inf", "-inf", "nan", "1e12", "1000.5", "-0.5"):
@@ -240,18 +271,15 @@ class DemoArgumentsTest(TestCase):
             )
         for value in ("0", "0.25", "1000"):
             self.assertEqual(
-                train.parse_args(
-                    ["--comm-latency-ms", value], environ={}
-                ).comm_latency_ms,
-                float(value),
+                self._args("--comm-latency-ms", value).comm_latency_ms, float(value)
             )
 
     def test_entry_point_exit_status(self) -> None:
         # the real command line, in a fresh interpreter
         proc = _run_demo("--experts", "5")
         self.assertEqual(proc.returncode, 2, proc.stderr)
-        self.assertIn("usage: python -m torch_pipelining_ext.demo", proc.stderr)
-        self.assertIn("--experts 5 is not divisible by --ep 2", proc.stderr)
+        self.assertIn("python -m torch_pipelining_ext.train: error:", proc.stderr)
+        self.assertIn("5 experts are not divisible by --ep 2", proc.stderr)
         self.assertEqual(proc.stdout, "")
 
 

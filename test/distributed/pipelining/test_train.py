@@ -65,6 +65,8 @@ try:
 
     from torch_pipelining_ext import hf, train
     from torch_pipelining_ext.train import _checkpoints, _data, _model, _state
+    from torch_pipelining_ext.train._options import check_options
+    from torch_pipelining_ext.train._plan import make_plan
 
     HAS_FUSED = hf.has_fused_experts()
 except ImportError:
@@ -503,7 +505,10 @@ instantiate_parametrized_tests(TrainSlowTest)
 @unittest.skipUnless(HAS_FUSED, _NEEDS)
 class TrainArgumentsTest(_RunDirTest):
     def refused(self, *argv: str, environ: dict[str, str] | None = None) -> str:
-        """Exit status 2 without starting a rank; returns the message."""
+        """Exit status 2 without starting a rank, and a run directory that
+        did not exist is not created; returns the message."""
+        run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else None
+        existed = run_dir is not None and os.path.exists(run_dir)
         err = io.StringIO()
         with (
             mock.patch.object(launcher, "launch") as launch,
@@ -512,6 +517,8 @@ class TrainArgumentsTest(_RunDirTest):
             rc = train.main(list(argv), environ=environ or {})
         self.assertEqual(rc, 2, err.getvalue())
         launch.assert_not_called()
+        if run_dir is not None and not existed:
+            self.assertFalse(os.path.exists(run_dir), err.getvalue())
         return err.getvalue()
 
     def base(self, *extra: str) -> list[str]:
@@ -656,6 +663,11 @@ class TrainArgumentsTest(_RunDirTest):
         self.assertIn(
             "give the model", self.refused(*text_flags(), "--run-dir", self.run_dir())
         )
+        self.assertIn("--run-dir DIR is required", self.refused(*self.base()[:-2]))
+        self.assertIn(
+            "give the data",
+            self.refused(*self.base("--synthetic-data")),
+        )
         dense = self.refused(
             "--model-type",
             "llama",
@@ -678,6 +690,18 @@ class TrainArgumentsTest(_RunDirTest):
             "cannot be cut into --microbatches 3",
             self.refused(*self.base("--microbatches", "3")),
         )
+        # refused after the text was tokenized into the run directory: it goes again
+        self.assertIn(
+            "fewer than one step's --batch-size 1000000",
+            self.refused(*self.base("--batch-size", "1000000")),
+        )
+        with tempfile.NamedTemporaryFile() as f:
+            self.assertIn(
+                "cannot create it or write there",
+                self.refused(
+                    *self.base()[:-2], "--run-dir", os.path.join(f.name, "run")
+                ),
+            )
 
 
 def _snapshot(directory: str) -> dict[str, tuple[int, int]]:
@@ -818,6 +842,20 @@ class TrainPartsTest(_RunDirTest):
         with self.assertRaises(FileNotFoundError):
             hf.check_checkpoint(config, os.path.join(path, "missing"))
 
+    def test_synthetic_sequences(self) -> None:
+        """--synthetic-data: every sequence follows one permutation of the
+        vocabulary from its first id, and the file is the same for a seed."""
+        directory = os.path.dirname(self.run_dir())
+        stream = _data.synthetic_stream(64, 16, 40, 7, directory)
+        ids = torch.from_numpy(stream.open().astype(np.int64)).view(40, 16)
+        successor: dict[int, int] = {}
+        for a, b in zip(ids[:, :-1].flatten().tolist(), ids[:, 1:].flatten().tolist()):
+            self.assertEqual(successor.setdefault(a, b), b)
+        self.assertEqual(len(set(successor.values())), len(successor))  # one-to-one
+        self.assertGreater(len(set(ids[:, 0].tolist())), 1)
+        again = _data.synthetic_stream(64, 16, 40, 7, os.path.join(directory, "again"))
+        self.assertTrue(np.array_equal(again.open(), stream.open()))
+
     def test_learning_rate_schedule(self) -> None:
         factors = [
             _state.lr_factor(s, steps=10, warmup=2, min_ratio=0.1) for s in range(12)
@@ -870,9 +908,7 @@ class TrainPartsTest(_RunDirTest):
                     self.run_dir(),
                 ]
             )
-            from torch_pipelining_ext.train._options import make_plan
-
-            plans.append(make_plan(args, {}))
+            plans.append(make_plan(args, check_options(args, {})))
         self.assertEqual(
             plans[0].stream.open().tolist(), plans[1].stream.open().tolist()
         )
