@@ -20,9 +20,6 @@ __all__: list[str] = []
 MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama")
 """Model types :func:`tiny_config` builds."""
 
-# the config attribute that holds the number of routed experts, by family
-_EXPERT_ATTRIBUTES = ("num_experts", "n_routed_experts", "num_local_experts")
-
 
 def tiny_config(
     model_type: str,
@@ -120,15 +117,6 @@ def load_config(model_dir: str) -> Any:
         return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"--model {model_dir}: cannot read its config: {e}") from e
-
-
-def num_experts(config: Any) -> int:
-    """Routed experts per MoE layer of ``config`` (0: a dense model)."""
-    for name in _EXPERT_ATTRIBUTES:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
 
 
 def initial_model(config: Any, seed: int) -> torch.nn.Module:
