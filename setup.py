@@ -39,6 +39,8 @@ setup(
             "numpy",
             "matplotlib",
             "ruff==0.17.6",
+            # tools/typecheck.sh; reads torch's inline types (torch 2.9-2.15)
+            "mypy==2.4.1",
         ],
         "plot": ["matplotlib"],
         # torch_pipelining_ext.hf; tested with transformers 4.57 (the last 4.x line) and 5.x

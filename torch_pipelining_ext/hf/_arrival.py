@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """A bounded check that every rank of a group has reached the same call, and
 the device a group's collectives take their tensors on.
 
@@ -10,8 +9,6 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -45,7 +42,7 @@ class GroupArrival:
         self.what = what
         self.calls: dict[str, int] = {}
 
-    def wait(self, group: Any, timeout: timedelta) -> None:
+    def wait(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
         store = dist.distributed_c10d._get_default_store()
         name = group.group_name
         call = self.calls.get(name, 0)
@@ -78,7 +75,7 @@ class GroupArrival:
         )
 
 
-def group_device(group: Any) -> torch.device:
+def group_device(group: dist.ProcessGroup) -> torch.device:
     """The device of the tensors that ``group``'s collectives take: the
     current CUDA device for NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl" and torch.cuda.is_available():

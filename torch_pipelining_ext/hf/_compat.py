@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """What differs between the transformers releases :mod:`torch_pipelining_ext.hf`
 supports (4.57.x and 5.x), each difference detected by feature, never by
 version string.
@@ -19,17 +18,24 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+import types
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+
 __all__: list[str] = []
 
 
-def require_transformers():
+def require_transformers() -> types.ModuleType:
     """The ``transformers`` module, or an ``ImportError`` saying how to install it."""
     try:
         import transformers
@@ -45,14 +51,14 @@ def require_transformers():
 # ---------------------------------------------------------------------------
 
 
-def _no_mask(**_: Any) -> None:
+def _no_mask(**_: object) -> None:
     # linear-attention (recurrent) layers take a padding mask only, and
     # training batches here have no padding
     return None
 
 
 @functools.cache
-def _mask_builders() -> dict[str, Callable]:
+def _mask_builders() -> dict[str, Callable[..., torch.Tensor | BlockMask | None]]:
     from transformers import masking_utils as mu
 
     table = getattr(mu, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", None)
@@ -70,13 +76,13 @@ def _mask_builders() -> dict[str, Callable]:
 
 
 @functools.cache
-def _parameters(fn: Callable) -> frozenset[str]:
+def _parameters(fn: Callable[..., object]) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
 def attention_mask(
-    kind: str, config: Any, h: torch.Tensor, position_ids: torch.Tensor
-) -> Any:
+    kind: str, config: PretrainedConfig, h: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor | BlockMask | None:
     """The mask Hugging Face's own base-model forward builds for layers of
     attention type ``kind``, for a batch without padding or cache."""
     builder = _mask_builders().get(kind)
@@ -86,7 +92,7 @@ def attention_mask(
             f"{sorted(_mask_builders())})"
         )
     names = _parameters(builder)
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": None}
+    kwargs: dict[str, object] = {"config": config, "attention_mask": None}
     kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = h
     for cache_name in ("cache", "past_key_values"):
         if cache_name in names:
@@ -99,7 +105,7 @@ def attention_mask(
     return builder(**kwargs)
 
 
-def layer_kind(config: Any, layer: nn.Module, index: int) -> str:
+def layer_kind(config: PretrainedConfig, layer: nn.Module, index: int) -> str:
     """Attention type of layer ``index``: ``config.layer_types`` where the
     config lists them, else the layer's ``attention_type``, else a sliding
     window whenever ``config.sliding_window`` is set (Mistral, Mixtral, Phi3)."""
@@ -121,7 +127,7 @@ def rotary_takes_layer_type(rotary: nn.Module) -> bool:
     return "layer_type" in _parameters(type(rotary).forward)
 
 
-def embedding_normalizer(base: nn.Module) -> float | None:
+def embedding_normalizer(base: PreTrainedModel) -> float | None:
     """The factor the base model's forward multiplies the token embeddings
     by, where its forward does so itself (Gemma and Gemma2 on 4.57:
     ``sqrt(hidden_size)``; on 5.x the embedding module scales)."""
@@ -160,7 +166,7 @@ def builds_buffers_on_meta() -> bool:
 
 
 def restore_buffers(
-    init_weights: Callable, part: nn.Module, device: torch.device
+    init_weights: Callable[[nn.Module], object], part: nn.Module, device: torch.device
 ) -> None:
     """Give every meta buffer of ``part`` (a split piece of a model) its
     value, with the model's own ``_init_weights`` (``init_weights``).
@@ -208,7 +214,9 @@ def has_fused_experts() -> bool:
     return True
 
 
-def conversion_mapping(model: nn.Module) -> tuple[list, list] | None:
+def conversion_mapping(
+    model: nn.Module,
+) -> tuple[list[WeightRenaming], list[WeightConverter]] | None:
     """``(renamings, converters)``: transformers' own checkpoint conversions
     for ``model`` (5.x), or ``None`` where transformers has none (4.57)."""
     try:
@@ -222,7 +230,7 @@ def conversion_mapping(model: nn.Module) -> tuple[list, list] | None:
     return renamings, converters
 
 
-def save_conversions(model: nn.Module) -> list | None:
+def save_conversions(model: nn.Module) -> list[object] | None:
     """The conversions ``model.save_pretrained`` reverses to write
     transformers' own key layout (5.x: fused experts back to per-expert
     keys), as ``revert_weight_conversion`` takes them for a model not loaded
@@ -238,7 +246,7 @@ def save_conversions(model: nn.Module) -> list | None:
     return [t for t in transforms if type(t).__name__ != "PrefixChange"]
 
 
-def describe_ops(converter: Any) -> tuple[str, ...]:
+def describe_ops(converter: WeightConverter) -> tuple[str, ...]:
     """Names of a converter's operations, with their dimensions."""
     out = []
     for op in converter.operations:

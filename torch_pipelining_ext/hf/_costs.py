@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Per-layer costs of a Hugging Face causal LM and its balanced stage lists.
 
 Private helper of :mod:`torch_pipelining_ext.hf`.
@@ -7,7 +6,7 @@ Private helper of :mod:`torch_pipelining_ext.hf`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
@@ -16,10 +15,14 @@ from torch_pipelining_ext.hf import _families
 from torch_pipelining_ext.hf._layout import DecoderLayout
 
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
 __all__: list[str] = []
 
 
-def layer_costs(model: nn.Module, layout: DecoderLayout) -> list[float]:
+def layer_costs(model: PreTrainedModel, layout: DecoderLayout) -> list[float]:
     """The parameters a token goes through in each layer (for MoE layers
     only ``top_k`` of the routed experts), relative to the cheapest layer."""
     top_k = getattr(model.config, "num_experts_per_tok", None)
@@ -31,7 +34,7 @@ def layer_costs(model: nn.Module, layout: DecoderLayout) -> list[float]:
     return [c / low for c in costs]
 
 
-def _layer_cost(layer: nn.Module, config: Any, top_k: int | None) -> float:
+def _layer_cost(layer: nn.Module, config: PretrainedConfig, top_k: int | None) -> float:
     total = 0.0
     expert_params: set[int] = set()
     for name, mod in layer.named_modules():
@@ -53,7 +56,7 @@ def _layer_cost(layer: nn.Module, config: Any, top_k: int | None) -> float:
     )
 
 
-def _num_fused_experts(experts: nn.Module, config: Any) -> int:
+def _num_fused_experts(experts: nn.Module, config: PretrainedConfig) -> int:
     """Number of experts of a fused experts module (0: not fused), from the
     module's or the config's expert count, checked against its parameters."""
     n = getattr(experts, "num_experts", None)
@@ -66,7 +69,7 @@ def _num_fused_experts(experts: nn.Module, config: Any) -> int:
 
 
 def module_names_per_stage(
-    model: nn.Module,
+    model: PreTrainedModel,
     layout: DecoderLayout,
     num_stages: int,
     costs: Sequence[float] | str | None,

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Expert-load statistics of Hugging Face MoE stages and DeepSeek-V3's
 auxiliary-loss-free bias update.
 
@@ -15,13 +14,19 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from torch_pipelining_ext.hf import _families
 from torch_pipelining_ext.hf._arrival import group_device
+
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+    from transformers import PretrainedConfig
 
 
 __all__: list[str] = []
@@ -53,6 +58,14 @@ logger = logging.getLogger(__name__)
 # same ``rate * sign(mean_i load_i - load_i)`` to ``e_score_correction_bias``,
 # compared in integers (``sum_j load_j - E * load_i``), so replicas stay
 # bitwise equal.
+
+
+class _MoEStage(Protocol):
+    """What the statistics and the bias update read of a MoE model's stage
+    (an ``HFCausalLMStage`` that holds a :class:`LoadCounter`)."""
+
+    config: PretrainedConfig
+    _routers: dict[int, nn.Module]
 
 
 class LoadCounter:
@@ -113,7 +126,7 @@ class LoadCounter:
         self.forwards = 0
 
 
-def count_schedule_forwards(stage: Any, part: nn.Module) -> None:
+def count_schedule_forwards(stage: PipelineStage, part: nn.Module) -> None:
     """Count only the microbatch forwards ``stage`` (the PipelineStage of
     ``part``) runs; see ``[Note: HF expert load]``."""
     counter: LoadCounter | None = getattr(part, "_expert_load", None)
@@ -125,12 +138,13 @@ def count_schedule_forwards(stage: Any, part: nn.Module) -> None:
     # may then run in a forked child, where the group's destructor hangs
     stage_ref = weakref.ref(stage)
 
-    def forward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
+    def forward_maybe_with_nosync(*args: object, **kwargs: object) -> object:
         owner = stage_ref()
+        assert owner is not None, "the stage calls this method of its own"
         with counter.schedule_forward():
             return type(owner).forward_maybe_with_nosync(owner, *args, **kwargs)
 
-    stage.forward_maybe_with_nosync = forward_maybe_with_nosync
+    stage.forward_maybe_with_nosync = forward_maybe_with_nosync  # type: ignore[method-assign]
     counter.schedule_forwards_only = True
 
 
@@ -194,7 +208,9 @@ class ExpertLoad:
         )
 
 
-def expert_load(parts: Sequence[nn.Module], group: Any = None) -> ExpertLoad:
+def expert_load(
+    parts: Sequence[nn.Module], group: dist.ProcessGroup | None = None
+) -> ExpertLoad:
     """See :func:`torch_pipelining_ext.hf.expert_load`."""
     counters = _counters(parts, "expert_load")
     if not any(counter.forwards for _, counter in counters):
@@ -214,8 +230,6 @@ def expert_load(parts: Sequence[nn.Module], group: Any = None) -> ExpertLoad:
                 packed[layer, :-1] += counter.counts[slot].reshape(-1).to(packed.device)
         counter.clear()
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(packed, group=group)
     layers = tuple((packed[:, -1] > 0).nonzero().flatten().tolist())
     rows = packed[list(layers)]
@@ -229,13 +243,15 @@ def expert_load(parts: Sequence[nn.Module], group: Any = None) -> ExpertLoad:
     )
 
 
-def _counters(parts: Sequence[nn.Module], what: str) -> list:
+def _counters(
+    parts: Sequence[nn.Module], what: str
+) -> list[tuple[_MoEStage, LoadCounter]]:
     """(stage, its LoadCounter) of every stage of ``parts`` of a MoE model."""
-    counters = [
-        (part, part._expert_load)
-        for part in parts
-        if getattr(part, "_expert_load", None) is not None
-    ]
+    counters = []
+    for part in parts:
+        counter: LoadCounter | None = getattr(part, "_expert_load", None)
+        if counter is not None:
+            counters.append((cast(_MoEStage, part), counter))
     if not counters:
         raise ValueError(
             f"{what}: none of these stages holds a MoE model's layers (fused experts of transformers 5.x); "
@@ -244,7 +260,9 @@ def _counters(parts: Sequence[nn.Module], what: str) -> list:
     return counters
 
 
-def _device(counters: list, group: Any) -> torch.device:
+def _device(
+    counters: list[tuple[_MoEStage, LoadCounter]], group: dist.ProcessGroup | None
+) -> torch.device:
     for _, counter in counters:
         if counter.counts is not None:
             return counter.counts.device

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Where the parts of a Hugging Face decoder-only causal LM live.
 
 Private helper of :mod:`torch_pipelining_ext.hf`.  A causal LM is read as
@@ -16,10 +15,15 @@ declares them (``config.base_model_pp_plan`` for the base model,
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
+
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 __all__: list[str] = []
@@ -135,7 +139,7 @@ def _unsupported(model: nn.Module, what: str) -> ValueError:
     )
 
 
-def _num_layers(model: nn.Module, config: Any) -> int:
+def _num_layers(model: nn.Module, config: PretrainedConfig) -> int:
     n = getattr(config, "num_hidden_layers", None)
     if not isinstance(n, int):
         raise _unsupported(model, "its config has no integer num_hidden_layers")
@@ -144,7 +148,8 @@ def _num_layers(model: nn.Module, config: Any) -> int:
 
 def _base_model(model: nn.Module) -> tuple[str, nn.Module]:
     prefix = getattr(model, "base_model_prefix", None)
-    base = model._modules.get(prefix) if isinstance(prefix, str) and prefix else None
+    name = prefix if isinstance(prefix, str) and prefix else None
+    base = model._modules.get(name) if name else None
     if base is None:
         # a prefix that names no child (Gemma3ForCausalLM on 4.57): the one child that is a
         # PreTrainedModel is the base model
@@ -155,12 +160,12 @@ def _base_model(model: nn.Module) -> tuple[str, nn.Module]:
         ]
         if len(found) == 1:
             return found[0]
-    if base is None:
+    if name is None or base is None:
         raise _unsupported(
             model,
             f"it has no base model submodule (base_model_prefix is {prefix!r}, children {list(model._modules)})",
         )
-    return prefix, base
+    return name, base
 
 
 def _head_name(model: nn.Module) -> str:
@@ -183,7 +188,10 @@ def _head_name(model: nn.Module) -> str:
 
 
 def _from_pp_plan(
-    model: nn.Module, base_name: str, base: nn.Module, plan: dict
+    model: nn.Module,
+    base_name: str,
+    base: nn.Module,
+    plan: Mapping[str, tuple[Sequence[str], Sequence[str]]],
 ) -> DecoderLayout:
     embed = layers = norm = None
     for name, (inputs, outputs) in plan.items():
@@ -199,9 +207,13 @@ def _from_pp_plan(
             layers = name
         elif layers is not None:
             norm = name
-    found = (("token embedding", embed), ("layer list", layers), ("final norm", norm))
-    missing = [what for what, v in found if v is None]
-    if missing:
+    if embed is None or layers is None or norm is None:
+        found = (
+            ("token embedding", embed),
+            ("layer list", layers),
+            ("final norm", norm),
+        )
+        missing = [what for what, v in found if v is None]
         raise _unsupported(
             model, f"base_model_pp_plan {plan} has no {', no '.join(missing)}"
         )

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Router auxiliary (load-balancing) losses through the stages.
 
 Private helper of :mod:`torch_pipelining_ext.hf`; see ``[Note: HF router
@@ -9,12 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
 
 from torch_pipelining_ext.hf import _compat
 from torch_pipelining_ext.hf._routing import LayerRecord, Routing
+
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 __all__: list[str] = []
@@ -91,7 +94,7 @@ class RouterAuxLoss:
 
 
 def router_aux_loss(
-    model: nn.Module,
+    model: PreTrainedModel,
     routing: Routing | None,
     mode: str | None = None,
     coef: float | None = None,
@@ -128,7 +131,7 @@ def router_aux_loss(
 
 
 def _check_routing(
-    model: nn.Module, routing: Routing | None, mode: str, what: str
+    model: PreTrainedModel, routing: Routing | None, mode: str, what: str
 ) -> None:
     model_type = getattr(model.config, "model_type", type(model).__name__)
     if not _compat.has_fused_experts():
@@ -155,7 +158,9 @@ def _check_routing(
         )
 
 
-def _coefficient(model: nn.Module, mode: str, coef: float | None, what: str) -> float:
+def _coefficient(
+    model: PreTrainedModel, mode: str, coef: float | None, what: str
+) -> float:
     if coef is None:
         if mode == "sequence":
             raise ValueError(
@@ -180,7 +185,9 @@ class RunningSums:
     """The carried router tensors of one microbatch through one stage (see
     ``[Note: HF carried router tensors]``)."""
 
-    def __init__(self, aux: RouterAuxLoss, x: torch.Tensor, carried: tuple) -> None:
+    def __init__(
+        self, aux: RouterAuxLoss, x: torch.Tensor, carried: tuple[torch.Tensor, ...]
+    ) -> None:
         self.aux = aux
         first = not x.is_floating_point()
         width = 2 if aux.mode == "pooled" else 1
@@ -230,7 +237,7 @@ class RunningSums:
             p, c = _switch_sums(record.logits, mask, self.aux.top_k)
             term = _switch_product(p, c, self.aux.num_experts)
         else:
-            term = _sequence_term(record, mask, self.aux)
+            term = _sequence_term(record.logits, record.indices, mask, self.aux)
         self.sums = [self.sums[0] + self.aux.coef * term.reshape(1)]
 
     def outputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -278,10 +285,11 @@ def _switch_product(
 
 
 def _sequence_term(
-    record: LayerRecord, mask: torch.Tensor, aux: RouterAuxLoss
+    logits: torch.Tensor, indices: torch.Tensor, mask: torch.Tensor, aux: RouterAuxLoss
 ) -> torch.Tensor:
-    """One layer's sequence-wise term (without the coefficient)."""
-    logits = record.logits.float()
+    """One layer's sequence-wise term (without the coefficient), from its
+    router ``logits`` and top-k ``indices``."""
+    logits = logits.float()
     if aux.routing.score == "sigmoid":
         scores = logits.sigmoid()
     else:
@@ -290,7 +298,7 @@ def _sequence_term(
     e, k = aux.num_experts, aux.top_k
     affinity = (scores / scores.sum(dim=-1, keepdim=True)).view(b, s, e)
     routed = torch.zeros(b * s, e, dtype=torch.float32, device=mask.device)
-    routed = routed.scatter_(1, record.indices.reshape(b * s, -1), 1.0).view(b, s, e)
+    routed = routed.scatter_(1, indices.reshape(b * s, -1), 1.0).view(b, s, e)
     m = mask.unsqueeze(-1)
     tokens = mask.sum(dim=-1, keepdim=True)
     denom = tokens.clamp(min=1)

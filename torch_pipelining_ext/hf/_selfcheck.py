@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Compare the pipeline stages of a model type with its unsplit Hugging Face
 forward on a tiny config of the same type.
 
@@ -10,7 +9,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -19,6 +18,10 @@ from torch_pipelining_ext import stage_split
 from torch_pipelining_ext.hf import _families
 from torch_pipelining_ext.hf._costs import module_names_per_stage
 from torch_pipelining_ext.hf._layout import detect_layout
+
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 from torch_pipelining_ext.hf._stage import HFCausalLMStage
 
 
@@ -65,7 +68,7 @@ MAX_LAYERS = 8
 SEQ = 8
 
 
-def tiny_config(config: Any) -> Any:
+def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
     """A narrow, shallow config of the same model type as ``config``, built
     anew through its class (so values derived in ``__init__`` follow)."""
     cls = type(config)
@@ -110,7 +113,7 @@ def tiny_config(config: Any) -> Any:
     return cls(**values)
 
 
-def _shrink_layers(values: dict, config: Any) -> None:
+def _shrink_layers(values: dict[str, Any], config: PretrainedConfig) -> None:
     n = config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or [])
     keep = 2
@@ -137,7 +140,7 @@ def _shrink_layers(values: dict, config: Any) -> None:
         values["mlp_only_layers"] = [i for i in values["mlp_only_layers"] if i < keep]
 
 
-def check_stages_match(config: Any) -> float:
+def check_stages_match(config: PretrainedConfig) -> float:
     """Build the tiny model of ``config``'s type, run its stages (one per
     layer) one after the other and compare with ``model(ids).logits``.  Returns the max abs difference; raises
     ``ValueError`` if it is beyond float rounding or the tiny model cannot be

@@ -31,8 +31,9 @@ one), a ``pipeline_order`` dict or a CSV in torch's format.  Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from torch_pipelining_ext.sim._cost_model import (
     CostOptions,
@@ -51,6 +52,7 @@ from torch_pipelining_ext.sim._engine import (
     run_simulation,
 )
 from torch_pipelining_ext.sim._schedule import (
+    Action,
     build_schedule,
     kind,
     order_from_csv,
@@ -91,7 +93,10 @@ __all__ = [
 
 
 def simulate(
-    schedule: Any,
+    schedule: _PipelineSchedule
+    | Mapping[int, Sequence[Action | None]]
+    | str
+    | os.PathLike[str],
     costs: StageCost | Sequence[StageCost],
     *,
     link: LinkCost = LinkCost(),
@@ -156,7 +161,7 @@ def simulate_schedule(
     stages_per_rank: int | None = None,
     link: LinkCost = LinkCost(),
     overlap: OverlapModel = OverlapModel(),
-    **schedule_kwargs: Any,
+    **schedule_kwargs: object,
 ) -> SimulationResult:
     """Build torch's ``schedule`` for ``pp`` ranks (see :func:`build_schedule`) and simulate it."""
     sched = build_schedule(

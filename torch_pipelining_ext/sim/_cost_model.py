@@ -9,7 +9,7 @@ over bandwidth.  :class:`CostOptions` holds how the model is trained
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import cast, Literal
 
 from torch_pipelining_ext.sim._hardware import Hardware
 from torch_pipelining_ext.sim._inputs import check_number, StageCost
@@ -155,7 +155,9 @@ class CostOptions:
         combine_bytes = (self.combine_dtype_bytes or a2a_bytes) * self.routing_imbalance
         dispatch = _a2a_time(shape, hardware, tokens, ep, dispatch_bytes)
         combine = _a2a_time(shape, hardware, tokens, ep, combine_bytes)
-        act = _KEPT_ACTIVATIONS[self.recompute] * tokens * h / tp
+        # (__post_init__ has spelled a bool out)
+        kept = _KEPT_ACTIVATIONS[cast(Recompute, self.recompute)]
+        act = kept * tokens * h / tp
         out: list[LayerCost] = []
         for i in range(shape.num_layers):
             moe = shape.is_moe_layer(i)

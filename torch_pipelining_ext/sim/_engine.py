@@ -17,8 +17,7 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 from torch_pipelining_ext.overlap.policy import (
     hands_over,
@@ -29,7 +28,7 @@ from torch_pipelining_ext.overlap.policy import (
     Side,
 )
 from torch_pipelining_ext.sim._inputs import LinkCost, OverlapModel, Segments, StageCost
-from torch_pipelining_ext.sim._schedule import kind
+from torch_pipelining_ext.sim._schedule import Action, kind
 
 
 logger = logging.getLogger(__name__)
@@ -196,7 +195,8 @@ class _Pair:
         self.out: list[tuple[Side, float, float, str]] = []
 
     def _running(self, side: Side, what: str) -> bool:
-        return self.running[side] is not None and self.running[side][0] == what  # type: ignore[index]
+        running = self.running[side]
+        return running is not None and running[0] == what
 
     def _absent(self, side: Side) -> bool:
         """Whether ``side`` is done or its input is not there yet."""
@@ -262,9 +262,9 @@ class _Pair:
         """Advance to the next event: the end of the running segment that ends first
         (the backward side's on a tie), or a side's input arriving before it."""
         busy = [
-            (self.running[s][1], s)
+            (running[1], s)
             for s in (Side.BACKWARD, Side.FORWARD)
-            if self.running[s] is not None
+            if (running := self.running[s]) is not None
         ]
         arrivals = [a for a in self.arrive.values() if a > self.t]
         if arrivals and (not busy or min(arrivals) < min(e for e, _ in busy)):
@@ -292,6 +292,13 @@ class _Pair:
 # --------------------------------------------------------------------------- #
 
 
+def _microbatch(a: Action) -> int:
+    """The microbatch of ``a``, a compute or transfer action (which always has one)."""
+    if a.microbatch_index is None:
+        raise ValueError(f"action {a} has no microbatch index")
+    return a.microbatch_index
+
+
 class _Blocked(Exception):
     """The rank's next action waits for something another rank has not produced yet."""
 
@@ -299,7 +306,7 @@ class _Blocked(Exception):
 @dataclasses.dataclass
 class _RankState:
     rank: int
-    actions: list[Any]
+    actions: list[Action]
     pos: int = 0
     time: float = 0.0
     posting: float = 0.0
@@ -314,7 +321,7 @@ class _Simulation:
 
     def __init__(
         self,
-        order: Mapping[int, Sequence[Any]],
+        order: Mapping[int, Sequence[Action | None]],
         stage_to_rank: Mapping[int, int],
         costs: Sequence[StageCost],
         link: LinkCost,
@@ -393,16 +400,16 @@ class _Simulation:
 
     def _record(
         self,
-        a: Any,
+        a: Action,
         start: float,
         end: float,
-        intervals: list,
+        intervals: list[tuple[float, float, str]],
         lane: Side | None = None,
     ) -> None:
         """Record compute action ``a``; ``lane``: its side of an OVERLAP_F_B pair."""
         rank = self.stage_to_rank[a.stage_index]
         comp = kind(a)
-        key = (a.stage_index, comp, a.microbatch_index)
+        key = (a.stage_index, comp, _microbatch(a))
         if key in self.end:
             raise ValueError(f"rank {rank}: action {a} appears twice in the schedule")
         self.start[key] = start
@@ -413,7 +420,7 @@ class _Simulation:
                 str(a),
                 a.stage_index,
                 comp,
-                a.microbatch_index,
+                _microbatch(a),
                 start,
                 end,
                 tuple(intervals),
@@ -429,7 +436,7 @@ class _Simulation:
             del self.start[key], self.end[key]
         del self.records[n_records:]
 
-    def _plain(self, rank: int, a: Any, t0: float) -> float:
+    def _plain(self, rank: int, a: Action, t0: float) -> float:
         comp = kind(a)
         segs = self.costs[a.stage_index].segments(comp)
         t, intervals = t0, []
@@ -445,77 +452,75 @@ class _Simulation:
         a = st.actions[st.pos]
         ctype = kind(a)
         if a.sub_actions is not None:
-            st.time = self._overlap_f_b(st, a)
+            st.time = self._overlap_f_b(st, a.sub_actions)
         elif ctype in _COMPUTE:
-            ready = self.ready_time(a.stage_index, ctype, a.microbatch_index)
+            ready = self.ready_time(a.stage_index, ctype, _microbatch(a))
             st.time = self._plain(st.rank, a, max(st.time, ready))
         elif ctype in _SENDS:
             direction = _SENDS[ctype]
             comp_done = (
-                self._produced((a.stage_index, "F", a.microbatch_index))
+                self._produced((a.stage_index, "F", _microbatch(a)))
                 if direction == "F"
-                else (self._backward_done(a.stage_index, a.microbatch_index))
+                else (self._backward_done(a.stage_index, _microbatch(a)))
             )
             dst = a.stage_index + 1 if direction == "F" else a.stage_index - 1
             st.time = max(st.time, comp_done) + self.link.post_overhead
             st.posting += self.link.post_overhead
-            self.posted_send[(direction, dst, a.microbatch_index)] = st.time
+            self.posted_send[(direction, dst, _microbatch(a))] = st.time
         elif ctype in _RECVS:
             st.time += self.link.post_overhead
             st.posting += self.link.post_overhead
-            self.posted_recv[(_RECVS[ctype], a.stage_index, a.microbatch_index)] = (
-                st.time
-            )
+            self.posted_recv[(_RECVS[ctype], a.stage_index, _microbatch(a))] = st.time
         elif ctype in _WAIT_SENDS:
             # the send is complete once its transfer has arrived
             direction = _WAIT_SENDS[ctype]
             dst = a.stage_index + 1 if direction == "F" else a.stage_index - 1
-            st.time = max(st.time, self._arrival(direction, dst, a.microbatch_index))
+            st.time = max(st.time, self._arrival(direction, dst, _microbatch(a)))
         # UNSHARD / RESHARD / REDUCE_GRAD: no time in this model
         st.pos += 1
 
-    def _overlap_f_b(self, st: _RankState, a: Any) -> float:
-        subs = list(a.sub_actions)
+    def _overlap_f_b(self, st: _RankState, subs: Sequence[Action]) -> float:
         kinds = [kind(s) for s in subs]
         fwd_i = next((i for i, k in enumerate(kinds) if k == "F"), None)
         bwd_i = next((i for i, k in enumerate(kinds) if k in ("B", "I")), None)
-        concurrent = (
+        if (
             self.overlap.enabled
             and len(subs) == 2
             and fwd_i is not None
             and bwd_i is not None
-        )
-        if concurrent:
+        ):
             f, b = subs[fwd_i], subs[bwd_i]
-            pair = (f.stage_index, b.stage_index)
-            concurrent = pair not in self.unmarked_pairs
-        if not concurrent:
-            # torch's handler: the sub-actions one after the other, each waiting for its own inputs
-            n_records = len(self.records)
-            t = st.time
-            try:
-                for s in subs:
-                    ready = self.ready_time(s.stage_index, kind(s), s.microbatch_index)
-                    t = self._plain(st.rank, s, max(t, ready))
-            except _Blocked:
-                self._rollback(n_records)
-                raise
-            return t
+            if (f.stage_index, b.stage_index) not in self.unmarked_pairs:
+                return self._concurrent_f_b(st, f, b, kinds[bwd_i])
+        # torch's handler: the sub-actions one after the other, each waiting for its own inputs
+        n_records = len(self.records)
+        t = st.time
+        try:
+            for s in subs:
+                ready = self.ready_time(s.stage_index, kind(s), _microbatch(s))
+                t = self._plain(st.rank, s, max(t, ready))
+        except _Blocked:
+            self._rollback(n_records)
+            raise
+        return t
+
+    def _concurrent_f_b(
+        self, st: _RankState, f: Action, b: Action, b_kind: str
+    ) -> float:
+        """Run the forward ``f`` and the backward ``b`` (of kind ``b_kind``) of
+        an OVERLAP_F_B pair concurrently."""
         # each side starts when its own input is there (see [Note: the OVERLAP_F_B model])
         t0 = st.time
         ready = (
-            max(0.0, self.ready_time(f.stage_index, "F", f.microbatch_index) - t0),
-            max(
-                0.0,
-                self.ready_time(b.stage_index, kinds[bwd_i], b.microbatch_index) - t0,
-            ),
+            max(0.0, self.ready_time(f.stage_index, "F", _microbatch(f)) - t0),
+            max(0.0, self.ready_time(b.stage_index, b_kind, _microbatch(b)) - t0),
         )
         fseg = self.costs[f.stage_index].segments("F")
-        bseg = self.costs[b.stage_index].segments(kinds[bwd_i])
+        bseg = self.costs[b.stage_index].segments(b_kind)
         f_end, b_end, intervals = overlap_pair(fseg, bseg, self.overlap, ready)
         marked = len(fseg) > 1 or len(bseg) > 1
         if not marked and not self.overlap.streams:
-            self.unmarked_pairs.add(pair)
+            self.unmarked_pairs.add((f.stage_index, b.stage_index))
         for side, sub, end in ((Side.FORWARD, f, f_end), (Side.BACKWARD, b, b_end)):
             iv = [(t0 + s, t0 + e, k) for sd, s, e, k in intervals if sd == side]
             start = min((s for s, _, _ in iv), default=t0 + end)
@@ -547,7 +552,9 @@ class _Simulation:
         for key, arrive in self._transfer_list():
             self.transfers.append(key + arrive)
 
-    def _transfer_list(self):
+    def _transfer_list(
+        self,
+    ) -> Iterator[tuple[tuple[str, int, int], tuple[float, float]]]:
         for (direction, stage, mb), recv_t in sorted(self.posted_recv.items()):
             src = stage - 1 if direction == "F" else stage + 1
             begin = max(self.posted_send.get((direction, stage, mb), recv_t), recv_t)
@@ -643,8 +650,8 @@ def _summarise(sim: _Simulation) -> SimulationResult:
         hidden = _length(comm) - exposed
         action_sum = sum(sim.costs[r.stage].total(r.computation) for r in recs)
         mem = peak_mem = 0.0
-        for _, d in sorted(rank_events[rank], key=lambda x: (x[0], x[1])):
-            mem += d
+        for _, nbytes_delta in sorted(rank_events[rank], key=lambda x: (x[0], x[1])):
+            mem += nbytes_delta
             peak_mem = max(peak_mem, mem)
         posting = sim.ranks[rank].posting
         bubble = max(0.0, step - busy - exposed - posting)
@@ -672,7 +679,7 @@ def _summarise(sim: _Simulation) -> SimulationResult:
 
 
 def run_simulation(
-    order: Mapping[int, Sequence[Any]],
+    order: Mapping[int, Sequence[Action | None]],
     stage_to_rank: Mapping[int, int],
     costs: Sequence[StageCost],
     link: LinkCost = LinkCost(),

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
+from collections.abc import Mapping
 
 from torch_pipelining_ext.sim._inputs import check_number
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
 
 from torch_pipelining_ext.overlap.policy import HAND_OVER_MIN_REGION_S, Order
 
@@ -30,7 +29,7 @@ Segments = tuple[float, ...]
 
 def check_number(
     name: str,
-    value: Any,
+    value: object,
     *,
     positive: bool = False,
     allow_inf: bool = False,
@@ -38,12 +37,12 @@ def check_number(
 ) -> None:
     """Raise ``ValueError`` naming ``name`` and ``value`` unless ``value`` is a real number
     ``>= 0`` (``> 0`` if ``positive``), finite unless ``allow_inf``, an ``int`` if ``integer``."""
-    kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool)
-    if ok and not integer:
-        ok = not math.isnan(value) and (allow_inf or not math.isinf(value))
-    if ok:
-        ok = value > 0 if positive else value >= 0
+    ok = False
+    if isinstance(value, int if integer else (int, float)) and not isinstance(
+        value, bool
+    ):
+        ok = integer or not math.isnan(value) and (allow_inf or not math.isinf(value))
+        ok = ok and (value > 0 if positive else value >= 0)
     if not ok:
         what = "an integer" if integer else "a number"
         bound = "> 0" if positive else ">= 0"
@@ -98,18 +97,15 @@ class StageCost:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "forward", _as_segments(self.forward, "StageCost.forward"))
-        set_(
-            self,
-            "backward_input",
-            _as_segments(self.backward_input, "StageCost.backward_input"),
-        )
+        backward_input = _as_segments(self.backward_input, "StageCost.backward_input")
+        set_(self, "backward_input", backward_input)
         for name in ("backward_weight", "activation_bytes", "send_bytes"):
             check_number(f"StageCost.{name}", getattr(self, name))
         if self.full_backward is None:
             set_(
                 self,
                 "full_backward",
-                _merge_weight(self.backward_input, self.backward_weight),
+                _merge_weight(backward_input, self.backward_weight),
             )
         else:
             set_(

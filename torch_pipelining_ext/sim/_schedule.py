@@ -14,13 +14,16 @@ import copy
 import csv
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
-
 import torch
 from torch.distributed.pipelining import schedules as _schedules
 
 
-Order = dict[int, list[Any]]
+Action = _schedules._Action
+"""An action of torch's schedules (``1F0``, ``0SEND_F1``, an ``OVERLAP_F_B``
+pair); ``None`` in a compute-only order is an idle slot."""
+
+Order = dict[int, list[Action | None]]
+"""Every rank's actions in the order it runs them."""
 
 # The short names of torch's computation types, from the module's own
 # constants (their enum values differ between releases: ints on 2.9, strings later).
@@ -50,7 +53,7 @@ _KIND = {
 }
 
 
-def kind(action: Any) -> str:
+def kind(action: Action) -> str:
     """The short name of a torch ``_Action``'s computation type: ``"F"``, ``"I"``, ``"W"``, ``"B"``, ``"SEND_F"``, ...
 
     The same on every torch release (the enum's values are not).
@@ -103,8 +106,8 @@ def build_schedule(
     pp: int,
     n_microbatches: int,
     stages_per_rank: int | None = None,
-    **kwargs: Any,
-) -> Any:
+    **kwargs: object,
+) -> _schedules._PipelineSchedule:
     """Build torch's schedule ``schedule`` for ``pp`` ranks with placeholder stages (rank 0's view).
 
     Args:
@@ -146,7 +149,9 @@ def build_schedule(
     return cls(stages, n_microbatches, loss_fn=loss_fn, **kwargs)
 
 
-def _infer_stage_to_rank(order: Mapping[int, Sequence[Any]]) -> dict[int, int]:
+def _infer_stage_to_rank(
+    order: Mapping[int, Sequence[Action | None]],
+) -> dict[int, int]:
     out: dict[int, int] = {}
     for rank, actions in order.items():
         for a in actions:
@@ -168,7 +173,7 @@ def _infer_stage_to_rank(order: Mapping[int, Sequence[Any]]) -> dict[int, int]:
     return out
 
 
-def _compute_actions(order: Mapping[int, Sequence[Any]]) -> dict[tuple, int]:
+def _compute_actions(order: Mapping[int, Sequence[Action | None]]) -> dict[tuple, int]:
     """(stage, F/I/W/B, microbatch) -> rank of every compute action, sub-actions included."""
     out: dict[tuple, int] = {}
     for rank, actions in order.items():
@@ -200,7 +205,9 @@ def _missing_actions(have: Mapping[tuple, int], n_stages: int) -> list[tuple]:
 
 
 def check_complete(
-    order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int], what: str
+    order: Mapping[int, Sequence[Action | None]],
+    stage_to_rank: Mapping[int, int],
+    what: str,
 ) -> None:
     """Raise ``ValueError`` naming every missing compute action and its rank.
 
@@ -228,7 +235,9 @@ def check_complete(
         )
 
 
-def _needs(stage: int, comp: str, mb: int, n_stages: int) -> list[tuple]:
+def _needs(
+    stage: int, comp: str, mb: int | None, n_stages: int
+) -> list[tuple[int, str, int | None]]:
     """What compute action ``stage comp mb`` waits for ("I/B": either backward of that stage)."""
     if comp == "F":
         return [(stage - 1, "F", mb)] if stage > 0 else []
@@ -238,14 +247,14 @@ def _needs(stage: int, comp: str, mb: int, n_stages: int) -> list[tuple]:
     return [(stage, "I", mb)] if comp == "W" else []  # UNSHARD, REDUCE_GRAD, ...
 
 
-def _name(stage: int, comp: str, mb: int) -> str:
+def _name(stage: int, comp: str, mb: int | None) -> str:
     """An action's name as torch writes it (``1F0``); "I/B" is either backward."""
     if comp == "I/B":
         return f"{stage}I{mb} or {stage}B{mb}"
     return f"{stage}{comp}{mb}"
 
 
-def check_progress(order: Mapping[int, Sequence[Any]], n_stages: int) -> None:
+def check_progress(order: Mapping[int, Sequence[Action | None]], n_stages: int) -> None:
     """Raise ``ValueError`` naming each stuck rank if a compute-only ``order`` cannot finish.
 
     Every rank runs its actions in order; an action runs once what it needs
@@ -255,7 +264,7 @@ def check_progress(order: Mapping[int, Sequence[Any]], n_stages: int) -> None:
     pos = dict.fromkeys(order, 0)
     acts = {r: [a for a in actions if a is not None] for r, actions in order.items()}
 
-    def blocker(a: Any) -> tuple | None:
+    def blocker(a: Action) -> tuple[int, str, int | None] | None:
         for sub in a.sub_actions or (a,):
             for need in _needs(
                 sub.stage_index, kind(sub), sub.microbatch_index, n_stages
@@ -278,22 +287,22 @@ def check_progress(order: Mapping[int, Sequence[Any]], n_stages: int) -> None:
                 )
                 pos[r], progress = pos[r] + 1, True
     stuck = [
-        f"rank {r} at action {acts[r][pos[r]]} waits for {_name(*blocker(acts[r][pos[r]]))}"
+        f"rank {r} at action {a} waits for {_name(*need)}"
         for r in acts
-        if pos[r] < len(acts[r])
+        if pos[r] < len(acts[r]) and (need := blocker(a := acts[r][pos[r]])) is not None
     ]
     if stuck:
         raise ValueError("the schedule deadlocks: " + "; ".join(stuck))
 
 
-def _has_comms(order: Mapping[int, Sequence[Any]]) -> bool:
+def _has_comms(order: Mapping[int, Sequence[Action | None]]) -> bool:
     return any(
         a is not None and not a.is_compute_op for acts in order.values() for a in acts
     )
 
 
 def _lower_compute_only(
-    order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]
+    order: Mapping[int, Sequence[Action | None]], stage_to_rank: Mapping[int, int]
 ) -> Order:
     """Add torch's send/recv actions to a compute-only order (``_add_send_recv``)."""
     add_send_recv = getattr(_schedules, "_add_send_recv", None)
@@ -310,7 +319,9 @@ def _lower_compute_only(
 
 
 def _validate(
-    order: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int], what: str
+    order: Mapping[int, Sequence[Action | None]],
+    stage_to_rank: Mapping[int, int],
+    what: str,
 ) -> None:
     """Check a compute-only order with torch's ``_validate_schedule`` (where this torch has it)."""
     validate = getattr(_schedules, "_validate_schedule", None)
@@ -333,7 +344,9 @@ def _validate(
         ) from e
 
 
-def schedule_order(schedule: Any) -> tuple[Order, dict[int, int]]:
+def schedule_order(
+    schedule: _schedules._PipelineSchedule | Mapping[int, Sequence[Action | None]],
+) -> tuple[Order, dict[int, int]]:
     """The action lists (with send/recv) of every rank and the stage -> rank map of ``schedule``.
 
     ``schedule`` is a torch schedule object (its ``pipeline_order_with_comms``

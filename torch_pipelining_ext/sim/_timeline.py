@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
-
-from torch_pipelining_ext.sim._engine import SimulationResult
+from torch_pipelining_ext.sim._engine import ActionRecord, SimulationResult
 
 
-def _lane(rec: Any) -> int:
+def _lane(rec: ActionRecord) -> int:
     if rec.overlapped:
         return rec.lane
     return 0 if rec.computation == "F" else 1
@@ -23,9 +21,9 @@ def _lane(rec: Any) -> int:
 
 def chrome_trace(
     result: SimulationResult, *, title: str = "predicted"
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The trace events (microseconds): one process per rank, a forward and a backward thread."""
-    events: list[dict[str, Any]] = []
+    events: list[dict[str, object]] = []
     for rank in sorted({r.rank for r in result.ranks}):
         events.append(
             {

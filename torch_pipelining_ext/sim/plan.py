@@ -36,6 +36,7 @@ from torch_pipelining_ext.sim import (
     stage_costs_from_layers,
     write_chrome_trace,
 )
+from torch_pipelining_ext.sim._cost_model import Recompute
 from torch_pipelining_ext.sim._inputs import check_number
 from torch_pipelining_ext.sim._layers import even_layer_split
 from torch_pipelining_ext.sim._memory import stage_params, static_memory_bytes
@@ -227,7 +228,7 @@ def plan(
     schedules: Sequence[str],
     memory_limit: float,
     a2a_bytes: int = 2,
-    recompute: bool | str = False,
+    recompute: Recompute | bool = False,
     combine_bytes: int | None = None,
     fp8_gemms: bool = False,
 ) -> list[Candidate]:
@@ -486,6 +487,8 @@ def _print_table(
 
 def _write_trace(out: Callable[..., None], directory: str, best: Candidate) -> None:
     """``best``'s predicted timeline as ``best.json`` (Chrome trace) and ``best.png``."""
+    if best.result is None:
+        raise ValueError(f"{best} holds no simulated timeline to write")
     os.makedirs(directory, exist_ok=True)
     write_chrome_trace(
         best.result,
@@ -563,7 +566,7 @@ class _Alternative(NamedTuple):
     """A flag that lowers the memory a candidate needs, and the search with it."""
 
     flag: str
-    recompute: str
+    recompute: Recompute
     pps: list[int]
 
 
@@ -622,7 +625,7 @@ def _plan_args(
     eps: list[int],
     microbatches: list[int] | None,
     pps: list[int],
-    recompute: str,
+    recompute: Recompute,
 ) -> list[Candidate]:
     """:func:`plan` with the command line's arguments (``pps`` and ``recompute``
     may differ from the command line's: an alternative tried)."""
