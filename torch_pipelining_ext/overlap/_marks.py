@@ -1,6 +1,7 @@
 """The communication marks of ``torch_pipelining_ext.overlap`` and the threads they bind to.
 
-A mark finds the coordinator (``_turns._CommCoordinator``) of the
+A thread bound to a side reaches the coordination kernels of the ``c10d``
+operators (:data:`THREAD_KEY`).  A mark finds the coordinator (``_turns._CommCoordinator``) of the
 overlapped action its thread runs a side of -- through a thread-local binding
 set by :func:`bound`, or, for the autograd engine's device threads, the one
 overlapped backward running in the process -- and passes its boundary there.
@@ -79,6 +80,10 @@ class _Binding(NamedTuple):
 
 _tls = threading.local()
 
+# The dispatch key of the coordination kernels: a thread reaches them while it
+# runs a side (see [Note: where the coordination kernels sit]).
+THREAD_KEY = torch._C.DispatchKey.PythonTLSSnapshot
+
 # Backward sides of the overlapped actions running in this process.  Only read
 # by threads that are not bound: the autograd engine runs backward nodes of
 # accelerator tensors on its own device threads, which did not call bound().
@@ -141,10 +146,11 @@ def bound(
     if side is Side.BACKWARD:
         _register_backward(binding)
     try:
-        if before_start is not None:
-            before_start()
-        coordinator.start(side)
-        yield
+        with torch._C._IncludeDispatchKeyGuard(THREAD_KEY):
+            if before_start is not None:
+                before_start()
+            coordinator.start(side)
+            yield
     except BaseException:
         coordinator.stop()
         raise
