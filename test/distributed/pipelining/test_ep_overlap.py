@@ -1263,7 +1263,7 @@ class MarksTest(TestCase):
             (z * 2).sum().backward()
             torch.testing.assert_close(y.grad, torch.full_like(y, 2.0))
             y.grad = None
-        self.assertEqual(_ep_marks._active_backward, [])
+        self.assertEqual(_ep_marks._BINDINGS.backward_sides(), [])
         self.assertIsNone(_ep_marks._current_binding())
 
     def test_marks_in_another_thread_are_not_coordinated(self) -> None:
