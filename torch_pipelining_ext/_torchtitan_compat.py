@@ -78,8 +78,6 @@ _TORCHTITAN_SPMD = "torchtitan.distributed.spmd_types"
 _TORCHTITAN_UTILS = "torchtitan.distributed.utils"
 _SPMD_TYPES_STATE = "spmd_types._state"
 
-_handle: RemovableHandle | None = None
-
 
 class _SpmdThreadState(NamedTuple):
     """What one thread holds of torchtitan's SPMD state (``None``: that library is not loaded)."""
@@ -190,20 +188,40 @@ def _apply(state: _SpmdThreadState | None) -> Iterator[None]:
         yield
 
 
+class _Registration:
+    """The pair's registration with ``overlap.register_thread_state`` (one per process)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.handle: RemovableHandle | None = None
+
+    def register(self) -> RemovableHandle | None:
+        with self._lock:
+            if (
+                self.handle is None
+                and os.environ.get(THREAD_STATE_ENV, "1").strip() != "0"
+            ):
+                self.handle = overlap.register_thread_state(_capture, _apply)
+            return self.handle
+
+    def unregister(self) -> None:
+        with self._lock:
+            handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
+
+
+_REGISTRATION = _Registration()
+
+
 def register() -> RemovableHandle | None:
     """Register the pair with :func:`overlap.register_thread_state` (once; later calls return the same handle).
 
     Registers nothing and returns ``None`` while ``$TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE`` is ``0``.
     """
-    global _handle
-    if _handle is None and os.environ.get(THREAD_STATE_ENV, "1").strip() != "0":
-        _handle = overlap.register_thread_state(_capture, _apply)
-    return _handle
+    return _REGISTRATION.register()
 
 
 def unregister() -> None:
     """Remove the pair registered by :func:`register` (nothing if it is not registered)."""
-    global _handle
-    if _handle is not None:
-        _handle.remove()
-        _handle = None
+    _REGISTRATION.unregister()
