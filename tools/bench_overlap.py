@@ -54,29 +54,31 @@ measured.
 
 Part 3 -- what coordinating every collective costs outside overlapped
 actions (``--collectives-only``: this part alone): one rank, a 4-element gloo
-``all_reduce`` timed without the coordination kernels (after
-``torch_pipelining_ext.unpatch()``), with them where a schedule installs them
+``all_reduce`` timed without the coordination kernels, with them where a
+schedule installs them
 (at the key only the threads of an action include, see [Note: where the
 coordination kernels sit]) and at c10d's BackendSelect key (where they sat
 before: every collective of the process reaches them), interleaved rounds in
-rotating order; beside it what a thread running a side pays instead: entering
+rotating order, 100 collectives a round after 20 not timed, the garbage collector
+off while timing; beside it what a thread running a side pays instead: entering
 and leaving the key, once per side, and the key's fallback on every operator
 (a 4-element ``torch.add`` with and without the key).  Medians with the
-rounds' spread, as this machine gives them.
+rounds' quartiles, as this machine gives them.
 
 The last line is machine-readable::
 
     hidden_fraction=... hidden_fraction_e2e=... efficiency=... handover_us=... overhead_no_marks=...
     overhead_marks_L0=... handover_p90_us=... cpu_probe=... hidden_fraction_paired=... ep_step_ratio=...
-    ep_step_ratio_twin=... repeat_no_marks=... collective_us=... collective_us_min=...
-    collective_us_max=... collective_us_backend_select=... action_key_us=... op_in_action_us=...
+    ep_step_ratio_twin=... repeat_no_marks=... collective_us=... collective_us_p25=...
+    collective_us_p75=... collective_us_backend_select=... action_key_us=... op_in_action_us=...
 
 (one line; ratios are overlapped / sequential; ``efficiency`` is the ideal /
 achieved time inside the OVERLAP_F_B actions of the ``overlap`` mode;
 ``handover_us`` the median hand-over latency; ``cpu_probe`` the median of the
 probes; ``ep_step_ratio`` / ``ep_step_ratio_twin`` are ``nan`` with --no-ep;
-``collective_us`` the added microseconds per collective of part 3, median of
-the rounds, ``_min`` / ``_max`` their spread, ``_backend_select`` the same
+``collective_us`` the added microseconds per collective of part 3 (the
+difference of the modes' medians over the rounds; ``_p25`` / ``_p75`` the
+same of their quartiles), ``_backend_select`` the same
 with the kernels at BackendSelect; ``action_key_us`` entering and leaving
 the key, ``op_in_action_us`` what it adds to an operator; with
 ``--collectives-only`` these fields alone).  Every
@@ -116,7 +118,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch_pipelining_ext
 from torch_pipelining_ext import launcher, overlap
 from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b
 
@@ -882,41 +883,34 @@ _KERNEL_MODES = ("without", "with", "BackendSelect")
 
 
 def _install_kernels(mode: str) -> None:
-    """Put the kernels where ``mode`` says (part 3)."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
-
+    """Put the kernels where ``mode`` says (part 3); nothing else changes between modes."""
     from torch_pipelining_ext.overlap import _collectives
 
-    if mode == "without":
-        torch_pipelining_ext.unpatch()
-        return
-    torch_pipelining_ext.patch()
-    if mode == "BackendSelect":  # where they sat before: every collective reaches them
-        _collectives.uninstall()
+    _collectives.uninstall()
+    if mode == "with":  # where a schedule that overlaps installs them
+        _collectives.install()
+    elif (
+        mode == "BackendSelect"
+    ):  # where they sat before: every collective reaches them
         _collectives._INTERCEPTION.install(keys=("BackendSelect",))
-        return
-    stages = [
-        PipelineStage(nn.Linear(2, 2), i, 2, torch.device("cpu")) for i in range(2)
-    ]
-    ScheduleDualPipeV(stages, 2, loss_fn=lambda y, t: y.sum())  # installs them
 
 
-def _us_per_call(fn: Callable[[], Any], batches: int = 20, calls: int = 100) -> float:
-    """Microseconds per call of ``fn``: the median of ``batches`` batches (a
-    batch the scheduler preempted does not move it)."""
-    per_batch = []
-    for _ in range(batches):
+def _us_per_call(fn: Callable[[], Any], calls: int = 100) -> float:
+    """Microseconds per call of ``fn``, one batch of ``calls``, the garbage collector off."""
+    gc.disable()
+    try:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        per_batch.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(per_batch)
+        return (time.perf_counter() - t0) / calls * 1e6
+    finally:
+        gc.enable()
 
 
 def _collective_cost_worker(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     """Part 3 on one rank: microseconds per small all_reduce outside overlapped actions, per mode.
 
-    Modes (:data:`_KERNEL_MODES`): no kernels (``unpatch()``), the kernels
+    Modes (:data:`_KERNEL_MODES`): no kernels, the kernels
     as a schedule installs them, and at BackendSelect; and what a thread pays
     while it runs a side: entering and leaving the kernels' key once, and a
     small ``torch.add`` with and without the key.  Interleaved rounds; per
@@ -938,7 +932,7 @@ def _collective_cost_worker(rank: int, args: argparse.Namespace) -> dict[str, An
         for k in range(len(_KERNEL_MODES)):
             mode = _KERNEL_MODES[(i + k) % len(_KERNEL_MODES)]
             _install_kernels(mode)
-            gc.collect()  # not during the timing: building a schedule allocates
+            _us_per_call(lambda: dist.all_reduce(x), calls=20)  # warm up, not timed
             times[mode].append(_us_per_call(lambda: dist.all_reduce(x)))
     # which collectives reach a kernel (each calls _current_binding once)
     reached: dict[str, float] = {}
@@ -962,34 +956,32 @@ def _collective_cost_worker(rank: int, args: argparse.Namespace) -> dict[str, An
                         torch._C._IncludeDispatchKeyGuard(_marks.THREAD_KEY)
                     )
                 add_us[included].append(_us_per_call(lambda: torch.add(a, a)))
-    torch_pipelining_ext.patch()
+    _install_kernels("without")
     return {"collective": times, "reached": reached, "key": key_us, "add": add_us}
 
 
 def _spread(values: Sequence[float]) -> str:
-    """``median [min, max]`` of per-round values."""
-    return f"{_median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
+    """``median [p25, p75]`` of per-round values."""
+    return f"{_median(values):.1f} [{_percentile(values, 0.25):.1f}, {_percentile(values, 0.75):.1f}]"
 
 
 def _print_part3(args: argparse.Namespace, cost: dict[str, Any]) -> dict[str, float]:
     """Print part 3; returns its fields of the last line."""
     times = cost["collective"]
-    added = {
-        m: [w - o for w, o in zip(times[m], times["without"])]
-        for m in _KERNEL_MODES[1:]
-    }
-    per_op = [t - f for t, f in zip(cost["add"][True], cost["add"][False])]
+    added = {m: _median(times[m]) - _median(times["without"]) for m in _KERNEL_MODES}
+    per_op = _median(cost["add"][True]) - _median(cost["add"][False])
     print(
         "\nPart 3: a 4-element gloo all_reduce outside overlapped actions, one rank, "
-        f"{args.collective_rounds} interleaved rounds, us per collective: median [min, max] of the rounds"
+        f"{args.collective_rounds} interleaved rounds of 100 collectives per mode, us per collective: "
+        "median [p25, p75] of the rounds"
     )
-    print(f"  no kernels (unpatch())          {_spread(times['without'])}")
+    print(f"  no kernels                      {_spread(times['without'])}")
     print(
-        f"  kernels at the action's key     {_spread(times['with'])}   added {_spread(added['with'])}"
+        f"  kernels at the action's key     {_spread(times['with'])}   added {added['with']:+.2f}"
     )
     print(
         f"  kernels at BackendSelect        {_spread(times['BackendSelect'])}   added "
-        f"{_spread(added['BackendSelect'])} (where they sat before)"
+        f"{added['BackendSelect']:+.2f} (where they sat before)"
     )
     print(
         "  collectives that reach a kernel: "
@@ -998,15 +990,17 @@ def _print_part3(args: argparse.Namespace, cost: dict[str, Any]) -> dict[str, fl
     print(
         f"  per action, each of its two threads: entering and leaving the key {_spread(cost['key'])} us; "
         f"per operator on them: a 4-element add {_spread(cost['add'][False])} us without the key, "
-        f"{_median(per_op):+.2f} us with it"
+        f"{per_op:+.2f} us with it"
     )
     return {
-        "collective_us": _median(added["with"]),
-        "collective_us_min": min(added["with"]),
-        "collective_us_max": max(added["with"]),
-        "collective_us_backend_select": _median(added["BackendSelect"]),
+        "collective_us": added["with"],
+        "collective_us_p25": _percentile(times["with"], 0.25)
+        - _percentile(times["without"], 0.25),
+        "collective_us_p75": _percentile(times["with"], 0.75)
+        - _percentile(times["without"], 0.75),
+        "collective_us_backend_select": added["BackendSelect"],
         "action_key_us": _median(cost["key"]),
-        "op_in_action_us": _median(per_op),
+        "op_in_action_us": per_op,
     }
 
 
@@ -1145,7 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--collective-rounds",
         type=int,
-        default=9,
+        default=150,
         help="rounds of the per-collective cost of the coordination kernels (part 3)",
     )
     p.add_argument(
