@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext import overlap
+from torch_pipelining_ext.overlap._settings import Registration
 
 
 __all__: list[str] = []
@@ -188,30 +189,13 @@ def _apply(state: _SpmdThreadState | None) -> Iterator[None]:
         yield
 
 
-class _Registration:
-    """The pair's registration with ``overlap.register_thread_state`` (one per process)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.handle: RemovableHandle | None = None
-
-    def register(self) -> RemovableHandle | None:
-        with self._lock:
-            if (
-                self.handle is None
-                and os.environ.get(THREAD_STATE_ENV, "1").strip() != "0"
-            ):
-                self.handle = overlap.register_thread_state(_capture, _apply)
-            return self.handle
-
-    def unregister(self) -> None:
-        with self._lock:
-            handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.remove()
+def _register_pair() -> RemovableHandle | None:
+    if os.environ.get(THREAD_STATE_ENV, "1").strip() == "0":
+        return None
+    return overlap.register_thread_state(_capture, _apply)
 
 
-_REGISTRATION = _Registration()
+_REGISTRATION = Registration(_register_pair)
 
 
 def register() -> RemovableHandle | None:
@@ -224,4 +208,4 @@ def register() -> RemovableHandle | None:
 
 def unregister() -> None:
     """Remove the pair registered by :func:`register` (nothing if it is not registered)."""
-    _REGISTRATION.unregister()
+    _REGISTRATION.remove()

@@ -175,7 +175,7 @@ class _Interception:
 
 def _make_kernel(op: Any, index: int, key: str) -> Callable[..., Any]:
     name = op._schema.name.partition("::")[2]
-    after = torch._C._dispatch_keyset_full_after(torch._C._parse_dispatch_key(key))
+    after = torch._C._dispatch_keyset_full_after(getattr(torch._C.DispatchKey, key))
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         binding = _marks._current_binding()

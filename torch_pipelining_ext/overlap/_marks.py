@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext.overlap import _draws, _groups
 from torch_pipelining_ext.overlap._rng import _rng_devices
-from torch_pipelining_ext.overlap._settings import SETTINGS
+from torch_pipelining_ext.overlap._settings import Registration, SETTINGS
 from torch_pipelining_ext.overlap._turns import _CommCoordinator
 from torch_pipelining_ext.overlap.policy import Side
 
@@ -149,9 +149,8 @@ class _Bindings:
 _BINDINGS = _Bindings()
 
 
-def _current_binding() -> _Binding | None:
-    """The binding of the calling thread (``None``: it runs no side)."""
-    return _BINDINGS.current()
+# the binding of the calling thread (None: it runs no side)
+_current_binding = _BINDINGS.current
 
 
 @contextmanager
@@ -376,29 +375,10 @@ def _fork_rng_window(
         yield
 
 
-class _ForkRngWindow:
-    """:func:`_fork_rng_window`'s registration with ``torch.random`` (one per process).
-
-    Registered by the first overlapped action, removed by ``unpatch()``.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._handle: RemovableHandle | None = None
-
-    def register(self) -> None:
-        with self._lock:
-            if self._handle is None:
-                self._handle = torch.random._register_fork_rng_hook(_fork_rng_window)
-
-    def remove(self) -> None:
-        with self._lock:
-            handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.remove()
-
-
-_FORK_RNG_WINDOW = _ForkRngWindow()
+# Registered by the first overlapped action, removed by unpatch().
+_FORK_RNG_WINDOW = Registration(
+    lambda: torch.random._register_fork_rng_hook(_fork_rng_window)
+)
 
 
 def side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
