@@ -25,7 +25,7 @@ from typing import Any
 from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext import _schedule_runtime
-from torch_pipelining_ext.overlap import _collectives
+from torch_pipelining_ext.overlap import _collectives, _marks
 from torch_pipelining_ext.overlap._handler import overlap_f_b
 
 
@@ -165,7 +165,5 @@ def cleanup() -> None:
     ``fork_rng`` hook, both registered by the first overlapped action (or
     schedule) after ``patch()``; the next one registers them again.
     """
-    from torch_pipelining_ext.overlap import _marks
-
     _collectives.uninstall()
     _marks._FORK_RNG_WINDOW.remove()

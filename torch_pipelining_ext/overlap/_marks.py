@@ -1,10 +1,11 @@
 """The communication marks of ``torch_pipelining_ext.overlap`` and the threads they bind to.
 
-A thread bound to a side reaches the coordination kernels of the ``c10d``
-operators (:data:`THREAD_KEY`).  A mark finds the coordinator (``_turns._CommCoordinator``) of the
+A mark finds the coordinator (``_turns._CommCoordinator``) of the
 overlapped action its thread runs a side of -- through a thread-local binding
 set by :func:`bound`, or, for the autograd engine's device threads, the one
 overlapped backward running in the process -- and passes its boundary there.
+A bound thread reaches the coordination kernels of the ``c10d`` operators
+(:data:`THREAD_KEY`).
 A collective issued on such a thread goes through :meth:`_Binding.collective`
 (see [Note: collectives in an overlapped action]).
 """
@@ -128,10 +129,10 @@ class _Bindings:
                     self._backward.remove(binding)
 
     def _engine_thread_binding(self) -> _Binding | None:
+        """The binding of an autograd device thread running an overlapped backward."""
         if not isinstance(threading.current_thread(), threading._DummyThread):
-            return (
-                None  # a Python thread that is not bound: not in an overlapped action
-            )
+            # a Python thread that is not bound: not in an overlapped action
+            return None
         if torch._C._current_graph_task_id() == -1:
             return None
         candidates = self.backward_sides()

@@ -1541,6 +1541,7 @@ class PatchTest(TestCase):
 
         PairRun(1, 1).run()  # an overlapped action installs them
         self.assertTrue(_collectives._INTERCEPTION.installed)
+        self.assertIsNotNone(_ep_marks._FORK_RNG_WINDOW.handle)
         # at the key only the threads of an action reach, none at BackendSelect
         self.assertEqual(
             _collectives._INTERCEPTION.operators["allreduce_"], "PythonTLSSnapshot"
@@ -1555,6 +1556,7 @@ class PatchTest(TestCase):
         try:
             torch_pipelining_ext.unpatch()
             self.assertFalse(_collectives._INTERCEPTION.installed)
+            self.assertIsNone(_ep_marks._FORK_RNG_WINDOW.handle)
             self.assertNotIn(
                 "kernel", kernel_at("c10d::allreduce_", "PythonTLSSnapshot")
             )
