@@ -53,21 +53,35 @@ there is little idle time for the overlap to fill; the ratios are reported as
 measured.
 
 Part 3 -- what coordinating every collective costs outside overlapped
-actions: one rank, a 4-element gloo ``all_reduce`` timed without the
-coordination kernels (after ``torch_pipelining_ext.unpatch()``) and with them
-(``patch()`` and a schedule built), interleaved rounds.
+actions (``--collectives-only``: this part alone): one rank, a 4-element gloo
+``all_reduce`` timed without the coordination kernels, with them where a
+schedule installs them
+(at the key only the threads of an action include, see [Note: where the
+coordination kernels sit]) and at c10d's BackendSelect key (where they sat
+before: every collective of the process reaches them), interleaved rounds in
+rotating order, 100 collectives a round after 20 not timed, the garbage collector
+off while timing; beside it what a thread running a side pays instead: entering
+and leaving the key, once per side, and the key's fallback on every operator
+(a 4-element ``torch.add`` with and without the key).  Medians with the
+rounds' quartiles, as this machine gives them.
 
 The last line is machine-readable::
 
     hidden_fraction=... hidden_fraction_e2e=... efficiency=... handover_us=... overhead_no_marks=...
     overhead_marks_L0=... handover_p90_us=... cpu_probe=... hidden_fraction_paired=... ep_step_ratio=...
-    ep_step_ratio_twin=... repeat_no_marks=... collective_us=...
+    ep_step_ratio_twin=... repeat_no_marks=... collective_us=... collective_us_p25=...
+    collective_us_p75=... collective_us_backend_select=... action_key_us=... op_in_action_us=...
 
 (one line; ratios are overlapped / sequential; ``efficiency`` is the ideal /
 achieved time inside the OVERLAP_F_B actions of the ``overlap`` mode;
 ``handover_us`` the median hand-over latency; ``cpu_probe`` the median of the
 probes; ``ep_step_ratio`` / ``ep_step_ratio_twin`` are ``nan`` with --no-ep;
-``collective_us`` the added microseconds per collective of part 3).  Every
+``collective_us`` the added microseconds per collective of part 3 (the
+difference of the modes' medians over the rounds; ``_p25`` / ``_p75`` the
+same of their quartiles), ``_backend_select`` the same
+with the kernels at BackendSelect; ``action_key_us`` entering and leaving
+the key, ``op_in_action_us`` what it adds to an operator; with
+``--collectives-only`` these fields alone).  Every
 mode computes the same losses (weights are not updated); the script checks
 that they are bitwise equal across modes.  The stand-in regions of part 1
 issue no collective, so they take no turns: part 1 times the free rule (each
@@ -84,7 +98,9 @@ each sub-action as ``runtime.sequential_overlap_f_b`` does
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import math
 import os
 import statistics
@@ -102,7 +118,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch_pipelining_ext
 from torch_pipelining_ext import launcher, overlap
 from torch_pipelining_ext.runtime import prepare_compute_action, sequential_overlap_f_b
 
@@ -862,33 +877,135 @@ def _part2_worker(rank: int, args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
-def _collective_cost_worker(rank: int, args: argparse.Namespace) -> dict[str, float]:
-    """Microseconds per small all_reduce outside overlapped actions, with and without the coordination kernels.
+# Part 3's modes: where the coordination kernels are, per collective outside
+# an action.  See [Note: where the coordination kernels sit].
+_KERNEL_MODES = ("without", "with", "BackendSelect")
 
-    ``unpatch()`` removes the kernels; building a schedule that overlaps
-    installs them again.  Interleaved rounds, medians.
+
+def _install_kernels(mode: str) -> None:
+    """Put the kernels where ``mode`` says (part 3); nothing else changes between modes."""
+    from torch_pipelining_ext.overlap import _collectives
+
+    _collectives.uninstall()
+    if mode == "with":  # where a schedule that overlaps installs them
+        _collectives.install()
+    elif (
+        mode == "BackendSelect"
+    ):  # where they sat before: every collective reaches them
+        _collectives._INTERCEPTION.install(keys=("BackendSelect",))
+
+
+def _us_per_call(fn: Callable[[], Any], calls: int = 100) -> float:
+    """Microseconds per call of ``fn``, one batch of ``calls``, the garbage collector off."""
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e6
+    finally:
+        gc.enable()
+
+
+def _collective_cost_worker(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Part 3 on one rank: microseconds per small all_reduce outside overlapped actions, per mode.
+
+    Modes (:data:`_KERNEL_MODES`): no kernels, the kernels
+    as a schedule installs them, and at BackendSelect; and what a thread pays
+    while it runs a side: entering and leaving the kernels' key once, and a
+    small ``torch.add`` with and without the key.  Interleaved rounds; per
+    round, the modes in rotating order; rounds' values returned.
     """
-    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+    from torch_pipelining_ext.overlap import _marks
 
     torch.set_num_threads(1)
-    x, n = torch.ones(4), 2000
-    times: dict[str, list[float]] = {"without": [], "with": []}
-    for _ in range(args.collective_rounds):
-        for name in times:
-            if name == "without":
-                torch_pipelining_ext.unpatch()
-            else:
-                torch_pipelining_ext.patch()
-                stages = [
-                    PipelineStage(nn.Linear(2, 2), i, 2, torch.device("cpu"))
-                    for i in range(2)
-                ]
-                ScheduleDualPipeV(stages, 2, loss_fn=lambda y, t: y.sum())
-            t0 = time.perf_counter()
-            for _ in range(n):
+    x, a = torch.ones(4), torch.ones(4)
+    times: dict[str, list[float]] = {m: [] for m in _KERNEL_MODES}
+    key_us: list[float] = []
+    add_us: dict[bool, list[float]] = {False: [], True: []}
+
+    def enter_key() -> None:
+        with torch._C._IncludeDispatchKeyGuard(_marks.THREAD_KEY):
+            pass
+
+    for i in range(args.collective_rounds):
+        for k in range(len(_KERNEL_MODES)):
+            mode = _KERNEL_MODES[(i + k) % len(_KERNEL_MODES)]
+            _install_kernels(mode)
+            _us_per_call(lambda: dist.all_reduce(x), calls=20)  # warm up, not timed
+            times[mode].append(_us_per_call(lambda: dist.all_reduce(x)))
+    # which collectives reach a kernel (each calls _current_binding once)
+    reached: dict[str, float] = {}
+    current = _marks._current_binding
+    for mode in _KERNEL_MODES:
+        _install_kernels(mode)
+        calls: list[None] = []
+        _marks._current_binding = lambda: calls.append(None) or current()  # type: ignore[assignment]
+        try:
+            for _ in range(100):
                 dist.all_reduce(x)
-            times[name].append((time.perf_counter() - t0) / n * 1e6)
-    return {name: statistics.median(v) for name, v in times.items()}
+        finally:
+            _marks._current_binding = current  # type: ignore[assignment]
+        reached[mode] = len(calls) / 100
+    for i in range(args.collective_rounds):
+        key_us.append(_us_per_call(enter_key))
+        for included in (i % 2 == 0, i % 2 != 0):
+            with contextlib.ExitStack() as stack:
+                if included:
+                    stack.enter_context(
+                        torch._C._IncludeDispatchKeyGuard(_marks.THREAD_KEY)
+                    )
+                add_us[included].append(_us_per_call(lambda: torch.add(a, a)))
+    _install_kernels("without")
+    return {"collective": times, "reached": reached, "key": key_us, "add": add_us}
+
+
+def _spread(values: Sequence[float]) -> str:
+    """``median [p25, p75]`` of per-round values."""
+    return f"{_median(values):.1f} [{_percentile(values, 0.25):.1f}, {_percentile(values, 0.75):.1f}]"
+
+
+def _print_part3(args: argparse.Namespace, cost: dict[str, Any]) -> dict[str, float]:
+    """Print part 3; returns its fields of the last line."""
+    times = cost["collective"]
+    added = {m: _median(times[m]) - _median(times["without"]) for m in _KERNEL_MODES}
+    per_op = _median(cost["add"][True]) - _median(cost["add"][False])
+    print(
+        "\nPart 3: a 4-element gloo all_reduce outside overlapped actions, one rank, "
+        f"{args.collective_rounds} interleaved rounds of 100 collectives per mode, us per collective: "
+        "median [p25, p75] of the rounds"
+    )
+    print(f"  no kernels                      {_spread(times['without'])}")
+    print(
+        f"  kernels at the action's key     {_spread(times['with'])}   added {added['with']:+.2f}"
+    )
+    print(
+        f"  kernels at BackendSelect        {_spread(times['BackendSelect'])}   added "
+        f"{added['BackendSelect']:+.2f} (where they sat before)"
+    )
+    print(
+        "  collectives that reach a kernel: "
+        + ", ".join(f"{m} {cost['reached'][m]:.2f}" for m in _KERNEL_MODES)
+    )
+    print(
+        f"  per action, each of its two threads: entering and leaving the key {_spread(cost['key'])} us; "
+        f"per operator on them: a 4-element add {_spread(cost['add'][False])} us without the key, "
+        f"{per_op:+.2f} us with it"
+    )
+    return {
+        "collective_us": added["with"],
+        "collective_us_p25": _percentile(times["with"], 0.25)
+        - _percentile(times["without"], 0.25),
+        "collective_us_p75": _percentile(times["with"], 0.75)
+        - _percentile(times["without"], 0.75),
+        "collective_us_backend_select": added["BackendSelect"],
+        "action_key_us": _median(cost["key"]),
+        "op_in_action_us": per_op,
+    }
+
+
+def _part3_fields(fields: dict[str, float]) -> str:
+    return " ".join(f"{name}={value:.2f}" for name, value in fields.items())
 
 
 # --------------------------------------------------------------------------- #
@@ -1022,8 +1139,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--collective-rounds",
         type=int,
-        default=5,
+        default=150,
         help="rounds of the per-collective cost of the coordination kernels (part 3)",
+    )
+    p.add_argument(
+        "--collectives-only",
+        action="store_true",
+        help="part 3 alone; its fields alone on the last line",
     )
     args = p.parse_args(argv)
     if args.switch_interval is not None and not 0 < args.switch_interval <= 1:
@@ -1031,6 +1153,12 @@ def main(argv: list[str] | None = None) -> int:
             f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}"
         )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.collectives_only:
+        print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
+        print(
+            _part3_fields(_print_part3(args, _launch(_collective_cost_worker, 1, args)))
+        )
+        return 0
 
     probe_baseline = calibrate_probe()
     print(
@@ -1134,13 +1262,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         ok = ok and r2["same_losses"]
 
-    cost = _launch(_collective_cost_worker, 1, args)
-    print(
-        "\nPart 3: a 4-element gloo all_reduce outside overlapped actions, one rank, "
-        f"medians of {args.collective_rounds} interleaved rounds: {cost['without']:.1f} us "
-        f"without the coordination kernels (unpatch()), {cost['with']:.1f} us with them "
-        f"(+{cost['with'] - cost['without']:.1f} us per collective)"
-    )
+    part3 = _print_part3(args, _launch(_collective_cost_worker, 1, args))
     ovl = bd.get("overlap", _ModeBreakdown())
     print(
         f"hidden_fraction={hidden_in:.3f} hidden_fraction_e2e={hidden_e2e:.3f} efficiency={ovl.efficiency:.3f} "
@@ -1148,7 +1270,7 @@ def main(argv: list[str] | None = None) -> int:
         f"overhead_marks_L0={overhead_l0:.3f} handover_p90_us={ovl.handover_p90_us:.0f} cpu_probe={cpu_probe:.2f} "
         f"hidden_fraction_paired={ovl.hidden_paired:.3f} ep_step_ratio={ep_ratio:.3f} "
         f"ep_step_ratio_twin={ep_twin_ratio:.3f} repeat_no_marks={repeat_dense:.3f} "
-        f"collective_us={cost['with'] - cost['without']:.1f}"
+        f"{_part3_fields(part3)}"
     )
     return 0 if ok else 1
 

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext import overlap
+from torch_pipelining_ext.overlap._settings import Registration
 
 
 __all__: list[str] = []
@@ -77,8 +78,6 @@ THREAD_STATE_ENV = "TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE"
 _TORCHTITAN_SPMD = "torchtitan.distributed.spmd_types"
 _TORCHTITAN_UTILS = "torchtitan.distributed.utils"
 _SPMD_TYPES_STATE = "spmd_types._state"
-
-_handle: RemovableHandle | None = None
 
 
 class _SpmdThreadState(NamedTuple):
@@ -190,20 +189,23 @@ def _apply(state: _SpmdThreadState | None) -> Iterator[None]:
         yield
 
 
+def _register_pair() -> RemovableHandle | None:
+    if os.environ.get(THREAD_STATE_ENV, "1").strip() == "0":
+        return None
+    return overlap.register_thread_state(_capture, _apply)
+
+
+_REGISTRATION = Registration(_register_pair)
+
+
 def register() -> RemovableHandle | None:
     """Register the pair with :func:`overlap.register_thread_state` (once; later calls return the same handle).
 
     Registers nothing and returns ``None`` while ``$TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE`` is ``0``.
     """
-    global _handle
-    if _handle is None and os.environ.get(THREAD_STATE_ENV, "1").strip() != "0":
-        _handle = overlap.register_thread_state(_capture, _apply)
-    return _handle
+    return _REGISTRATION.register()
 
 
 def unregister() -> None:
     """Remove the pair registered by :func:`register` (nothing if it is not registered)."""
-    global _handle
-    if _handle is not None:
-        _handle.remove()
-        _handle = None
+    _REGISTRATION.remove()

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """The one place where ``torch_pipelining_ext`` touches torch.
 
 Every change the package makes to the installed torch is a :class:`Patch`:
@@ -102,8 +101,8 @@ class Target:
             return f"{self.module}.{self.attr}[{self.key!r}]"
         return f"{self.module}.{self.attr}"
 
-    def _owner_and_name(self) -> tuple[Any, str]:
-        owner: Any = importlib.import_module(self.module)
+    def _owner_and_name(self) -> tuple[object, str]:
+        owner: object = importlib.import_module(self.module)
         if self.key is not None:
             path, name = self.attr.split("."), self.key
         else:
@@ -116,7 +115,7 @@ class Target:
             )
         return owner, name
 
-    def _get(self) -> Any:
+    def _get(self) -> object:
         owner, name = self._owner_and_name()
         if isinstance(owner, MutableMapping):
             return owner.get(name, _MISSING)
@@ -126,7 +125,7 @@ class Target:
             return owner.__dict__.get(name, _MISSING)
         return getattr(owner, name, _MISSING)
 
-    def _set(self, value: Any) -> None:
+    def _set(self, value: object) -> None:
         owner, name = self._owner_and_name()
         if isinstance(owner, MutableMapping):
             if value is _MISSING:
@@ -170,7 +169,7 @@ class Patch:
     env_disable: str | None = None
     cleanup: Callable[[], None] | None = None
     # Runtime state, owned by the registry.
-    _saved: list[tuple[Target, Any]] = field(default_factory=list, repr=False)
+    _saved: list[tuple[Target, object]] = field(default_factory=list, repr=False)
 
 
 @dataclass(frozen=True)
@@ -182,7 +181,7 @@ class PatchRecord:
     reason: str
     targets: tuple[str, ...]
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, str | list[str]]:
         return {
             "name": self.name,
             "status": self.status.value,
@@ -280,7 +279,7 @@ class _PatchRegistry:
                 p, PatchStatus.SKIPPED, f"probe returned unknown verdict {verdict!r}"
             )
             return
-        saved: list[tuple[Target, Any]] = []
+        saved: list[tuple[Target, object]] = []
         try:
             for t in p.targets:
                 original = t._get()

@@ -395,7 +395,7 @@ def _run_overlapped(
 
     own_worker = worker is None
     _collectives.install()
-    _ep_marks._register_fork_rng_window()
+    _ep_marks._FORK_RNG_WINDOW.register()
     state = _ThreadState.capture()
     if worker is None:
         worker = _BackwardWorker(_worker_name(global_rank))

@@ -19,12 +19,13 @@ import inspect
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext import _schedule_runtime
-from torch_pipelining_ext.overlap import _collectives
+from torch_pipelining_ext.overlap import _collectives, _marks
 from torch_pipelining_ext.overlap._handler import overlap_f_b
 
 
@@ -106,14 +107,30 @@ class _FunctionMapWithOverlap(_schedule_runtime._FunctionMapWithDefaults):
 # after it restores them.  The overlap's hook (_marks._fork_rng_window) opens
 # an RNG window on the backward side of an overlapped action.  On torches
 # without it the patch table installs these two.
-_fork_rng_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+_ForkRngHook = Callable[[Any, bool, str | None], AbstractContextManager[object]]
 
 
-def _register_fork_rng_hook(hook: Callable[..., Any]) -> RemovableHandle:
+class _ForkRngHooks:
+    """The hooks of [Note: fork_rng hooks], in registration order (one per process)."""
+
+    def __init__(self) -> None:
+        self._hooks: OrderedDict[int, _ForkRngHook] = OrderedDict()
+
+    def register(self, hook: _ForkRngHook) -> RemovableHandle:
+        handle = RemovableHandle(self._hooks)  # holds a weak reference to the dict
+        self._hooks[handle.id] = hook
+        return handle
+
+    def hooks(self) -> tuple[_ForkRngHook, ...]:
+        return tuple(self._hooks.values())
+
+
+_FORK_RNG_HOOKS = _ForkRngHooks()
+
+
+def _register_fork_rng_hook(hook: _ForkRngHook) -> RemovableHandle:
     """``torch.random._register_fork_rng_hook``: see [Note: fork_rng hooks]."""
-    handle = RemovableHandle(_fork_rng_hooks)
-    _fork_rng_hooks[handle.id] = hook
-    return handle
+    return _FORK_RNG_HOOKS.register(hook)
 
 
 def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,7 +144,7 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
         bound.apply_defaults()
         arguments = bound.arguments
         with contextlib.ExitStack() as hooks:
-            for hook in tuple(_fork_rng_hooks.values()):
+            for hook in _FORK_RNG_HOOKS.hooks():
                 hooks.enter_context(
                     hook(
                         arguments.get("devices"),
@@ -139,3 +156,14 @@ def _make_fork_rng(original: Callable[..., Any]) -> Callable[..., Any]:
                 yield
 
     return fork_rng
+
+
+def cleanup() -> None:
+    """What ``unpatch()`` removes besides the patch's targets.
+
+    The coordination kernels of the collectives and the overlap's own
+    ``fork_rng`` hook, both registered by the first overlapped action (or
+    schedule) after ``patch()``; the next one registers them again.
+    """
+    _collectives.uninstall()
+    _marks._FORK_RNG_WINDOW.remove()

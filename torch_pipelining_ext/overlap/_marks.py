@@ -4,6 +4,8 @@ A mark finds the coordinator (``_turns._CommCoordinator``) of the
 overlapped action its thread runs a side of -- through a thread-local binding
 set by :func:`bound`, or, for the autograd engine's device threads, the one
 overlapped backward running in the process -- and passes its boundary there.
+A bound thread reaches the coordination kernels of the ``c10d`` operators
+(:data:`THREAD_KEY`).
 A collective issued on such a thread goes through :meth:`_Binding.collective`
 (see [Note: collectives in an overlapped action]).
 """
@@ -26,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext.overlap import _draws, _groups
 from torch_pipelining_ext.overlap._rng import _rng_devices
-from torch_pipelining_ext.overlap._settings import SETTINGS
+from torch_pipelining_ext.overlap._settings import Registration, SETTINGS
 from torch_pipelining_ext.overlap._turns import _CommCoordinator
 from torch_pipelining_ext.overlap.policy import Side
 
@@ -64,62 +66,92 @@ class _Binding(NamedTuple):
         self, op_name: str, group: dist.ProcessGroup, issue: Callable[[], Any]
     ) -> Any:
         """Run ``issue`` (the collective ``op_name`` on ``group``) coordinated."""
-        if getattr(_tls, "issuing", False):
+        local = _BINDINGS.local
+        if getattr(local, "issuing", False):
             return issue()  # a collective issuing another one: already coordinated
         coordinator = self.coordinator
         where = f"rank {coordinator.rank}, action {coordinator.action}"
         order = _groups.order_for(op_name, group, self.side, where)
         with coordinator.collective(self.side, op_name, group.group_name, order):
-            _tls.issuing = True
+            local.issuing = True
             try:
                 return issue()
             finally:
-                _tls.issuing = False
+                local.issuing = False
 
 
-_tls = threading.local()
-
-# Backward sides of the overlapped actions running in this process.  Only read
-# by threads that are not bound: the autograd engine runs backward nodes of
-# accelerator tensors on its own device threads, which did not call bound().
-_active_backward: list[_Binding] = []
-_active_lock = threading.Lock()
+# The dispatch key of the coordination kernels: a thread reaches them while it
+# runs a side (see [Note: where the coordination kernels sit]).
+THREAD_KEY = torch._C.DispatchKey.PythonTLSSnapshot
 
 
-def _register_backward(binding: _Binding) -> None:
-    with _active_lock:
-        _active_backward.append(binding)
+class _Bindings:
+    """Which side of which overlapped action the threads run (one per process: ``_BINDINGS``).
+
+    A thread that :func:`bound` binds finds its binding in ``local`` (with
+    ``issuing``: it is issuing a coordinated collective).  The backward sides
+    running in the process are kept too, for the threads that are not bound:
+    the autograd engine runs backward nodes of accelerator tensors on its own
+    device threads, which did not call :func:`bound`.
+    """
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self._lock = threading.Lock()
+        self._backward: list[_Binding] = []
+
+    def backward_sides(self) -> list[_Binding]:
+        with self._lock:
+            return list(self._backward)
+
+    def current(self) -> _Binding | None:
+        """This thread's binding (an engine thread's: the one backward side)."""
+        binding = getattr(self.local, "binding", None)
+        if binding is None and self._backward:
+            return self._engine_thread_binding()
+        return binding
+
+    @contextmanager
+    def bind(self, binding: _Binding) -> Iterator[None]:
+        """Bind this thread to ``binding`` until exit, then to what it had."""
+        previous = getattr(self.local, "binding", None)
+        self.local.binding = binding
+        backward = binding.side is Side.BACKWARD
+        if backward:
+            with self._lock:
+                self._backward.append(binding)
+        try:
+            yield
+        finally:
+            self.local.binding = previous
+            if backward:
+                with self._lock:
+                    self._backward.remove(binding)
+
+    def _engine_thread_binding(self) -> _Binding | None:
+        """The binding of an autograd device thread running an overlapped backward."""
+        if not isinstance(threading.current_thread(), threading._DummyThread):
+            # a Python thread that is not bound: not in an overlapped action
+            return None
+        if torch._C._current_graph_task_id() == -1:
+            return None
+        candidates = self.backward_sides()
+        if len(candidates) > 1:
+            actions = ", ".join(b.coordinator.action for b in candidates)
+            raise RuntimeError(
+                "torch_pipelining_ext.overlap: an autograd device thread reached a "
+                f"communication boundary while {len(candidates)} overlapped actions "
+                f"run backward in this process ({actions}); it cannot tell which one "
+                "it belongs to. Run one pipeline schedule step at a time per process."
+            )
+        return candidates[0] if candidates else None
 
 
-def _unregister_backward(binding: _Binding) -> None:
-    with _active_lock:
-        _active_backward.remove(binding)
+_BINDINGS = _Bindings()
 
 
-def _engine_thread_binding() -> _Binding | None:
-    """The binding of an autograd device thread running an overlapped backward."""
-    if not isinstance(threading.current_thread(), threading._DummyThread):
-        return None  # a Python thread that is not bound: not in an overlapped action
-    if torch._C._current_graph_task_id() == -1:
-        return None
-    with _active_lock:
-        candidates = list(_active_backward)
-    if len(candidates) > 1:
-        actions = ", ".join(b.coordinator.action for b in candidates)
-        raise RuntimeError(
-            "torch_pipelining_ext.overlap: an autograd device thread reached a "
-            f"communication boundary while {len(candidates)} overlapped actions "
-            f"run backward in this process ({actions}); it cannot tell which one "
-            "it belongs to. Run one pipeline schedule step at a time per process."
-        )
-    return candidates[0] if candidates else None
-
-
-def _current_binding() -> _Binding | None:
-    binding = getattr(_tls, "binding", None)
-    if binding is None and _active_backward:
-        return _engine_thread_binding()
-    return binding
+# the binding of the calling thread (None: it runs no side)
+_current_binding = _BINDINGS.current
 
 
 @contextmanager
@@ -135,23 +167,19 @@ def bound(
     exception the coordination is stopped first so the other side is
     released.
     """
-    binding = _Binding(coordinator, side)
-    previous = getattr(_tls, "binding", None)
-    _tls.binding = binding
-    if side is Side.BACKWARD:
-        _register_backward(binding)
     try:
-        if before_start is not None:
-            before_start()
-        coordinator.start(side)
-        yield
+        with (
+            _BINDINGS.bind(_Binding(coordinator, side)),
+            torch._C._IncludeDispatchKeyGuard(THREAD_KEY),
+        ):
+            if before_start is not None:
+                before_start()
+            coordinator.start(side)
+            yield
     except BaseException:
         coordinator.stop()
         raise
     finally:
-        _tls.binding = previous
-        if side is Side.BACKWARD:
-            _unregister_backward(binding)
         coordinator.finish(side)
 
 
@@ -348,16 +376,10 @@ def _fork_rng_window(
         yield
 
 
-_fork_rng_hook: RemovableHandle | None = None
-_fork_rng_hook_lock = threading.Lock()
-
-
-def _register_fork_rng_window() -> None:
-    """Register :func:`_fork_rng_window` with ``torch.random``, once per process."""
-    global _fork_rng_hook
-    with _fork_rng_hook_lock:
-        if _fork_rng_hook is None:
-            _fork_rng_hook = torch.random._register_fork_rng_hook(_fork_rng_window)
+# Registered by the first overlapped action, removed by unpatch().
+_FORK_RNG_WINDOW = Registration(
+    lambda: torch.random._register_fork_rng_hook(_fork_rng_window)
+)
 
 
 def side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

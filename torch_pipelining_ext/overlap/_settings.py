@@ -1,5 +1,7 @@
 """The overlap's process-wide settings, in one object: :data:`SETTINGS`.
 
+And :class:`Registration`, a hook the process registers at most once.
+
 The public functions of ``overlap`` (``set_wait_timeout``,
 ``observe_actions``, ``register_thread_state``) change it; the coordinator
 and the handler read it when an action starts.
@@ -14,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
+
+from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext.overlap.policy import HAND_OVER_MIN_REGION_S
 
@@ -97,3 +101,30 @@ class _OverlapSettings:
 
 
 SETTINGS = _OverlapSettings()
+
+
+class Registration:
+    """A hook registered at most once per process, until :meth:`remove`.
+
+    Args:
+        register: registers the hook and returns its handle (``None``:
+            nothing registered, :meth:`register` asks again next time).
+    """
+
+    def __init__(self, register: Callable[[], RemovableHandle | None]) -> None:
+        self._register = register
+        self._lock = threading.Lock()
+        self.handle: RemovableHandle | None = None
+
+    def register(self) -> RemovableHandle | None:
+        """Register the hook unless it is registered; its handle."""
+        with self._lock:
+            if self.handle is None:
+                self.handle = self._register()
+            return self.handle
+
+    def remove(self) -> None:
+        with self._lock:
+            handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()

@@ -26,6 +26,7 @@ import unittest
 import unittest.mock
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -34,6 +35,8 @@ from torch.testing._internal.common_utils import (
     TestCase,
 )
 from torch.utils.checkpoint import checkpoint
+
+from common_pipelining import OneRankGroupTestCase
 
 import torch_pipelining_ext
 from torch_pipelining_ext import overlap
@@ -1260,7 +1263,7 @@ class MarksTest(TestCase):
             (z * 2).sum().backward()
             torch.testing.assert_close(y.grad, torch.full_like(y, 2.0))
             y.grad = None
-        self.assertEqual(_ep_marks._active_backward, [])
+        self.assertEqual(_ep_marks._BINDINGS.backward_sides(), [])
         self.assertIsNone(_ep_marks._current_binding())
 
     def test_marks_in_another_thread_are_not_coordinated(self) -> None:
@@ -1422,6 +1425,89 @@ class MarksTest(TestCase):
             overlap.wrap_dispatch_combine(Slotted())
 
 
+class CollectiveKernelTest(OneRankGroupTestCase):
+    """Only a thread running a side reaches the coordination kernels.
+
+    See [Note: where the coordination kernels sit].
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        from torch_pipelining_ext.overlap import _collectives
+
+        _collectives.install()
+        self.reached: list[str] = []
+        current = _ep_marks._current_binding
+
+        def counting() -> _ep_marks._Binding | None:
+            self.reached.append(threading.current_thread().name)
+            return current()
+
+        patcher = unittest.mock.patch.object(_ep_marks, "_current_binding", counting)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_only_the_sides_of_an_action_reach_the_kernels(self) -> None:
+        x, other = torch.ones(4), dist.new_group([0])
+        dist.all_reduce(x)
+        self.assertEqual(self.reached, [])  # outside an action: not reached
+        # a thread outside the action keeps issuing collectives meanwhile
+        stop, issued, background = threading.Event(), [], []
+
+        def issue() -> None:
+            while not stop.is_set():
+                y = torch.full((4,), 2.0)
+                dist.all_reduce(y, group=other)
+                background.append(y)
+                if len(background) == 3:
+                    issued.append(True)
+
+        thread = threading.Thread(target=issue, name="background")
+        coordinator = _CommCoordinator(rank=0, action="a", timeout=5.0)
+        coordinator.finish(Side.BACKWARD)
+        try:
+            with _ep_marks.bound(coordinator, Side.FORWARD):
+                thread.start()
+                while not issued and thread.is_alive():
+                    thread.join(0.01)
+                for _ in range(3):
+                    dist.all_reduce(x)
+                dist.all_gather_into_tensor(torch.empty(4), x)
+        finally:
+            stop.set()
+            thread.join(10.0)
+        self.assertFalse(thread.is_alive())
+        self.assertGreaterEqual(len(background), 3)
+        for y in background:
+            self.assertEqual(y, torch.full((4,), 2.0))
+        self.assertEqual(self.reached, [threading.current_thread().name] * 4)
+        self.assertEqual(
+            [c.op for c in coordinator.collectives(Side.FORWARD)],
+            ["allreduce_"] * 3 + ["_allgather_base_"],
+        )
+        dist.all_reduce(x)  # after the action: not reached again
+        self.assertEqual(len(self.reached), 4)
+        self.assertEqual(x, torch.ones(4))
+
+    def test_a_dispatch_mode_outside_an_action_passes_through(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = []
+
+        class Recording(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        x = torch.ones(4)
+        with Recording():
+            dist.all_reduce(x)
+        # the mode's thread has the kernels' key: the kernel passes it on
+        self.assertEqual(len(self.reached), 1)
+        self.assertEqual(seen, ["c10d.allreduce_.default"])
+        self.assertEqual(x, torch.ones(4))
+
+
 class PatchTest(TestCase):
     def test_installed_and_removed(self) -> None:
         from torch.distributed.pipelining import schedules
@@ -1449,23 +1535,31 @@ class PatchTest(TestCase):
     def test_collective_kernels_installed_on_use_and_removed_by_unpatch(self) -> None:
         from torch_pipelining_ext.overlap import _collectives
 
-        def backend_select(op: str) -> str:
+        def kernel_at(op: str, key: str) -> str:
             table = torch._C._dispatch_dump_table(op).splitlines()
-            return next(line for line in table if line.startswith("BackendSelect:"))
+            return next(line for line in table if line.startswith(f"{key}:"))
 
         PairRun(1, 1).run()  # an overlapped action installs them
         self.assertTrue(_collectives._INTERCEPTION.installed)
-        self.assertIn(
-            "c10d::allreduce_",
-            [f"c10d::{n}" for n in _collectives._INTERCEPTION.operators],
+        self.assertIsNotNone(_ep_marks._FORK_RNG_WINDOW.handle)
+        # at the key only the threads of an action reach, none at BackendSelect
+        self.assertEqual(
+            _collectives._INTERCEPTION.operators["allreduce_"], "PythonTLSSnapshot"
         )
-        self.assertNotIn("fallthrough", backend_select("c10d::allreduce_"))
+        self.assertEqual(
+            set(_collectives._INTERCEPTION.operators.values()), {"PythonTLSSnapshot"}
+        )
+        self.assertIn("kernel", kernel_at("c10d::allreduce_", "PythonTLSSnapshot"))
+        self.assertIn("fallthrough", kernel_at("c10d::allreduce_", "BackendSelect"))
         # only operators that take a process group
         self.assertNotIn("check_for_nan", _collectives._INTERCEPTION.operators)
         try:
             torch_pipelining_ext.unpatch()
             self.assertFalse(_collectives._INTERCEPTION.installed)
-            self.assertIn("fallthrough", backend_select("c10d::allreduce_"))
+            self.assertIsNone(_ep_marks._FORK_RNG_WINDOW.handle)
+            self.assertNotIn(
+                "kernel", kernel_at("c10d::allreduce_", "PythonTLSSnapshot")
+            )
         finally:
             torch_pipelining_ext.patch()
 

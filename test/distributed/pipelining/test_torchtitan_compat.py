@@ -340,7 +340,7 @@ class OverlappedActionTest(OneRankGroupTestCase):
         with _loaded(_fake_libraries()) as libs:
             titan = libs[_torchtitan_compat._TORCHTITAN_SPMD]
             titan._MESH_TLS.mesh_stack = [_Mesh("dense", 0.5)]
-            _torchtitan_compat.register().remove()
+            _torchtitan_compat.unregister()
             try:
                 with self.assertRaisesRegex(
                     RuntimeError,
@@ -348,7 +348,6 @@ class OverlappedActionTest(OneRankGroupTestCase):
                 ):
                     self._run()
             finally:
-                _torchtitan_compat._handle = None
                 _torchtitan_compat.register()
 
 
