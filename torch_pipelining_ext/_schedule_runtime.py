@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _schedules
 
 from torch_pipelining_ext import _fsdp_stage
+from torch_pipelining_ext._grad_scaling import scaled_loss
 from torch_pipelining_ext._pipeline_context import (
     _communication_types,
     _compute_types,
@@ -415,7 +416,7 @@ def _prepare_backward(
             recv = _PendingRecv(schedule, schedule.bwd_recv_ops, action, "gradients")
         recv = _wait_now_or_defer(recv, wait_inputs)
         if stage.is_last and schedule._loss_fn is not None:
-            loss = _losses_by_microbatch(schedule).loss(mb_index)
+            loss = scaled_loss(schedule, _losses_by_microbatch(schedule).loss(mb_index))
     last_backward = False
     if ctype != _schedules.BACKWARD_INPUT:
         last_backward = schedule.backward_counter.record_backward(stage_idx)
