@@ -1,10 +1,10 @@
-"""Gradients carried into a step are added to, never rescaled; ``eval()`` leaves gradients alone.
+"""``scale_grads`` scales each microbatch's loss, not the gradients; ``eval()`` leaves gradients alone.
 
 Upstream files: ``torch/distributed/pipelining/schedules.py``
-(``PipelineScheduleSingle.step``, ``PipelineScheduleMulti.step``,
-``_PipelineSchedule.eval``) and ``stage.py`` (``perform_reduce_grad``,
+(``_PipelineSchedule._maybe_get_loss``, ``PipelineScheduleSingle.step``,
+``PipelineScheduleMulti.step``) and ``stage.py`` (``scale_grads``,
 ``_post_metadata_inference_cleanup``); see
-``[Note: gradients carried into a step]``.
+``[Note: scale_grads scales the loss]``.
 """
 
 from __future__ import annotations
@@ -19,57 +19,132 @@ import torch.nn as nn
 
 __all__: list[str] = []
 
-# [Note: gradients carried into a step]
-# With ``scale_grads=True`` a schedule divides a stage's gradients by the
-# number of microbatches ``n`` once the stage's last backward of the step is
-# done (``scale_grads``, directly or through REDUCE_GRAD), in place: the whole
-# of ``p.grad``, also what it held before the step.  Two ``step()`` calls
-# without ``zero_grad()`` give ``(1 + 1/n)`` times one step's gradients
-# instead of twice them.
+# [Note: scale_grads scales the loss]
+# With ``scale_grads=True`` torch divides a stage's gradients by the number
+# of microbatches ``n`` once the stage's last backward of the step is done
+# (``scale_grads``, directly or through REDUCE_GRAD / WAIT_REDUCE_GRAD), in
+# place: the whole of ``p.grad``, also what it held before the step.  Two
+# ``step()`` calls without ``zero_grad()`` give ``(1 + 1/n)`` times one
+# step's gradients instead of twice them.
 #
-# What a step means here: ``step()`` adds the step's gradients -- what it
-# computes after ``zero_grad()`` -- to whatever ``.grad`` holds, as
-# ``loss.backward()`` adds to it.  So when a training step starts, the
-# gradients a stage carries in are set aside (``p.grad`` moved to the side,
-# ``p.grad = None``: no copy, no arithmetic); the step computes and divides
-# its own gradients from nothing, bitwise what it computes after
-# ``zero_grad()``; then each carried gradient gets the step's added in place
-# (``carried.add_(new)``, one rounding) and becomes ``p.grad`` again.  The
-# carried values are never multiplied or divided: nothing in them changes but
-# the addition, and in half precision nothing overflows that the sum itself
-# would not.  The price is memory: while the step runs, the carried gradients
-# and the step's own exist side by side (one gradient's worth more, at most,
-# and only in steps that start with gradients).
+# The package scales each microbatch's loss by ``1/n`` before its backward
+# instead (as torchtitan did, pytorch/torchtitan#1732), and divides nothing
+# afterwards: the loss a backward starts from (``_maybe_get_loss``, and the
+# runtime's own lookup) is ``loss / n``, and while a schedule's step runs its
+# stages' ``scale_grads(n)`` does nothing.  The gradients a stage carries
+# into a step are never touched, so:
 #
-# A stage with FSDP keeps its gradients on the sharded parameters; its FSDP
-# modules are resharded before the gradients are set aside (a no-op after any
-# step that finalized, which reshards; after ``eval()`` of a single-stage
-# schedule, which leaves the root unsharded, the step's forward gathers again).
-# ``step(finalize_gradients=False)`` (torch 2.15) defers an FSDP stage's
-# reduction: the gradients set aside stay aside until the step that finalizes
-# the stage, and are added after its division.  Whether a stage's gradients
-# are aside is the stage's own state (a pending entry here), so ``eval()``
-# between such steps neither opens nor closes the window.
+# * ``step()`` adds the step's gradients to whatever ``.grad`` holds, as
+#   ``loss.backward()`` adds to it; ``zero_grad()`` at any time, an exception
+#   in a step, DDP's bucket views and FSDP's deferred reductions
+#   (``finalize_gradients=False``) need no state of their own;
+# * no memory beyond stock torch's;
+# * the losses the step returns are the unscaled ones;
+# * rounding: a step's gradients are those of ``(loss / n).backward()`` per
+#   microbatch -- bitwise what the unpartitioned module computes that way, and
+#   stock torch with ``scale_grads=False`` and a loss divided by ``n`` -- not
+#   bitwise stock torch's ``grad / n``.
 #
-# ``eval()`` runs ``step()`` with the backward off.  It sets every gradient of
-# its stages aside for its duration and puts them back unchanged: stock
-# single-stage schedules end it with ``scale_grads`` (the last step's
-# gradients divided by ``n`` again), and the switch between eval and training
-# re-runs metadata inference, whose cleanup clears the gradients of FSDP
-# modules.  The same cleanup runs when the next training step switches back,
-# so the package also sets FSDP stages' gradients aside when ``scale_grads`` is
-# off; for them that is bitwise neutral, FSDP adding the step's reduced
-# gradient to the carried one with one addition either way.  (Upstream, the
-# cleanup keeps the gradients instead, patch 0002.)
+# ``eval()`` runs ``step()`` with the backward off; stock single-stage
+# schedules end it with ``scale_grads``, which the same rule turns into
+# nothing.  Metadata inference, which the switch between eval and training
+# re-runs, clears FSDP modules' gradients in its cleanup: the
+# ``metadata_inference_keeps_grads`` patch keeps them (upstream patch 0002).
 
-_CARRIED_ATTR = "_pipelining_ext_carried_grads"
-
-_Carried = list[tuple[nn.Parameter, torch.Tensor]]
+# on a stage: the factor its scale_grads skips while its schedule's step runs
+_SKIP_ATTR = "_pipelining_ext_loss_scaled_by"
 
 
 def _stages(schedule: Any) -> list[Any]:
     stages = getattr(schedule, "_stages", None)
     return list(stages) if stages else [schedule._stage]
+
+
+def _loss_scale(schedule: Any) -> int:
+    """The factor ``scale_grads`` divides by: ``n`` microbatches, or 1."""
+    return schedule._n_microbatches if schedule.scale_grads else 1
+
+
+def scaled_loss(schedule: Any, loss: torch.Tensor | None) -> torch.Tensor | None:
+    """The loss a backward starts from: ``loss / n`` with ``scale_grads``, see [Note: scale_grads scales the loss]."""
+    factor = _loss_scale(schedule)
+    return loss if loss is None or factor == 1 else loss / factor
+
+
+def _make_maybe_get_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineSchedule._maybe_get_loss``: the loss a backward starts from, scaled."""
+
+    @functools.wraps(original)
+    def _maybe_get_loss(self: Any, stage: Any, mb_index: int) -> Any:
+        return scaled_loss(self, original(self, stage, mb_index))
+
+    return _maybe_get_loss
+
+
+def _make_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a schedule's ``step`` (and ``eval``): its stages' ``scale_grads(n)`` does nothing while it runs."""
+
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stages = _stages(self)
+        before = [stage.__dict__.get(_SKIP_ATTR) for stage in stages]
+        for stage in stages:
+            stage.__dict__[_SKIP_ATTR] = _loss_scale(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for stage, factor in zip(stages, before):
+                if factor is None:
+                    stage.__dict__.pop(_SKIP_ATTR, None)
+                else:
+                    stage.__dict__[_SKIP_ATTR] = factor
+
+    return step
+
+
+def _make_scale_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineStageBase.scale_grads``: nothing while a step whose losses were scaled runs."""
+
+    @functools.wraps(original)
+    def scale_grads(self: Any, grad_scale_factor: int) -> None:
+        if self.__dict__.get(_SKIP_ATTR) == grad_scale_factor:
+            return
+        original(self, grad_scale_factor)
+
+    return scale_grads
+
+
+def _make_eval(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``_PipelineSchedule.eval``: every gradient aside while it runs, then back.
+
+    See [Note: scale_grads scales the loss]: the forward-only step's metadata
+    inference and FSDP's hooks must not reach the gradients the training
+    steps made.  A single-stage schedule's ``eval()`` leaves the FSDP root
+    unsharded, where the next step's reduction would not add to the
+    sharded gradient: its FSDP modules are resharded before the gradients
+    go back.
+    """
+    step_marking = _make_step(original)
+
+    @functools.wraps(original)
+    def eval(self: Any, *args: Any, **kwargs: Any) -> Any:
+        taken = []
+        stages = _stages(self)
+        for stage in stages:
+            for p in stage.submod.parameters():
+                if p.grad is not None:
+                    taken.append((p, p.grad))
+                    p.grad = None
+        try:
+            return step_marking(self, *args, **kwargs)
+        finally:
+            for stage in stages:
+                for module in _fsdp_modules(stage.submod):
+                    module.reshard()
+            for p, grad in taken:
+                p.grad = grad
+
+    return eval
 
 
 def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
@@ -78,95 +153,13 @@ def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def _carried(schedule: Any) -> dict[int, _Carried]:
-    """The gradients set aside per stage index, until their stage's window closes."""
-    carried = getattr(schedule, _CARRIED_ATTR, None)
-    if carried is None:
-        carried = {}
-        setattr(schedule, _CARRIED_ATTR, carried)
-    return carried
-
-
-def _take_grads(module: nn.Module) -> _Carried:
-    """Detach every gradient registered in ``module`` (``p.grad = None``); return them."""
-    taken = []
-    for p in module.parameters():
-        if p.grad is not None:
-            taken.append((p, p.grad))
-            p.grad = None
-    return taken
-
-
-def set_aside(stage: Any) -> _Carried:
-    """Set aside the gradients ``stage`` carries into a step (FSDP: the sharded ones)."""
-    for module in _fsdp_modules(stage.submod):
-        module.reshard()
-    return _take_grads(stage.submod)
-
-
-def add_back(carried: _Carried) -> None:
-    """Add each parameter's gradient of the step to its carried one, which becomes ``.grad``."""
-    for p, grad in carried:
-        if p.grad is not None:
-            grad.add_(p.grad)
-        p.grad = grad
-
-
-def _sets_aside(schedule: Any, stage: Any) -> bool:
-    scaled = schedule.scale_grads and schedule._n_microbatches != 1
-    return scaled or bool(_fsdp_modules(stage.submod))
-
-
-def _closes(stage: Any, finalize_gradients: bool) -> bool:
-    """Whether the step finalizes ``stage``'s gradients (a deferred FSDP stage does not)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return finalize_gradients or not isinstance(stage.submod, FSDPModule)
-
-
-def _make_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a schedule's ``step``: carried gradients aside, added back once final."""
-
-    @functools.wraps(original)
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self._has_backward:  # eval(): see _make_eval
-            return original(self, *args, **kwargs)
-        carried = _carried(self)
-        stages = _stages(self)
-        for stage in stages:
-            if stage.stage_index not in carried and _sets_aside(self, stage):
-                carried[stage.stage_index] = set_aside(stage)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            finalize = kwargs.get("finalize_gradients", True)
-            for stage in stages:
-                if stage.stage_index in carried and _closes(stage, finalize):
-                    add_back(carried.pop(stage.stage_index))
-
-    return step
-
-
-def _make_eval(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``_PipelineSchedule.eval``: every gradient aside while it runs, then back."""
-
-    @functools.wraps(original)
-    def eval(self: Any, *args: Any, **kwargs: Any) -> Any:
-        taken = [_take_grads(stage.submod) for stage in _stages(self)]
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            for p, grad in (pair for pairs in taken for pair in pairs):
-                p.grad = grad
-
-    return eval
-
-
 def _make_metadata_cleanup(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``PipelineStage._post_metadata_inference_cleanup``: keep the gradients.
 
     Torch's cleanup reshards the stage's FSDP modules and clears the gradients
-    of every parameter they register then, the carried ones included (after
+    of every parameter they register then (the modules are resharded first
+    here, so that the gradients kept are the sharded ones the steps made),
+    the carried ones included (after
     ``step(finalize_gradients=False)``, the unsharded gradients of nested FSDP
     modules a backward probe left unsharded).  Metadata inference computes
     input gradients only (``autograd.grad``), so every gradient there is one
@@ -175,9 +168,12 @@ def _make_metadata_cleanup(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def _post_metadata_inference_cleanup(self: Any) -> None:
+        modules = _fsdp_modules(self.submod)
+        for module in modules:  # the registered parameters are the sharded ones
+            module.reshard()
         kept = [
             (p, p.grad)
-            for module in _fsdp_modules(self.submod)
+            for module in modules
             for p in module.parameters()
             if p.grad is not None
         ]

@@ -38,13 +38,20 @@ class PipelineContext:
     called as ``fn(action, ctx)`` with the step's one context: the schedule
     (``schedule_ref``), the step's microbatches, targets and losses, and the
     arguments of the running ``step()`` (``return_outputs``, ``loss_kwargs``).
-    The same object is passed to every custom function of the step, so a
-    function may keep state on it for later actions of the step; the next
-    step gets a new one.  To run an action the built-in way, pass it with
-    this context to ``ctx.schedule_ref.perform_action(action, ctx)``, or to
-    ``ctx.schedule_ref.prepare_compute_action(action, ctx)`` to separate a
+    The same object is passed to every custom function of the step: a
+    function keeps what later actions of the step need in ``state`` (a dict
+    for the custom functions' own use, empty when the step starts; the next
+    step gets a new context).  To run an action the built-in way, pass it
+    with this context to ``ctx.schedule_ref.perform_action(action, ctx)``, or
+    to ``ctx.schedule_ref.prepare_compute_action(action, ctx)`` to separate a
     compute action's in-order bookkeeping from its compute (what a custom
     OVERLAP_F_B needs).
+
+    Threads: the schedule, its stages, FSDP's state and the step's losses
+    are not thread safe.  Only the compute returned by
+    ``prepare_compute_action`` may run on another thread, and only while no
+    other thread runs the same stage; every other call (``perform_action``,
+    ``prepare_compute_action`` itself) belongs on the thread running the step.
     """
 
     schedule_ref: Any
@@ -54,6 +61,7 @@ class PipelineContext:
     losses: list | None = None
     return_outputs: bool = True
     loss_kwargs: dict[str, Any] | None = None
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # The name custom functions were written against before PipelineContext

@@ -33,10 +33,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _schedules
 
 from torch_pipelining_ext import _fsdp_stage
+from torch_pipelining_ext._grad_scaling import scaled_loss
 from torch_pipelining_ext._pipeline_context import (
     _communication_types,
     _compute_types,
@@ -63,6 +65,7 @@ __all__ = [
     "CustomFunctionRuntime",
     "CustomFunctionStage",
     "perform_action",
+    "PreparedComputeAction",
     "prepare_compute_action",
     "run_action",
     "sequential_overlap_f_b",
@@ -100,7 +103,7 @@ class CustomFunctionRuntime(Protocol):
 
     def prepare_compute_action(
         self, action: PipelineAction, ctx: PipelineContext, *, wait_inputs: bool = True
-    ) -> _PreparedCompute:
+    ) -> PreparedComputeAction:
         """A compute action's in-order bookkeeping; its compute, as a closure."""
         ...
 
@@ -170,15 +173,23 @@ class _PendingRecv:
             ) from e
 
 
-class _PreparedCompute:
+class PreparedComputeAction:
     """A compute action whose in-order bookkeeping is done: returned by :func:`prepare_compute_action`.
 
     Calling it waits for the action's receives, if they are still pending,
     and computes.  :meth:`wait_inputs` waits for them alone, so that a caller
     (the concurrent OVERLAP_F_B handler) can tell waiting from computing.
+    A class rather than a bare closure so that it can grow without breaking
+    its callers (upstream patch 0011 returns it without ``wait_inputs``).
     """
 
-    def __init__(self, compute: Callable[[], None], recv: _PendingRecv | None) -> None:
+    def __init__(
+        self,
+        action: PipelineAction,
+        compute: Callable[[], None],
+        recv: _PendingRecv | None,
+    ) -> None:
+        self.action = action
         self._compute, self._recv = compute, recv
 
     @property
@@ -215,18 +226,72 @@ def _forward_one_chunk(
     return stage.forward_one_chunk(mb_index, args, kwargs, save_forward_output=False)
 
 
-def _maybe_compute_loss(
+# [Note: losses keyed by microbatch]
+# Torch's schedules append each last-stage loss to _internal_losses and read
+# it back as _internal_losses[mb_index], which holds only while the forwards
+# of the last stage finish in microbatch order.  With prepare_compute_action
+# a custom function may finish them in any order (an OVERLAP_F_B computing
+# its sub-actions concurrently, a FORWARD that defers its compute), and a
+# backward would silently take another microbatch's loss.  The runtime keeps
+# them keyed by microbatch (_LossesByMicrobatch, in _internal_losses' place,
+# so that torch's own code reads them in microbatch order); upstream patch
+# 0011 makes _internal_losses a dict.
+
+
+class _LossesByMicrobatch(list):
+    """``schedule._internal_losses`` keyed by microbatch; the list holds them in microbatch order.
+
+    See [Note: losses keyed by microbatch].  Torch's own code paths (which
+    compute in order) append and read by position; the runtime's
+    :meth:`put` and :meth:`loss` go by microbatch index.
+    """
+
+    def __init__(self, losses: list[torch.Tensor]) -> None:
+        super().__init__(losses)
+        self._by_microbatch = dict(enumerate(losses))
+
+    def put(self, mb_index: int, loss: torch.Tensor) -> None:
+        """The loss of microbatch ``mb_index``; the list view stays in microbatch order."""
+        self._by_microbatch[mb_index] = loss
+        super().clear()
+        super().extend(self._by_microbatch[k] for k in sorted(self._by_microbatch))
+
+    def append(self, loss: torch.Tensor) -> None:
+        self.put(len(self._by_microbatch), loss)
+
+    def clear(self) -> None:
+        self._by_microbatch.clear()
+        super().clear()
+
+    def loss(self, mb_index: int) -> torch.Tensor | None:
+        """The loss of microbatch ``mb_index``; None (no losses yet) or an error naming the ones there."""
+        loss = self._by_microbatch.get(mb_index)
+        if loss is None and self._by_microbatch:
+            raise RuntimeError(
+                f"Loss for microbatch {mb_index} is not available. Available "
+                f"losses for microbatches: {sorted(self._by_microbatch)}"
+            )
+        return loss
+
+
+def _losses_by_microbatch(schedule: _PipelineScheduleRuntime) -> _LossesByMicrobatch:
+    """The schedule's ``_internal_losses`` as :class:`_LossesByMicrobatch` (in schedule order, on the step's thread)."""
+    losses = schedule._internal_losses
+    if not isinstance(losses, _LossesByMicrobatch):
+        # torch's list: what its own code appended, in microbatch order
+        losses = schedule._internal_losses = _LossesByMicrobatch(losses)
+    return losses
+
+
+def _compute_loss(
     schedule: _PipelineScheduleRuntime,
-    stage: _PipelineStageBase,
     output: Any,
-    target_mbs: list | None,
-    mb_index: int,
+    target: Any,
     loss_kwargs: dict[str, Any] | None,
-) -> None:
-    if loss_kwargs is None:  # torch 2.9's _maybe_compute_loss has no loss_kwargs
-        schedule._maybe_compute_loss(stage, output, target_mbs, mb_index)
-    else:
-        schedule._maybe_compute_loss(stage, output, target_mbs, mb_index, loss_kwargs)
+) -> torch.Tensor:
+    if loss_kwargs is None:  # torch 2.9's _compute_loss has no loss_kwargs
+        return schedule._compute_loss(output, target)
+    return schedule._compute_loss(output, target, loss_kwargs)
 
 
 def _finish_last_backward(
@@ -245,7 +310,7 @@ def _finish_last_backward(
 
 def prepare_compute_action(
     action: PipelineAction, ctx: PipelineContext, *, wait_inputs: bool = True
-) -> _PreparedCompute:
+) -> PreparedComputeAction:
     """Do ``action``'s in-order bookkeeping now; return its compute as a closure.
 
     For FORWARD, FULL_BACKWARD, BACKWARD_INPUT and BACKWARD_WEIGHT.  On the
@@ -265,9 +330,11 @@ def prepare_compute_action(
     The returned ``compute()`` waits for receives still pending, runs the
     stage (forward and loss, or backward), hands outputs or gradients to a
     local neighbouring stage and, on torches without REDUCE_GRAD, does the
-    last-backward work.  Of the schedule's state it only appends a forward's
-    loss to ``_internal_losses``, so it may run on another thread while
-    another action's closure runs.
+    last-backward work.  Of the schedule's state it only stores a forward's
+    loss under its microbatch (see [Note: losses keyed by microbatch]), so
+    it may run on another thread while another action's compute runs, and
+    the computes of a stage's forwards may finish in any order.  Not thread
+    safe otherwise: see ``PipelineContext``.
 
     Args:
         action: a compute action (not OVERLAP_F_B: prepare its sub-actions).
@@ -296,7 +363,7 @@ def _prepare_forward(
     ctx: PipelineContext,
     stages: dict[int, _PipelineStageBase],
     wait_inputs: bool,
-) -> _PreparedCompute:
+) -> PreparedComputeAction:
     schedule = ctx.schedule_ref
     stage_idx, mb_index = action.stage_index, action.microbatch_index
     stage = stages[stage_idx]
@@ -310,6 +377,11 @@ def _prepare_forward(
     return_outputs = getattr(ctx, "return_outputs", state.return_outputs)
     loss_kwargs = getattr(ctx, "loss_kwargs", state.loss_kwargs)
     next_stage = stages.get(stage_idx + 1)
+    losses = (
+        _losses_by_microbatch(schedule)
+        if stage.is_last and schedule._loss_fn is not None
+        else None
+    )
     arg_mbs = (
         ctx.arg_mbs if ctx.arg_mbs is not None else [()] * schedule._n_microbatches
     )
@@ -321,13 +393,13 @@ def _prepare_forward(
         output = _forward_one_chunk(
             stage, mb_index, arg_mbs[mb_index], kwarg_mbs[mb_index], return_outputs
         )
-        _maybe_compute_loss(
-            schedule, stage, output, ctx.target_mbs, mb_index, loss_kwargs
-        )
+        if losses is not None:
+            target = ctx.target_mbs[mb_index]  # type: ignore[index]
+            losses.put(mb_index, _compute_loss(schedule, output, target, loss_kwargs))
         if next_stage is not None:
             next_stage.set_local_fwd_input(output, mb_index)
 
-    return _PreparedCompute(forward, recv)
+    return PreparedComputeAction(action, forward, recv)
 
 
 def _prepare_backward(
@@ -335,7 +407,7 @@ def _prepare_backward(
     schedule: _PipelineScheduleRuntime,
     stages: dict[int, _PipelineStageBase],
     wait_inputs: bool,
-) -> _PreparedCompute:
+) -> PreparedComputeAction:
     stage_idx, mb_index = action.stage_index, action.microbatch_index
     stage, ctype = stages[stage_idx], action.computation_type
     loss, recv = None, None
@@ -343,7 +415,8 @@ def _prepare_backward(
         if not stage.is_last and stage_idx + 1 not in stages:
             recv = _PendingRecv(schedule, schedule.bwd_recv_ops, action, "gradients")
         recv = _wait_now_or_defer(recv, wait_inputs)
-        loss = schedule._maybe_get_loss(stage, mb_index)
+        if stage.is_last and schedule._loss_fn is not None:
+            loss = scaled_loss(schedule, _losses_by_microbatch(schedule).loss(mb_index))
     last_backward = False
     if ctype != _schedules.BACKWARD_INPUT:
         last_backward = schedule.backward_counter.record_backward(stage_idx)
@@ -368,7 +441,7 @@ def _prepare_backward(
         if finish_in_backward:
             _finish_last_backward(schedule, stage)
 
-    return _PreparedCompute(backward, recv)
+    return PreparedComputeAction(action, backward, recv)
 
 
 def run_action(action: PipelineAction, ctx: PipelineContext) -> None:
@@ -528,19 +601,38 @@ def _reshard(
     schedule.unsharded_stages.remove(stage_idx)
 
 
+# [Note: custom functions and the sub-actions of OVERLAP_F_B]
+# Which runs a FORWARD or backward that is a sub-action of an OVERLAP_F_B: a
+# custom function registered for its type, or the built-in action?  The rule
+# (upstream patch 0011's step loop, and the package's on every torch):
+#
+# * without a custom OVERLAP_F_B function, each sub-action runs as a plain
+#   action of its type would: the custom function registered for its type,
+#   else perform_action.  A custom FORWARD sees every forward of the step.
+#   The package's default concurrent handler is not a custom function: while
+#   a custom function is registered for a compute type, the schedule runs
+#   its OVERLAP_F_B sequentially (sequential_overlap_f_b), so that rule holds;
+# * a custom OVERLAP_F_B function owns its sub-actions: it decides how each
+#   runs, and perform_action / prepare_compute_action are the built-in
+#   behaviour, not a dispatch to the custom functions.
+
+
 def sequential_overlap_f_b(action: PipelineAction, ctx: PipelineContext) -> None:
     """Run an OVERLAP_F_B action as torch does: its sub-actions one after the other.
 
-    Custom-function protocol.  Each sub-action goes through
-    :func:`perform_action` (the schedule's ``perform_action`` method), as
-    0011's step loop runs an OVERLAP_F_B without a custom function.
-    Registered for OVERLAP_F_B, it opts one schedule out of the concurrent
-    handler (``overlap.overlap_f_b``)::
+    Custom-function protocol.  Each sub-action goes through the custom
+    function registered for its type, or :func:`perform_action` (the
+    schedule's ``perform_action`` method), as 0011's step loop runs an
+    OVERLAP_F_B without a custom function (see [Note: custom functions and
+    the sub-actions of OVERLAP_F_B]).  Registered for OVERLAP_F_B, it opts
+    one schedule out of the concurrent handler (``overlap.overlap_f_b``)::
 
         schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
     """
+    functions = ctx.schedule_ref._comp_type_to_function_map
     for sub_action in action.sub_actions or ():
-        perform_action(sub_action, ctx)
+        function = functions.get(sub_action.computation_type) or perform_action
+        function(sub_action, ctx)
 
 
 def perform_action(action: PipelineAction, ctx: PipelineContext) -> None:
@@ -593,7 +685,7 @@ def _prepare_compute_action_method(
     ctx: PipelineContext,
     *,
     wait_inputs: bool = True,
-) -> _PreparedCompute:
+) -> PreparedComputeAction:
     """``_PipelineScheduleRuntime.prepare_compute_action``: :func:`prepare_compute_action`."""
     return prepare_compute_action(action, ctx, wait_inputs=wait_inputs)
 
@@ -695,9 +787,30 @@ class _CustomFunctionMap(dict):
     the schedule's ``_ScheduleState``.
     """
 
-    def __init__(self, functions: dict, state: _ScheduleState) -> None:
+    def __init__(
+        self,
+        functions: dict,
+        state: _ScheduleState,
+        defaults: _FunctionMapWithDefaults | None = None,
+    ) -> None:
         super().__init__(functions)
         self._state = state
+        self._defaults = defaults
+
+    def _overlap_function(self, function: Callable[..., None]) -> Callable[..., None]:
+        """The OVERLAP_F_B function to run: see [Note: custom functions and the sub-actions of OVERLAP_F_B].
+
+        ``function``, the map's, unless it is the default and a compute type
+        has a custom function: then the sub-actions one after the other.
+        """
+        overlap_is_default = self._defaults is not None and self._defaults.is_default(
+            _schedules.OVERLAP_F_B, function
+        )
+        if overlap_is_default and any(
+            self.get(t, perform_action) is not perform_action for t in _compute_types()
+        ):
+            return sequential_overlap_f_b
+        return function
 
     def _runs_communication(self, computation_type: Any) -> bool:
         return self._state.in_step and computation_type in _communication_types()
@@ -715,6 +828,8 @@ class _CustomFunctionMap(dict):
             if not self._runs_communication(computation_type):
                 raise KeyError(computation_type)
             function = perform_action
+        elif computation_type == _schedules.OVERLAP_F_B:
+            function = self._overlap_function(function)
         return functools.partial(_call_with_step_context, self._state, function)
 
 
@@ -765,7 +880,7 @@ class _FunctionMapWithDefaults:
         return function is self.defaults().get(computation_type)
 
     def _with_defaults(self, obj: Any, functions: dict) -> _CustomFunctionMap:
-        function_map = _CustomFunctionMap(functions, schedule_state(obj))
+        function_map = _CustomFunctionMap(functions, schedule_state(obj), self)
         for computation_type, function in self.defaults().items():
             function_map.setdefault(computation_type, function)
         return function_map

@@ -410,10 +410,12 @@ def _shallow_module_copy(orig: nn.Module) -> nn.Module:
 # A copy that fails halfway leaves no entry in the memo, and everything else
 # is copied exactly as ``copy.deepcopy`` of the module copies it.
 
-# what a failed deepcopy raises: pickling errors, "cannot pickle", ...
+# what deepcopy raises for an object that cannot be copied at all ("cannot
+# pickle", no __reduce__); not RuntimeError, which is an error of the object
+# being copied (a non-leaf tensor, a failing __deepcopy__): it propagates
+# rather than the object being shared
 _COPY_ERRORS = (
     TypeError,
-    RuntimeError,
     AttributeError,
     NotImplementedError,
     copy.Error,

@@ -14,7 +14,8 @@ custom function can add to it instead of copying it:
   sub-actions and the communication actions included), which a subclass
   may override;
 * :func:`prepare_compute_action` -- a compute action's in-order bookkeeping
-  (receives, FSDP checks, the backward count, the loss); returns the compute;
+  (receives, FSDP checks, the backward count, the loss); returns the compute,
+  a :class:`PreparedComputeAction`;
 * :func:`run_action` -- one action the built-in way, sends included (the
   body of the schedule's ``perform_action``);
 * :func:`sequential_overlap_f_b` -- OVERLAP_F_B's sub-actions one after the
@@ -31,6 +32,7 @@ from torch_pipelining_ext._schedule_runtime import (
     CustomFunctionStage,
     perform_action,
     prepare_compute_action,
+    PreparedComputeAction,
     run_action,
     sequential_overlap_f_b,
 )
@@ -41,6 +43,7 @@ __all__ = [
     "CustomFunctionStage",
     "perform_action",
     "prepare_compute_action",
+    "PreparedComputeAction",
     "run_action",
     "sequential_overlap_f_b",
 ]

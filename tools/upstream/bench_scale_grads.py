@@ -1,11 +1,11 @@
-"""What adding a step's gradients to the carried ones costs (patch 0003).
+"""What the package's ``scale_grads`` costs against stock torch's (patch 0003).
 
     python tools/upstream/bench_scale_grads.py [--params 1e6,16e6,64e6] [--repeat 5]
 
 When a step starts with gradients carried over from earlier steps (gradient
-accumulation across ``step()`` calls), the fix sets them aside when the step
-starts and adds the step's own to them once the step divided those (see
-``[Note: gradients carried into a step]``).  For each size this runs, side by
+accumulation across ``step()`` calls), stock torch divides them again; the
+package scales each microbatch's loss by ``1/n`` instead and divides nothing
+(see ``[Note: scale_grads scales the loss]``).  For each size this runs, side by
 side in one run, a one-stage ``ScheduleGPipe`` step (world size 1, gloo) whose
 stage holds one float32 parameter of that many elements, with a gradient
 carried in:
@@ -14,14 +14,14 @@ carried in:
 * ``fixed``: after ``torch_pipelining_ext.patch()``;
 * ``adamw``: one ``torch.optim.AdamW(foreach=True)`` step on the same
   parameter, the per-step cost every training loop pays anyway;
-* ``add_``: the one operation the fix adds per carried gradient, timed alone.
+* ``add_``: one in-place addition over the parameter, timed alone (what the
+  earlier design of the fix, which set carried gradients aside, added).
 
 Stock and fixed steps alternate (after each switch one step runs untimed:
 the first step after ``patch()`` or ``unpatch()`` pays one-time costs that
 would be counted against whichever side comes second).  Each step is
 profiled once for memory (``torch.profiler``, CPU): ``extra peak`` is how much
-higher the fixed step's peak of live allocations is than the stock step's (the
-carried gradient and the step's own exist side by side).  The last line is
+higher the fixed step's peak of live allocations is than the stock step's.  The last line is
 machine-readable, for the largest size: ``step_ratio`` is fixed / stock (whole
 steps), ``overhead_vs_adamw`` is ``add_ / adamw``, ``extra_peak_bytes`` is
 ``extra peak``.

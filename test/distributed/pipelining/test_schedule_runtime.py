@@ -313,6 +313,7 @@ class PublicNamesTest(TestCase):
                 "losses",
                 "return_outputs",
                 "loss_kwargs",
+                "state",
             ],
         )
         self.assertIsNotNone(sched.PipelineContext.__doc__)
@@ -331,6 +332,162 @@ class PublicNamesTest(TestCase):
         self.assertIsNone(state.backward_worker)
         self.assertEqual(state.unmarked_pairs, set())
         self.assertEqual(worker.closed_for, "Sched")
+
+
+class CustomFunctionApiTest(TestCase):
+    """The custom-function API on one rank holding two adjacent stages (fake backend).
+
+    Every test compares the losses and every gradient with the unpartitioned
+    module's.
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group(backend="fake", rank=0, world_size=1, store=FakeStore())
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+        super().tearDown()
+
+    def _train(
+        self, schedule_class: type, register: Any = None
+    ) -> tuple[Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Two steps over stages 0 and 1 of a 2-stage model: schedule, losses, grads, reference."""
+        torch.manual_seed(0)
+        ref = nn.Sequential(MLPStage(D_HID), MLPStage(D_HID))
+        modules = [copy.deepcopy(ref[i]) for i in range(2)]
+        stages = [
+            PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(modules)
+        ]
+        schedule = schedule_class(stages, N_MICROBATCHES, loss_fn=mse_loss)
+        if register is not None:
+            register(schedule)
+        losses: list[torch.Tensor] = []
+        ref_losses: list[torch.Tensor] = []
+        for step in range(2):
+            x, y = _batch(step)
+            step_losses: list[torch.Tensor] = []
+            schedule.step(x, target=y, losses=step_losses)
+            losses += step_losses
+            ref_losses += reference_step(ref, mse_loss, x, y, N_MICROBATCHES)[1]
+        torch.testing.assert_close(losses, ref_losses)
+        for module, ref_module in zip(modules, ref):
+            for (name, p), ref_p in zip(
+                module.named_parameters(), ref_module.parameters()
+            ):
+                torch.testing.assert_close(
+                    p.grad, ref_p.grad, msg=lambda m: f"{name}: {m}"
+                )
+        grads = [p.grad for m in modules for p in m.parameters()]
+        return schedule, losses, grads, ref_losses
+
+    def test_forwards_finishing_out_of_order(self) -> None:
+        """A backward takes its own microbatch's loss when the last stage's forwards finish out of order.
+
+        A custom FORWARD prepares the last stage's forwards in schedule order
+        and computes them in reverse once all are prepared (ScheduleLoopedBFS
+        runs every forward of a stage before its backwards).
+        """
+        finished: list[int] = []
+
+        def reversed_last_forwards(action: _Action, ctx: Any) -> None:
+            compute = ctx.schedule_ref.prepare_compute_action(action, ctx)
+            if action.stage_index == 0:
+                compute()
+                return
+            pending = ctx.state.setdefault("pending", [])
+            pending.append(compute)
+            if len(pending) == N_MICROBATCHES:
+                for compute in reversed(pending):
+                    finished.append(compute.action.microbatch_index)
+                    compute()
+
+        def register(schedule: Any) -> None:
+            schedule.register_custom_function(F, reversed_last_forwards)
+
+        self._train(ScheduleLoopedBFS, register)
+        self.assertEqual(finished, list(reversed(range(N_MICROBATCHES))) * 2)
+
+    def test_prepare_compute_action_returns_a_handle(self) -> None:
+        """``prepare_compute_action`` returns a ``PreparedComputeAction`` naming its action; ``ctx.state`` is the step's."""
+        handles: list[Any] = []
+        states: list[dict] = []
+
+        def forward(action: _Action, ctx: Any) -> None:
+            self.assertEqual(
+                ctx.state.get("step_forwards", 0), len(states) % (2 * N_MICROBATCHES)
+            )
+            ctx.state["step_forwards"] = ctx.state.get("step_forwards", 0) + 1
+            states.append(ctx.state)
+            handle = ctx.schedule_ref.prepare_compute_action(action, ctx)
+            handles.append(handle)
+            handle.wait_inputs()
+            handle()
+
+        def register(schedule: Any) -> None:
+            schedule.register_custom_function(F, forward)
+
+        self._train(ScheduleLoopedBFS, register)
+        self.assertEqual(len(handles), 2 * 2 * N_MICROBATCHES)
+        for handle in handles:
+            self.assertIsInstance(handle, rt.PreparedComputeAction)
+            self.assertEqual(handle.action.computation_type, F)
+        n = 2 * N_MICROBATCHES
+        self.assertEqual({id(s) for s in states[:n]}, {id(states[0])})
+        self.assertEqual({id(s) for s in states[n:]}, {id(states[n])})
+        self.assertIsNot(states[0], states[n])
+
+    @parametrize("custom_overlap", [False, True])
+    def test_custom_compute_function_and_overlap_f_b(
+        self, custom_overlap: bool
+    ) -> None:
+        """Which runs OVERLAP_F_B's sub-actions: see [Note: custom functions and the sub-actions of OVERLAP_F_B].
+
+        Without a custom OVERLAP_F_B the custom FORWARD and FULL_BACKWARD
+        run every forward and backward, sub-actions included (the package's
+        concurrent handler steps aside); a custom OVERLAP_F_B owns its
+        sub-actions.
+        """
+        seen: Counter[Any] = Counter()
+        overlaps: list[_Action] = []
+
+        def counting(action: _Action, ctx: Any) -> None:
+            seen[action.computation_type] += 1
+            ctx.schedule_ref.perform_action(action, ctx)
+
+        def overlap_f_b(action: _Action, ctx: Any) -> None:
+            overlaps.append(action)
+            for sub_action in action.sub_actions:
+                ctx.schedule_ref.perform_action(sub_action, ctx)
+
+        def register(schedule: Any) -> None:
+            schedule.register_custom_function(F, counting)
+            schedule.register_custom_function(B, counting)
+            if custom_overlap:
+                schedule.register_custom_function(OVERLAP_F_B, overlap_f_b)
+
+        schedule, *_ = self._train(ScheduleDualPipeV, register)
+        lowered = schedule.pipeline_order_with_comms[0]
+        top_level = Counter(a.computation_type for a in lowered)
+        in_overlap = Counter(
+            sub.computation_type
+            for a in lowered
+            if a.computation_type == OVERLAP_F_B
+            for sub in a.sub_actions
+        )
+        self.assertGreater(top_level[OVERLAP_F_B], 0)
+        self.assertGreater(in_overlap[F], 0)
+        expected = top_level if custom_overlap else top_level + in_overlap
+        self.assertEqual(seen[F], 2 * expected[F])
+        self.assertEqual(seen[B], 2 * expected[B])
+        self.assertEqual(
+            len(overlaps), 2 * top_level[OVERLAP_F_B] if custom_overlap else 0
+        )
+
+
+instantiate_parametrized_tests(CustomFunctionApiTest)
 
 
 class _PipelineRun:
@@ -542,7 +699,8 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         with unittest.mock.patch.object(rt, "prepare_compute_action", spy):
             run.step(self, 0)
         self.assertEqual(prepared, compute_actions)
-        self.assertEqual(len(forwards), sum(a.computation_type == F for a in lowered))
+        # the custom FORWARD runs OVERLAP_F_B's forwards too (no custom OVERLAP_F_B)
+        self.assertEqual(len(forwards), compute_actions[F])
 
     def _performed(self, schedule: Any) -> list[_Action]:
         """The rank's lowered actions as the step loop performs them, OVERLAP_F_B's in turn."""
@@ -627,8 +785,8 @@ class ScheduleRuntimeTest(PipelineMultiProcTest):
         forwards: list[int] = []
 
         def counting_forward(action: _Action, ctx: Any) -> None:
-            ctx.forwards = getattr(ctx, "forwards", 0) + 1
-            forwards.append(ctx.forwards)
+            ctx.state["forwards"] = ctx.state.get("forwards", 0) + 1
+            forwards.append(ctx.state["forwards"])
             schedule.contexts.append(ctx)
             ctx.schedule_ref.perform_action(action, ctx)
 

@@ -12,6 +12,14 @@ Every microbatch loss and every parameter after the two steps must be equal
 bitwise.  Both are also compared with a single-process reference (up to
 rounding: the reference sums a stage's microbatch gradients in another order).
 
+The package's ``scale_grads=True`` divides each microbatch's loss by the
+number of microbatches before its backward instead of dividing the
+gradients after the step (``_grad_scaling``, [Note: scale_grads scales the
+loss]); stock torch computes the same with ``scale_grads=False`` and a loss
+function divided by that number (what torchtitan does), so that is how the
+stock run trains.  Its losses are multiplied back (by 4, exact) before the
+comparison.
+
 Where stock torch cannot run on gloo -- torch 2.9's stage-init handshake
 sends int64 tensors into float32 buffers, on which gloo aborts the process
 (torch 2.9 ran pipelining on NCCL only); on 2.10 and 2.11 the handshake of a
@@ -137,6 +145,11 @@ def _apply_transport_patches() -> list[str]:
     return [name for name in _TRANSPORT_PATCHES if _REGISTRY.is_applied(name)]
 
 
+def _loss_scaled_by_hand(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The stock run's loss: ``scale_grads=False`` and the loss divided by the microbatches."""
+    return mse_loss(output, target) / N_MICROBATCHES
+
+
 def _train(name: str, rank: int) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -149,8 +162,12 @@ def _train(name: str, rank: int) -> dict[str, Any]:
         PipelineStage(modules[i], i, n_stages, torch.device("cpu")) for i in indices
     ]
     schedule_class = getattr(schedules, class_name)
+    stock = os.environ.get("TORCH_PIPELINING_EXT_DISABLE") == "1"
     schedule = schedule_class(
-        stages[0] if stages_per_rank == 1 else stages, N_MICROBATCHES, loss_fn=mse_loss
+        stages[0] if stages_per_rank == 1 else stages,
+        N_MICROBATCHES,
+        loss_fn=_loss_scaled_by_hand if stock else mse_loss,
+        scale_grads=not stock,
     )
     if csv is not None:
         from common_pipelining import load_csv
@@ -168,7 +185,8 @@ def _train(name: str, rank: int) -> dict[str, Any]:
             schedule.step(x, target=y, losses=step_losses)
         else:
             schedule.step(target=y, losses=step_losses)
-        losses.append([loss.detach().clone() for loss in step_losses])
+        scale = N_MICROBATCHES if stock else 1  # a power of two: exact
+        losses.append([loss.detach() * scale for loss in step_losses])
         optimizer.step()
     params = {
         f"{i}.{k}": v.detach().clone()

@@ -1015,6 +1015,18 @@ class TestSharedAttributes(OneRankGroupTestCase):
         self.assertIsNot(layer.helper.calls, model.layers[1].helper.calls)
         self.assertIs(layer.dispatcher.owner, layer)
 
+    def test_an_error_while_copying_is_raised_not_shared(self):
+        # a RuntimeError from deepcopy is an error of the object, not "cannot be
+        # copied": it propagates instead of the object being shared silently
+        class _FailingCopy:
+            def __deepcopy__(self, memo):
+                raise RuntimeError("copy failed halfway")
+
+        model = ToyLLM(n_layers=2, container="list")
+        model.layers[1].helper = _FailingCopy()
+        with self.assertRaisesRegex(RuntimeError, "copy failed halfway"):
+            build_stage_module(model, ["layers.1"])
+
     def test_an_object_that_can_be_neither_copied_nor_shared_is_named(self):
         model = ToyLLM(n_layers=2, container="list")
         model.layers[1].feed_forward.cache = _Pinned(torch.zeros(3))
