@@ -62,14 +62,12 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
         stream = _token_file(args, tokenizer)
         config = _config(args, stream, tokenizer)
         num_experts = _check_model(args, layout, config)
-        plan = RunPlan(
-            args, layout, config, num_experts, stream, _resume_point(args, config)
-        )
+        resume = _resume_point(args, config)
         if args.run_dir is None:  # --compare-sequential
             args.run_dir = tempfile.mkdtemp(prefix="torch_pipelining_ext_compare_")
-            plan.temporary_run_dir = created = True
+            temporary = created = True
         else:
-            created = not os.path.isdir(args.run_dir)
+            temporary, created = False, not os.path.isdir(args.run_dir)
             os.makedirs(args.run_dir, exist_ok=True)
     except (_data.DataError, UsageError):
         raise
@@ -83,11 +81,20 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
         data = os.path.join(args.run_dir, "data")
         if args.synthetic_data:
             sequences = args.steps * args.batch_size  # one epoch: the whole run
-            plan.stream = _data.synthetic_stream(
+            stream = _data.synthetic_stream(
                 config.vocab_size, args.seq_len, sequences, args.seed, data
             )
-        elif plan.stream is None:  # text
-            plan.stream = _tokenized(args, tokenizer, data)
+        elif stream is None:  # text
+            stream = _tokenized(args, tokenizer, data)
+        plan = RunPlan(
+            args,
+            layout,
+            config,
+            num_experts,
+            stream,
+            resume,
+            temporary_run_dir=temporary,
+        )
         _check_data_size(plan)
     except BaseException:
         if created:
@@ -162,7 +169,7 @@ def _config(
         config = _model.load_config(args.model)
     else:
         vocab = args.vocab_size or tokenizer_vocab
-        vocab = vocab or (SYNTHETIC_VOCAB if stream is None else max_id + 1)
+        vocab = vocab or (SYNTHETIC_VOCAB if max_id is None else max_id + 1)
         config = _model.tiny_config(
             args.model_type, vocab_size=vocab, layers=args.layers, experts=args.experts,
             hidden_size=args.hidden_size,

@@ -28,7 +28,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -170,7 +170,12 @@ class SimulatedLink(hf.ExpertParallelTransport):
             super().counts(output, input, group)
 
     def tokens(
-        self, output, input, output_split_sizes, input_split_sizes, group
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        group: dist.ProcessGroup,
     ) -> None:
         with self._timed():
             super().tokens(output, input, output_split_sizes, input_split_sizes, group)
@@ -179,7 +184,7 @@ class SimulatedLink(hf.ExpertParallelTransport):
 
 
 def calibrate_link_latency(
-    parts: list[torch.nn.Module], tokens_per_microbatch: int, top_k: int
+    parts: Sequence[torch.nn.Module], tokens_per_microbatch: int, top_k: int
 ) -> float:
     """Seconds one MoE layer's local experts compute on one microbatch
     (forward; each rank receives ``tokens * top_k`` slots, spread evenly
@@ -192,6 +197,7 @@ def calibrate_link_latency(
     per_expert = max(1, tokens_per_microbatch * top_k // shard.num_experts)
     counts = torch.full((shard.size, shard.local), per_expert)
     weight = module.gate_up_proj
+    assert isinstance(weight, torch.Tensor)
     tokens = torch.randn(int(counts.sum()), weight.shape[-1], dtype=weight.dtype)
     times = []
     with torch.no_grad():
@@ -206,7 +212,7 @@ def calibrate_link_latency(
     return mean.item() / dist.get_world_size()
 
 
-def all_to_alls_per_step(parts: list[torch.nn.Module], microbatches: int) -> int:
+def all_to_alls_per_step(parts: Sequence[torch.nn.Module], microbatches: int) -> int:
     """Token all-to-alls this rank runs per step: every microbatch passes each
     local MoE layer once forward (dispatch, combine) and once backward (the same two)."""
     return 4 * microbatches * len(hf.expert_parallel_shards(parts))
@@ -302,7 +308,9 @@ class Report:
     def timed(self, mode: str, step: int) -> Iterator[None]:
         """Time one step of ``mode`` (slowest rank); profile it if it is the last and --trace is set."""
         trace = self.args.trace is not None and step == self.args.steps - 1
-        prof = _profiler() if trace else contextlib.nullcontext()
+        prof: contextlib.AbstractContextManager[Any] = (
+            _profiler() if trace else contextlib.nullcontext()
+        )
         comm = (
             self.link.measuring() if mode == "sequential" else contextlib.nullcontext()
         )
@@ -318,6 +326,7 @@ class Report:
             dist.all_reduce(c)
             self.comm_s.append(c.item() / dist.get_world_size())
         if trace:
+            assert isinstance(prof, torch.profiler.profile)
             prof.export_chrome_trace(self._trace_file(mode))
 
     def _trace_file(self, mode: str) -> str:
