@@ -21,12 +21,15 @@ and :func:`launch` raises :class:`RankFailedError` naming the rank and how it
 ended.  The demo (``python -m torch_pipelining_ext.demo``), the trainer and the
 tools start their ranks through it.
 
-:func:`device_mesh` lays the ranks of a job out as one ``("pp", "dp", "ep")``
-mesh, the same way wherever a job is started (the trainer, the demo, the
-tools and the tests)::
+:func:`parallel_layout` lays the ranks of a job out as one ``("pp", "dp",
+"ep")`` mesh with its groups (a :class:`ParallelLayout`), the same way
+wherever a job is started (the trainer, the demo, the tools and the tests)::
 
-    mesh = launcher.device_mesh(pp=2, dp=2, ep=2)  # 8 ranks
-    stages, parts = hf.pipeline_hf_causal_lm(config, mesh, ScheduleDualPipeV, device)
+    layout = launcher.parallel_layout(pp=2, dp=2, ep=2)  # 8 ranks
+    stages, parts = hf.pipeline_hf_causal_lm(config, layout, ScheduleDualPipeV, device)
+
+:func:`device_mesh` is its mesh alone; every function that takes the layout
+takes its mesh too.
 """
 
 from __future__ import annotations
@@ -45,17 +48,26 @@ from typing import Any, IO, TypeVar
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
+
+from torch_pipelining_ext._parallel_layout import (
+    layout_problem,
+    MESH_DIM_NAMES,
+    ParallelLayout,
+)
 
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "MESH_DIM_NAMES",
+    "ParallelLayout",
     "RankFailedError",
     "cpu_cores",
     "data_parallel_mesh",
     "device_mesh",
     "launch",
     "layout_problem",
+    "parallel_layout",
     "under_torchrun",
 ]
 
@@ -65,9 +77,6 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long a collective of a launched rank may wait for its peers."""
-
-MESH_DIM_NAMES = ("pp", "dp", "ep")
-"""The dimensions of :func:`device_mesh`, outermost first."""
 
 
 class RankFailedError(RuntimeError):
@@ -365,96 +374,57 @@ def _run_rank(
         dist.destroy_process_group()
 
 
-# [Note: job layout]
-# A job's ranks form a pp x dp x ep grid, expert parallelism innermost: the
-# ranks of one expert-parallel group are neighbours (one node, where the
-# all-to-alls are cheapest), the pipeline outermost.  Rank
-# r = (i_pp * dp + i_dp) * ep + i_ep.  The data-parallel ranks of the loss and
-# of FSDP are dp x ep (expert parallelism is carved out of data parallelism:
-# every rank of an ep group trains on other tokens); the experts are sharded
-# over ep and replicated over dp.
-
-
-def layout_problem(
-    world_size: int, pp: int = 1, dp: int = 1, ep: int = 1
-) -> str | None:
-    """What is wrong with the layout ``pp x dp x ep`` on ``world_size`` ranks
-    (``None``: nothing); no process group is needed to ask."""
-    sizes = {"pp": pp, "dp": dp, "ep": ep}
-    bad = [
-        f"{name}={size}"
-        for name, size in sizes.items()
-        if not isinstance(size, int) or size < 1
-    ]
-    if bad:
-        return f"every dimension of the layout must be a positive integer, got {', '.join(bad)}"
-    if pp * dp * ep != world_size:
-        return (
-            f"the layout pp={pp} x dp={dp} x ep={ep} needs {pp * dp * ep} ranks, "
-            f"but the job has {world_size}"
-        )
-    return None
-
-
-def device_mesh(
+def parallel_layout(
     pp: int = 1, dp: int = 1, ep: int = 1, *, device_type: str | None = None
-) -> Any:
-    """The job's ``("pp", "dp", "ep")`` :class:`~torch.distributed.device_mesh.DeviceMesh`
-    (see ``[Note: job layout]``); a collective over the default process group.
-
-    ``mesh["pp"]``, ``mesh["dp"]`` and ``mesh["ep"]`` are this rank's pipeline,
-    data-parallel and expert-parallel dimensions.  Pass the mesh to
+) -> ParallelLayout:
+    """The job's layout: a ``("pp", "dp", "ep")`` mesh, its groups, the
+    data-parallel mesh and the EP twin, made once (see ``[Note: job layout]``
+    and :meth:`ParallelLayout.build`); a collective over the default process
+    group.  Pass it (or its ``mesh``) to
     :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm` and the training
-    functions of :mod:`torch_pipelining_ext.hf`, which take what they need
-    from it.
-
-    Args:
-        pp, dp, ep: the sizes; their product is the world size.
-        device_type: ``"cuda"`` or ``"cpu"``; default: ``"cuda"`` when the
-            default process group is NCCL's, else ``"cpu"``.
+    functions, which read what they need from it.
 
     Raises:
         ValueError: the layout does not fit the world (see :func:`layout_problem`).
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    return ParallelLayout.build(pp, dp, ep, device_type=device_type)
 
-    problem = layout_problem(dist.get_world_size(), pp, dp, ep)
-    if problem is not None:
-        raise ValueError(problem)
-    if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (pp, dp, ep), mesh_dim_names=MESH_DIM_NAMES)
-    data_parallel_mesh(mesh)  # its groups made here, on every rank at once
-    logger.debug(
-        "rank %d: mesh pp=%d x dp=%d x ep=%d, coordinates %s",
-        dist.get_rank(),
-        pp,
-        dp,
-        ep,
-        mesh.get_coordinate(),
-    )
+
+def device_mesh(
+    pp: int = 1, dp: int = 1, ep: int = 1, *, device_type: str | None = None
+) -> DeviceMesh:
+    """The job's ``("pp", "dp", "ep")`` :class:`~torch.distributed.device_mesh.DeviceMesh`:
+    ``parallel_layout(pp, dp, ep, device_type=device_type).mesh`` (see
+    :func:`parallel_layout`); its layout is kept, so passing the mesh is as
+    good as passing the layout.
+
+    ``mesh["pp"]``, ``mesh["dp"]`` and ``mesh["ep"]`` are this rank's pipeline,
+    data-parallel and expert-parallel dimensions.
+
+    Raises:
+        ValueError: the layout does not fit the world (see :func:`layout_problem`).
+    """
+    mesh = parallel_layout(pp, dp, ep, device_type=device_type).mesh
+    assert mesh is not None
     return mesh
 
 
-def data_parallel_mesh(mesh: Any) -> Any:
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks of ``mesh`` that train on different data, as one 1-D mesh:
     its ``"dp"`` and ``"ep"`` dimensions flattened (``"dp_ep"``), or the one
-    of them it has.  Pass its group to ``CausalLMLoss.set_labels`` and
-    ``hf.expert_load``.
+    of them it has (``ParallelLayout.of(mesh).data_mesh``).  Pass its group to
+    ``CausalLMLoss.set_labels`` and ``hf.expert_load``.
 
-    The first call for a mesh with both dimensions is a collective over the
-    default process group (it makes the flattened dimension's groups;
-    :func:`device_mesh` does it for its meshes); later calls return the same
-    mesh.
+    The first call for a mesh not made by :func:`device_mesh` with both
+    dimensions is a collective over the default process group (it makes the
+    flattened dimension's groups); later calls return the same mesh.
 
     Raises:
         ValueError: ``mesh`` has neither a ``"dp"`` nor an ``"ep"`` dimension.
     """
-    names = [n for n in ("dp", "ep") if n in (mesh.mesh_dim_names or ())]
-    if not names:
+    data_mesh = ParallelLayout.of(mesh).data_mesh
+    if data_mesh is None:
         raise ValueError(
             f"the mesh has no 'dp' or 'ep' dimension (its dimensions: {mesh.mesh_dim_names})"
         )
-    if len(names) == 1:
-        return mesh[names[0]]
-    return mesh["dp", "ep"]._flatten("dp_ep")
+    return data_mesh
