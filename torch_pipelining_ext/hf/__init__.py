@@ -212,12 +212,9 @@ def pipeline_hf_causal_lm(
         model: a transformers causal LM (with real weights, or on the meta
             device, e.g. from :func:`meta_causal_lm`), or its config (then it
             is built with :func:`meta_causal_lm`).  It is not modified.
-        pp_mesh_or_group: the job's layout
-            (:func:`torch_pipelining_ext.launcher.parallel_layout`) or its
-            ``("pp", "dp", "ep")`` mesh
-            (:func:`torch_pipelining_ext.launcher.device_mesh`), a
-            ``("pp", "ep")`` one (expert parallelism where ``ep`` > 1), or
-            the pipeline dimension alone (1-D ``DeviceMesh`` or ``ProcessGroup``).
+        pp_mesh_or_group: the job's layout or mesh (:mod:`~torch_pipelining_ext.launcher`'s
+            ``parallel_layout``, ``device_mesh``; a ``("pp", "ep")`` mesh too: expert parallelism
+            where ``ep`` > 1), or the pipeline dimension alone (1-D ``DeviceMesh`` or ``ProcessGroup``).
         schedule: schedule class or name (decides loop- or V-style placement).
         device: device of the stages.
         module_names_per_stage: FQN lists per stage; default
