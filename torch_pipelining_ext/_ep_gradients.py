@@ -25,11 +25,11 @@ zeros, so every rank issues the same collectives).  DTensor parameters
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from torch_pipelining_ext._parallel_layout import ParallelLayout
 
@@ -37,12 +37,6 @@ from torch_pipelining_ext._parallel_layout import ParallelLayout
 __all__: list[str] = []
 
 Sharded = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter]
-
-
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _named_parameters(
@@ -93,7 +87,7 @@ def split_parameters(
     ignored = _ids_of("ignore", ignore, named)
     replicated, experts = [], []
     for _, p in named:
-        if not p.requires_grad or _is_dtensor(p) or id(p) in ignored:
+        if not p.requires_grad or isinstance(p, DTensor) or id(p) in ignored:
             continue
         (experts if id(p) in is_sharded else replicated).append(p)
     return replicated, experts

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 
-from torch_pipelining_ext.hf._arrival import group_device
-from torch_pipelining_ext.hf._expert_parallel import expert_parameters
 from torch_pipelining_ext._parallel_layout import ParallelLayout
-from torch_pipelining_ext.hf._expert_parallel import sharded_experts
+from torch_pipelining_ext.hf._arrival import group_device
+from torch_pipelining_ext.hf._expert_parallel import expert_parameters, sharded_experts
 from torch_pipelining_ext.hf._mesh import layout_of, MeshOrGroup, pipeline_group
 from torch_pipelining_ext.hf._training import check_reduced
 
@@ -152,7 +152,7 @@ def _owned_gradients(
         for name, p in part.named_parameters():
             if p.grad is None or name in later_names:
                 continue
-            if _is_dtensor(p.grad):
+            if isinstance(p.grad, DTensor):
                 if _owns_dtensor(p.grad, layout):
                     owned.append(p.grad.to_local())
             elif on_first_dp if name in experts else on_first_data:
@@ -164,8 +164,6 @@ def _owns_dtensor(grad: Any, layout: ParallelLayout) -> bool:
     """Whether this rank counts its shard of ``grad``: coordinate 0 on every
     dimension the DTensor replicates over and on every data dimension its
     mesh does not cover."""
-    from torch.distributed.tensor import Replicate
-
     mesh = grad.device_mesh
     for dim, placement in enumerate(grad.placements):
         if isinstance(placement, Replicate) and mesh.get_local_rank(dim) != 0:
@@ -181,14 +179,8 @@ def _owns_dtensor(grad: Any, layout: ParallelLayout) -> bool:
     return True
 
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if _is_dtensor(grad) else grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _scale(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 from torch_pipelining_ext.hf._expert_parallel import (
     expert_parameters,
@@ -67,8 +68,6 @@ def register_expert_hooks(part: nn.Module) -> None:
 def as_shard(local: torch.Tensor, shard: ExpertShard) -> Any:
     """``local`` (this rank's experts, along dim 0) as a DTensor shard of the
     whole tensor over the expert-parallel mesh; no copy."""
-    from torch.distributed.tensor import DTensor, Shard
-
     shape = (shard.num_experts, *local.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
     with torch.no_grad():
@@ -86,7 +85,7 @@ def _experts_as_shards(module, state_dict, prefix, local_metadata) -> None:
     shard: ExpertShard = module._expert_shard
     for name in shard.param_names:
         key = prefix + name
-        if key in state_dict and not _is_dtensor(state_dict[key]):
+        if key in state_dict and not isinstance(state_dict[key], DTensor):
             state_dict[key] = as_shard(state_dict[key], shard)
 
 
@@ -105,9 +104,7 @@ def local_rows(value: Any, shard: ExpertShard, key: str) -> Any:
     mesh (its local tensor), a whole ``[E, ...]`` tensor (rows ``start:stop``),
     or this rank's rows already (unchanged; a wrong shape is left to the load's
     size check)."""
-    if _is_dtensor(value):
-        from torch.distributed.tensor import Shard
-
+    if isinstance(value, DTensor):
         ranks = value.device_mesh.mesh.flatten().tolist()
         if (
             tuple(value.placements) != (Shard(0),)
@@ -127,12 +124,6 @@ def local_rows(value: Any, shard: ExpertShard, key: str) -> Any:
     ):
         return value[shard.start : shard.stop]
     return value
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any, TYPE_CHECKING
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from torch_pipelining_ext._ep_gradients import all_reduce_divided, reduce_gradients
 from torch_pipelining_ext._parallel_layout import ParallelLayout
@@ -199,16 +200,14 @@ def sync_tied_gradients(
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """``t``, gathered where it is a DTensor (a collective over its mesh)."""
-    return t.full_tensor() if _is_dtensor(t) else t
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _like(total: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The whole tensor ``total`` laid out as ``like`` (a DTensor's shard of
     it: a redistribution from replicated, without communication)."""
-    if not _is_dtensor(like):
+    if not isinstance(like, DTensor):
         return total
-    from torch.distributed.tensor import DTensor, Replicate
-
     mesh = like.device_mesh
     whole = DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return whole.redistribute(mesh, like.placements)
@@ -284,12 +283,6 @@ def reduce_expert_parallel_gradients(
     all_reduce_divided(hooked, layout.dp, 1)
     for _, shard in experts:
         shard.grads_pending = False
-
-
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def fully_shard_replicated(
