@@ -231,7 +231,7 @@ class _LayoutCache:
         self._by_mesh: dict[tuple[int, str], ParallelLayout] = {}
 
     def get(self, mesh: DeviceMesh, alone: str) -> ParallelLayout:
-        key = (id(mesh), alone)
+        key = (id(mesh), alone if mesh.ndim == 1 else "")  # alone: see of()
         with self._lock:
             found = self._by_mesh.get(key)
         if found is None:

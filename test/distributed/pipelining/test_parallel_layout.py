@@ -92,6 +92,28 @@ class ParallelLayoutTest(PipelineMultiProcTest):
         with self.assertRaisesRegex(ValueError, "no 'dp' or 'ep' dimension"):
             launcher.data_parallel_mesh(launcher.device_mesh(pp=4)["pp"])
 
+    def test_stage_layout_of_separate_groups(self) -> None:
+        """What pipeline_hf_causal_lm builds stages for: the pipeline dimension
+        alone and ``ep_group`` beside it, or the job's mesh, not both."""
+        try:
+            from torch_pipelining_ext.hf._mesh import stage_layout
+        except ImportError:
+            self.skipTest("needs the hf extra")
+        mesh = launcher.device_mesh(pp=2, ep=2)
+        ep = mesh["ep"].get_group()
+        for pipeline in (mesh["pp"], mesh["pp"].get_group()):
+            layout = stage_layout(pipeline, ep)
+            self.assertEqual(_ranks(layout.pp), _ranks(mesh["pp"].get_group()))
+            self.assertIs(layout.ep, ep)
+            self.assertIs(layout.data, ep)
+        self.assertIs(stage_layout(mesh, None), ParallelLayout.of(mesh))
+        with self.assertRaisesRegex(ValueError, "ep_group given twice"):
+            stage_layout(mesh, ep)
+        with self.assertRaisesRegex(ValueError, "ep_group must be a 1-D mesh"):
+            stage_layout(mesh["pp"], mesh)
+        with self.assertRaisesRegex(ValueError, "no 'pp' dimension"):
+            stage_layout(mesh["ep"], None)
+
     def test_reduction_over_the_layout(self) -> None:
         """pp=1 x dp=2 x ep=2: a replicated weight's gradient is the mean over
         the four data ranks, an expert's the sum over its two dp replicas
