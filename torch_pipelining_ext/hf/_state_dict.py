@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint import state_dict as dsd
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, Shard
 
 from torch_pipelining_ext.hf._expert_parallel import (
@@ -132,8 +134,6 @@ def local_rows(value: Any, shard: ExpertShard, key: str) -> Any:
 
 
 def _options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -174,8 +174,6 @@ def get_state_dict(
     parts: Sequence[nn.Module], optimizers: Any = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """See :func:`torch_pipelining_ext.hf.get_state_dict`."""
-    from torch.distributed.checkpoint import state_dict as dsd
-
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
     for part, optimizer in pair_optimizers(parts, optimizers):
@@ -226,8 +224,6 @@ def set_state_dict(
     optim_state_dict: dict[str, Any] | None,
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.set_state_dict`."""
-    from torch.distributed.checkpoint import state_dict as dsd
-
     for part, optimizer in pair_optimizers(parts, optimizers):
         keys = state_keys(part)
         msd = {k: v for k, v in model_state_dict.items() if k in keys}

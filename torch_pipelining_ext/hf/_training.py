@@ -14,8 +14,10 @@ from datetime import timedelta
 from typing import Any, TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from torch_pipelining_ext._ep_gradients import all_reduce_divided, reduce_gradients
@@ -30,8 +32,6 @@ from torch_pipelining_ext.hf._mesh import layout_of, MeshOrGroup
 
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from torch_pipelining_ext.hf._stage import HFCausalLMStage
 
 
@@ -118,8 +118,6 @@ class CausalLMLoss:
         """
         count = (labels[..., 1:] != self.ignore_index).sum()
         if group is not None:
-            import torch.distributed as dist
-
             _set_labels_arrival.wait(group, timeout)
             count = count.to(group_device(group))
             dist.all_reduce(count, group=group)
@@ -188,8 +186,6 @@ def sync_tied_gradients(
             if p.grad is not None:  # FSDP2's shards gathered over their mesh
                 total += _whole(p.grad).float()
         if group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(total, group=group)
         for p in holders:
             if p.grad is None:
@@ -291,8 +287,6 @@ def fully_shard_replicated(
     **fsdp_kwargs: Any,
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.fully_shard_replicated`."""
-    from torch.distributed.fsdp import fully_shard
-
     if not isinstance(mesh, (ParallelLayout, DeviceMesh)):
         raise TypeError(
             "mesh must be the job's layout or a DeviceMesh (the job's mesh, or its 'ep' "
