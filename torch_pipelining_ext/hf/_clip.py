@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """The whole model's gradient norm, and clipping by it, over PP x DP x EP.
 
 Private helper of :mod:`torch_pipelining_ext.hf`; see ``[Note: HF global

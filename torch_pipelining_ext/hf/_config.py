@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """What :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm` is given,
 checked before anything is built.
 

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """What a training step of Hugging Face stages needs around the schedule.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: the last stage's loss,
