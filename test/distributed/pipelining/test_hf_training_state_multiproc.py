@@ -143,7 +143,9 @@ class _TrainingStateTests:
     def assert_close_on_every_rank(self, got, want, what: str) -> None:
         def check() -> None:
             if got is not None:
-                torch.testing.assert_close(got, want, msg=what)
+                torch.testing.assert_close(
+                    got, want, msg=lambda detail: f"{what}: {detail}"
+                )
 
         self.check_all(check)
 
