@@ -25,93 +25,18 @@ zeros, so every rank issues the same collectives).  DTensor parameters
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from torch_pipelining_ext._parallel_layout import ParallelLayout
 
 
 __all__: list[str] = []
 
 Sharded = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter]
-
-
-@dataclass(frozen=True)
-class DataGroups:
-    """The ranks that hold the same stages and train on different data:
-    ``ep`` (the experts' group: experts differ between its ranks), ``dp``
-    (the replicas of this rank's experts), ``data`` (all of them, ``dp x
-    ep``) and its ``data_mesh`` (for FSDP; ``None`` without a mesh); a
-    dimension of one rank is ``None``."""
-
-    ep: dist.ProcessGroup | None = None
-    dp: dist.ProcessGroup | None = None
-    data: dist.ProcessGroup | None = None
-    data_mesh: Any = None
-
-    @property
-    def data_size(self) -> int:
-        return _size(self.data)
-
-
-def _is_mesh(value: Any) -> bool:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return isinstance(value, DeviceMesh)
-
-
-def _group_of(mesh: Any, name: str) -> dist.ProcessGroup | None:
-    if name not in (mesh.mesh_dim_names or ()):
-        return None
-    sub = mesh[name]
-    return sub.get_group() if sub.size() > 1 else None
-
-
-def _size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def data_groups(mesh_or_group: Any) -> DataGroups:
-    """The data-parallel groups of a job's mesh, a 1-D mesh, or an
-    expert-parallel ``ProcessGroup`` alone (no ``dp``)."""
-    from torch_pipelining_ext import launcher
-
-    if _is_mesh(mesh_or_group) and mesh_or_group.ndim > 1:
-        names = mesh_or_group.mesh_dim_names or ()
-        if "ep" not in names and "dp" not in names:
-            raise ValueError(
-                f"the mesh has neither an 'ep' nor a 'dp' dimension (its dimensions: {names})"
-            )
-        data_mesh = launcher.data_parallel_mesh(mesh_or_group)
-        return DataGroups(
-            ep=_group_of(mesh_or_group, "ep"),
-            dp=_group_of(mesh_or_group, "dp"),
-            data=data_mesh.get_group() if data_mesh.size() > 1 else None,
-            data_mesh=data_mesh,
-        )
-    if _is_mesh(mesh_or_group):
-        name = (mesh_or_group.mesh_dim_names or (None,))[0]
-        if name == "pp":  # a pipeline alone: every rank has the same data
-            return DataGroups()
-        group = mesh_or_group.get_group() if mesh_or_group.size() > 1 else None
-        if name == "dp":  # data parallelism alone: experts (if any) not sharded
-            return DataGroups(dp=group, data=group, data_mesh=mesh_or_group)
-        return DataGroups(ep=group, data=group, data_mesh=mesh_or_group)
-    if mesh_or_group is not None and not isinstance(mesh_or_group, dist.ProcessGroup):
-        raise TypeError(
-            "expected the job's DeviceMesh, a 1-D DeviceMesh or the expert-parallel "
-            f"ProcessGroup, got {type(mesh_or_group).__name__}"
-        )
-    group = mesh_or_group if _size(mesh_or_group) > 1 else None
-    return DataGroups(ep=group, data=group)
-
-
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _named_parameters(
@@ -162,7 +87,7 @@ def split_parameters(
     ignored = _ids_of("ignore", ignore, named)
     replicated, experts = [], []
     for _, p in named:
-        if not p.requires_grad or _is_dtensor(p) or id(p) in ignored:
+        if not p.requires_grad or isinstance(p, DTensor) or id(p) in ignored:
             continue
         (experts if id(p) in is_sharded else replicated).append(p)
     return replicated, experts
@@ -201,12 +126,11 @@ def all_reduce_divided(
 
 def reduce_gradients(
     modules: nn.Module | Sequence[nn.Module],
-    mesh_or_group: Any,
+    layout: ParallelLayout,
     sharded: Sharded,
     ignore: Iterable[nn.Parameter] = (),
 ) -> None:
     """See :func:`torch_pipelining_ext.expert_parallel.reduce_expert_parallel_gradients`."""
-    groups = data_groups(mesh_or_group)
     replicated, experts = split_parameters(modules, sharded, ignore)
-    all_reduce_divided(replicated, groups.data, groups.data_size)
-    all_reduce_divided(experts, groups.dp, groups.data_size)
+    all_reduce_divided(replicated, layout.data, layout.data_size)
+    all_reduce_divided(experts, layout.dp, layout.data_size)

@@ -25,11 +25,13 @@ does for Hugging Face stages (which knows their experts); the repository's
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torch_pipelining_ext import _ep_gradients
+from torch_pipelining_ext._parallel_layout import ParallelLayout
 
 
 __all__ = ["reduce_expert_parallel_gradients"]
@@ -37,7 +39,7 @@ __all__ = ["reduce_expert_parallel_gradients"]
 
 def reduce_expert_parallel_gradients(
     modules: nn.Module | Sequence[nn.Module],
-    mesh_or_group: Any,
+    mesh_or_group: ParallelLayout | DeviceMesh | dist.ProcessGroup | None,
     *,
     sharded: Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter],
     ignore: Iterable[nn.Parameter] = (),
@@ -63,7 +65,9 @@ def reduce_expert_parallel_gradients(
 
     Args:
         modules: this rank's stage modules (or one module).
-        mesh_or_group: the job's mesh (``("pp", "dp", "ep")`` of
+        mesh_or_group: the job's layout
+            (:func:`torch_pipelining_ext.launcher.parallel_layout`) or mesh
+            (``("pp", "dp", "ep")`` of
             :func:`torch_pipelining_ext.launcher.device_mesh`, or ``("pp",
             "ep")``), a 1-D ``"ep"`` or ``"dp"`` mesh, or the expert-parallel
             ``ProcessGroup`` alone (no ``dp``); ``None``: one rank, nothing
@@ -76,7 +80,8 @@ def reduce_expert_parallel_gradients(
     Raises:
         TypeError: ``mesh_or_group`` or ``modules`` is of another type.
         ValueError: a parameter in ``sharded`` or ``ignore`` is not one of
-            ``modules``', or
-            the mesh has neither a ``"dp"`` nor an ``"ep"`` dimension.
+            ``modules``', or the mesh's dimensions are not named from
+            ``("pp", "dp", "ep")``.
     """
-    _ep_gradients.reduce_gradients(modules, mesh_or_group, sharded, ignore)
+    layout = ParallelLayout.of(mesh_or_group)
+    _ep_gradients.reduce_gradients(modules, layout, sharded, ignore)

@@ -66,13 +66,17 @@ from torch_pipelining_ext.hf._expert_parallel import (
     ExpertShard,
 )
 from torch_pipelining_ext.hf._layout import detect_layout
+from torch_pipelining_ext.hf._mesh import MeshOrGroup
 from torch_pipelining_ext.hf._stage import HFCausalLMStage
 from torch_pipelining_ext.hf._training import CausalLMLoss
 
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining import PipelineStage
+
+    from torch_pipelining_ext._parallel_layout import ParallelLayout
 
 
 __all__ = [
@@ -185,7 +189,7 @@ def hf_module_names_per_stage(
 
 def pipeline_hf_causal_lm(
     model: Any,
-    pp_mesh_or_group: Any,
+    pp_mesh_or_group: MeshOrGroup,
     schedule: type | str,
     device: torch.device | str | int,
     module_names_per_stage: Sequence[Sequence[str]] | None = None,
@@ -197,7 +201,7 @@ def pipeline_hf_causal_lm(
     dtype: torch.dtype | None = None,
     activation_checkpointing: str | Callable | Sequence | None = None,
     verify: bool | None = None,
-    ep_group: Any = None,
+    ep_group: DeviceMesh | dist.ProcessGroup | None = None,
     router_aux_loss: str | None = None,
     router_aux_loss_coef: float | None = None,
     **stage_kwargs: Any,
@@ -208,10 +212,9 @@ def pipeline_hf_causal_lm(
         model: a transformers causal LM (with real weights, or on the meta
             device, e.g. from :func:`meta_causal_lm`), or its config (then it
             is built with :func:`meta_causal_lm`).  It is not modified.
-        pp_mesh_or_group: the pipeline dimension (1-D ``DeviceMesh`` or
-            ``ProcessGroup``), or the job's ``("pp", "dp", "ep")`` mesh
-            (:func:`torch_pipelining_ext.launcher.device_mesh`) or a
-            ``("pp", "ep")`` one (expert parallelism where ``ep`` > 1).
+        pp_mesh_or_group: the job's layout or mesh (:mod:`~torch_pipelining_ext.launcher`'s
+            ``parallel_layout``, ``device_mesh``; a ``("pp", "ep")`` mesh too: expert parallelism
+            where ``ep`` > 1), or the pipeline dimension alone (1-D ``DeviceMesh`` or ``ProcessGroup``).
         schedule: schedule class or name (decides loop- or V-style placement).
         device: device of the stages.
         module_names_per_stage: FQN lists per stage; default
@@ -229,8 +232,8 @@ def pipeline_hf_causal_lm(
         verify: compare the stages of this model type with its unsplit
             forward on a tiny config first (:func:`self_check`); default:
             only for unverified model types, refused if the check fails.
-        ep_group: the expert-parallel dimension (``ProcessGroup``, 1-D ``DeviceMesh``
-            or the ``"ep"`` dimension of a 2-D mesh): every MoE layer keeps ``E / ep`` of
+        ep_group: with the pipeline dimension alone, the expert-parallel one
+            (``ProcessGroup`` or 1-D ``DeviceMesh``): every MoE layer keeps ``E / ep`` of
             its fused experts (``[Note: HF expert parallelism]``); its ranks feed different
             data (:func:`reduce_expert_parallel_gradients`, :func:`fully_shard_replicated`).
         router_aux_loss: a MoE's router auxiliary loss: ``"pooled"`` (Hugging
@@ -332,7 +335,7 @@ def sync_tied_gradients(
 
 
 def reduce_expert_parallel_gradients(
-    parts: Sequence[HFCausalLMStage], ep_group: Any
+    parts: Sequence[HFCausalLMStage], ep_group: MeshOrGroup
 ) -> None:
     """Reduce the gradients over the ranks that train on different data,
     after the step, before clipping and the optimizer; every rank of those
@@ -352,7 +355,7 @@ def reduce_expert_parallel_gradients(
 
     Args:
         parts: this rank's stage modules.
-        ep_group: the job's mesh (``("pp", "dp", "ep")`` of
+        ep_group: the job's layout or mesh (``("pp", "dp", "ep")`` of
             :func:`torch_pipelining_ext.launcher.device_mesh`, or
             ``("pp", "ep")``), or the expert-parallel group alone (a
             ``ProcessGroup`` or 1-D mesh: no ``dp``).
@@ -361,13 +364,15 @@ def reduce_expert_parallel_gradients(
 
 
 def fully_shard_replicated(
-    parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any
+    parts: Sequence[HFCausalLMStage],
+    mesh: ParallelLayout | DeviceMesh,
+    **fsdp_kwargs: Any,
 ) -> None:
     """FSDP2 (``fully_shard``) over the data-parallel ranks for the
     parameters they all hold, the sharded experts left out.
 
     The FSDP way to do what :func:`reduce_expert_parallel_gradients` does:
-    ``mesh`` is the job's mesh (``("pp", "dp", "ep")``: sharded over the
+    ``mesh`` is the job's layout or mesh (``("pp", "dp", "ep")``: sharded over the
     ``dp x ep`` ranks, :func:`torch_pipelining_ext.launcher.data_parallel_mesh`)
     or its 1-D expert-parallel dimension.  The replicated parameters are
     sharded and their gradients averaged by FSDP's reduce-scatter; the
@@ -388,7 +393,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float | str = 2.0,
     *,
-    mesh: Any = None,
+    mesh: MeshOrGroup = None,
     pp_group: dist.ProcessGroup | None = None,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -413,8 +418,8 @@ def clip_grad_norm_(
         parts: this rank's stage modules.
         max_norm: the maximum norm of the whole gradient.
         norm_type: the p of the p-norm (``inf`` or ``"inf"``: the max norm).
-        mesh: the job's mesh (``("pp", "dp", "ep")`` or ``("pp", "ep")``, as
-            given to :func:`pipeline_hf_causal_lm`).
+        mesh: the job's layout or mesh (``("pp", "dp", "ep")`` or
+            ``("pp", "ep")``, as given to :func:`pipeline_hf_causal_lm`).
         pp_group: without ``mesh``, the pipeline group (the experts' group is
             read from the stages; no data-parallel replicas).  Neither is
             needed when this rank holds every stage.

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch_pipelining_ext import overlap, stage_split
+from torch_pipelining_ext import stage_split
 from torch_pipelining_ext.hf import _compat, _config
 from torch_pipelining_ext.hf._checkpoint import load_stage_weights
 from torch_pipelining_ext.hf._costs import module_names_per_stage
@@ -25,6 +25,7 @@ from torch_pipelining_ext.hf._expert_load import count_schedule_forwards
 from torch_pipelining_ext.hf._factory import StageFactory
 from torch_pipelining_ext.hf._layout import detect_layout, VERIFIED_MODEL_TYPES
 from torch_pipelining_ext.hf._loading import checkpoint_entries
+from torch_pipelining_ext.hf._mesh import MeshOrGroup, stage_layout
 from torch_pipelining_ext.hf._selfcheck import check_stages_match
 from torch_pipelining_ext.hf._stage import check_trainable, HFCausalLMStage
 from torch_pipelining_ext.hf._tensors import replace, tensor_slots
@@ -91,7 +92,7 @@ def build_on_meta(config: Any, dtype: torch.dtype | None) -> nn.Module:
 
 def build_stages(
     model: Any,
-    pp_mesh_or_group: Any,
+    pp_mesh_or_group: MeshOrGroup,
     schedule: type | str,
     device: torch.device | str | int,
     names: Sequence[Sequence[str]] | None,
@@ -99,9 +100,8 @@ def build_stages(
 ) -> tuple[list, list[HFCausalLMStage]]:
     """See :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm`."""
     transformers = _compat.require_transformers()
-    pp_mesh_or_group, ep_group = _config.pp_and_ep(pp_mesh_or_group, options.ep_group)
-    if ep_group is not None:  # each side of an overlapped action its own communicator
-        overlap.create_twin_group(ep_group)
+    layout = stage_layout(pp_mesh_or_group, options.ep_group)
+    layout.make_ep_twin()  # each side of an overlapped action its own communicator
     if isinstance(model, transformers.PretrainedConfig):
         model = build_on_meta(model, options.dtype)
     schedule_cls = stage_split.resolve_schedule_class(schedule)
@@ -109,15 +109,15 @@ def build_stages(
         raise TypeError(
             f"model must be an nn.Module, got {type(model).__name__} {model!r}"
         )
-    layout = detect_layout(model)
-    check_trainable(model, layout)
+    decoder = detect_layout(model)
+    check_trainable(model, decoder)
     _config.check_checkpointing_schedule(options.activation_checkpointing, schedule_cls)
     model_type = getattr(model.config, "model_type", None)
     if options.verify or (
         options.verify is None and model_type not in VERIFIED_MODEL_TYPES
     ):
         check_stages_match(model.config)
-    _, _, pp_size = stage_split.pipeline_group(pp_mesh_or_group)
+    _, _, pp_size = stage_split.pipeline_group(layout.pipeline)
     if names is None:
         n = (
             options.num_stages
@@ -125,7 +125,7 @@ def build_stages(
             else _config.default_num_stages(schedule_cls, pp_size)
         )
         names = module_names_per_stage(
-            model, layout, n, options.layer_costs, input_weight=1, output_weight=1
+            model, decoder, n, options.layer_costs, input_weight=1, output_weight=1
         )
     elif options.num_stages is not None and options.num_stages != len(names):
         raise ValueError(
@@ -134,10 +134,10 @@ def build_stages(
     on_meta = any(t.is_meta for t in model.parameters())
     _check_weights_source(on_meta, options)
     device = as_device(device)
-    factory = StageFactory(model, layout, on_meta, device, options, ep_group)
+    factory = StageFactory(model, decoder, on_meta, device, options, layout.ep)
     stages, parts = stage_split.pipeline_module_split(
         model,
-        pp_mesh_or_group,
+        layout.pipeline,
         schedule_cls,
         device,
         names,

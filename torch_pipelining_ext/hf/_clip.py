@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """The whole model's gradient norm, and clipping by it, over PP x DP x EP.
 
 Private helper of :mod:`torch_pipelining_ext.hf`; see ``[Note: HF global
@@ -15,10 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 
+from torch_pipelining_ext._parallel_layout import ParallelLayout
 from torch_pipelining_ext.hf._arrival import group_device
-from torch_pipelining_ext.hf._expert_parallel import expert_parameters
-from torch_pipelining_ext.hf._mesh import data_groups, DataGroups, pipeline_group
+from torch_pipelining_ext.hf._expert_parallel import expert_parameters, sharded_experts
+from torch_pipelining_ext.hf._mesh import layout_of, MeshOrGroup, pipeline_group
 from torch_pipelining_ext.hf._training import check_reduced
 
 
@@ -55,8 +56,8 @@ def clip_grad_norm_(
     parts: Sequence[nn.Module],
     max_norm: float,
     norm_type: float | str,
-    mesh: Any,
-    pp_group: Any,
+    mesh: MeshOrGroup,
+    pp_group: dist.ProcessGroup | None,
     error_if_nonfinite: bool,
     foreach: bool | None,
 ) -> torch.Tensor:
@@ -82,8 +83,8 @@ def clip_grad_norm_(
 def total_grad_norm(
     parts: Sequence[nn.Module],
     norm_type: float | str,
-    mesh: Any,
-    pp_group: Any,
+    mesh: MeshOrGroup,
+    pp_group: dist.ProcessGroup | None,
     foreach: bool | None,
 ) -> torch.Tensor:
     """The norm of the whole model's gradient (the same on every rank)."""
@@ -93,17 +94,13 @@ def total_grad_norm(
     if not p_norm > 0:
         raise ValueError(f"norm_type must be positive, got {norm_type}")
     check_reduced(parts)
-    groups = (
-        data_groups(mesh, parts)
-        if mesh is not None
-        else data_groups(_shards_group(parts), parts)
-    )
-    pp = pipeline_group(mesh, pp_group, parts)
-    owned = _owned_gradients(parts, groups)
+    layout = layout_of(mesh if mesh is not None else _shards_group(parts), parts)
+    pp = pipeline_group(layout if mesh is not None else None, pp_group, parts)
+    owned = _owned_gradients(parts, layout)
     if owned:
         device = owned[0].device
     elif dist.is_initialized():
-        device = group_device(groups.ep or pp or dist.group.WORLD)
+        device = group_device(layout.ep or pp or dist.group.WORLD)
     else:  # one process, nothing to count
         device = torch.device("cpu")
     if owned:
@@ -113,7 +110,7 @@ def total_grad_norm(
     inf = math.isinf(p_norm)
     value = local if inf else local**p_norm
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    for group in (groups.ep, groups.dp, pp):
+    for group in (layout.ep, layout.dp, pp):
         if group is not None:
             value = value.to(group_device(group))
             dist.all_reduce(value, op=op, group=group)
@@ -129,24 +126,22 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _shards_group(parts: Sequence[nn.Module]) -> Any:
+def _shards_group(parts: Sequence[nn.Module]) -> dist.ProcessGroup | None:
     """The expert-parallel group the stages' experts are sharded over (``None``: no experts)."""
-    from torch_pipelining_ext.hf._expert_parallel import sharded_experts
-
     shards = sharded_experts(parts)
     return shards[0][1].group if shards else None
 
 
-def _coordinate(group: Any) -> int:
+def _coordinate(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
 def _owned_gradients(
-    parts: Sequence[nn.Module], groups: DataGroups
+    parts: Sequence[nn.Module], layout: ParallelLayout
 ) -> list[torch.Tensor]:
     """The (local) gradients this rank counts (see ``[Note: HF global gradient norm]``)."""
-    on_first_dp = _coordinate(groups.dp) == 0
-    on_first_data = on_first_dp and _coordinate(groups.ep) == 0
+    on_first_dp = _coordinate(layout.dp) == 0
+    on_first_data = on_first_dp and _coordinate(layout.ep) == 0
     owned = []
     for part in parts:
         experts = expert_parameters(part)
@@ -156,26 +151,24 @@ def _owned_gradients(
         for name, p in part.named_parameters():
             if p.grad is None or name in later_names:
                 continue
-            if _is_dtensor(p.grad):
-                if _owns_dtensor(p.grad, groups):
+            if isinstance(p.grad, DTensor):
+                if _owns_dtensor(p.grad, layout):
                     owned.append(p.grad.to_local())
             elif on_first_dp if name in experts else on_first_data:
                 owned.append(p.grad)
     return owned
 
 
-def _owns_dtensor(grad: Any, groups: DataGroups) -> bool:
+def _owns_dtensor(grad: Any, layout: ParallelLayout) -> bool:
     """Whether this rank counts its shard of ``grad``: coordinate 0 on every
     dimension the DTensor replicates over and on every data dimension its
     mesh does not cover."""
-    from torch.distributed.tensor import Replicate
-
     mesh = grad.device_mesh
     for dim, placement in enumerate(grad.placements):
         if isinstance(placement, Replicate) and mesh.get_local_rank(dim) != 0:
             return False
     covered = set(mesh.mesh.flatten().tolist())
-    for group in (groups.ep, groups.dp):
+    for group in (layout.ep, layout.dp):
         if (
             group is not None
             and not set(dist.get_process_group_ranks(group)) <= covered
@@ -185,14 +178,8 @@ def _owns_dtensor(grad: Any, groups: DataGroups) -> bool:
     return True
 
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if _is_dtensor(grad) else grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _scale(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:

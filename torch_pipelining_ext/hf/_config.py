@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """What :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm` is given,
 checked before anything is built.
 
@@ -16,6 +15,8 @@ from typing import Any
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 __all__: list[str] = []
@@ -32,7 +33,7 @@ class StageOptions:
     dtype: torch.dtype | None = None
     activation_checkpointing: str | Callable | Sequence | None = None
     verify: bool | None = None
-    ep_group: Any = None
+    ep_group: DeviceMesh | dist.ProcessGroup | None = None
     router_aux_loss: str | None = None
     router_aux_loss_coef: float | None = None
     stage_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -56,33 +57,6 @@ def check_checkpointing_schedule(mode: Any, schedule_cls: type) -> None:
             "into an input and a weight pass, and torch allows one backward per selectively checkpointed region. "
             "Use activation_checkpointing='full', or a schedule with full backwards"
         )
-
-
-def pp_and_ep(mesh_or_group: Any, ep_group: Any) -> tuple[Any, Any]:
-    """(pipeline dimension, expert-parallel process group or None)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(mesh_or_group, DeviceMesh) and mesh_or_group.ndim > 1:
-        names = tuple(mesh_or_group.mesh_dim_names or ())
-        if names not in (("pp", "ep"), ("pp", "dp", "ep")):
-            raise ValueError(
-                "a mesh of more than one dimension must have the dimensions ('pp', 'ep') or "
-                f"('pp', 'dp', 'ep') (torch_pipelining_ext.launcher.device_mesh), got {names}"
-            )
-        if ep_group is not None:
-            raise ValueError(
-                "ep_group given twice: as the 'ep' dimension of the mesh and as ep_group"
-            )
-        ep = mesh_or_group["ep"]
-        # an expert-parallel dimension of one rank: no expert parallelism
-        return mesh_or_group["pp"], ep.get_group() if ep.size() > 1 else None
-    if isinstance(ep_group, DeviceMesh):
-        if ep_group.ndim != 1:
-            raise ValueError(
-                f"ep_group must be a 1-D mesh, got {ep_group.ndim} dimensions"
-            )
-        ep_group = ep_group.get_group()
-    return mesh_or_group, ep_group
 
 
 def default_num_stages(schedule_cls: type, pp_size: int) -> int:

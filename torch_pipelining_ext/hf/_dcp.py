@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from torch_pipelining_ext.hf import _state_dict
@@ -59,8 +60,6 @@ def save_checkpoint(
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.save_checkpoint` (``dcp_kwargs``:
     ``storage_writer``, ``process_group``)."""
-    import torch.distributed.checkpoint as dcp
-
     combined = _combined(parts, optimizers, state)
     dcp.save(combined, checkpoint_id=checkpoint_id, **dcp_kwargs)
     logger.info(
@@ -80,8 +79,6 @@ def load_checkpoint(
     process_group: Any,
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.load_checkpoint`."""
-    import torch.distributed.checkpoint as dcp
-
     combined = _combined(parts, optimizers, state)
     reader = _reader(checkpoint_id, storage_reader)
     problems = checkpoint_problems(
@@ -118,13 +115,11 @@ def _combined(
 
 def _reader(checkpoint_id: Any, storage_reader: Any) -> Any:
     if storage_reader is None:
-        from torch.distributed.checkpoint import FileSystemReader
-
         if checkpoint_id is None:
             raise ValueError("pass checkpoint_id (a directory) or storage_reader")
         if not os.path.isdir(checkpoint_id):
             raise FileNotFoundError(f"checkpoint {checkpoint_id} is not a directory")
-        return FileSystemReader(checkpoint_id)
+        return dcp.FileSystemReader(checkpoint_id)
     if checkpoint_id is not None:
         storage_reader.reset(checkpoint_id)
     return storage_reader

@@ -1,37 +1,66 @@
-# mypy: allow-untyped-defs
-"""The process groups the training functions of :mod:`torch_pipelining_ext.hf`
-reduce over, read from the job's mesh or from the stages.
+"""The job's layout as the functions of :mod:`torch_pipelining_ext.hf` read
+it: what their callers pass, converted once into a
+:class:`~torch_pipelining_ext.launcher.ParallelLayout` and checked against
+the stages.
 
 Private helper of :mod:`torch_pipelining_ext.hf`; the layout is
-``[Note: job layout]`` in :mod:`torch_pipelining_ext.launcher`.
+``[Note: job layout]`` in :mod:`torch_pipelining_ext._parallel_layout`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from torch_pipelining_ext import _ep_gradients
-from torch_pipelining_ext._ep_gradients import _group_of, DataGroups
+from torch_pipelining_ext._parallel_layout import ParallelLayout
 from torch_pipelining_ext.hf._expert_parallel import sharded_experts
 
 
 __all__: list[str] = []
 
-
-def data_groups(mesh_or_ep_group: Any, parts: Sequence[nn.Module] = ()) -> DataGroups:
-    """The data-parallel groups of a mesh with ``"dp"``/``"ep"`` dimensions,
-    a 1-D mesh, or an expert-parallel group alone (a ``ProcessGroup``: no
-    ``dp``), checked against how ``parts``' experts are sharded."""
-    groups = _ep_gradients.data_groups(mesh_or_ep_group)
-    _check_shards(parts, groups.ep)
-    return groups
+MeshOrGroup = ParallelLayout | DeviceMesh | dist.ProcessGroup | None
+"""What the functions of :mod:`torch_pipelining_ext.hf` take for the layout."""
 
 
-def _check_shards(parts: Sequence[nn.Module], ep: Any) -> None:
+def layout_of(
+    mesh_or_group: MeshOrGroup, parts: Sequence[nn.Module] = ()
+) -> ParallelLayout:
+    """The layout of ``mesh_or_group`` (a group or 1-D mesh alone: the
+    expert-parallel one, no ``dp``), checked against how ``parts``' experts
+    are sharded."""
+    layout = ParallelLayout.of(mesh_or_group)
+    _check_shards(parts, layout.ep)
+    return layout
+
+
+def stage_layout(
+    pp_mesh_or_group: MeshOrGroup, ep_group: DeviceMesh | dist.ProcessGroup | None
+) -> ParallelLayout:
+    """The layout ``pipeline_hf_causal_lm`` builds stages for: a group or 1-D
+    mesh alone is the pipeline's, ``ep_group`` its expert-parallel group."""
+    layout = ParallelLayout.of(pp_mesh_or_group, alone="pp")
+    if layout.pipeline is None:
+        raise ValueError(
+            "the mesh has no 'pp' dimension (torch_pipelining_ext.launcher.device_mesh "
+            f"has ('pp', 'dp', 'ep')): got {layout.mesh and layout.mesh.mesh_dim_names}"
+        )
+    if ep_group is None:
+        return layout
+    if layout.ep is not None or (layout.mesh is not None and layout.mesh.ndim > 1):
+        raise ValueError(
+            "ep_group given twice: as the 'ep' dimension of the mesh and as ep_group"
+        )
+    if isinstance(ep_group, DeviceMesh) and ep_group.ndim != 1:
+        raise ValueError(f"ep_group must be a 1-D mesh, got {ep_group.ndim} dimensions")
+    ep = ParallelLayout.of(ep_group)
+    return dataclasses.replace(layout, ep=ep.ep, data=ep.data, data_mesh=ep.data_mesh)
+
+
+def _check_shards(parts: Sequence[nn.Module], ep: dist.ProcessGroup | None) -> None:
     """The stages' experts are sharded over ``ep`` (or not at all without it)."""
     shards = [s for _, s in sharded_experts(parts)]
     if not shards:
@@ -49,14 +78,17 @@ def _check_shards(parts: Sequence[nn.Module], ep: Any) -> None:
             )
 
 
-def pipeline_group(mesh: Any, pp_group: Any, parts: Sequence[nn.Module]) -> Any:
-    """The pipeline group (``None``: every stage is on this rank)."""
-    if mesh is not None and pp_group is not None:
+def pipeline_group(
+    layout: ParallelLayout | None,
+    pp_group: dist.ProcessGroup | None,
+    parts: Sequence[nn.Module],
+) -> dist.ProcessGroup | None:
+    """The pipeline group of ``layout`` or ``pp_group`` (``None``: every stage
+    is on this rank)."""
+    if layout is not None and pp_group is not None:
         raise ValueError("pass either mesh or pp_group, not both")
-    if mesh is not None:
-        if "pp" not in (mesh.mesh_dim_names or ()):
-            return None
-        return _group_of(mesh, "pp")
+    if layout is not None:
+        return layout.pp
     if pp_group is not None:
         return pp_group if dist.get_world_size(pp_group) > 1 else None
     stages = {getattr(p, "stage_index", None) for p in parts}

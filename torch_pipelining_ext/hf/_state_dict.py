@@ -16,6 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint import state_dict as dsd
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor, Shard
 
 from torch_pipelining_ext.hf._expert_parallel import (
     expert_parameters,
@@ -67,8 +70,6 @@ def register_expert_hooks(part: nn.Module) -> None:
 def as_shard(local: torch.Tensor, shard: ExpertShard) -> Any:
     """``local`` (this rank's experts, along dim 0) as a DTensor shard of the
     whole tensor over the expert-parallel mesh; no copy."""
-    from torch.distributed.tensor import DTensor, Shard
-
     shape = (shard.num_experts, *local.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
     with torch.no_grad():
@@ -86,7 +87,7 @@ def _experts_as_shards(module, state_dict, prefix, local_metadata) -> None:
     shard: ExpertShard = module._expert_shard
     for name in shard.param_names:
         key = prefix + name
-        if key in state_dict and not _is_dtensor(state_dict[key]):
+        if key in state_dict and not isinstance(state_dict[key], DTensor):
             state_dict[key] = as_shard(state_dict[key], shard)
 
 
@@ -105,9 +106,7 @@ def local_rows(value: Any, shard: ExpertShard, key: str) -> Any:
     mesh (its local tensor), a whole ``[E, ...]`` tensor (rows ``start:stop``),
     or this rank's rows already (unchanged; a wrong shape is left to the load's
     size check)."""
-    if _is_dtensor(value):
-        from torch.distributed.tensor import Shard
-
+    if isinstance(value, DTensor):
         ranks = value.device_mesh.mesh.flatten().tolist()
         if (
             tuple(value.placements) != (Shard(0),)
@@ -129,20 +128,12 @@ def local_rows(value: Any, shard: ExpertShard, key: str) -> Any:
     return value
 
 
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
 # ---------------------------------------------------------------------------
 # The model and optimizer state dicts of a rank's stages
 # ---------------------------------------------------------------------------
 
 
 def _options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -183,8 +174,6 @@ def get_state_dict(
     parts: Sequence[nn.Module], optimizers: Any = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """See :func:`torch_pipelining_ext.hf.get_state_dict`."""
-    from torch.distributed.checkpoint import state_dict as dsd
-
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
     for part, optimizer in pair_optimizers(parts, optimizers):
@@ -235,8 +224,6 @@ def set_state_dict(
     optim_state_dict: dict[str, Any] | None,
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.set_state_dict`."""
-    from torch.distributed.checkpoint import state_dict as dsd
-
     for part, optimizer in pair_optimizers(parts, optimizers):
         keys = state_keys(part)
         msd = {k: v for k, v in model_state_dict.items() if k in keys}

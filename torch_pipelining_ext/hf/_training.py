@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """What a training step of Hugging Face stages needs around the schedule.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: the last stage's loss,
@@ -14,16 +13,24 @@ from datetime import timedelta
 from typing import Any, TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate
 
-from torch_pipelining_ext._ep_gradients import all_reduce_divided
+from torch_pipelining_ext._ep_gradients import all_reduce_divided, reduce_gradients
+from torch_pipelining_ext._parallel_layout import ParallelLayout
 from torch_pipelining_ext.hf._arrival import group_device, GroupArrival
-from torch_pipelining_ext.hf._expert_parallel import is_expert_parameter
+from torch_pipelining_ext.hf._expert_parallel import (
+    expert_parameters,
+    is_expert_parameter,
+    sharded_experts,
+)
+from torch_pipelining_ext.hf._mesh import layout_of, MeshOrGroup
 
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from torch_pipelining_ext.hf._stage import HFCausalLMStage
 
 
@@ -110,8 +117,6 @@ class CausalLMLoss:
         """
         count = (labels[..., 1:] != self.ignore_index).sum()
         if group is not None:
-            import torch.distributed as dist
-
             _set_labels_arrival.wait(group, timeout)
             count = count.to(group_device(group))
             dist.all_reduce(count, group=group)
@@ -180,8 +185,6 @@ def sync_tied_gradients(
             if p.grad is not None:  # FSDP2's shards gathered over their mesh
                 total += _whole(p.grad).float()
         if group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(total, group=group)
         for p in holders:
             if p.grad is None:
@@ -192,16 +195,14 @@ def sync_tied_gradients(
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """``t``, gathered where it is a DTensor (a collective over its mesh)."""
-    return t.full_tensor() if _is_dtensor(t) else t
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _like(total: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The whole tensor ``total`` laid out as ``like`` (a DTensor's shard of
     it: a redistribution from replicated, without communication)."""
-    if not _is_dtensor(like):
+    if not isinstance(like, DTensor):
         return total
-    from torch.distributed.tensor import DTensor, Replicate
-
     mesh = like.device_mesh
     whole = DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return whole.redistribute(mesh, like.placements)
@@ -230,8 +231,6 @@ def _like(total: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def track_expert_gradients(part: nn.Module) -> None:
     """Mark each sharded experts module's gradients pending whenever a
     backward adds to them (see ``[Note: HF expert gradient state]``)."""
-    from torch_pipelining_ext.hf._expert_parallel import sharded_experts
-
     for module, shard in sharded_experts([part]):
         for name in shard.param_names:
             getattr(module, name).register_post_accumulate_grad_hook(
@@ -245,8 +244,6 @@ def _mark_pending(shard: Any, param: torch.Tensor) -> None:
 
 def check_reduced(parts: Sequence[HFCausalLMStage]) -> None:
     """Refuse expert gradients that a step added to and nothing reduced."""
-    from torch_pipelining_ext.hf._expert_parallel import sharded_experts
-
     pending = [
         s.fqn
         for _, s in sharded_experts(parts)
@@ -261,16 +258,10 @@ def check_reduced(parts: Sequence[HFCausalLMStage]) -> None:
 
 
 def reduce_expert_parallel_gradients(
-    parts: Sequence[HFCausalLMStage], mesh_or_group: Any
+    parts: Sequence[HFCausalLMStage], mesh_or_group: MeshOrGroup
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.reduce_expert_parallel_gradients`."""
-    from torch_pipelining_ext.expert_parallel import (
-        reduce_expert_parallel_gradients as reduce_gradients,
-    )
-    from torch_pipelining_ext.hf._expert_parallel import expert_parameters
-    from torch_pipelining_ext.hf._mesh import data_groups
-
-    groups = data_groups(mesh_or_group, parts)  # checks the experts' sharding
+    layout = layout_of(mesh_or_group, parts)  # checks the experts' sharding
     experts = [
         (part.get_parameter(name), shard)
         for part in parts
@@ -280,49 +271,45 @@ def reduce_expert_parallel_gradients(
     hooked = [p for p, shard in experts if shard.divided_by_hook]
     reduce_gradients(
         parts,
-        mesh_or_group,
+        layout,
         sharded=[p for p, shard in experts if not shard.divided_by_hook],
         ignore=hooked,
     )
-    all_reduce_divided(hooked, groups.dp, 1)
+    all_reduce_divided(hooked, layout.dp, 1)
     for _, shard in experts:
         shard.grads_pending = False
 
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def fully_shard_replicated(
-    parts: Sequence[HFCausalLMStage], mesh: Any, **fsdp_kwargs: Any
+    parts: Sequence[HFCausalLMStage],
+    mesh: ParallelLayout | DeviceMesh,
+    **fsdp_kwargs: Any,
 ) -> None:
     """See :func:`torch_pipelining_ext.hf.fully_shard_replicated`."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    from torch_pipelining_ext.hf._expert_parallel import sharded_experts
-    from torch_pipelining_ext.hf._mesh import data_groups
-
-    if not isinstance(mesh, DeviceMesh):
+    if not isinstance(mesh, (ParallelLayout, DeviceMesh)):
         raise TypeError(
-            f"mesh must be a DeviceMesh (the job's mesh, or its 'ep' dimension), got {type(mesh).__name__}"
+            "mesh must be the job's layout or a DeviceMesh (the job's mesh, or its 'ep' "
+            f"dimension), got {type(mesh).__name__}"
         )
-    groups = data_groups(mesh, parts)
-    size = groups.data_size
+    layout = layout_of(mesh, parts)
+    if layout.data_mesh is None:
+        raise ValueError(
+            "the layout has no data-parallel mesh for FSDP: pass the job's mesh, or a "
+            "layout built from one"
+        )
+    size = layout.data_size
     for part in parts:
         experts = [
             p for name, p in part.named_parameters() if is_expert_parameter(part, name)
         ]
         fully_shard(
-            part, mesh=groups.data_mesh, ignored_params=set(experts), **fsdp_kwargs
+            part, mesh=layout.data_mesh, ignored_params=set(experts), **fsdp_kwargs
         )
         for p in experts:
             p.register_hook(functools.partial(_divided, size))
     for _, shard in sharded_experts(parts):
         shard.divided_by_hook = True
-        shard.needs_reduction = groups.dp is not None
+        shard.needs_reduction = layout.dp is not None
 
 
 def _divided(size: int, grad: torch.Tensor) -> torch.Tensor:

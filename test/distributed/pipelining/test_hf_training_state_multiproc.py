@@ -47,6 +47,7 @@ from common_hf import (
     TrainingRun,
 )
 from hf_model_registry import balanced_loss_by_hand, padded_batch, tiny_hf_model
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -142,7 +143,9 @@ class _TrainingStateTests:
     def assert_close_on_every_rank(self, got, want, what: str) -> None:
         def check() -> None:
             if got is not None:
-                torch.testing.assert_close(got, want, msg=what)
+                torch.testing.assert_close(
+                    got, want, msg=lambda detail: f"{what}: {detail}"
+                )
 
         self.check_all(check)
 
@@ -347,10 +350,13 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
             launcher.data_parallel_mesh(self.layout(pp=1, dp=2, ep=2)).size(), 4
         )
         with self.assertRaisesRegex(
-            ValueError, "the dimensions .'pp', 'ep'. or .'pp', 'dp', 'ep'."
+            ValueError, r"named from \('pp', 'dp', 'ep'\) in that order"
         ):
             hf.pipeline_hf_causal_lm(
-                _model("qwen3_moe"), mesh["pp", "dp"], Schedule1F1B, "cpu"
+                _model("qwen3_moe"),
+                init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+                Schedule1F1B,
+                "cpu",
             )
 
     @_needs_fused

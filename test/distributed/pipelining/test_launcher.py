@@ -68,7 +68,8 @@ class LauncherTest(TestCase):
     def test_large_result_and_traceback(self) -> None:
         """Rank 0's result and a failed rank's message far beyond a pipe's
         64 KiB, tensors included, reach the launcher (a child process with a
-        timeout, so that a regression fails instead of hanging)."""
+        timeout, so that a regression fails instead of hanging), and nothing
+        is left in TMPDIR."""
         code = (
             "import torch; from torch_pipelining_ext import launcher\n"
             "def big(rank):\n"
@@ -86,21 +87,27 @@ class LauncherTest(TestCase):
             "    assert e.rank == 1 and 'y' * (1 << 18) in str(e), str(e)[:200]\n"
             "    print('ok')\n"
         )
-        proc = subprocess.run(
-            [sys.executable, "-c", code],
-            env=local_ranks_env(),
-            timeout=300,
-            capture_output=True,
-        )
-        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        # the last line: some torch releases print notices of their own
-        self.assertEqual(proc.stdout.strip().splitlines()[-1], b"ok", proc.stdout)
+        with tempfile.TemporaryDirectory() as job_tmp:
+            proc = subprocess.run(
+                [sys.executable, "-c", code],
+                env={**local_ranks_env(), "TMPDIR": job_tmp},
+                timeout=300,
+                capture_output=True,
+            )
+            self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+            # the last line: some torch releases print notices of their own
+            self.assertEqual(proc.stdout.strip().splitlines()[-1], b"ok", proc.stdout)
+            self.assertEqual(os.listdir(job_tmp), [])
 
     @unittest.skipUnless(sys.platform == "linux", "PR_SET_PDEATHSIG is Linux's")
     def test_ranks_die_with_the_launching_process(self) -> None:
         """SIGKILL to the process that called launch() (it cannot stop its
-        ranks): its ranks, busy for minutes, are killed too."""
-        with tempfile.TemporaryDirectory() as tmp:
+        ranks): its ranks, busy for minutes, are killed too, and the job
+        leaves nothing in TMPDIR."""
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            tempfile.TemporaryDirectory() as job_tmp,
+        ):
             code = (
                 "import os, time; from torch_pipelining_ext import launcher\n"
                 "def fn(rank, tmp):\n"
@@ -115,7 +122,7 @@ class LauncherTest(TestCase):
             )
             proc = subprocess.run(
                 [sys.executable, "-c", code],
-                env=local_ranks_env(),
+                env={**local_ranks_env(), "TMPDIR": job_tmp},
                 timeout=300,
                 capture_output=True,
             )
@@ -130,6 +137,7 @@ class LauncherTest(TestCase):
                     0.05
                 )  # polls the processes' end; the result does not depend on it
             self.assertEqual([pid for pid in pids if _alive(pid)], [])
+            self.assertEqual(os.listdir(job_tmp), [])
 
     def test_torchrun_world_size_must_match(self) -> None:
         env = {"RANK": "0", "WORLD_SIZE": "4"}
