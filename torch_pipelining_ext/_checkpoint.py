@@ -1,0 +1,89 @@
+"""Selective activation checkpointing under a split backward.
+
+Upstream file: ``torch/utils/checkpoint.py`` (``_CachedTorchDispatchMode``).
+
+Schedules that split a stage's backward (``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, CSV schedules with I/W)
+run two ``torch.autograd.grad`` calls over one graph: the input pass, which
+keeps the graph, and the weight pass.  Non-reentrant checkpointing recomputes
+a region once per graph task that unpacks its saved tensors, so a region whose
+weights need its activations is recomputed twice.  Selective checkpointing
+(``create_selective_checkpoint_contexts``) hands each cached op output to the
+first recompute only; the second raises "Trying to backward an extra time".
+:func:`_make_cached_mode_enter` lets every recompute of a region see the
+forward's cache; see [Note: selective checkpoint cache lifetime].
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+from torch.utils import checkpoint as _checkpoint
+
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+# [Note: selective checkpoint cache lifetime]
+#
+# ``create_selective_checkpoint_contexts`` returns a caching mode, run under
+# the region's forward, and a cached mode, run under each recompute; both hold
+# one ``storage``: op -> the outputs the policy chose to keep, in call order.
+# The cached mode takes each output out of ``storage`` as the recompute
+# replays its op (torch 2.9 pops it from a list, later releases mark it
+# consumed), so a second recompute of the region finds nothing and raises.
+#
+# A recompute replays the region's forward from its first op.  So the first
+# time the cached mode is entered (the forward has finished: recomputation
+# only runs in a backward) it copies ``storage``'s per-op containers, and each
+# later entry restores them, with the per-op call counters at zero where the
+# release has them.  The copies share the cached tensors, they do not copy
+# them.
+#
+# Lifetime: the copies are attributes of the cached mode, which only the
+# checkpoint frame's recompute function references, and the frame only the
+# unpack hooks of the region's saved tensors.  When the graph frees the
+# region's last saved tensor (the node that used it ran in a backward that
+# does not retain the graph: the weight pass of a split backward, the single
+# pass of an ordinary one), frame, mode and cache go with it.  The cached
+# outputs live as long as the region's saved tensors would have without
+# checkpointing, and no longer; nothing is kept in a module-level table.
+# Within the region's last pass an output is released when the region's last
+# node has run rather than when the recompute takes it: a region's cached
+# outputs at most, which its backward held at its start anyway.
+
+
+_CachedMode = _checkpoint._CachedTorchDispatchMode
+
+
+def _make_cached_mode_enter(
+    original: Callable[[_CachedMode], _CachedMode] | None,
+) -> Callable[[_CachedMode], _CachedMode]:
+    """``_CachedTorchDispatchMode.__enter__`` that replays the forward's cache.
+
+    ``original`` is the class's own ``__enter__`` (None where it inherits
+    ``TorchDispatchMode``'s).
+    """
+
+    def __enter__(self: _CachedMode) -> _CachedMode:
+        storage = self.storage
+        forward_cache = self.__dict__.get("_forward_cache")
+        if forward_cache is None:
+            self._forward_cache = {op: copy.copy(out) for op, out in storage.items()}
+        else:
+            logger.debug(
+                "selective checkpoint: recomputing a region again, %d cached ops",
+                len(forward_cache),
+            )
+            storage.update((op, copy.copy(out)) for op, out in forward_cache.items())
+            func_counter = getattr(self, "func_counter", None)
+            if func_counter is not None:
+                func_counter.clear()
+        if original is None:
+            return super(_CachedMode, self).__enter__()
+        return original(self)
+
+    return __enter__
