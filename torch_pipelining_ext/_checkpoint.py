@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from torch.utils import checkpoint as _checkpoint
 
@@ -54,9 +54,49 @@ logger = logging.getLogger(__name__)
 # Within the region's last pass an output is released when the region's last
 # node has run rather than when the recompute takes it: a region's cached
 # outputs at most, which its backward held at its start anyway.
+#
+# Releases whose cached mode asks the policy again at each recompute
+# (``is_recompute=True``; later ones replay the forward's decisions by call
+# index) would let a stateful policy (torchtitan's, which saves every other
+# ``mm`` by counting them) decide differently in the second recompute and
+# take another op's output from the cache.  There the first recompute's
+# decisions are recorded and replayed by the later ones (:class:`_Decisions`).
 
 
 _CachedMode = _checkpoint._CachedTorchDispatchMode
+_Policy = Callable[..., object]
+
+
+class _Decisions:
+    """A policy's decisions in a region's first recompute, replayed by the later ones.
+
+    State: ``replay is None`` while recording (the first recompute), an
+    iterator over the recorded ``(op, decision)`` pairs after :meth:`rewind`.
+    """
+
+    def __init__(self, policy: _Policy) -> None:
+        self.policy = policy
+        self.recorded: list[tuple[object, object]] = []
+        self.replay: Iterator[tuple[object, object]] | None = None
+
+    def rewind(self) -> None:
+        self.replay = iter(self.recorded)
+
+    def __call__(
+        self, ctx: object, op: object, *args: object, **kwargs: object
+    ) -> object:
+        if self.replay is None:
+            decision = self.policy(ctx, op, *args, **kwargs)
+            self.recorded.append((op, decision))
+            return decision
+        recorded_op, decision = next(self.replay, (None, None))
+        if recorded_op is not op:
+            raise RuntimeError(
+                f"selective checkpoint: a region's recompute ran {op} where its "
+                f"first recompute ran {recorded_op}; the region must run the same "
+                "ops each time it is recomputed"
+            )
+        return decision
 
 
 def _make_cached_mode_enter(
@@ -73,6 +113,9 @@ def _make_cached_mode_enter(
         forward_cache = self.__dict__.get("_forward_cache")
         if forward_cache is None:
             self._forward_cache = {op: copy.copy(out) for op, out in storage.items()}
+            policy = getattr(self, "policy_fn", None)
+            if callable(policy):  # a release that asks the policy at recompute
+                self.policy_fn = _Decisions(policy)
         else:
             logger.debug(
                 "selective checkpoint: recomputing a region again, %d cached ops",
@@ -82,6 +125,8 @@ def _make_cached_mode_enter(
             func_counter = getattr(self, "func_counter", None)
             if func_counter is not None:
                 func_counter.clear()
+            if isinstance(self.__dict__.get("policy_fn"), _Decisions):
+                self.policy_fn.rewind()
         if original is None:
             return super(_CachedMode, self).__enter__()
         return original(self)
