@@ -163,8 +163,7 @@ def _worker(rank: int, args: argparse.Namespace) -> list[dict[str, int]]:
                         checkpoint, block.forward, **kwargs
                     )
         stages = [
-            PipelineStage(part, i, N_STAGES, "cpu")
-            for part, i in zip(parts, stage_ids)
+            PipelineStage(part, i, N_STAGES, "cpu") for part, i in zip(parts, stage_ids)
         ]
         os.environ["TORCH_PIPELINING_EXT_OVERLAP"] = "0"  # read when it is built
         try:

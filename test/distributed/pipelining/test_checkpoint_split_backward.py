@@ -105,12 +105,21 @@ def _checkpointed(forward, context_fn):
     )
 
 
-def _apply_policy(stage: FSDPMLPStage, policy: str) -> None:
-    """Selective checkpointing of every layer of ``stage`` (``nested``: and of the stage around them)."""
+def _apply_policy(stage: FSDPMLPStage, policy: str, fsdp: bool = False) -> None:
+    """Selective checkpointing of every layer of ``stage``.
+
+    ``nested``: and a region around them, the whole stage; with ``fsdp`` a
+    region around each layer's instead, since FSDP's hooks of the modules
+    inside a region run other ops in its recompute than in its forward
+    (``record_function``), which torch's replay of the cache by call index
+    refuses.
+    """
     context_fn = _counting_context if policy == "function" else _list_context
     for layer in (*stage.layers, stage.squared):
         layer.forward = _checkpointed(layer.forward, context_fn)
-    if policy == "nested":
+        if policy == "nested" and fsdp:
+            layer.forward = _checkpointed(layer.forward, _counting_context)
+    if policy == "nested" and not fsdp:
         stage.forward = _checkpointed(stage.forward, _counting_context)
 
 
@@ -242,7 +251,7 @@ class _Pipeline:
         group = None
         for module in self.modules:
             if policy is not None:
-                _apply_policy(module, policy)
+                _apply_policy(module, policy, fsdp)
             if fsdp:
                 global _MESH
                 if _MESH is None:
