@@ -32,7 +32,9 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import _backward, PipelineStage
 from torch.distributed.pipelining import schedules as sched
 from torch.distributed.pipelining.schedules import (
@@ -64,7 +66,6 @@ from common_pipelining import (
     random_batch,
     reference_step,
 )
-from model_registry import FSDPMLPStage, fully_shard_stage
 
 
 DIM = 8
@@ -105,7 +106,36 @@ def _checkpointed(forward, context_fn):
     )
 
 
-def _apply_policy(stage: FSDPMLPStage, policy: str, fsdp: bool = False) -> None:
+class _Block(nn.Module):
+    """``relu(x @ w.T + b) @ v.T``.
+
+    As a region: the cached ``addmm`` runs before the region's last tensor is
+    saved, so each recompute takes it from the cache (a region whose cached
+    ops all come last is cut short before them, and never reads the cache).
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.b = nn.Parameter(torch.randn(dim) / dim)
+        self.v = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(F.linear(x, self.w, self.b)) @ self.v.T
+
+
+class _Stage(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(dim) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _apply_policy(stage: _Stage, policy: str, fsdp: bool = False) -> None:
     """Selective checkpointing of every layer of ``stage``.
 
     ``nested``: and a region around them, the whole stage; with ``fsdp`` a
@@ -115,7 +145,7 @@ def _apply_policy(stage: FSDPMLPStage, policy: str, fsdp: bool = False) -> None:
     refuses.
     """
     context_fn = _counting_context if policy == "function" else _list_context
-    for layer in (*stage.layers, stage.squared):
+    for layer in stage.layers:
         layer.forward = _checkpointed(layer.forward, context_fn)
         if policy == "nested" and fsdp:
             layer.forward = _checkpointed(layer.forward, _counting_context)
@@ -141,9 +171,9 @@ def _patch_status() -> str:
     return statuses["checkpoint_split_backward"]
 
 
-def _stage(seed: int = 0) -> FSDPMLPStage:
+def _stage(seed: int = 0) -> _Stage:
     torch.manual_seed(seed)
-    return FSDPMLPStage(DIM)
+    return _Stage(DIM)
 
 
 class CheckpointSplitBackwardTest(TestCase):
@@ -246,7 +276,7 @@ class _Pipeline:
         v_shape = schedule != "InterleavedZeroBubble"
         self.stage_ids = [rank, N_STAGES - 1 - rank] if v_shape else [rank, rank + 2]
         torch.manual_seed(0)
-        full = [FSDPMLPStage(DIM).to(device) for _ in range(N_STAGES)]
+        full = [_Stage(DIM).to(device) for _ in range(N_STAGES)]
         self.modules = [full[i] for i in self.stage_ids]
         group = None
         for module in self.modules:
@@ -258,7 +288,9 @@ class _Pipeline:
                     _MESH = init_device_mesh(
                         device.type, (2, 1), mesh_dim_names=("pp", "dp")
                     )
-                fully_shard_stage(module, _MESH["dp"])
+                for layer in module.layers:
+                    fully_shard(layer, mesh=_MESH["dp"])
+                fully_shard(module, mesh=_MESH["dp"])
                 group = _MESH["pp"].get_group()
         stages = [
             PipelineStage(m, i, N_STAGES, device, group=group)
@@ -305,7 +337,7 @@ class CheckpointSplitBackwardScheduleTest(PipelineMultiProcTest):
                 schedule, policy, fsdp, self.device, overlap=False
             ).step(self.device)
         torch.manual_seed(0)
-        reference = nn.Sequential(*(FSDPMLPStage(DIM) for _ in range(N_STAGES))).to(
+        reference = nn.Sequential(*(_Stage(DIM) for _ in range(N_STAGES))).to(
             self.device
         )
         x, y = (
