@@ -1,7 +1,8 @@
 # Owner(s): ["oncall: distributed"]
 """Selective activation checkpointing under a split backward (``torch_pipelining_ext/_checkpoint.py``).
 
-Single process: a stage of Linear+ReLU layers, checkpointed with a list
+Single process: a stage of two ``relu(x @ w.T + b) @ v.T`` blocks (see
+:class:`_Block` for why that shape), checkpointed with a list
 policy, a policy function (stateful, torchtitan's kind: it saves every other
 matmul by counting them) or nested regions, differentiated by torch's split
 backward (``stage_backward_input`` then ``stage_backward_weight``); every
