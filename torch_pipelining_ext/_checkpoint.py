@@ -12,13 +12,22 @@ weights need its activations is recomputed twice.  Selective checkpointing
 first recompute only; the second raises "Trying to backward an extra time".
 :func:`_make_cached_mode_enter` lets every recompute of a region see the
 forward's cache; see [Note: selective checkpoint cache lifetime].
+
+The weight pass itself (``torch/distributed/pipelining/_backward.py``,
+``stage_backward_weight``) runs one ``torch.autograd.grad`` per parameter
+group, each a graph task of its own, so it recomputed every checkpointed
+region once per group and kept each recompute's unused tensors until the
+graph was freed; :func:`_make_stage_backward_weight` runs the groups as one
+recompute (see [Note: one recompute per weight pass]).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch.utils import checkpoint as _checkpoint
 
@@ -132,3 +141,35 @@ def _make_cached_mode_enter(
         return original(self)
 
     return __enter__
+
+
+# [Note: one recompute per weight pass]
+#
+# Non-reentrant checkpointing recomputes a region once per graph task that
+# unpacks its saved tensors, and keeps each recompute's tensors until that
+# task unpacks them or the graph is freed.  ``stage_backward_weight`` runs one
+# ``torch.autograd.grad`` per parameter group (the weights behind one set of
+# intermediates), so a region whose weights fall into k groups was recomputed
+# k times in the weight pass, and the tensors a group did not unpack (those of
+# the other groups, those of the input gradient) stayed alive, k copies of
+# them: a DeepSeek-style MoE block under full checkpointing peaked at about
+# three times the memory of no checkpointing (tools/bench_checkpoint_memory.py).
+# ``torch.utils.checkpoint.GraphExecGroup`` exists for this: the backward
+# calls under one group share a recompute of each region.  The groups of a
+# weight pass reach disjoint parts of the graph, as the group requires.  A
+# caller already inside a group keeps its own.
+
+
+def _make_stage_backward_weight(
+    original: Callable[..., tuple[Any, ...]],
+) -> Callable[..., tuple[Any, ...]]:
+    """``stage_backward_weight`` whose parameter groups share one recompute per region."""
+
+    @functools.wraps(original)
+    def stage_backward_weight(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        if _checkpoint.GraphExecGroup._get_current_group() is not None:
+            return original(*args, **kwargs)
+        with _checkpoint.GraphExecGroup():
+            return original(*args, **kwargs)
+
+    return stage_backward_weight

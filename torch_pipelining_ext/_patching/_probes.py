@@ -636,3 +636,32 @@ def _probe_checkpoint_split_backward() -> tuple[str, str]:
             )
         torch.testing.assert_close(grads, _reference(loss_of, [w]))
     return AlreadyUpstream, "selective checkpointing recomputes a region twice"
+
+
+def _probe_weight_pass_recompute() -> tuple[str, str]:
+    """Does torch's weight pass recompute a checkpointed region once, whatever its parameter groups?"""
+    from torch.utils import checkpoint
+
+    if not hasattr(checkpoint, "GraphExecGroup"):
+        raise RuntimeError("torch.utils.checkpoint has no GraphExecGroup")
+    w1 = _param([0.4, -0.2, 0.1], [0.7, 0.3, -0.5], [0.2, 0.6, 0.9])
+    w2 = _param([0.3, -0.8, 0.5], [0.1, 0.4, -0.6], [0.9, 0.2, 0.7])
+    runs: list[None] = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        runs.append(None)
+        return torch.tanh(x @ w1) @ w2
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint.checkpoint(region, x, use_reentrant=False).sum()
+
+    with torch.enable_grad():
+        _split_backward(loss_of, [w1, w2])
+    weight_pass = len(runs) - 2  # less the forward and the input pass's recompute
+    if weight_pass > 1:
+        return (
+            PatchNeeded,
+            f"the weight pass recomputes a checkpointed region {weight_pass} times, "
+            "once per parameter group",
+        )
+    return AlreadyUpstream, "the weight pass recomputes a checkpointed region once"
