@@ -7,7 +7,8 @@ policy, a policy function (stateful, torchtitan's kind: it saves every other
 matmul by counting them) or nested regions, differentiated by torch's split
 backward (``stage_backward_input`` then ``stage_backward_weight``); every
 gradient equals autograd's without checkpointing.  The cache of a region is
-kept through the input pass and freed with the graph.  Stock torch
+kept through the input pass and freed with the graph; the weight pass
+recomputes a region once, not once per parameter group.  Stock torch
 (``TORCH_PIPELINING_EXT_DISABLE=1``, in a subprocess) raises "Trying to
 backward an extra time".
 
@@ -219,6 +220,32 @@ class CheckpointSplitBackwardTest(TestCase):
         stage(x).square().sum().backward()
         self.assertEqual(len(modes), 2)
         self.assertIsNone(modes[-1]())
+
+    @parametrize("policy", [None, "list"])
+    def test_weight_pass_recomputes_once(self, policy: str | None) -> None:
+        # A region of two weights behind two intermediates: two parameter groups,
+        # one recompute in the weight pass ([Note: one recompute per weight pass]).
+        runs: list[None] = []
+        block = _stage().layers[0]
+        forward = block.forward
+
+        def counted(x: torch.Tensor) -> torch.Tensor:
+            runs.append(None)
+            return forward(x)
+
+        kwargs = {} if policy is None else {"context_fn": _list_context}
+        block.forward = functools.partial(
+            checkpoint, counted, use_reentrant=False, **kwargs
+        )
+        x = random_batch(0, 4, DIM)[0].requires_grad_()
+        params = list(block.parameters())
+        _, groups = _backward.stage_backward_input(
+            [block(x).square().sum()], None, [x], iter(params)
+        )
+        self.assertGreater(len(groups), 1)
+        self.assertEqual(len(runs), 2)  # the forward, the input pass
+        _backward.stage_backward_weight(iter(params), groups)
+        self.assertEqual(len(runs), 3)
 
     def test_stock_torch_raises(self) -> None:
         script = textwrap.dedent(
