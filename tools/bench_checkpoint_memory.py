@@ -8,7 +8,9 @@ keeps for DeepSeek-V3: the attention kernel's outputs, ``max`` and every
 other ``mm`` (the odd ones, counted apart in forward and recompute); the rest
 is recomputed.  DualPipeV splits each backward into an input and a weight
 pass, which stock torch refuses for selective checkpointing; the package's
-``checkpoint_split_backward`` patch runs it.
+``checkpoint_split_backward`` patch runs it, and ``checkpoint_weight_pass_recompute``
+recomputes a region once per weight pass rather than once per parameter
+group.
 
 Memory is counted by :class:`_LiveBytes`, a dispatch mode: the bytes of the
 tensor storages created under it and still alive, over the second step of
