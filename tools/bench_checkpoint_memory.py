@@ -27,7 +27,7 @@ machine-readable last line::
 
 (each the largest over the ranks).
 
-    python tools/bench_checkpoint_memory.py [--dim 128] [--seq-len 128]
+    python tools/bench_checkpoint_memory.py [--dim 128] [--seq-len 512]
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _worker(rank: int, args: argparse.Namespace) -> list[dict[str, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--mb-size", type=int, default=2)
     args = parser.parse_args()
     sys.path.insert(0, str(_ROOT))
