@@ -591,3 +591,77 @@ def _upstream_probe() -> tuple[str, str]:
     if importlib.util.find_spec("torch.distributed.pipelining.stage_split") is not None:
         return AlreadyUpstream, "torch.distributed.pipelining.stage_split is importable"
     return PatchNeeded, "torch.distributed.pipelining has no stage_split module"
+
+
+# --- _checkpoint.py ---
+
+
+def _probe_checkpoint_split_backward() -> tuple[str, str]:
+    """Does a selectively checkpointed region survive torch's split backward?"""
+    import functools
+
+    from torch.utils import checkpoint
+
+    caching, cached = checkpoint.create_selective_checkpoint_contexts(
+        [torch.ops.aten.mm.default]
+    )
+    if not isinstance(cached, checkpoint._CachedTorchDispatchMode) or (
+        getattr(cached, "storage", None) is not getattr(caching, "storage", ())
+    ):
+        raise RuntimeError("unrecognised create_selective_checkpoint_contexts")
+    w = _param([0.4, -0.2, 0.1], [0.7, 0.3, -0.5], [0.2, 0.6, 0.9])
+    context_fn = functools.partial(
+        checkpoint.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default]
+    )
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        y = checkpoint.checkpoint(
+            lambda x: torch.tanh(x @ w) @ w,
+            x,
+            use_reentrant=False,
+            context_fn=context_fn,
+        )
+        return y.sum()
+
+    with torch.enable_grad():
+        try:
+            grads = _split_backward(loss_of, [w])
+        except RuntimeError as e:
+            if "backward an extra time" not in str(e):
+                raise  # unrecognised: the patch is skipped
+            return (
+                PatchNeeded,
+                "selective checkpointing raises under a split backward "
+                "(the second recompute of a region finds its cache consumed)",
+            )
+        torch.testing.assert_close(grads, _reference(loss_of, [w]))
+    return AlreadyUpstream, "selective checkpointing recomputes a region twice"
+
+
+def _probe_weight_pass_recompute() -> tuple[str, str]:
+    """Does torch's weight pass recompute a checkpointed region once, whatever its parameter groups?"""
+    from torch.utils import checkpoint
+
+    if not hasattr(checkpoint, "GraphExecGroup"):
+        raise RuntimeError("torch.utils.checkpoint has no GraphExecGroup")
+    w1 = _param([0.4, -0.2, 0.1], [0.7, 0.3, -0.5], [0.2, 0.6, 0.9])
+    w2 = _param([0.3, -0.8, 0.5], [0.1, 0.4, -0.6], [0.9, 0.2, 0.7])
+    runs: list[None] = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        runs.append(None)
+        return torch.tanh(x @ w1) @ w2
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint.checkpoint(region, x, use_reentrant=False).sum()
+
+    with torch.enable_grad():
+        _split_backward(loss_of, [w1, w2])
+    weight_pass = len(runs) - 2  # less the forward and the input pass's recompute
+    if weight_pass > 1:
+        return (
+            PatchNeeded,
+            f"the weight pass recomputes a checkpointed region {weight_pass} times, "
+            "once per parameter group",
+        )
+    return AlreadyUpstream, "the weight pass recomputes a checkpointed region once"
