@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torch_pipelining_ext._patching._table import _REGISTRY
+
 
 __all__: list[str] = []
 
@@ -39,6 +41,7 @@ class StageOptions:
     stage_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+_SAC_PATCH = "checkpoint_split_backward"
 _SPLIT_BACKWARD_SCHEDULES = (
     "ScheduleDualPipeV",
     "ScheduleZBVZeroBubble",
@@ -47,16 +50,34 @@ _SPLIT_BACKWARD_SCHEDULES = (
 
 
 def check_checkpointing_schedule(mode: Any, schedule_cls: type) -> None:
-    """Selective activation checkpointing allows one backward per region;
-    schedules that split the backward (input, then weight) run two."""
+    """Stock torch allows one backward per selectively checkpointed region;
+    schedules that split the backward (input, then weight) run two, which
+    the package's ``checkpoint_split_backward`` patch allows
+    (``[Note: selective checkpointing under a split backward]`` in
+    ``torch_pipelining_ext/_checkpoint.py``).  Refused where that patch is
+    not in force (``TORCH_PIPELINING_EXT_DISABLE=1``, ``unpatch()``, a torch
+    its probe does not recognise)."""
     if mode is None or mode == "full":
         return
-    if schedule_cls.__name__ in _SPLIT_BACKWARD_SCHEDULES:
+    if schedule_cls.__name__ not in _SPLIT_BACKWARD_SCHEDULES:
+        return
+    status = _sac_patch_status()
+    if status not in ("applied", "upstream"):
         raise ValueError(
-            f"selective activation checkpointing cannot run under {schedule_cls.__name__}: it splits each backward "
-            "into an input and a weight pass, and torch allows one backward per selectively checkpointed region. "
-            "Use activation_checkpointing='full', or a schedule with full backwards"
+            f"selective activation checkpointing under {schedule_cls.__name__} needs the package's "
+            f"{_SAC_PATCH} patch, which is {status}: the schedule runs two backward passes (input, then "
+            "weight) over each region, and stock torch allows one per selectively checkpointed region. "
+            "Use activation_checkpointing='full', a schedule with full backwards, or leave the patch on "
+            "(python -m torch_pipelining_ext shows its status)"
         )
+
+
+def _sac_patch_status() -> str:
+    """The status of the ``checkpoint_split_backward`` patch in this process."""
+    return next(
+        (r.status.value for r in _REGISTRY.report() if r.name == _SAC_PATCH),
+        "not applied",
+    )
 
 
 def default_num_stages(schedule_cls: type, pp_size: int) -> int:

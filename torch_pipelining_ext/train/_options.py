@@ -37,7 +37,7 @@ SCHEDULES = (
     "GPipe",
 )
 AUX_LOSSES = ("none", "pooled", "per_layer", "sequence")
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "full", "selective")
 PROG = "python -m torch_pipelining_ext.train"
 SYNTHETIC_VOCAB = 256  # --synthetic-data's default vocabulary
 MAX_LATENCY_MS = 1000.0

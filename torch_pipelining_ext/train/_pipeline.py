@@ -29,6 +29,27 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
+_aten = torch.ops.aten
+SELECTIVE_CHECKPOINTING_OPS = (
+    _aten.mm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten.max.default,
+)
+"""What ``--activation-checkpointing selective`` keeps from the forward (the
+rest is recomputed): the matrix products, the attention kernels and the
+router's max, the save list torchtitan uses for DeepSeek-V3 (without its
+every-other-matmul rule).  Runs under the split-backward schedules through
+the package's ``checkpoint_split_backward`` patch."""
+
+_CHECKPOINTING: dict[str, object] = {
+    "none": None,
+    "full": "full",
+    "selective": list(SELECTIVE_CHECKPOINTING_OPS),
+}
+
+
 class Pipeline:
     """This rank's stages of the model in the job's layout, their schedule,
     one AdamW per stage module and its learning-rate schedule."""
@@ -51,7 +72,7 @@ class Pipeline:
         self.aux = args.router_aux_loss != "none"
         self.stages, self.parts = hf.pipeline_hf_causal_lm(
             *_model_source(plan, resuming), mesh, schedule_cls, device,
-            activation_checkpointing=None if args.activation_checkpointing == "none" else "full",
+            activation_checkpointing=_CHECKPOINTING[args.activation_checkpointing],
             router_aux_loss=args.router_aux_loss if self.aux else None,
             router_aux_loss_coef=args.router_aux_loss_coef,
             **_weights_source(plan, resuming),

@@ -189,13 +189,22 @@ class TestHFStages(TestCase):
         )
         with self.assertRaisesRegex(ValueError, "activation_checkpointing must be"):
             stages[0].set_activation_checkpointing("sometimes")
-        if mode == "selective":
-            with self.assertRaisesRegex(
-                ValueError,
-                "selective activation checkpointing cannot run under ScheduleDualPipeV",
-            ):
-                _check_schedule(policy, "ScheduleDualPipeV")
+        # selective under a split backward: allowed while the patch is in
+        # force, refused with the patch's status where it is not
+        _check_schedule(policy, "ScheduleDualPipeV")
         _check_schedule(policy, "Schedule1F1B")
+        self.assertEqual(_hf_config._sac_patch_status(), "applied")
+        if mode == "selective":
+            with mock.patch.object(
+                _hf_config, "_sac_patch_status", return_value="disabled"
+            ):
+                with self.assertRaisesRegex(
+                    ValueError,
+                    "selective activation checkpointing under ScheduleDualPipeV needs the "
+                    "package's checkpoint_split_backward patch, which is disabled",
+                ):
+                    _check_schedule(policy, "ScheduleDualPipeV")
+                _check_schedule(policy, "Schedule1F1B")
 
     def test_reentrant_gradient_checkpointing_is_refused(self):
         model = tiny_hf_model("llama", num_layers=2)

@@ -315,10 +315,16 @@ class TrainSlowTest(_RunDirTest):
             self.assertLess(sum(losses[-3:]) / 3, losses[0] - 0.5, losses)
 
     def test_overlap_and_checkpointing_change_nothing(self) -> None:
-        """PP=2 x EP=2: the sequential OVERLAP_F_B (--no-overlap) and full
-        activation checkpointing train bitwise as the concurrent overlap."""
+        """PP=2 x EP=2: the sequential OVERLAP_F_B (--no-overlap), full and
+        selective activation checkpointing (under DualPipeV's split backward)
+        train bitwise as the concurrent overlap."""
         results = []
-        for extra in ([], ["--no-overlap"], ["--activation-checkpointing", "full"]):
+        for extra in (
+            [],
+            ["--no-overlap"],
+            ["--activation-checkpointing", "full"],
+            ["--activation-checkpointing", "selective"],
+        ):
             run_dir = self.run_dir()
             export = os.path.join(os.path.dirname(run_dir), "export")
             argv = [
