@@ -37,7 +37,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # storage, up to twice the stage's bytes.  Here the file is opened for each
 # read of at most ``_READ_BYTES`` (whole rows of one tensor), so the extra
 # peak RSS of loading a stage is its bytes plus one read.
-_READ_BYTES = 64 * 1024**2
+_READ_BYTES = 16 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,15 @@ class TensorEntry:
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
     """The tensors of one safetensors file (the header only is read)."""
-    from safetensors import safe_open
+    from safetensors import safe_open, SafetensorError
     from safetensors.torch import _getdtype  # as HuggingFaceStorageReader reads dtypes
 
     out: dict[str, TensorEntry] = {}
-    with safe_open(file, framework="pt") as f:
+    try:
+        opened = safe_open(file, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a safetensors file ({e})") from None
+    with opened as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             stored = f.get_slice(key)
             try:

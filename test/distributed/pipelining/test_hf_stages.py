@@ -720,6 +720,12 @@ class TestHFLoading(OneRankGroupTestCase):
             json.dump({"weight_map": {"model.norm.weight": "absent.safetensors"}}, f)
         with self.assertRaises(FileNotFoundError):
             hf.load_stage_weights(parts, self.dir)
+        with open(path, "wb") as f:
+            f.write(b"not a checkpoint")
+        with self.assertRaisesRegex(
+            ValueError, "model.safetensors is not a safetensors"
+        ):
+            hf.load_stage_weights(parts, path)
 
     def test_meta_model_needs_checkpoint_or_init(self):
         config = tiny_hf_config("llama", num_layers=2)
