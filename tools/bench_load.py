@@ -308,7 +308,7 @@ def worker(
     rss_before = _status("VmRSS")
     peak_reset = _reset_peak()
     hwm_before = _status("VmHWM")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if method in ("stage_load", "stage_load_ep"):
         # this rank's stage only, on the meta device, then its tensors read from the checkpoint
         _, (part,) = hf.pipeline_hf_causal_lm(
@@ -321,7 +321,7 @@ def worker(
         names = hf.hf_module_names_per_stage(model, NUM_STAGES)
         part = stage_split.build_stage_module(model, names[STAGE])
         del model
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     extra = _status("VmHWM") - (rss_before if peak_reset else hwm_before)
     # (a state dict shows an expert-parallel rank's experts as a shard of the whole tensor)
     sd = {
@@ -371,6 +371,7 @@ def worker(
         n_tensors=len(sd),
         extra_peak=extra,
         seconds=elapsed,
+        cpu_seconds=cpu,
         peak_reset=peak_reset,
     )
 
@@ -483,7 +484,8 @@ def main() -> None:
                 print(
                     f"[load] {what:28s} stage {STAGE} of {NUM_STAGES} ({r['n_tensors']} tensors, "
                     f"{r['stage_bytes'] / gib:.2f} GiB): extra peak RSS {r['extra_peak'] / gib:.2f} GiB = "
-                    f"{r['ratio']:.3f} x the rank's bytes, {r['seconds']:.1f} s; tensors equal the checkpoint",
+                    f"{r['ratio']:.3f} x the rank's bytes, {r['seconds']:.1f} s ({r['cpu_seconds']:.1f} s CPU); "
+                    "tensors equal the checkpoint",
                     flush=True,
                 )
         print(f"[done] {time.perf_counter() - t_start:.0f} s")
