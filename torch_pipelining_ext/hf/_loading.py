@@ -38,8 +38,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # read of at most ``_READ_BYTES`` (whole rows of one tensor), so the extra
 # peak RSS of loading a stage is its bytes plus one read.  Extra peak RSS
 # over the stage's bytes, ``tools/bench_load.py`` on torch 2.13.0, CPU,
-# safetensors 0.8.0 (stage 1 of 4, bf16, one run; on torch 2.15.0 the
-# first two rows are the same within 0.001):
+# safetensors 0.8.0 (stage 1 of 4, bf16, one run; on torch 2.15.0 and
+# 2.9.1 the first two rows are the same within 0.003):
 #
 #   reader                                  Llama 1.1B  MoE 3.5B  MoE, EP 1/4
 #   safe_open per read (here)               1.043       1.010     1.048
@@ -48,10 +48,12 @@ INDEX_FILE = "model.safetensors.index.json"
 #   HuggingFaceStorageReader.read_data      1.853       1.265     1.298
 #   from_pretrained, then split             2.124
 #
-# Reading through the mapping costs CPU time (page faults on top of the
-# copy): the three stage loads (meta build, split and reads) took 1.5 /
-# 2.9 / 1.2 s of CPU against 0.8 / 1.9 / 1.1 s with ``readinto`` (torch
-# 2.15.0, one thread, the files in the page cache).
+# Reading through the mapping costs time (page faults on top of the copy,
+# an open per read): the three stage loads (meta build, split and reads)
+# took 1.5 / 2.9 / 1.2 s of CPU against 0.8 / 1.9 / 1.1 s with
+# ``readinto`` (torch 2.15.0, one thread, the files in the page cache), and
+# 2.3 / 10.0 / 1.8 s of wall time against 1.0 / 2.9 / 1.3 s (torch 2.9.1,
+# a quieter machine).
 _READ_BYTES = 16 * 1024**2
 
 
