@@ -20,16 +20,33 @@ tensors are read straight into their slices of the fused ``gate_up_proj`` /
 and the PP x EP case: stage 1 of 4 on expert-parallel rank 1 of 4, which
 keeps and reads 8 of the 32 experts of each of its MoE layers.
 
-For each, the extra peak RSS (from after the imports to the loaded stage) is
-divided by the stage's bytes.  The stage's tensors are then compared with the
-checkpoint.  The last line is::
+Each ``stage_load`` runs once per reader (the same reads, through
+``read_tensors`` of ``torch_pipelining_ext.hf._loading`` or a stand-in):
 
-    stage_load_rss_ratio=<..> from_pretrained_rss_ratio=<..> moe_stage_load_rss_ratio=<..> moe_ep_stage_load_rss_ratio=<..>
+* ``per_read``: the package's reader, ``safetensors.safe_open`` opened for
+  each read of at most 16 MiB;
+* ``per_file``: ``safe_open`` opened once per file, every read of that file
+  under it;
+* ``dcp``: ``HuggingFaceStorageReader.read_data`` of
+  ``torch.distributed.checkpoint`` (one ``safe_open`` per file), fed the
+  same reads as ``ReadItem`` s;
+* ``readinto``: the package's former reader, byte offsets from the JSON
+  header and ``readinto`` straight into the destination's bytes.
 
-Target: every ``stage_load`` ratio ``<= 1.1``.
+The checkpoint's files are read once before each load (a warm page cache for
+every reader).  For each, the extra peak RSS (from after the imports to the
+loaded stage) is divided by the stage's bytes.  The stage's tensors are then
+compared with the checkpoint.  The last line is::
 
-Usage: ``python tools/bench_load.py [--dir DIR] [--keep]`` (needs the ``hf``
-extra; about 9 GB of disk and 5 GB of RAM at peak).
+    stage_load_rss_ratio=<..> from_pretrained_rss_ratio=<..> moe_stage_load_rss_ratio=<..> moe_ep_stage_load_rss_ratio=<..> <reader>_stage_load_rss_ratio=<..> ...
+
+(the first four keys are the package's reader; then each other reader's
+three ``stage_load`` ratios.)  Target: every ``stage_load`` ratio ``<= 1.1``.
+
+Usage: ``python tools/bench_load.py [--dir DIR] [--keep] [--readers per_read,...]``
+(needs the ``hf`` extra; about 9 GB of disk and 5 GB of RAM at peak; a
+``--dir`` that holds the checkpoints of an earlier run is read, not written
+again).
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ import argparse
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -51,6 +69,7 @@ STAGE = 1
 EP_SIZE = 4
 EP_RANK = 1
 SHARD_BYTES = 512 * 1024**2
+READERS = ("per_read", "per_file", "dcp", "readinto")
 
 
 def _config(model: str = "llama"):
@@ -176,6 +195,78 @@ def _reset_peak() -> bool:
         return False
 
 
+def _by_file(requests) -> dict:
+    by_file: dict = {}
+    for entry, out in requests:
+        by_file.setdefault(entry.file, []).append((entry, out))
+    return by_file
+
+
+def _read_per_file(requests) -> None:
+    """``safe_open`` once per file, every read of that file under it."""
+    from safetensors import safe_open
+
+    for file, items in _by_file(requests).items():
+        with safe_open(file, framework="pt") as f:
+            for entry, out in items:
+                stop = entry.start + entry.shape[0]
+                out.copy_(f.get_slice(entry.key)[entry.start : stop])
+
+
+def _read_dcp(requests) -> None:
+    """``HuggingFaceStorageReader.read_data``, given the same reads as
+    ``ReadItem`` s and a planner that resolves each to its destination."""
+    import torch
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    reader = HuggingFaceStorageReader(str(requests[0][0].file.parent))
+    reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
+    items, dest = [], {}
+    for i, (entry, out) in enumerate(requests):
+        zeros = [0] * len(entry.shape)
+        items.append(
+            ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(str(i)),
+                dest_offsets=torch.Size(zeros),
+                storage_index=MetadataIndex(entry.key, zeros),
+                storage_offsets=torch.Size([entry.start, *zeros[1:]]),
+                lengths=torch.Size(entry.shape),
+            )
+        )
+        dest[str(i)] = out
+
+    class Planner:
+        def resolve_tensor(self, req):
+            return dest[req.dest_index.fqn]
+
+        def commit_tensor(self, req, tensor):
+            pass
+
+    reader.read_data(LoadPlan(items), Planner()).wait()
+
+
+def _read_readinto(requests) -> None:
+    """The former reader: byte offsets from the JSON header, ``readinto``
+    the destination's bytes, one open per file."""
+    import torch
+
+    for file, items in _by_file(requests).items():
+        with open(file, "rb", buffering=0) as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            items.sort(key=lambda it: header[it[0].key]["data_offsets"][0])
+            for entry, out in items:
+                row = entry.nbytes // entry.shape[0]
+                f.seek(8 + n + header[entry.key]["data_offsets"][0] + entry.start * row)
+                view = memoryview(out.view(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < len(view):
+                    done += f.readinto(view[done:])
+
+
 def _fake_pipeline(expert_parallel: bool):
     """Stage ``STAGE`` of ``NUM_STAGES`` (on expert-parallel rank ``EP_RANK`` of
     ``EP_SIZE``): a fake process group, as building and loading a stage issue
@@ -194,11 +285,21 @@ def _fake_pipeline(expert_parallel: bool):
     return init_device_mesh("cpu", (NUM_STAGES, ep_size), mesh_dim_names=("pp", "ep"))
 
 
-def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
+def worker(
+    method: str, directory: str, model_kind: str = "llama", reader: str = "per_read"
+) -> dict:
     import torch
     import transformers
 
     from torch_pipelining_ext import hf, stage_split
+    from torch_pipelining_ext.hf import _checkpoint
+
+    if reader != "per_read":  # the package's loading, this reader's reads
+        _checkpoint.read_tensors = {
+            "per_file": _read_per_file,
+            "dcp": _read_dcp,
+            "readinto": _read_readinto,
+        }[reader]
 
     torch.set_num_threads(1)
     config = _config(model_kind)
@@ -207,7 +308,7 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
     rss_before = _status("VmRSS")
     peak_reset = _reset_peak()
     hwm_before = _status("VmHWM")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if method in ("stage_load", "stage_load_ep"):
         # this rank's stage only, on the meta device, then its tensors read from the checkpoint
         _, (part,) = hf.pipeline_hf_causal_lm(
@@ -220,7 +321,7 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
         names = hf.hf_module_names_per_stage(model, NUM_STAGES)
         part = stage_split.build_stage_module(model, names[STAGE])
         del model
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     extra = _status("VmHWM") - (rss_before if peak_reset else hwm_before)
     # (a state dict shows an expert-parallel rank's experts as a shard of the whole tensor)
     sd = {
@@ -265,15 +366,30 @@ def worker(method: str, directory: str, model_kind: str = "llama") -> dict:
             )
     return dict(
         method=method,
+        reader=reader,
         stage_bytes=stage_bytes,
         n_tensors=len(sd),
         extra_peak=extra,
         seconds=elapsed,
+        cpu_seconds=cpu,
         peak_reset=peak_reset,
     )
 
 
-def _run_worker(method: str, directory: str, model_kind: str = "llama") -> dict:
+def _warm_page_cache(directory: str) -> None:
+    """Read every file of the checkpoint once, so that each reader finds it
+    in the page cache (the first one to run would otherwise pay the disk)."""
+    buf = bytearray(64 * 1024**2)
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(directory, name), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+
+def _run_worker(
+    method: str, directory: str, model_kind: str = "llama", reader: str = "per_read"
+) -> dict:
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -283,11 +399,27 @@ def _run_worker(method: str, directory: str, model_kind: str = "llama") -> dict:
         directory,
         "--model",
         model_kind,
+        "--reader",
+        reader,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
-        raise RuntimeError(f"worker {method} failed:\n{out.stderr[-4000:]}")
+        raise RuntimeError(f"worker {method} ({reader}) failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _write_once(directory: str, model_kind: str) -> None:
+    """Write the checkpoint unless ``directory`` holds one (an earlier run's)."""
+    gib = 1024**3
+    if os.path.isfile(os.path.join(directory, "model.safetensors.index.json")):
+        print(f"[ckpt] {model_kind}: reading the checkpoint at {directory}", flush=True)
+        return
+    info = _run_worker("write", directory, model_kind)
+    print(
+        f"[ckpt] {model_kind}: {info['n_params']:.3e} params, {info['bytes'] / gib:.2f} GiB bf16 "
+        f"in {info['shards']} safetensors shards at {directory}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -298,75 +430,68 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="llama", help=argparse.SUPPRESS)
+    parser.add_argument("--reader", default="per_read", help=argparse.SUPPRESS)
     parser.add_argument("--moe-only", action="store_true", help="only the MoE cases")
+    parser.add_argument(
+        "--readers",
+        default=",".join(READERS),
+        help=f"comma-separated, from {','.join(READERS)} (default: all)",
+    )
     args = parser.parse_args()
     if args.worker:
         if args.worker == "write":
             result = write_checkpoint(args.dir, args.model)
         else:
-            result = worker(args.worker, args.dir, args.model)
+            result = worker(args.worker, args.dir, args.model, args.reader)
         print(json.dumps(result))
         return
+    readers = args.readers.split(",")
+    unknown = sorted(set(readers) - set(READERS))
+    if unknown:
+        parser.error(f"unknown readers {unknown}; choose from {list(READERS)}")
 
     directory = args.dir or tempfile.mkdtemp(prefix="bench_load_")
     os.makedirs(directory, exist_ok=True)
+    moe_dir = os.path.join(directory, "moe")
+    os.makedirs(moe_dir, exist_ok=True)
     gib = 1024**3
     t_start = time.perf_counter()
+    cases = [
+        ("stage_load", directory, "llama", "stage_load"),
+        ("from_pretrained", directory, "llama", "from_pretrained"),
+        ("stage_load", moe_dir, "moe", "moe_stage_load"),
+        ("stage_load_ep", moe_dir, "moe", "moe_ep_stage_load"),
+    ]
+    if args.moe_only:
+        cases = cases[2:]
     try:
         if not args.moe_only:
-            info = _run_worker("write", directory)
-            print(
-                f"[ckpt] {info['n_params']:.3e} params, {info['bytes'] / gib:.2f} GiB bf16 in {info['shards']} "
-                f"safetensors shards at {directory}",
-                flush=True,
-            )
-        rows = []
-        for method in () if args.moe_only else ("stage_load", "from_pretrained"):
-            r = _run_worker(method, directory)
-            r["ratio"] = r["extra_peak"] / r["stage_bytes"]
-            rows.append(r)
-            print(
-                f"[load] {method:15s} stage {STAGE} of {NUM_STAGES} ({r['n_tensors']} tensors, "
-                f"{r['stage_bytes'] / gib:.2f} GiB): extra peak RSS {r['extra_peak'] / gib:.2f} GiB = "
-                f"{r['ratio']:.3f} x stage, {r['seconds']:.1f} s; tensors equal the checkpoint",
-                flush=True,
-            )
-        moe_dir = os.path.join(directory, "moe")
-        os.makedirs(moe_dir, exist_ok=True)
-        info = _run_worker("write", moe_dir, "moe")
-        print(
-            f"[ckpt] MoE: {info['n_params']:.3e} params, {info['bytes'] / gib:.2f} GiB bf16 per expert in "
-            f"{info['shards']} shards",
-            flush=True,
-        )
-        for method, what in (
-            ("stage_load", "MoE stage_load "),
-            ("stage_load_ep", f"MoE EP {EP_RANK}/{EP_SIZE}    "),
-        ):
-            r = _run_worker(method, moe_dir, "moe")
-            r["ratio"] = r["extra_peak"] / r["stage_bytes"]
-            rows.append(r)
-            print(
-                f"[load] {what} stage {STAGE} of {NUM_STAGES} ({r['n_tensors']} tensors, "
-                f"{r['stage_bytes'] / gib:.2f} GiB): extra peak RSS {r['extra_peak'] / gib:.2f} GiB = "
-                f"{r['ratio']:.3f} x the rank's bytes, {r['seconds']:.1f} s; tensors equal the checkpoint",
-                flush=True,
-            )
-        if not all(r["peak_reset"] for r in rows):
-            print(
-                "[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before"
-            )
+            _write_once(directory, "llama")
+        _write_once(moe_dir, "moe")
+        ratios: dict[str, float] = {}
+        for method, where, model_kind, name in cases:
+            for reader in ("per_read",) if method == "from_pretrained" else readers:
+                _warm_page_cache(where)
+                r = _run_worker(method, where, model_kind, reader)
+                r["ratio"] = r["extra_peak"] / r["stage_bytes"]
+                key = name if reader == "per_read" else f"{reader}_{name}"
+                ratios[key] = r["ratio"]
+                if not r["peak_reset"]:
+                    print(
+                        "[warn] /proc/self/clear_refs unavailable: extra peak = VmHWM after - VmHWM before"
+                    )
+                what = name if method == "from_pretrained" else f"{name} {reader}"
+                print(
+                    f"[load] {what:28s} stage {STAGE} of {NUM_STAGES} ({r['n_tensors']} tensors, "
+                    f"{r['stage_bytes'] / gib:.2f} GiB): extra peak RSS {r['extra_peak'] / gib:.2f} GiB = "
+                    f"{r['ratio']:.3f} x the rank's bytes, {r['seconds']:.1f} s ({r['cpu_seconds']:.1f} s CPU); "
+                    "tensors equal the checkpoint",
+                    flush=True,
+                )
         print(f"[done] {time.perf_counter() - t_start:.0f} s")
-        dense = (
-            ""
-            if args.moe_only
-            else (
-                f"stage_load_rss_ratio={rows[0]['ratio']:.3f} from_pretrained_rss_ratio={rows[1]['ratio']:.3f} "
-            )
-        )
-        print(
-            f"{dense}moe_stage_load_rss_ratio={rows[-2]['ratio']:.3f} moe_ep_stage_load_rss_ratio={rows[-1]['ratio']:.3f}"
-        )
+        names = {name for *_, name in cases}  # the package's reader first
+        keys = sorted(ratios, key=lambda k: k not in names)
+        print(" ".join(f"{k}_rss_ratio={ratios[k]:.3f}" for k in keys))
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(directory, ignore_errors=True)

@@ -460,7 +460,7 @@ class TestHFLoading(OneRankGroupTestCase):
         with mock.patch.object(
             _hf_loading,
             "read_tensor",
-            lambda f, e, out: (read.append(e), real_read(f, e, out)),
+            lambda e, out: (read.append(e), real_read(e, out)),
         ):
             hf.load_stage_weights([part], self.dir)
         keys = set(part.state_dict())
@@ -504,7 +504,7 @@ class TestHFLoading(OneRankGroupTestCase):
         with mock.patch.object(
             _hf_loading,
             "read_tensor",
-            lambda f, e, out: (read.append(e), real_read(f, e, out)),
+            lambda e, out: (read.append(e), real_read(e, out)),
         ):
             hf.load_stage_weights([part], self.dir)
         want = {k: v for k, v in ref.state_dict().items() if k in part.state_dict()}
@@ -516,7 +516,7 @@ class TestHFLoading(OneRankGroupTestCase):
             sum(e.nbytes for e in read),
             sum(t.nbytes for t in part.state_dict().values()),
         )
-        self.assertEqual(len(read), len({(e.file, e.offset) for e in read}))
+        self.assertEqual(len(read), len({(e.file, e.key, e.start) for e in read}))
 
     def test_expert_range_reads_only_those_experts(self):
         ref = tiny_hf_model("qwen3_moe", num_layers=2)
@@ -548,6 +548,85 @@ class TestHFLoading(OneRankGroupTestCase):
                 torch.equal(got, getattr(ref.model.layers[1].mlp.experts, name)[1:3]),
                 name,
             )
+
+    def test_reads_are_row_blocks_each_with_the_file_open_for_it(self):
+        # each read of at most _READ_BYTES opens the file for itself (its mapped pages are
+        # released when it closes), and an expert range starts its reads at its first row
+        import safetensors as safetensors_pkg
+
+        ref = tiny_hf_model("gpt_oss", num_layers=2)
+        _save_hf(ref, self.dir)
+        model = hf.meta_causal_lm(tiny_hf_config("gpt_oss", num_layers=2))
+        (part,) = _split(model, 2, stage_ids=[1])
+        experts = part.get_submodule("model.layers.1.mlp.experts")
+        for name in ("gate_up_proj", "down_proj"):  # this rank keeps experts 1 and 2
+            full = getattr(experts, name)
+            setattr(
+                experts,
+                name,
+                nn.Parameter(torch.empty((2, *full.shape[1:]), device="meta")),
+            )
+            part.expert_ranges[f"model.layers.1.mlp.experts.{name}"] = (1, 3)
+        read_sizes = []
+        opened = []
+        real_open = safetensors_pkg.safe_open
+
+        class RecordingSlice:
+            def __init__(self, stored, owner):
+                self.stored, self.owner = stored, owner
+
+            def __getitem__(self, index):
+                read_sizes.append(self.stored[index].nbytes)
+                self.owner.reads += 1
+                return self.stored[index]
+
+            def __getattr__(self, name):  # get_shape(), get_dtype(): the header
+                return getattr(self.stored, name)
+
+        class Recording:
+            def __init__(self, *args, **kwargs):
+                self.f = real_open(*args, **kwargs)
+                self.reads = 0
+                opened.append(self)
+
+            def __enter__(self):
+                self.f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+            def __getattr__(self, name):  # keys()
+                return getattr(self.f, name)
+
+            def get_slice(self, key):
+                return RecordingSlice(self.f.get_slice(key), self)
+
+            def get_tensor(self, key):
+                t = self.f.get_tensor(key)
+                read_sizes.append(t.nbytes)
+                self.reads += 1
+                return t
+
+        limit = 512
+        with (
+            mock.patch.object(_hf_loading, "_READ_BYTES", limit),
+            mock.patch.object(safetensors_pkg, "safe_open", Recording),
+        ):
+            hf.load_stage_weights([part], self.dir)
+        for key, t in part.state_dict().items():
+            want = ref.state_dict()[key]
+            if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                want = want[1:3]
+            self.assertTrue(torch.equal(t, want), key)
+        stage_bytes = sum(t.nbytes for t in part.state_dict().values())
+        self.assertEqual(sum(read_sizes), stage_bytes)
+        self.assertGreater(len(read_sizes), len(part.state_dict()))
+        largest_row = max(
+            t[0].nbytes for t in part.state_dict().values() if t.dim() > 0
+        )
+        self.assertLessEqual(max(read_sizes), max(limit, largest_row))
+        self.assertEqual(max(f.reads for f in opened), 1)  # one read per open
 
     def test_long_key_lists_are_summarised(self):
         ref = tiny_hf_model("qwen3_moe", num_layers=4)
@@ -654,6 +733,12 @@ class TestHFLoading(OneRankGroupTestCase):
             json.dump({"weight_map": {"model.norm.weight": "absent.safetensors"}}, f)
         with self.assertRaises(FileNotFoundError):
             hf.load_stage_weights(parts, self.dir)
+        with open(path, "wb") as f:
+            f.write(b"not a checkpoint")
+        with self.assertRaisesRegex(
+            ValueError, "model.safetensors is not a safetensors"
+        ):
+            hf.load_stage_weights(parts, path)
 
     def test_meta_model_needs_checkpoint_or_init(self):
         config = tiny_hf_config("llama", num_layers=2)
