@@ -71,7 +71,9 @@ def patch_report() -> list[PatchRecord]:
 
     Status is one of ``applied``, ``upstream`` (torch already has the
     behaviour), ``skipped`` (the probe did not recognise this torch, or a
-    patch it requires is missing), ``failed`` (applying raised and was rolled
+    patch it requires is missing), ``unsupported`` (a torch the patch is not
+    written for, which its probe recognised; not warned about), ``failed``
+    (applying raised and was rolled
     back), ``disabled`` (an environment variable turned it off) or
     ``not applied`` (``patch()`` not called, or undone by ``unpatch()``).
     """

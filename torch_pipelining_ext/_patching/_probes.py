@@ -13,14 +13,18 @@ import ast
 import inspect
 import textwrap
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.pipelining import schedules as _schedules
 from torch.nn import Parameter
 
-from torch_pipelining_ext._patching._registry import AlreadyUpstream, PatchNeeded
+from torch_pipelining_ext._patching._registry import (
+    AlreadyUpstream,
+    NotSupported,
+    PatchNeeded,
+)
 
 
 __all__: list[str] = []
@@ -634,8 +638,24 @@ def _probe_checkpoint_split_backward() -> tuple[str, str]:
                 "selective checkpointing raises under a split backward "
                 "(the second recompute of a region finds its cache consumed)",
             )
-        torch.testing.assert_close(grads, _reference(loss_of, [w]))
+        if not _all_close(grads, _reference(loss_of, [w])):
+            # torch 2.9: no error, wrong gradients (the second recompute takes
+            # other ops' cached outputs); the patch is written for the
+            # releases that raise, and hf and the trainer refuse selective
+            # checkpointing under split-backward schedules without it
+            return (
+                NotSupported,
+                "this torch's selective checkpointing gives wrong gradients under a split "
+                "backward without raising; the patch covers the releases that raise",
+            )
     return AlreadyUpstream, "selective checkpointing recomputes a region twice"
+
+
+def _all_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:
+    """Every tensor of ``got`` close to its twin in ``want`` (float64 probes)."""
+    return len(got) == len(want) and all(
+        torch.allclose(g, w, rtol=1e-7, atol=1e-7) for g, w in zip(got, want)
+    )
 
 
 def _probe_weight_pass_recompute() -> tuple[str, str]:
@@ -643,7 +663,11 @@ def _probe_weight_pass_recompute() -> tuple[str, str]:
     from torch.utils import checkpoint
 
     if not hasattr(checkpoint, "GraphExecGroup"):
-        raise RuntimeError("torch.utils.checkpoint has no GraphExecGroup")
+        return (
+            NotSupported,
+            "torch.utils.checkpoint has no GraphExecGroup (an older torch): the weight "
+            "pass recomputes a checkpointed region once per parameter group",
+        )
     w1 = _param([0.4, -0.2, 0.1], [0.7, 0.3, -0.5], [0.2, 0.6, 0.9])
     w2 = _param([0.3, -0.8, 0.5], [0.1, 0.4, -0.6], [0.9, 0.2, 0.7])
     runs: list[None] = []

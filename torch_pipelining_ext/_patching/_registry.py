@@ -5,9 +5,11 @@ Every change the package makes to the installed torch is a :class:`Patch`:
 * ``name`` -- what the patch is called in reports and logs;
 * ``targets`` -- the attributes it replaces or adds (``module`` + dotted ``attr``),
   each with ``make(original) -> replacement``;
-* ``probe`` -- a feature probe: returns ``(PatchNeeded, reason)`` or
-  ``(AlreadyUpstream, reason)``, and raises when it cannot recognise the torch
-  internals it would patch;
+* ``probe`` -- a feature probe: returns ``(PatchNeeded, reason)``,
+  ``(AlreadyUpstream, reason)`` or ``(NotSupported, reason)`` (a torch it
+  recognises but the patch is not written for: reported, not warned about, and
+  whatever relies on the patch checks its status), and raises when it cannot
+  recognise the torch internals it would patch;
 * undo is always the same: each target gets back the very object that was there
   before (``setattr`` of the saved original, or ``delattr`` when the attribute
   did not exist), then the patch's ``cleanup``, if it has one, removes what its
@@ -40,6 +42,7 @@ __all__ = [
     "AlreadyUpstream",
     "Patch",
     "PatchNeeded",
+    "NotSupported",
     "PatchRecord",
     "PatchStatus",
     "Target",
@@ -60,6 +63,7 @@ _MISSING = _Missing()
 # Probe verdicts.
 PatchNeeded = "needed"
 AlreadyUpstream = "upstream"
+NotSupported = "unsupported"
 
 
 class PatchStatus(str, enum.Enum):
@@ -68,6 +72,7 @@ class PatchStatus(str, enum.Enum):
     APPLIED = "applied"
     UPSTREAM = "upstream"
     SKIPPED = "skipped"
+    UNSUPPORTED = "unsupported"
     FAILED = "failed"
     DISABLED = "disabled"
     NOT_APPLIED = "not applied"
@@ -273,6 +278,11 @@ class _PatchRegistry:
             return
         if verdict == AlreadyUpstream:
             self._record(p, PatchStatus.UPSTREAM, reason)
+            return
+        if verdict == NotSupported:
+            # recognised, and known not to be covered: reported, not warned
+            # about (what relies on the patch checks its status and refuses)
+            self._record(p, PatchStatus.UNSUPPORTED, reason)
             return
         if verdict != PatchNeeded:
             self._record(

@@ -22,6 +22,7 @@ import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from torch_pipelining_ext import launcher
+from torch_pipelining_ext.hf._config import check_checkpointing_schedule
 from torch_pipelining_ext.train import _data, _model
 
 
@@ -161,6 +162,11 @@ def check_options(
     world, dp = _world_and_dp(args, environ)
     schedule_cls = getattr(pipelining, f"Schedule{args.schedule}")
     single = issubclass(schedule_cls, PipelineScheduleSingle)
+    if args.activation_checkpointing == "selective":
+        try:  # refused under split-backward schedules where torch cannot run it
+            check_checkpointing_schedule("selective", schedule_cls)
+        except ValueError as e:
+            raise UsageError(f"--activation-checkpointing selective: {e}") from e
     layout = Layout(world, args.pp, dp, args.ep, args.pp if single else 2 * args.pp)
     _check_batch(args, layout)
     if args.compare_sequential:

@@ -29,6 +29,7 @@ import functools
 import subprocess
 import sys
 import textwrap
+import unittest
 import weakref
 
 import torch
@@ -173,11 +174,21 @@ def _patch_status() -> str:
     return statuses["checkpoint_split_backward"]
 
 
+# torch releases the patch is not written for (pinned per minor in
+# test_patching.py): selective checkpointing under split-backward schedules
+# is refused there (test_hf_stages.py), so there is nothing to run
+_UNSUPPORTED = unittest.skipIf(
+    _patch_status() == "unsupported",
+    f"checkpoint_split_backward is unsupported on torch {torch.__version__}",
+)
+
+
 def _stage(seed: int = 0) -> _Stage:
     torch.manual_seed(seed)
     return _Stage(DIM)
 
 
+@_UNSUPPORTED
 class CheckpointSplitBackwardTest(TestCase):
     """One stage, torch's split backward, no process group."""
 
@@ -348,6 +359,7 @@ class _Pipeline:
         return losses, grads
 
 
+@_UNSUPPORTED
 class CheckpointSplitBackwardScheduleTest(PipelineMultiProcTest):
     """Four stages on two ranks: checkpointed runs against the run without checkpointing."""
 
