@@ -43,7 +43,8 @@ def stage_layout(
     """The layout ``pipeline_hf_causal_lm`` builds stages for: a group or 1-D
     mesh alone is the pipeline's, ``ep_group`` its expert-parallel group."""
     layout = ParallelLayout.of(pp_mesh_or_group, alone="pp")
-    if layout.pipeline is None:
+    # None: the default process group is the pipeline's (stage_split's rule)
+    if layout.pipeline is None and pp_mesh_or_group is not None:
         raise ValueError(
             "the mesh has no 'pp' dimension (torch_pipelining_ext.launcher.device_mesh "
             f"has ('pp', 'dp', 'ep')): got {layout.mesh and layout.mesh.mesh_dim_names}"
