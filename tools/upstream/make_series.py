@@ -238,7 +238,7 @@ def _fix(slug: str) -> Patch:
 FIXES: tuple[Patch, ...] = (
     _fix("fsdp-split-backward"),
     _fix("eval-leaves-gradients"),
-    _fix("scale-grads-carried"),
+    _fix("scale-grads-scales-loss"),
     _fix("pipeline-context-step-options"),
     _fix("step-error-names-rank"),
     _fix("compute-comms-reduce-grad"),
