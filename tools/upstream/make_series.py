@@ -6,40 +6,28 @@
 
 The base is torch 2.15.0's ``torch/distributed/pipelining/`` and the few other
 torch files a patch edits (:data:`BASE_FILES`), by default the installed
-torch's (which must then be 2.15.x).  Each patch of :data:`SERIES` is made of
-parts, applied in order on top of the previous patches:
-
-* :class:`NewModule` -- a new upstream file that is a package module, copied
-  under :func:`upstream_source` (the one fixed rule: module and environment
-  names, torch's file header);
-* :class:`Extends` -- hunks (kept in the patch's directory) that add to a
-  module an earlier patch of the series added.  The package module is the
-  last patch's text; each earlier patch gets it with the later patches'
-  hunks taken out (``git apply -R``, no fuzz), so the package holds one
-  version of the code and the stack shows it growing;
-* :class:`HandWritten` -- hunks for torch's own files, kept in the patch's
-  directory, for changes the package makes by wrapping torch instead of
-  editing it (the package's wrapper and the upstream edit are tested against
-  each other by ``check.sh``, not derived from each other).
+torch's (which must then be 2.15.x).  Each patch of :data:`SERIES` is
+:class:`HandWritten` hunks of torch's own files, kept in the patch's
+directory, for changes the package makes by wrapping torch instead of
+editing it (the package's wrapper and the upstream edit are tested against
+each other by ``check.sh``, not derived from each other), applied in order on
+top of the previous patches.
 
 ``patch.diff`` is the difference of the result from the previous patch's, as
-``git diff`` prints it; it applies with ``git apply`` / ``patch -p1
---fuzz=0``.  New modules and their extensions need no torch file to be
-produced; hand-written hunks and the diffs of torch's files do, so
-``--check`` without torch 2.15.0 compares the series' modules only
-(``--new-files-only``).
+``git diff`` prints it (so its line numbers follow the earlier patches); it
+applies with ``git apply`` / ``patch -p1 --fuzz=0``.
 
 Each patch's ``PR.md`` declares ``Depends on:`` (patch numbers, or
 ``none``); :func:`check_rules` checks that every ``[Note: ...]`` a patch
 refers to is defined by torch, the patch or one it depends on, and that the
-series' modules fit torch's line width.
+lines it adds fit torch's line width.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
+import itertools
 import os
 import re
 import subprocess
@@ -56,143 +44,9 @@ PIPELINING = "torch/distributed/pipelining"
 BASE_FILES = ("torch/random.py",)
 TORCH_VERSION = "2.15"
 LINE_WIDTH = 88  # torch's pyproject.toml: [tool.ruff] line-length
-HEADER = (
-    "# mypy: allow-untyped-defs\n# Copyright (c) Meta Platforms, Inc. and affiliates\n"
-)
-
-
-# --------------------------------------------------------------------------- #
-# The rule: package module -> upstream source                                  #
-# --------------------------------------------------------------------------- #
-
-# A package module that the series proposes is written as it lands upstream;
-# it is copied, with only these changes:
-#   the package modules below become the upstream modules of
-#   torch/distributed/pipelining (in imports: relative imports);
-#   TORCH_PIPELINING_EXT_ environment variables become TORCH_PIPELINING_;
-#   the module docstring's paragraph that starts with "Upstream file" or
-#   "Upstream target" (where the code goes) is dropped;
-#   torch's file header (HEADER) goes first.
-# Nothing may be left that names the package.  The series proposes one new
-# module; the package keeps it private (``_stage_split``) behind its public
-# ``stage_split`` until upstream has it.
-UPSTREAM_MODULES = (("torch_pipelining_ext._stage_split", "stage_split"),)
-ENV_PREFIXES = ("TORCH_PIPELINING_EXT_", "TORCH_PIPELINING_")
-_UPSTREAM = dict(UPSTREAM_MODULES)
-_LEFTOVERS = re.compile(r"torch_pipelining_ext|TORCH_PIPELINING_EXT")
-_FROM_IMPORT = re.compile(
-    r"^(\s*)from (torch_pipelining_ext[\w.]*) import (.+)$", re.MULTILINE
-)
-
-
-def _relative_import(match: re.Match[str]) -> str:
-    indent, module, names = match.groups()
-    # ``from <package> import <module> as <alias>``: one module of the mapping
-    child, _, alias = names.partition(" as ")
-    upstream = _UPSTREAM.get(f"{module}.{child.strip()}")
-    if upstream is not None:
-        alias = alias.strip() or child.strip()  # the name the module's code uses
-        return f"{indent}from . import {upstream}" + (
-            f" as {alias}" if alias != upstream else ""
-        )
-    if module in _UPSTREAM:
-        return f"{indent}from .{_UPSTREAM[module]} import {names}"
-    return match.group(0)  # left for the leftover check
-
-
-def _upstream_names(text: str) -> str:
-    text = _FROM_IMPORT.sub(_relative_import, text)
-    for module, upstream in UPSTREAM_MODULES:  # longest first
-        text = re.sub(
-            rf"\b{re.escape(module)}\b",
-            f"torch.distributed.pipelining.{upstream}",
-            text,
-        )
-    return text.replace(*ENV_PREFIXES)
-
-
-def _drop_upstream_paragraph(text: str) -> str:
-    """Drop the module docstring's paragraph that says where the code goes upstream."""
-    tree = ast.parse(text)
-    if not (
-        tree.body
-        and isinstance(tree.body[0], ast.Expr)
-        and isinstance(tree.body[0].value, ast.Constant)
-    ):
-        return text
-    doc = tree.body[0]
-    lines = text.splitlines(keepends=True)
-    start, end = doc.lineno - 1, doc.end_lineno
-    part = "".join(lines[start:end])
-    part = re.sub(
-        r"\n\nUpstream (?:file|files|target)s?:.*?(?=\n\n|\n?\"\"\")",
-        "",
-        part,
-        count=1,
-        flags=re.DOTALL,
-    )
-    return "".join(lines[:start]) + part + "".join(lines[end:])
-
-
-def upstream_source(
-    text: str, where: str, substitute: tuple[tuple[str, str], ...] = ()
-) -> str:
-    """A package module's text as the upstream file (see the rule above).
-
-    ``substitute`` lists exact substitutions, each of which must match once,
-    for a docstring phrase that names a package-only module (keep it empty
-    where possible).
-    """
-    text = _drop_upstream_paragraph(text)
-    for old, new in substitute:
-        if text.count(old) != 1:
-            raise ValueError(
-                f"{where}: substitution {old[:60]!r} matches {text.count(old)} "
-                "times, expected once"
-            )
-        text = text.replace(old, new)
-    text = _upstream_names(text)
-    left = [
-        f"{where}: {line.strip()}"
-        for line in text.splitlines()
-        if _LEFTOVERS.search(line)
-    ]
-    if left:
-        raise ValueError(
-            "the upstream file still names the package:\n" + "\n".join(left)
-        )
-    compile(text, where, "exec")
-    return HEADER + text.removeprefix(HEADER.splitlines(keepends=True)[0])
-
-
 # --------------------------------------------------------------------------- #
 # The series                                                                   #
 # --------------------------------------------------------------------------- #
-
-
-@dataclasses.dataclass(frozen=True)
-class NewModule:
-    """``target`` (a new file under torch/distributed/pipelining) is package module ``module``."""
-
-    target: str
-    module: str
-    substitute: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def path(self) -> str:
-        return f"{PIPELINING}/{self.target}"
-
-    def source(self) -> str:
-        return upstream_source(
-            (PACKAGE / self.module).read_text(), self.module, self.substitute
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Extends:
-    """Hunks (kept as ``file`` in the patch's directory) into modules an earlier patch added."""
-
-    file: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,9 +56,6 @@ class HandWritten:
     file: str
 
 
-Part = NewModule | Extends | HandWritten
-
-
 @dataclasses.dataclass(frozen=True)
 class Patch:
     """One PR of the series: ``NNNN-slug/`` with its ``PR.md`` and ``patch.diff``.
@@ -212,21 +63,17 @@ class Patch:
     ``tests``: the file of the patch's directory holding its test hunks
     (``a/test/distributed/pipelining/...`` paths), applied to upstream's own
     test files (:data:`TORCH_TESTS`, unchanged copies) together with those of
-    the patches it depends on; ``None`` for a patch whose test is a file of its
-    own in its directory (``test_*.py``).
+    the patches it depends on; ``None`` for a patch with no test of its own
+    (a refactor: upstream's tests before and after).
     """
 
     name: str
-    parts: tuple[Part, ...] = ()
+    parts: tuple[HandWritten, ...] = ()
     tests: str | None = None
 
     @property
     def dir(self) -> Path:
         return HERE / self.name
-
-
-def _module(target: str, module: str) -> NewModule:
-    return NewModule(target, f"overlap/{module}")
 
 
 def _fix(slug: str) -> Patch:
@@ -238,7 +85,7 @@ def _fix(slug: str) -> Patch:
 FIXES: tuple[Patch, ...] = (
     _fix("fsdp-split-backward"),
     _fix("eval-leaves-gradients"),
-    _fix("scale-grads-carried"),
+    _fix("scale-grads-scales-loss"),
     _fix("pipeline-context-step-options"),
     _fix("step-error-names-rank"),
     _fix("compute-comms-reduce-grad"),
@@ -246,12 +93,10 @@ FIXES: tuple[Patch, ...] = (
     _fix("eval-adjacent-local-stages"),
 )
 
-# Proposals: the RFC-first new module (its test a new test file of its own)
-# and the runtime refactor in two PRs, the extraction
-# (no test of its own: upstream's tests before and after) and the
-# custom-function API (tests inside upstream's test files, like a fix's).
+# Proposals: the runtime refactor in two PRs, the extraction (no test of its
+# own: upstream's tests before and after) and the custom-function API (tests
+# inside upstream's test files, like a fix's).
 PROPOSALS: tuple[Patch, ...] = (
-    Patch("stage-split", (NewModule("stage_split.py", "_stage_split.py"),)),
     Patch("runtime-action-methods", (HandWritten("patch.diff"),)),
     Patch(
         "runtime-custom-function-api", (HandWritten("patch.diff"),), tests="test.diff"
@@ -259,11 +104,19 @@ PROPOSALS: tuple[Patch, ...] = (
 )
 
 
+# Numbers no patch holds: 9, the stage_split module, left the series for a
+# proposal to torchtitan (stage-split-torchtitan-proposal.md); the patches
+# after it keep the numbers their reviews cite.
+RETIRED_NUMBERS = frozenset({9})
+
+
 def _numbered(patches: tuple[Patch, ...]) -> tuple[Patch, ...]:
-    """``patches`` named ``NNNN-slug`` by their place, from 0001 (see :func:`renumber`)."""
+    """``patches`` named ``NNNN-slug`` by their place, from 0001, skipping
+    :data:`RETIRED_NUMBERS` (see :func:`renumber`)."""
+    numbers = (i for i in itertools.count(1) if i not in RETIRED_NUMBERS)
     return tuple(
         dataclasses.replace(p, name=f"{i:04d}-{p.name}")
-        for i, p in enumerate(patches, start=1)
+        for i, p in zip(numbers, patches)
     )
 
 
@@ -307,21 +160,15 @@ def _git_env(cwd: str | Path) -> dict[str, str]:
     }
 
 
-def _apply_hunks(files: dict[str, str], diff: Path, reverse: bool = False) -> None:
-    """``git apply`` (no fuzz; ``-R`` when ``reverse``) of ``diff`` to ``files``, in place."""
+def _apply_hunks(files: dict[str, str], diff: Path) -> None:
+    """``git apply`` (no fuzz) of ``diff`` to ``files``, in place."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for path, text in files.items():
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).write_text(text)
         done = subprocess.run(
-            [
-                "git",
-                "apply",
-                "--whitespace=nowarn",
-                *(["-R"] if reverse else []),
-                str(diff),
-            ],
+            ["git", "apply", "--whitespace=nowarn", str(diff)],
             cwd=root,
             capture_output=True,
             text=True,
@@ -329,8 +176,7 @@ def _apply_hunks(files: dict[str, str], diff: Path, reverse: bool = False) -> No
         )
         if done.returncode:
             raise RuntimeError(
-                f"{diff.relative_to(REPO)} does not apply"
-                f"{' in reverse' if reverse else ''}: {done.stderr.strip()}"
+                f"{diff.relative_to(REPO)} does not apply: {done.stderr.strip()}"
             )
         for path in files:
             files[path] = (root / path).read_text()
@@ -375,68 +221,20 @@ def patch_text(before: dict[str, str], after: dict[str, str]) -> str:
     return "".join(_file_diff(p, before.get(p), after[p]) for p in paths)
 
 
-def series_modules() -> set[str]:
-    """Paths of the files the series adds (they depend on the package alone)."""
-    return {
-        part.path
-        for patch in SERIES
-        for part in patch.parts
-        if isinstance(part, NewModule)
-    }
-
-
-def _module_states() -> list[dict[str, str]]:
-    """For each patch, the text of the series' modules once it is applied.
-
-    The package holds the last patch's text; an earlier patch's is that with
-    the ``Extends`` hunks of the patches after it reversed, newest first.
-    """
-    state = {
-        part.path: part.source()
-        for patch in SERIES
-        for part in patch.parts
-        if isinstance(part, NewModule)
-    }
-    states: list[dict[str, str]] = []
-    for patch in reversed(SERIES):
-        states.append(dict(state))
-        for part in reversed(patch.parts):
-            if isinstance(part, Extends):
-                _apply_hunks(state, patch.dir / part.file, reverse=True)
-            elif isinstance(part, NewModule):
-                del state[part.path]
-    return states[::-1]
-
-
-def generate(base: dict[str, str] | None) -> dict[str, str]:
-    """patch name -> patch.diff text.
-
-    With ``base=None`` (no torch 2.15 at hand): for each patch, only the
-    sections of the series' own modules (see :func:`module_sections`).
-    """
+def generate(base: dict[str, str]) -> dict[str, str]:
+    """patch name -> patch.diff text, each on the patches before it in ``base``."""
     result: dict[str, str] = {}
-    files = dict(base or {})
-    for patch, state in zip(SERIES, _module_states()):
+    files = dict(base)
+    for patch in SERIES:
         before = dict(files)
         for part in patch.parts:
-            if isinstance(part, NewModule):
-                if part.path in before:
-                    raise ValueError(f"{patch.name}: {part.target} exists already")
-            elif isinstance(part, HandWritten) and base is not None:
-                _apply_hunks(files, patch.dir / part.file)
-        files.update(state)
+            _apply_hunks(files, patch.dir / part.file)
         result[patch.name] = patch_text(before, files)
     return result
 
 
 def _sections(text: str) -> list[str]:
     return re.split(r"(?m)^(?=diff --git )", text)
-
-
-def module_sections(text: str) -> str:
-    """The sections of a patch that write the series' own modules (no torch file needed)."""
-    modules = series_modules()
-    return "".join(s for s in _sections(text) if s and s.split()[2][2:] in modules)
 
 
 def torch_base(torch_dir: str | None) -> dict[str, str] | None:
@@ -505,22 +303,19 @@ def notes_defined(lines: list[str]) -> set[str]:
     return {m.group(1) for line in lines if (m := _NOTE_DEFINED.match(line))}
 
 
-def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[str]:
+def check_rules(patches: dict[str, str], base: dict[str, str]) -> list[str]:
     """What breaks the series' rules (an empty list when nothing does).
 
     * every ``[Note: X]`` a patch's added lines refer to is defined in torch's
-      files (``base``; skipped without it), by the patch or by one it depends
-      on (``[Note: X]`` on a line of its own, in a comment or a docstring);
-    * every line the patch adds to the series' own modules is at most
-      :data:`LINE_WIDTH` columns; a line it adds to a torch file too, unless
-      that file already has it, indented otherwise or not (code moved, not
+      files (``base``), by the patch or by one it depends on (``[Note: X]`` on
+      a line of its own, in a comment or a docstring);
+    * every line the patch adds is at most :data:`LINE_WIDTH` columns, unless
+      the file already has it, indented otherwise or not (code moved, not
       written).
     """
     problems = test_hunk_problems()
-    defined_in_torch = (
-        notes_defined([ln for t in base.values() for ln in t.splitlines()])
-        if base is not None
-        else None
+    defined_in_torch = notes_defined(
+        [ln for t in base.values() for ln in t.splitlines()]
     )
     for patch in SERIES:
         if not _DEPENDS.search((patch.dir / "PR.md").read_text()):
@@ -529,21 +324,17 @@ def check_rules(patches: dict[str, str], base: dict[str, str] | None) -> list[st
         visible = notes_defined(own)
         for dep in closure(patch):
             visible |= notes_defined(_added_lines(patches[dep]))
-        if defined_in_torch is not None:
-            visible |= defined_in_torch
-            referred = {n for line in own for n in _NOTE.findall(line)}
-            for note in sorted(referred - visible):
-                problems.append(
-                    f"{patch.name}: [Note: {note}] is defined nowhere it can see"
-                )
-        modules = series_modules()
+        visible |= defined_in_torch
+        referred = {n for line in own for n in _NOTE.findall(line)}
+        for note in sorted(referred - visible):
+            problems.append(
+                f"{patch.name}: [Note: {note}] is defined nowhere it can see"
+            )
         for section in _sections(patches[patch.name]):
             if not section:
                 continue
             path = section.split()[2][2:]
-            known = set()
-            if base is not None and path not in modules:
-                known = {ln.strip() for ln in base.get(path, "").splitlines()}
+            known = {ln.strip() for ln in base.get(path, "").splitlines()}
             for line in _added_lines(section):
                 if len(line) > LINE_WIDTH and line.strip() not in known:
                     problems.append(
@@ -665,20 +456,14 @@ def main() -> int:
         action="store_true",
         help="move the patch directories to their numbers in SERIES (then regenerate)",
     )
-    parser.add_argument(
-        "--new-files-only",
-        action="store_true",
-        help="check only the series' own modules (no torch needed)",
-    )
     args = parser.parse_args()
     if args.renumber:
         print("\n".join(renumber()) or "every patch has its number")
         return 0
-    base = None if args.new_files_only else torch_base(args.torch_dir)
-    if base is None and not args.new_files_only:
+    base = torch_base(args.torch_dir)
+    if base is None:
         print(
-            f"make_series: needs torch {TORCH_VERSION}.x (installed, or "
-            "--torch-dir); or --new-files-only",
+            f"make_series: needs torch {TORCH_VERSION}.x (installed, or --torch-dir)",
             file=sys.stderr,
         )
         return 2
@@ -687,9 +472,7 @@ def main() -> int:
     for name, text in patches.items():
         target = HERE / name / "patch.diff"
         committed = target.read_text() if target.exists() else ""
-        if base is None:
-            committed = module_sections(committed)
-        if args.check or base is None:
+        if args.check:
             if committed != text:
                 stale.append(name)
         elif committed != text:

@@ -8,9 +8,7 @@ committed patches byte for byte, check the rules every patch keeps (a
 patch or one it depends on; the width of the lines it adds), then apply the
 committed patches in order to a copy of torch 2.15.0's files without fuzz.
 Edits of torch's own files need torch 2.15's sources, so with another torch
-installed only the series' own modules are compared (they depend on the
-package alone), the notes are checked against the patches only and the apply
-check is skipped. The fixes' test hunks must apply to upstream's own test
+installed only the test hunks are checked. The fixes' test hunks must apply to upstream's own test
 files (``tools/upstream/pytorch_tests``) without fuzz, on their dependencies
 and in series order. On 2.15, ``check.sh --quick`` runs one fix's tests with
 ``$CI`` set, as CI services run it.
@@ -54,9 +52,11 @@ class UpstreamSeriesTest(TestCase):
     def _committed(self, name: str) -> str:
         return (_TOOLS / name / "patch.diff").read_text()
 
+    @unittest.skipUnless(_IS_2_15, _NOT_2_15)
     def test_patches_are_current(self) -> None:
         self._assert_current()
 
+    @unittest.skipUnless(_IS_2_15, _NOT_2_15)
     def test_generation_ignores_a_repository_around_the_scratch_directory(self) -> None:
         # git apply inside a work tree takes paths as relative to its top and
         # skips, without an error, those outside its directory
@@ -95,29 +95,33 @@ class UpstreamSeriesTest(TestCase):
         )
 
     def _assert_current(self) -> None:
-        base = make_series.torch_base(None) if _IS_2_15 else None
-        generated = make_series.generate(base)
+        generated = make_series.generate(make_series.torch_base(None))
         self.assertEqual(sorted(generated), sorted(p.name for p in make_series.SERIES))
         for name, text in generated.items():
             committed = self._committed(name)
-            if base is None:
-                committed = make_series.module_sections(committed)
             # assertTrue, not assertEqual: a diff of diffs helps nobody; the command does
             self.assertTrue(
                 text == committed,
                 f"{name}/patch.diff is not what the package generates: run python tools/upstream/make_series.py",
             )
-        if base is None:
-            self.assertTrue(
-                any(generated.values()),
-                "the new files of the series were not generated",
-            )
 
+    @unittest.skipUnless(_IS_2_15, _NOT_2_15)
     def test_rules(self) -> None:
-        base = make_series.torch_base(None) if _IS_2_15 else None
-        generated = make_series.generate(base)
-        problems = make_series.check_rules(generated, base)
+        base = make_series.torch_base(None)
+        problems = make_series.check_rules(make_series.generate(base), base)
         self.assertEqual(problems, [], "\n".join(problems))
+
+    def test_test_hunks_apply(self) -> None:
+        """The patches' test hunks apply to upstream's test files (no torch needed)."""
+        problems = make_series.test_hunk_problems()
+        self.assertEqual(problems, [], "\n".join(problems))
+
+    def test_retired_numbers_name_no_patch(self) -> None:
+        numbers = {int(p.name[:4]) for p in make_series.SERIES}
+        self.assertFalse(numbers & make_series.RETIRED_NUMBERS)
+        self.assertEqual(
+            [p.name for p in make_series.SERIES if p.name[5:] == "stage-split"], []
+        )
 
     def test_series_applies_to_torch_2_15_without_fuzz(self) -> None:
         if not _IS_2_15:
@@ -165,49 +169,12 @@ class UpstreamSeriesTest(TestCase):
                     check=True,
                     env=make_series._git_env(root),
                 )
-            for path in sorted(make_series.series_modules()) + [
+            for path in [
                 f"{make_series.PIPELINING}/schedules.py",
                 f"{make_series.PIPELINING}/stage.py",
                 *make_series.BASE_FILES,
             ]:
                 compile((root / path).read_text(), path, "exec")
-
-    def test_rule_copies_with_upstream_names(self) -> None:
-        source = (
-            '"""Doc.\n\nUpstream file: ``x.py``.\n"""\n\n'
-            "from torch_pipelining_ext import _stage_split as split\n"
-            "from torch_pipelining_ext import _stage_split\n"
-            "from torch_pipelining_ext._stage_split import split_by_names\n\n"
-            'ENV = "TORCH_PIPELINING_EXT_SPLIT"  # see torch_pipelining_ext._stage_split\n'
-        )
-        self.assertEqual(
-            make_series.upstream_source(source, "m.py"),
-            make_series.HEADER + '"""Doc.\n"""\n\n'
-            "from . import stage_split as split\n"
-            "from . import stage_split as _stage_split\n"
-            "from .stage_split import split_by_names\n\n"
-            'ENV = "TORCH_PIPELINING_SPLIT"  # see torch.distributed.pipelining.stage_split\n',
-        )
-
-    def test_upstream_modules_are_proposed_modules(self) -> None:
-        """Every module of the name mapping is one the series proposes (none withdrawn)."""
-        proposed = {
-            "torch_pipelining_ext." + part.module.removesuffix(".py").replace("/", ".")
-            for patch in make_series.SERIES
-            for part in patch.parts
-            if isinstance(part, make_series.NewModule)
-        }
-        self.assertEqual({m for m, _ in make_series.UPSTREAM_MODULES}, proposed)
-
-    def test_rule_refuses_what_names_the_package(self) -> None:
-        with self.assertRaisesRegex(ValueError, "still names the package"):
-            make_series.upstream_source("import torch_pipelining_ext\n", "m.py")
-        with self.assertRaisesRegex(ValueError, "still names the package"):
-            make_series.upstream_source(
-                "from torch_pipelining_ext import _schedule_runtime\n", "m.py"
-            )
-        with self.assertRaisesRegex(ValueError, "matches 0 times"):
-            make_series.upstream_source("A = 1\n", "m.py", substitute=(("B", "C"),))
 
     def test_package_cites_only_patches_of_the_series(self) -> None:
         """Every patch number the package, the docs or the series' texts cite is in it.
@@ -239,16 +206,42 @@ class UpstreamSeriesTest(TestCase):
         ]
         self.assertEqual(stale, [], "patch numbers the series does not have")
 
-    def test_proposed_modules_have_no_markers_or_commented_code(self) -> None:
-        modules = [
-            part.module
-            for patch in make_series.SERIES
-            for part in patch.parts
-            if hasattr(part, "module")
-        ]
-        for module in modules:
-            text = (make_series.PACKAGE / module).read_text()
-            self.assertNotRegex(text, r"\[/?(package|upstream)-only\]", module)
+    def test_newest_upstream_names_every_file_the_series_touches(self) -> None:
+        rows = _load_check_newest().report(Path(tempfile.mkdtemp()))
+        self.assertEqual(
+            [row for row in rows if "SOURCES" in row[2]], [], "paths with no version"
+        )
+        self.assertTrue(rows)
+        self.assertTrue(
+            all(
+                re.fullmatch(r"[0-9a-f]{40}", c)
+                for c in _load_check_newest().sources().values()
+            )
+        )
+
+    @unittest.skipUnless(_IS_2_15, _NOT_2_15)
+    def test_newest_upstream_check_passes_on_the_base(self) -> None:
+        """With 2.15.0's own files as the newest versions, every patch applies."""
+        check_newest = _load_check_newest()
+        site = Path(torch.__file__).parent.parent
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in check_newest.sources():
+                if (site / path).exists():
+                    (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(site / path, Path(tmp) / path)
+            verdicts = {
+                (name, path): v for name, path, v in check_newest.report(Path(tmp))
+            }
+        self.assertEqual(set(verdicts.values()), {"applies"}, verdicts)
+
+
+def _load_check_newest():
+    sys.path.insert(0, str(_TOOLS))
+    try:
+        import check_newest
+    finally:
+        sys.path.remove(str(_TOOLS))
+    return check_newest
 
 
 if __name__ == "__main__":
