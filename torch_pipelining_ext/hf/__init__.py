@@ -60,7 +60,9 @@ from torch_pipelining_ext.hf import (
     _state_dict,
     _training,
 )
+from torch_pipelining_ext.hf._config import check_checkpointing_schedule
 from torch_pipelining_ext.hf._expert_load import ExpertLoad
+from torch_pipelining_ext.hf._families import has_expert_bias, num_routed_experts
 from torch_pipelining_ext.hf._expert_parallel import (
     ExpertParallelTransport,
     ExpertShard,
@@ -86,17 +88,20 @@ __all__ = [
     "ExpertShard",
     "HFCausalLMStage",
     "check_checkpoint",
+    "check_checkpointing_schedule",
     "clip_grad_norm_",
     "estimate_layer_costs",
     "expert_load",
     "expert_parallel_shards",
     "fully_shard_replicated",
     "get_state_dict",
+    "has_expert_bias",
     "has_fused_experts",
     "hf_module_names_per_stage",
     "load_checkpoint",
     "load_stage_weights",
     "meta_causal_lm",
+    "num_routed_experts",
     "pipeline_hf_causal_lm",
     "reduce_expert_parallel_gradients",
     "run_local_experts",

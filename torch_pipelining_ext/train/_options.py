@@ -21,8 +21,7 @@ from typing import Any
 import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from torch_pipelining_ext import launcher
-from torch_pipelining_ext.hf._config import check_checkpointing_schedule
+from torch_pipelining_ext import hf, launcher
 from torch_pipelining_ext.train import _data, _model
 
 
@@ -164,7 +163,7 @@ def check_options(
     single = issubclass(schedule_cls, PipelineScheduleSingle)
     if args.activation_checkpointing == "selective":
         try:  # refused under split-backward schedules where torch cannot run it
-            check_checkpointing_schedule("selective", schedule_cls)
+            hf.check_checkpointing_schedule("selective", schedule_cls)
         except ValueError as e:
             raise UsageError(f"--activation-checkpointing selective: {e}") from e
     layout = Layout(world, args.pp, dp, args.ep, args.pp if single else 2 * args.pp)

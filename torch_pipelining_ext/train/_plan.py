@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_pipelining_ext import hf
-from torch_pipelining_ext.hf import _families
 from torch_pipelining_ext.train import _checkpoints, _data, _model
 from torch_pipelining_ext.train._options import Layout, SYNTHETIC_VOCAB, UsageError
 
@@ -202,7 +201,7 @@ def _check_model(args: argparse.Namespace, layout: Layout, config: Any) -> int:
             f"--seq-len {args.seq_len} is beyond the model's {positions} positions"
         )
     try:
-        num_experts = _families.num_routed_experts(config)
+        num_experts = hf.num_routed_experts(config)
     except ValueError as e:
         raise UsageError(f"--model: {e}") from e
     if args.ep > 1:
@@ -227,9 +226,9 @@ def _check_model(args: argparse.Namespace, layout: Layout, config: Any) -> int:
     meta = hf.meta_causal_lm(config)
     # raises ValueError if it cannot split
     hf.hf_module_names_per_stage(meta, layout.num_stages)
-    if args.expert_bias_rate > 0 and not _families.has_expert_bias(meta):
+    if args.expert_bias_rate > 0 and not hf.has_expert_bias(meta):
         raise UsageError(
-            f"--expert-bias-rate: {config.model_type}'s routers have no {_families.EXPERT_BIAS_BUFFER} "
+            f"--expert-bias-rate: {config.model_type}'s routers have no e_score_correction_bias "
             "(DeepSeek-V3's auxiliary-loss-free balancing)"
         )
     return num_experts

@@ -19,7 +19,9 @@ the tools and the docs use public names only.
 * No Python file of ``tools/``, ``examples/`` or ``torch_pipelining_ext/demo/`` and no code
   block of the docs imports a private name of the package (a module or a name
   that starts with ``_``); the demo's own private modules
-  (``torch_pipelining_ext.demo._*``) are allowed inside ``demo/`` only.
+  (``torch_pipelining_ext.demo._*``) are allowed inside ``demo/`` only, and
+  the benchmarks of ``MEASURED_INTERNALS`` reach the one internal each swaps
+  for the alternatives it measures side by side.
 """
 
 from __future__ import annotations
@@ -67,6 +69,19 @@ PUBLIC_MODULES = (
     "torch_pipelining_ext.stage_split",
     "torch_pipelining_ext.train",
 )
+# Benchmarks that replace an internal of the package with the alternatives they
+# measure beside it, and the private modules they may import for that: path ->
+# modules.  Anything else private they import still fails the test.
+MEASURED_INTERNALS = {
+    # the stage reader against safetensors per file, DCP's reader, the former one
+    "tools/bench_load.py": {"torch_pipelining_ext.hf._checkpoint"},
+    # the coordination kernels at their key against BackendSelect and none
+    "tools/bench_overlap.py": {
+        "torch_pipelining_ext.overlap._collectives",
+        "torch_pipelining_ext.overlap._marks",
+    },
+}
+
 # Former names, kept importable with a DeprecationWarning: name -> the module it is
 DEPRECATED_MODULES = {
     "torch_pipelining_ext.ep_overlap": "torch_pipelining_ext.overlap",
@@ -425,8 +440,12 @@ class PublicApiTest(TestCase):
                     and module.split(".")[1] == "demo"
                 ):
                     continue
+                where = path.relative_to(REPO)
+                if private and f"{module}.{name}" in MEASURED_INTERNALS.get(
+                    str(where), ()
+                ):
+                    continue
                 if private:
-                    where = path.relative_to(REPO)
                     offenders.append(f"{where}: {module}{'.' + name if name else ''}")
         self.assertEqual(
             offenders,
