@@ -121,10 +121,11 @@ def _make_cached_mode_enter(
         storage = self.storage
         forward_cache = self.__dict__.get("_forward_cache")
         if forward_cache is None:
-            self._forward_cache = {op: copy.copy(out) for op, out in storage.items()}
+            # the patch's own attribute, on torch's mode object (freed with it)
+            self._forward_cache = {op: copy.copy(out) for op, out in storage.items()}  # type: ignore[attr-defined]
             policy = getattr(self, "policy_fn", None)
             if callable(policy):  # a release that asks the policy at recompute
-                self.policy_fn = _Decisions(policy)
+                self.policy_fn = _Decisions(policy)  # type: ignore[attr-defined]
         else:
             logger.debug(
                 "selective checkpoint: recomputing a region again, %d cached ops",
@@ -135,7 +136,7 @@ def _make_cached_mode_enter(
             if func_counter is not None:
                 func_counter.clear()
             if isinstance(self.__dict__.get("policy_fn"), _Decisions):
-                self.policy_fn.rewind()
+                self.policy_fn.rewind()  # type: ignore[attr-defined]
         if original is None:
             return super(_CachedMode, self).__enter__()
         return original(self)
