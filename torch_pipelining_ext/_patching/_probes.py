@@ -639,7 +639,7 @@ def _probe_checkpoint_split_backward() -> tuple[str, str]:
                 "(the second recompute of a region finds its cache consumed)",
             )
         if not _all_close(grads, _reference(loss_of, [w])):
-            # torch 2.9: no error, wrong gradients (the second recompute takes
+            # torch 2.9 - 2.12: no error, wrong gradients (the second recompute takes
             # other ops' cached outputs); the patch is written for the
             # releases that raise, and hf and the trainer refuse selective
             # checkpointing under split-backward schedules without it

@@ -36,8 +36,7 @@ _FAKE = "_tpe_fake_torch_module"
 # U: upstream -- torch has the behaviour, or the patch does not apply to it;
 # N: unsupported -- a release the patch is not written for, which its probe
 # recognises; ?: not established on that release, not checked: the
-# checkpointing patches on 2.10, 2.11, 2.12 and 2.14, which CI's release
-# matrix runs but which were not run where this table was last written).
+# checkpointing patches on 2.11, which CI's release matrix does not run).
 # A probe that misreads a torch release fails test_status_pinned_per_torch_minor
 # instead of warning on import.
 _PINNED_STATUS = """
@@ -59,8 +58,8 @@ split_backward_weight                A    A    A    A    U    U    U
 split_backward_non_tensor_inputs     A    A    A    A    U    U    U
 overlap_f_b                          A    A    A    A    A    A    A
 stage_split                          A    A    A    A    A    A    A
-checkpoint_split_backward            N    ?    ?    ?    A    ?    A
-checkpoint_weight_pass_recompute     N    ?    ?    ?    A    ?    A
+checkpoint_split_backward            N    N    ?    N    A    A    A
+checkpoint_weight_pass_recompute     N    A    ?    A    A    A    A
 """
 
 
