@@ -71,6 +71,10 @@ MAX_NORM_TEST = 0.1
 # a gradient element near zero becomes up to ~1.3e-4 in the weights after two
 # steps (measured); a wrong moment or weight shows as ~lr = 1e-2
 ADAMW_TOLERANCE = dict(atol=5e-4, rtol=1e-4)
+# ... and the gradient norm of a later step, computed at those weights, moves by
+# up to ~5e-5 of itself (measured: step 2 of qwen3_moe on every CPU kernel
+# path); a wrong gradient moves it by far more
+ADAMW_NORM_TOLERANCE = dict(atol=0.0, rtol=1e-4)
 # (pp, dp, ep) -> (schedule, microbatches): every layout a schedule that fits
 # the tiny 4-layer models and the 8-row global batch
 _LAYOUTS = {
@@ -140,11 +144,11 @@ class _TrainingStateTests:
 
         self.check_all(check)
 
-    def assert_close_on_every_rank(self, got, want, what: str) -> None:
+    def assert_close_on_every_rank(self, got, want, what: str, **tolerance) -> None:
         def check() -> None:
             if got is not None:
                 torch.testing.assert_close(
-                    got, want, msg=lambda detail: f"{what}: {detail}"
+                    got, want, msg=lambda detail: f"{what}: {detail}", **tolerance
                 )
 
         self.check_all(check)
@@ -336,22 +340,13 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
             kept_loss, loss, "loss after the layout change"
         )  # (the saved layout's last stage holds it)
         self.assert_close_on_every_rank(norm, kept_norm, "norm after the layout change")
-        # and as the unsplit model's, whose weights two AdamW steps took apart
-        # from the pipeline's by more than float32's tolerance where gradients
-        # are near zero (AdamW divides by their root mean square): the norm
-        # within 1e-4 (seen: 5e-5), the loss within float32's tolerance
+        # and as the unsplit model's, two AdamW steps apart (ADAMW_NORM_TOLERANCE)
         want_loss, want_norm = reference_step(ref, ref_opt, _batch(2))
         self.assert_close_on_every_rank(
             loss, want_loss, "loss against the unsplit model"
         )
-        self.check_all(
-            lambda: torch.testing.assert_close(
-                norm,
-                want_norm,
-                rtol=1e-4,
-                atol=0,
-                msg=lambda d: f"norm against the unsplit model: {d}",
-            )
+        self.assert_close_on_every_rank(
+            norm, want_norm, "norm against the unsplit model", **ADAMW_NORM_TOLERANCE
         )
 
     def test_layouts_that_do_not_fit_are_refused(self):
@@ -565,7 +560,10 @@ class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
                 loss, want_loss, f"{layout}: loss of step {step}"
             )
             self.assert_close_on_every_rank(
-                norm, want_norm, f"{layout}: norm of step {step}"
+                norm,
+                want_norm,
+                f"{layout}: norm of step {step}",
+                **(ADAMW_NORM_TOLERANCE if step >= 2 else {}),
             )
             path = self.shared_dir()
             hf.save_checkpoint(path, run.parts, run.optimizers)
