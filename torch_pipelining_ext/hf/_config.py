@@ -75,10 +75,7 @@ def check_checkpointing_schedule(mode: Any, schedule_cls: type) -> None:
 
 def _sac_patch_status() -> str:
     """The status of the ``checkpoint_split_backward`` patch in this process."""
-    return next(
-        (r.status.value for r in _REGISTRY.report() if r.name == _SAC_PATCH),
-        "not applied",
-    )
+    return _REGISTRY.status(_SAC_PATCH).value
 
 
 def default_num_stages(schedule_cls: type, pp_size: int) -> int:
