@@ -110,6 +110,13 @@ def _collective_ops() -> list[tuple[str, Any, int]]:
 # coordination kernels sit].
 _THREAD_KEY = _marks.THREAD_KEY.name
 _PERMANENT_KEY = "BackendSelect"
+# torch 2.9's Python fallback asserts that PythonTLSSnapshot ran its own
+# fallback first (PythonFallbackKernel.cpp, tls_on_entry) when a dispatch mode
+# is active: a kernel there breaks every collective under a mode, so 2.9 keeps
+# the kernels at BackendSelect (a Python call per collective, as before)
+_KEYS = (
+    (_PERMANENT_KEY,) if torch.__version__ < "2.10" else (_THREAD_KEY, _PERMANENT_KEY)
+)
 
 
 class _Interception:
@@ -128,7 +135,7 @@ class _Interception:
     def installed(self) -> bool:
         return self._library is not None
 
-    def install(self, keys: tuple[str, ...] = (_THREAD_KEY, _PERMANENT_KEY)) -> None:
+    def install(self, keys: tuple[str, ...] = _KEYS) -> None:
         """Register a kernel per operator at the first of ``keys`` it has none at."""
         with self._lock:
             if self._library is not None:

@@ -1425,6 +1425,10 @@ class MarksTest(TestCase):
             overlap.wrap_dispatch_combine(Slotted())
 
 
+@unittest.skipIf(
+    torch.__version__ < "2.10",
+    "torch 2.9 keeps the coordination kernels at BackendSelect, reached by every collective",
+)
 class CollectiveKernelTest(OneRankGroupTestCase):
     """Only a thread running a side reaches the coordination kernels.
 
@@ -1543,14 +1547,14 @@ class PatchTest(TestCase):
         self.assertTrue(_collectives._INTERCEPTION.installed)
         self.assertIsNotNone(_ep_marks._FORK_RNG_WINDOW.handle)
         # at the key only the threads of an action reach, none at BackendSelect
-        self.assertEqual(
-            _collectives._INTERCEPTION.operators["allreduce_"], "PythonTLSSnapshot"
-        )
-        self.assertEqual(
-            set(_collectives._INTERCEPTION.operators.values()), {"PythonTLSSnapshot"}
-        )
-        self.assertIn("kernel", kernel_at("c10d::allreduce_", "PythonTLSSnapshot"))
-        self.assertIn("fallthrough", kernel_at("c10d::allreduce_", "BackendSelect"))
+        key = _collectives._KEYS[
+            0
+        ]  # BackendSelect on torch 2.9, else PythonTLSSnapshot
+        self.assertEqual(_collectives._INTERCEPTION.operators["allreduce_"], key)
+        self.assertEqual(set(_collectives._INTERCEPTION.operators.values()), {key})
+        self.assertIn("kernel", kernel_at("c10d::allreduce_", key))
+        if key != "BackendSelect":
+            self.assertIn("fallthrough", kernel_at("c10d::allreduce_", "BackendSelect"))
         # only operators that take a process group
         self.assertNotIn("check_for_nan", _collectives._INTERCEPTION.operators)
         try:
