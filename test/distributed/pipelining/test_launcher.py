@@ -103,13 +103,20 @@ class LauncherTest(TestCase):
     def test_ranks_die_with_the_launching_process(self) -> None:
         """SIGKILL to the process that called launch() (it cannot stop its
         ranks): its ranks, busy for minutes, are killed too, and the job
-        leaves nothing in TMPDIR."""
+        leaves nothing in TMPDIR.
+
+        torch 2.9 itself makes a folder in TMPDIR when torch.distributed is
+        imported (``torch.distributed.nn.jit.instantiator._TEMP_DIR``, removed
+        only at a clean exit); the launching process prints that folder's name
+        and it alone is excepted."""
         with (
             tempfile.TemporaryDirectory() as tmp,
             tempfile.TemporaryDirectory() as job_tmp,
         ):
             code = (
-                "import os, time; from torch_pipelining_ext import launcher\n"
+                "import os, sys, time; from torch_pipelining_ext import launcher\n"
+                "torch_own = sys.modules.get('torch.distributed.nn.jit.instantiator')\n"
+                "print('torch-own:', getattr(getattr(torch_own, '_TEMP_DIR', None), 'name', ''), flush=True)\n"
                 "def fn(rank, tmp):\n"
                 "    open(os.path.join(tmp, f'{rank}.pid.partial'), 'w').write(str(os.getpid()))\n"
                 "    os.rename(os.path.join(tmp, f'{rank}.pid.partial'), os.path.join(tmp, f'{rank}.pid'))\n"
@@ -137,7 +144,14 @@ class LauncherTest(TestCase):
                     0.05
                 )  # polls the processes' end; the result does not depend on it
             self.assertEqual([pid for pid in pids if _alive(pid)], [])
-            self.assertEqual(os.listdir(job_tmp), [])
+            torch_own = [
+                os.path.basename(line.split(b":", 1)[1].strip().decode())
+                for line in proc.stdout.splitlines()
+                if line.startswith(b"torch-own:")
+            ]
+            self.assertEqual(len(torch_own), 1, proc.stdout)
+            left = [name for name in os.listdir(job_tmp) if name not in torch_own]
+            self.assertEqual(left, [])
 
     def test_torchrun_world_size_must_match(self) -> None:
         env = {"RANK": "0", "WORLD_SIZE": "4"}

@@ -227,6 +227,26 @@ class LoweringTest(TestCase):
 # --------------------------------------------------------------------------- #
 
 
+def _runtime_looped_bfs() -> type:
+    """ScheduleLoopedBFS run by ``_PipelineScheduleRuntime``, on every release.
+
+    From torch 2.10 ScheduleLoopedBFS is a runtime subclass; on 2.9 it is a
+    ``PipelineScheduleMulti``, so custom functions need its order lowered
+    onto the runtime (the same actions, the runtime's dispatch).
+    """
+    if issubclass(ScheduleLoopedBFS, sched._PipelineScheduleRuntime):
+        return ScheduleLoopedBFS
+
+    class _LoopedBFSRuntime(sched._PipelineScheduleRuntime):
+        def __init__(self, stages: list, n_microbatches: int, **kwargs: Any) -> None:
+            super().__init__(stages, n_microbatches, **kwargs)
+            order = ScheduleLoopedBFS(stages, n_microbatches, **kwargs).pipeline_order
+            self.pipeline_order = order
+            self._prepare_schedule_with_comms(order)
+
+    return _LoopedBFSRuntime
+
+
 def _local_stage_indices(schedule_class: type, rank: int) -> list[int]:
     if issubclass(schedule_class, V_SCHEDULES):
         return [rank, 2 * PP - 1 - rank]
@@ -407,7 +427,7 @@ class CustomFunctionApiTest(TestCase):
         def register(schedule: Any) -> None:
             schedule.register_custom_function(F, reversed_last_forwards)
 
-        self._train(ScheduleLoopedBFS, register)
+        self._train(_runtime_looped_bfs(), register)
         self.assertEqual(finished, list(reversed(range(N_MICROBATCHES))) * 2)
 
     def test_prepare_compute_action_returns_a_handle(self) -> None:
@@ -429,7 +449,7 @@ class CustomFunctionApiTest(TestCase):
         def register(schedule: Any) -> None:
             schedule.register_custom_function(F, forward)
 
-        self._train(ScheduleLoopedBFS, register)
+        self._train(_runtime_looped_bfs(), register)
         self.assertEqual(len(handles), 2 * 2 * N_MICROBATCHES)
         for handle in handles:
             self.assertIsInstance(handle, rt.PreparedComputeAction)
