@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import torch_pipelining_ext
+from torch_pipelining_ext._patching._registry import format_report
 
 
 def _environment() -> dict[str, object]:
@@ -39,7 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", action="store_true", help="print machine-readable JSON"
     )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1, with the table, if strict mode (TORCH_PIPELINING_EXT_STRICT=1) would refuse this torch",
+    )
     args = parser.parse_args(argv)
+    if args.strict:
+        try:
+            torch_pipelining_ext.patch(strict=True)
+        except torch_pipelining_ext.PatchError as e:
+            print(e, file=sys.stderr)
+            return 1
 
     env = _environment()
     report = torch_pipelining_ext.patch_report()
@@ -60,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"devices              cpu, cuda GPUs: {env['cuda_gpus']}, accelerator: {env['accelerator'] or 'none'}"
     )
+    (first, last) = torch_pipelining_ext.TESTED_TORCH
+    untested = torch_pipelining_ext._untested_release(torch.__version__)
+    print(
+        f"tested               torch {first[0]}.{first[1]} - {last[0]}.{last[1]}"
+        f" ({untested or 'this release is one of them'})"
+    )
     print()
-    name_w = max([len("patch")] + [len(r.name) for r in report])
-    status_w = max([len("status")] + [len(r.status.value) for r in report])
-    print(f"{'patch':<{name_w}}  {'status':<{status_w}}  reason")
-    print(f"{'-' * name_w}  {'-' * status_w}  {'-' * 6}")
-    for r in report:
-        print(f"{r.name:<{name_w}}  {r.status.value:<{status_w}}  {r.reason}")
+    print(format_report(report))
     return 0
 
 

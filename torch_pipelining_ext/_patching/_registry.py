@@ -23,7 +23,9 @@ package at once apply each patch exactly once.
 A patch that cannot be applied never breaks ``import torch_pipelining_ext``:
 it is reported as ``skipped`` (probe could not recognise torch) or ``failed``
 (applying raised; every target already set is rolled back), and one warning
-names all such patches.
+names all such patches -- unless strict mode asks to fail closed (see
+``torch_pipelining_ext.patch``), which raises :class:`PatchError` with
+:func:`format_report`'s table instead.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "Patch",
     "PatchNeeded",
     "NotSupported",
+    "PatchError",
     "PatchRecord",
     "PatchStatus",
     "Target",
@@ -76,6 +79,11 @@ class PatchStatus(str, enum.Enum):
     FAILED = "failed"
     DISABLED = "disabled"
     NOT_APPLIED = "not applied"
+
+
+class PatchError(RuntimeError):
+    """Strict mode refused this torch: a patch was skipped or failed, or the
+    release is outside the tested range.  The message holds the patch table."""
 
 
 @dataclass(frozen=True)
@@ -229,8 +237,14 @@ class _PatchRegistry:
     def status(self, name: str) -> PatchStatus:
         return self._records[name].status
 
-    def apply_all(self, environ: MutableMapping[str, str]) -> list[PatchRecord]:
-        """Apply every patch whose probe says it is needed. Idempotent."""
+    def apply_all(
+        self, environ: MutableMapping[str, str], *, warn: bool = True
+    ) -> list[PatchRecord]:
+        """Apply every patch whose probe says it is needed. Idempotent.
+
+        With ``warn`` (the default), one ``RuntimeWarning`` names every patch
+        skipped or failed; strict mode passes ``False`` and raises instead.
+        """
         problems: list[PatchRecord] = []
         with self._lock:
             for p in self._patches:
@@ -240,7 +254,7 @@ class _PatchRegistry:
                 rec = self._records[p.name]
                 if rec.status in (PatchStatus.SKIPPED, PatchStatus.FAILED):
                     problems.append(rec)
-        if problems:
+        if problems and warn:
             warnings.warn(
                 "torch_pipelining_ext: some patches were not applied to this torch "
                 "(the rest of the package works without them): "
@@ -333,3 +347,18 @@ class _PatchRegistry:
 
     def patches(self) -> list[Patch]:
         return list(self._patches)
+
+
+def format_report(records: Iterable[PatchRecord]) -> str:
+    """The patch table as ``python -m torch_pipelining_ext`` prints it: name, status, reason."""
+    records = list(records)
+    name_w = max([len("patch")] + [len(r.name) for r in records])
+    status_w = max([len("status")] + [len(r.status.value) for r in records])
+    lines = [
+        f"{'patch':<{name_w}}  {'status':<{status_w}}  reason",
+        f"{'-' * name_w}  {'-' * status_w}  {'-' * 6}",
+    ]
+    lines += [
+        f"{r.name:<{name_w}}  {r.status.value:<{status_w}}  {r.reason}" for r in records
+    ]
+    return "\n".join(lines)

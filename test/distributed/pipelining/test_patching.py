@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -497,6 +498,76 @@ class PackagePatchTest(TestCase):
         self.assertEqual(len(res["msgs"]), 1, res["msgs"])
         for name in res["not_applied"]:
             self.assertIn(name, res["msgs"][0])
+
+    def test_strict_import_refuses_an_unrecognised_torch(self):
+        # The refactored runtime of test_unrecognised_torch_never_breaks_import:
+        # with TORCH_PIPELINING_EXT_STRICT=1 the import raises PatchError with
+        # the table, and nothing stays patched.
+        code = """
+            import json, sys
+            import torch.distributed.pipelining.schedules as S
+            S._PipelineScheduleRuntime = type("_PipelineScheduleRuntime", (S.PipelineScheduleMulti,), {})
+            try:
+                import torch_pipelining_ext
+            except Exception as e:
+                from torch_pipelining_ext._patching._table import _REGISTRY
+                statuses = sorted({r.status.value for r in _REGISTRY.report()})
+                print(json.dumps(dict(type=type(e).__name__, msg=str(e), statuses=statuses)))
+                sys.exit(3)
+            """
+        out = _run_python(code, {"TORCH_PIPELINING_EXT_STRICT": "1"})
+        self.assertEqual(out.returncode, 3, out.stdout + out.stderr)
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        self.assertEqual(res["type"], "PatchError")
+        self.assertEqual(res["statuses"], ["not applied"])
+        self.assertIn("skipped", res["msg"])
+        for rec in _REGISTRY.patches():  # the table names every patch
+            self.assertIn(rec.name, res["msg"])
+        # without strict mode the same torch imports, with one warning
+        out = _run_python(code.replace("sys.exit(3)", "sys.exit(4)"))
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+
+    def test_strict_import_passes_on_this_torch(self):
+        out = _run_python(
+            """
+            import torch_pipelining_ext
+            print(sorted({r.status.value for r in torch_pipelining_ext.patch_report()}))
+            """,
+            {"TORCH_PIPELINING_EXT_STRICT": "1"},
+            flags=("-W", "error::RuntimeWarning"),
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("applied", out.stdout)
+        cli = subprocess.run(
+            [sys.executable, "-m", "torch_pipelining_ext", "--strict"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        self.assertEqual(cli.returncode, 0, cli.stderr)
+        self.assertIn("this release is one of them", cli.stdout)
+
+    def test_strict_refuses_an_untested_release(self):
+        before = {r.name: r.status for r in torch_pipelining_ext.patch_report()}
+        self.addCleanup(torch_pipelining_ext.patch)
+        for version in ("2.8.0", "2.16.0.dev20261201+cu130"):
+            with (
+                self.subTest(version=version),
+                mock.patch.object(torch, "__version__", version),
+            ):
+                with self.assertRaisesRegex(
+                    torch_pipelining_ext.PatchError,
+                    rf"torch {re.escape(version)} is outside the tested releases \(2\.9 - 2\.15\)",
+                ):
+                    torch_pipelining_ext.patch(strict=True)
+                self.assertEqual(
+                    {r.status for r in torch_pipelining_ext.patch_report()},
+                    {PatchStatus.NOT_APPLIED},
+                )
+                # not strict: one warning, the patches applied as before
+                with self.assertWarnsRegex(RuntimeWarning, "outside the tested"):
+                    report = torch_pipelining_ext.patch()
+                self.assertEqual({r.name: r.status for r in report}, before)
 
     def test_status_pinned_per_torch_minor(self):
         # A fresh interpreter, RuntimeWarnings as errors: importing the package is
