@@ -486,7 +486,17 @@ class PackagePatchTest(TestCase):
                     t.attr.startswith("_PipelineScheduleRuntime.") and
                     t.attr.split(".")[1] in vars(broken)]
             msgs = [str(x.message) for x in w if "torch_pipelining_ext" in str(x.message)]
-            print(json.dumps(dict(not_applied=sorted(not_applied), half=half, msgs=msgs)))
+            # strict mode (read from the environment, as at import) refuses it
+            import os
+            os.environ["TORCH_PIPELINING_EXT_STRICT"] = "1"
+            try:
+                torch_pipelining_ext.patch()
+                strict = None
+            except torch_pipelining_ext.PatchError as e:
+                strict = str(e)
+            statuses = sorted({r.status.value for r in torch_pipelining_ext.patch_report()})
+            print(json.dumps(dict(not_applied=sorted(not_applied), half=half, msgs=msgs,
+                                  strict=strict, after_strict=statuses)))
             """
         )
         self.assertEqual(out.returncode, 0, out.stderr)
@@ -498,54 +508,12 @@ class PackagePatchTest(TestCase):
         self.assertEqual(len(res["msgs"]), 1, res["msgs"])
         for name in res["not_applied"]:
             self.assertIn(name, res["msgs"][0])
-
-    def test_strict_import_refuses_an_unrecognised_torch(self):
-        # The refactored runtime of test_unrecognised_torch_never_breaks_import:
-        # with TORCH_PIPELINING_EXT_STRICT=1 the import raises PatchError with
-        # the table, and nothing stays patched.
-        code = """
-            import json, sys
-            import torch.distributed.pipelining.schedules as S
-            S._PipelineScheduleRuntime = type("_PipelineScheduleRuntime", (S.PipelineScheduleMulti,), {})
-            try:
-                import torch_pipelining_ext
-            except Exception as e:
-                from torch_pipelining_ext._patching._table import _REGISTRY
-                statuses = sorted({r.status.value for r in _REGISTRY.report()})
-                print(json.dumps(dict(type=type(e).__name__, msg=str(e), statuses=statuses)))
-                sys.exit(3)
-            """
-        out = _run_python(code, {"TORCH_PIPELINING_EXT_STRICT": "1"})
-        self.assertEqual(out.returncode, 3, out.stdout + out.stderr)
-        res = json.loads(out.stdout.strip().splitlines()[-1])
-        self.assertEqual(res["type"], "PatchError")
-        self.assertEqual(res["statuses"], ["not applied"])
-        self.assertIn("skipped", res["msg"])
-        for rec in _REGISTRY.patches():  # the table names every patch
-            self.assertIn(rec.name, res["msg"])
-        # without strict mode the same torch imports, with one warning
-        out = _run_python(code.replace("sys.exit(3)", "sys.exit(4)"))
-        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-
-    def test_strict_import_passes_on_this_torch(self):
-        out = _run_python(
-            """
-            import torch_pipelining_ext
-            print(sorted({r.status.value for r in torch_pipelining_ext.patch_report()}))
-            """,
-            {"TORCH_PIPELINING_EXT_STRICT": "1"},
-            flags=("-W", "error::RuntimeWarning"),
-        )
-        self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn("applied", out.stdout)
-        cli = subprocess.run(
-            [sys.executable, "-m", "torch_pipelining_ext", "--strict"],
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        self.assertEqual(cli.returncode, 0, cli.stderr)
-        self.assertIn("this release is one of them", cli.stdout)
+        # strict: PatchError with the whole table, and every patch undone
+        self.assertIsNotNone(res["strict"])
+        for rec in _REGISTRY.patches():
+            self.assertIn(rec.name, res["strict"])
+        self.assertIn("skipped", res["strict"])
+        self.assertEqual(res["after_strict"], [PatchStatus.NOT_APPLIED.value])
 
     def test_strict_refuses_an_untested_release(self):
         before = {r.name: r.status for r in torch_pipelining_ext.patch_report()}
@@ -570,8 +538,9 @@ class PackagePatchTest(TestCase):
                 self.assertEqual({r.name: r.status for r in report}, before)
 
     def test_status_pinned_per_torch_minor(self):
-        # A fresh interpreter, RuntimeWarnings as errors: importing the package is
-        # quiet (no patch skipped or failed) and every patch has its pinned status.
+        # A fresh interpreter in strict mode, RuntimeWarnings as errors: importing
+        # the package is quiet (no patch skipped or failed, a tested release) and
+        # every patch has its pinned status.
         minor = ".".join(torch.__version__.split(".")[:2])
         expected = _pinned_status(minor)
         self.assertIsNotNone(
@@ -584,6 +553,7 @@ class PackagePatchTest(TestCase):
             import torch_pipelining_ext
             print(json.dumps({r.name: r.status.value for r in torch_pipelining_ext.patch_report()}))
             """,
+            {"TORCH_PIPELINING_EXT_STRICT": "1"},
             flags=("-W", "error::RuntimeWarning"),
         )
         self.assertEqual(out.returncode, 0, out.stderr)
@@ -596,7 +566,7 @@ class PackagePatchTest(TestCase):
 
     def test_cli_report(self):
         out = subprocess.run(
-            [sys.executable, "-m", "torch_pipelining_ext"],
+            [sys.executable, "-m", "torch_pipelining_ext", "--strict"],
             capture_output=True,
             text=True,
             timeout=180,
@@ -607,6 +577,7 @@ class PackagePatchTest(TestCase):
         )
         self.assertIn(torch.__version__, out.stdout)
         self.assertIn("gloo=", out.stdout)
+        self.assertIn("this release is one of them", out.stdout)  # --strict passed
         for rec in torch_pipelining_ext.patch_report():
             self.assertIn(rec.name, out.stdout)
         # --json, in this process (as -m runs it)
