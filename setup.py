@@ -34,6 +34,8 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            # tools/run_tests.sh runs the suite on two workers
+            "pytest-xdist",
             "expecttest",
             "hypothesis",
             "numpy",

@@ -6,6 +6,11 @@
 #   bash tools/run_tests.sh --torch 2.11.0 --fresh -- -k overlap   # fresh venv, extra pytest args
 #   bash tools/run_tests.sh --transformers 4.57.6 -- test/distributed/pipelining/test_hf_stages.py
 #
+# The tests run on TEST_WORKERS pytest-xdist workers (default 2: most of the
+# suite's time is processes that start, import torch and wait on each other,
+# so two workers take 0.85 of one's wall time on two cores; TEST_WORKERS=0
+# runs them in this process).
+#
 # Exits non-zero when a test fails (or when no test ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +21,7 @@ while [[ $# -gt 0 ]]; do
         --transformers) export TRANSFORMERS_VERSION="$2"; shift 2 ;;
         --fresh) export FRESH=1; shift ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) break ;;
     esac
 done
@@ -30,7 +35,8 @@ paths=(test/)
 for arg in "$@"; do
     [[ "$arg" == test/* ]] && paths=()
 done
-"$VENV_PY" -m pytest "${paths[@]}" -q -p no:cacheprovider --durations=15 "$@"
+"$VENV_PY" -m pytest "${paths[@]}" -q -p no:cacheprovider --durations=15 \
+    -n "${TEST_WORKERS:-2}" "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
