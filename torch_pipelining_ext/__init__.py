@@ -26,6 +26,7 @@ from torch_pipelining_ext._patching._registry import (
     PatchError,
     PatchRecord,
     PatchStatus,
+    STRICT_ENV,
 )
 from torch_pipelining_ext._patching._table import _REGISTRY
 
@@ -46,7 +47,6 @@ __all__ = [
 __version__ = "0.1.0"
 
 DISABLE_ENV = "TORCH_PIPELINING_EXT_DISABLE"
-STRICT_ENV = "TORCH_PIPELINING_EXT_STRICT"
 
 # The torch minors the test suite runs on (first, last), see README.md.
 TESTED_TORCH = ((2, 9), (2, 15))

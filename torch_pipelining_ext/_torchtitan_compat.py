@@ -25,16 +25,19 @@ model that carries the state itself, and for negative controls.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from torch.utils.hooks import RemovableHandle
 
 from torch_pipelining_ext import overlap
+from torch_pipelining_ext._patching._registry import STRICT_ENV
 from torch_pipelining_ext.overlap._settings import Registration
 
 
@@ -72,9 +75,17 @@ logger = logging.getLogger(__name__)
 # Layout: the attribute names are torchtitan 0.3.0's and spmd_types 0.2.x's
 # (``_MESH_TLS``, ``_state._tls.mesh_stack``).  Where the modules are loaded
 # and the backend is ``spmd_types`` but the layout is not found, the action
-# raises instead of running a backward without meshes.
+# raises instead of running a backward without meshes.  A release other than
+# the one written for (``_WRITTEN_FOR``; the release from the top module's
+# ``__version__`` or the installed distribution's metadata) is named once per
+# process in a RuntimeWarning when its state is first captured, and refused
+# with an error under ``TORCH_PIPELINING_EXT_STRICT=1``: the same names may
+# hold other state in another release.
 
 THREAD_STATE_ENV = "TORCH_PIPELINING_EXT_TORCHTITAN_THREAD_STATE"
+# the releases (major.minor) whose private thread state this module reads
+_WRITTEN_FOR = {"torchtitan": "0.3", "spmd_types": "0.2"}
+_checked_releases: set[str] = set()
 _TORCHTITAN_SPMD = "torchtitan.distributed.spmd_types"
 _TORCHTITAN_UTILS = "torchtitan.distributed.utils"
 _SPMD_TYPES_STATE = "spmd_types._state"
@@ -108,6 +119,38 @@ def _unknown_layout(what: str) -> RuntimeError:
     )
 
 
+def _release_of(distribution: str) -> str | None:
+    """The loaded release of ``distribution``: its top module's ``__version__``, else its metadata."""
+    version = getattr(sys.modules.get(distribution), "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _check_release(distribution: str) -> None:
+    """Warn once (raise in strict mode) when ``distribution`` is not the release written for."""
+    if distribution in _checked_releases:
+        return
+    release = _release_of(distribution)
+    written_for = _WRITTEN_FOR[distribution]
+    if release is not None and release.split("+")[0].startswith(written_for + "."):
+        _checked_releases.add(distribution)
+        return
+    message = (
+        f"torch_pipelining_ext carries {distribution}'s private thread state to the backward thread "
+        f"of an overlapped OVERLAP_F_B as {distribution} {written_for}.x lays it out, and found "
+        f"{distribution} {release or '(release unknown)'}; check the overlapped run against "
+        f"the sequential one (schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b))"
+    )
+    if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+        raise RuntimeError(f"{message}; refused by {STRICT_ENV}=1")
+    _checked_releases.add(distribution)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
 def _thread_local(module: Any, name: str) -> threading.local | None:
     value = getattr(module, name, None)
     return value if isinstance(value, threading.local) else None
@@ -121,6 +164,7 @@ def _capture() -> _SpmdThreadState | None:
         return None
     titan_attrs = None
     if titan is not None:
+        _check_release("torchtitan")
         tls = _thread_local(titan, "_MESH_TLS")
         if tls is not None:
             titan_attrs = _copied(vars(tls))
@@ -130,6 +174,7 @@ def _capture() -> _SpmdThreadState | None:
             )
     spmd_stack = None
     if spmd_state is not None:
+        _check_release("spmd_types")
         tls = _thread_local(spmd_state, "_tls")
         if tls is not None:
             if getattr(tls, "current_mode", None) is not None:

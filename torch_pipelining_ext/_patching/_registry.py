@@ -63,6 +63,9 @@ class _Missing:
 
 _MISSING = _Missing()
 
+# ``1`` makes the package fail closed (see ``torch_pipelining_ext.patch``).
+STRICT_ENV = "TORCH_PIPELINING_EXT_STRICT"
+
 # Probe verdicts.
 PatchNeeded = "needed"
 AlreadyUpstream = "upstream"

@@ -30,6 +30,7 @@ import types
 import os
 import subprocess
 import unittest
+import warnings
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -65,9 +66,13 @@ class _Mesh:
 
 
 def _fake_libraries(
-    backend: str = "spmd_types", with_layout: bool = True
+    backend: str = "spmd_types",
+    with_layout: bool = True,
+    releases: tuple[str, str] = ("0.3.0", "0.2.1"),
 ) -> dict[str, types.ModuleType]:
     """Modules named like torchtitan's and spmd_types', with their thread-local state's shape."""
+    top = {name: types.ModuleType(name) for name in ("torchtitan", "spmd_types")}
+    top["torchtitan"].__version__, top["spmd_types"].__version__ = releases
     titan = types.ModuleType(_torchtitan_compat._TORCHTITAN_SPMD)
     if with_layout:
         titan._MESH_TLS = threading.local()
@@ -82,6 +87,7 @@ def _fake_libraries(
     spmd_state = types.ModuleType(_torchtitan_compat._SPMD_TYPES_STATE)
     spmd_state._tls = threading.local()
     return {
+        **top,
         _torchtitan_compat._TORCHTITAN_SPMD: titan,
         _torchtitan_compat._TORCHTITAN_UTILS: utils,
         _torchtitan_compat._SPMD_TYPES_STATE: spmd_state,
@@ -190,6 +196,37 @@ class CaptureApplyTest(TestCase):
             state = _capture()
             self.assertIsNotNone(state)
             self.assertIsNone(state.torchtitan)
+
+    def test_other_releases_are_named(self) -> None:
+        """A release other than the one the layout was written for: one warning per library, or an error in strict mode."""
+        for strict in ("0", "1"):
+            with (
+                self.subTest(strict=strict),
+                _loaded(_fake_libraries(releases=("0.4.0", "0.2.1"))),
+                mock.patch.object(_torchtitan_compat, "_checked_releases", set()),
+                mock.patch.dict(os.environ, {"TORCH_PIPELINING_EXT_STRICT": strict}),
+            ):
+                if strict == "1":
+                    with self.assertRaisesRegex(
+                        RuntimeError,
+                        r"as torchtitan 0\.3\.x lays it out, and found torchtitan 0\.4\.0.*STRICT=1",
+                    ):
+                        _capture()
+                    continue
+                with self.assertWarnsRegex(RuntimeWarning, "found torchtitan 0.4.0"):
+                    self.assertIsNotNone(_capture())
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    _capture()  # once per process
+        # the release written for: quiet, strict or not
+        with (
+            _loaded(_fake_libraries()),
+            mock.patch.object(_torchtitan_compat, "_checked_releases", set()),
+            mock.patch.dict(os.environ, {"TORCH_PIPELINING_EXT_STRICT": "1"}),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("error")
+            self.assertIsNotNone(_capture())
 
     def test_registered_once(self) -> None:
         self.assertIs(_torchtitan_compat.register(), _torchtitan_compat.register())
