@@ -1,9 +1,12 @@
 """PipelineScheduleMulti sends to its own rank: adjacent local stages fail on gloo.
 
-One process (gloo, CPU), two adjacent stages on the rank, a compute-only
-schedule loaded into PipelineScheduleMulti (the base class custom schedules
-build on) with _load_csv, two microbatches.  The step is compared with a
-single-process reference.
+One process (gloo, CPU), two adjacent stages on the rank, two microbatches.
+A custom schedule subclasses PipelineScheduleMulti (the public base class of
+multi-stage schedules) and sets pipeline_order in its __init__, as its
+subclasses do; the base class's step() runs it.  The order is the compute-only
+one ScheduleLoopedBFS computes for the same stages (its public pipeline_order),
+so no action is built by hand.  The step is compared with a single-process
+reference.
 
 Run with a stock torch:  python repro.py
 Exit status 1: the defect is present; 0: it is not.
@@ -17,29 +20,36 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 
 N = 2
-ORDER = "0F0,1F0,0F1,1F1,1B0,0B0,1B1,0B1"
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def run_step(tmp: str) -> str | None:
+class CustomSchedule(PipelineScheduleMulti):
+    """A custom schedule: sets pipeline_order; PipelineScheduleMulti.step runs it."""
+
+    def __init__(self, stages: list, n_microbatches: int, loss_fn) -> None:
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn)
+        self.pipeline_order = ScheduleLoopedBFS(
+            stages, n_microbatches, loss_fn=loss_fn
+        ).pipeline_order
+
+
+def run_step() -> str | None:
     """None if the step runs and every gradient matches the reference."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model = copy.deepcopy(ref)
     stages = [PipelineStage(model[i], i, 2, torch.device("cpu")) for i in (0, 1)]
-    schedule = PipelineScheduleMulti(stages, N, loss_fn=loss_fn)
-    path = os.path.join(tmp, "schedule.csv")
-    with open(path, "w") as f:
-        f.write(ORDER + "\n")
-    schedule._load_csv(path)
+    schedule = CustomSchedule(stages, N, loss_fn=loss_fn)
+    order = ",".join(str(a) for a in schedule.pipeline_order[0] if a is not None)
+    print(f"torch {torch.__version__}; schedule (rank 0): {order}")
     x, y = torch.randn(2 * N, 4), torch.randn(2 * N, 4)
     try:
         schedule.step(x, target=y)
@@ -55,11 +65,10 @@ def run_step(tmp: str) -> str | None:
 
 def main() -> int:
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}; schedule (rank 0): {ORDER}")
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        error = run_step(tmp)
+        error = run_step()
         dist.destroy_process_group()
     print(f"PipelineScheduleMulti.step(): {error or 'ok, gradients match'}")
     if error:

@@ -11,6 +11,7 @@ Run with a stock torch:  python repro.py
 Exit status 1: the defect is present; 0: it is not.
 """
 
+import functools
 import os
 import sys
 import tempfile
@@ -29,9 +30,8 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor, weight: float = 1.0):
     return weight * nn.functional.mse_loss(out, target)
 
 
-def custom_forward(action, ctx) -> None:
+def custom_forward(stages: dict, action, ctx) -> None:
     schedule = ctx.schedule_ref
-    stages = {s.stage_index: s for s in schedule._stages}
     stage, mb = stages[action.stage_index], action.microbatch_index
     output = stage.forward_one_chunk(
         mb,
@@ -50,7 +50,10 @@ def run(custom: bool, x: torch.Tensor, y: torch.Tensor) -> tuple[list, int]:
     stages = [PipelineStage(nn.Linear(4, 4), i, 2, torch.device("cpu")) for i in (0, 1)]
     schedule = ScheduleInterleaved1F1B(stages, N, loss_fn=loss_fn)
     if custom:
-        schedule.register_custom_function(_ComputationType.FORWARD, custom_forward)
+        by_index = {s.stage_index: s for s in stages}
+        schedule.register_custom_function(
+            _ComputationType.FORWARD, functools.partial(custom_forward, by_index)
+        )
     losses: list[torch.Tensor] = []
     schedule.step(
         x, target=y, losses=losses, return_outputs=False, loss_kwargs={"weight": 0.5}
