@@ -360,7 +360,8 @@ def _parser() -> argparse.ArgumentParser:
         default="none",
         choices=("none", "full", "deepseek"),
         help="full activation checkpointing (no value or 'full'), or 'deepseek': recompute RMSNorm "
-        "and the MLA up-projections only",
+        "and the MLA up-projections only (selective checkpointing at run time: under split-backward "
+        "schedules it needs torch 2.13+)",
     )
     p.add_argument(
         "--fp8",
