@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -110,13 +111,55 @@ def _collective_ops() -> list[tuple[str, Any, int]]:
 # coordination kernels sit].
 _THREAD_KEY = _marks.THREAD_KEY.name
 _PERMANENT_KEY = "BackendSelect"
-# torch 2.9's Python fallback asserts that PythonTLSSnapshot ran its own
-# fallback first (PythonFallbackKernel.cpp, tls_on_entry) when a dispatch mode
-# is active: a kernel there breaks every collective under a mode, so 2.9 keeps
-# the kernels at BackendSelect (a Python call per collective, as before)
-_KEYS = (
-    (_PERMANENT_KEY,) if torch.__version__ < "2.10" else (_THREAD_KEY, _PERMANENT_KEY)
-)
+
+
+@functools.cache
+def _thread_key_passes_modes() -> bool:
+    """Whether a Python kernel at PythonTLSSnapshot runs under a TorchDispatchMode.
+
+    Some releases' Python fallback asserts that PythonTLSSnapshot ran its own
+    fallback first (``PythonFallbackKernel.cpp``: ``tls_on_entry``) when a
+    dispatch mode is active (seen on 2.9 and 2.10, not on 2.13 or 2.15): a
+    kernel there would break every collective under a mode, so those releases
+    keep the kernels at BackendSelect (a Python call per collective).  Probed
+    by behaviour, once, on an operator of the probe's own namespace.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    key = getattr(torch._C.DispatchKey, _THREAD_KEY)
+    after = torch._C._dispatch_keyset_full_after(key)
+    library = torch.library.Library("torch_pipelining_ext_key_probe", "DEF")
+    try:
+        library.define("passthrough(Tensor x) -> Tensor")
+        library.impl("passthrough", lambda x: x.clone(), "CompositeExplicitAutograd")
+        op = torch.ops.torch_pipelining_ext_key_probe.passthrough.default
+
+        def kernel(keyset: Any, x: torch.Tensor) -> torch.Tensor:
+            return op.redispatch(keyset & after, x)
+
+        library.impl("passthrough", kernel, _THREAD_KEY, with_keyset=True)
+
+        class _PassOn(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                return func(*args, **(kwargs or {}))
+
+        try:
+            with _PassOn():
+                op(torch.ones(1))
+        except RuntimeError as e:
+            if "tls_on_entry" not in str(e):
+                raise
+            return False
+        return True
+    finally:
+        library._destroy()
+
+
+def _keys() -> tuple[str, ...]:
+    """The keys the kernels may sit at on this torch, in order of preference."""
+    if _thread_key_passes_modes():
+        return (_THREAD_KEY, _PERMANENT_KEY)
+    return (_PERMANENT_KEY,)
 
 
 class _Interception:
@@ -135,8 +178,10 @@ class _Interception:
     def installed(self) -> bool:
         return self._library is not None
 
-    def install(self, keys: tuple[str, ...] = _KEYS) -> None:
-        """Register a kernel per operator at the first of ``keys`` it has none at."""
+    def install(self, keys: tuple[str, ...] | None = None) -> None:
+        """Register a kernel per operator at the first of ``keys`` (default: :func:`_keys`) it has none at."""
+        if keys is None:
+            keys = _keys()
         with self._lock:
             if self._library is not None:
                 return
