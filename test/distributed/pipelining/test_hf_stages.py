@@ -7,6 +7,7 @@ loss; layout errors; meta construction and per-stage safetensors loading
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 import json
 import os
 import tempfile
@@ -383,6 +384,19 @@ class TestHFStages(TestCase):
             hf.HFCausalLMStage(part, layout, 1, 2)
 
 
+def _keep_experts_1_and_2(part: nn.Module, names: Iterable[str]) -> None:
+    """Give layer 1's fused expert parameters ``names`` of ``part`` the shape of experts 1 and 2 only, as a rank of expert parallelism keeps them."""
+    experts = part.get_submodule("model.layers.1.mlp.experts")
+    for name in names:
+        full = getattr(experts, name)
+        setattr(
+            experts,
+            name,
+            nn.Parameter(torch.empty((2, *full.shape[1:]), device="meta")),
+        )
+        part.expert_ranges[f"model.layers.1.mlp.experts.{name}"] = (1, 3)
+
+
 def _save_hf(model: nn.Module, directory: str, **kwargs) -> None:
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
 
@@ -536,14 +550,7 @@ class TestHFLoading(OneRankGroupTestCase):
             self.skipTest(
                 "per-expert modules (transformers 4.57): expert ranges apply to fused experts"
             )
-        for name in fused:  # this rank keeps experts 1 and 2 of 4
-            full = getattr(experts, name)
-            setattr(
-                experts,
-                name,
-                nn.Parameter(torch.empty((2, *full.shape[1:]), device="meta")),
-            )
-            part.expert_ranges[f"model.layers.1.mlp.experts.{name}"] = (1, 3)
+        _keep_experts_1_and_2(part, fused)  # of 4
         hf.load_stage_weights([part], self.dir)
         for name in fused:
             got = getattr(part.get_submodule("model.layers.1.mlp.experts"), name)
@@ -561,15 +568,7 @@ class TestHFLoading(OneRankGroupTestCase):
         _save_hf(ref, self.dir)
         model = hf.meta_causal_lm(tiny_hf_config("gpt_oss", num_layers=2))
         (part,) = _split(model, 2, stage_ids=[1])
-        experts = part.get_submodule("model.layers.1.mlp.experts")
-        for name in ("gate_up_proj", "down_proj"):  # this rank keeps experts 1 and 2
-            full = getattr(experts, name)
-            setattr(
-                experts,
-                name,
-                nn.Parameter(torch.empty((2, *full.shape[1:]), device="meta")),
-            )
-            part.expert_ranges[f"model.layers.1.mlp.experts.{name}"] = (1, 3)
+        _keep_experts_1_and_2(part, ("gate_up_proj", "down_proj"))
         read_sizes = []
         opened = []
         real_open = safetensors_pkg.safe_open
