@@ -613,14 +613,17 @@ def _probe_checkpoint_split_backward() -> tuple[str, str]:
         getattr(cached, "storage", None) is not getattr(caching, "storage", ())
     ):
         raise RuntimeError("unrecognised create_selective_checkpoint_contexts")
-    w = _param([0.4, -0.2, 0.1], [0.7, 0.3, -0.5], [0.2, 0.6, 0.9])
+    # two weights, each used once: a weight used twice on one path meets
+    # another bug of torch's weight pass (split_backward_weight's probe)
+    w1 = _param([0.4, -0.2, 0.1], [0.7, 0.3, -0.5], [0.2, 0.6, 0.9])
+    w2 = _param([0.3, -0.8, 0.5], [0.1, 0.4, -0.6], [0.9, 0.2, 0.7])
     context_fn = functools.partial(
         checkpoint.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default]
     )
 
     def loss_of(x: torch.Tensor) -> torch.Tensor:
         y = checkpoint.checkpoint(
-            lambda x: torch.tanh(x @ w) @ w,
+            lambda x: torch.tanh(x @ w1) @ w2,
             x,
             use_reentrant=False,
             context_fn=context_fn,
@@ -629,7 +632,7 @@ def _probe_checkpoint_split_backward() -> tuple[str, str]:
 
     with torch.enable_grad():
         try:
-            grads = _split_backward(loss_of, [w])
+            grads = _split_backward(loss_of, [w1, w2])
         except RuntimeError as e:
             if "backward an extra time" not in str(e):
                 raise  # unrecognised: the patch is skipped
@@ -638,15 +641,10 @@ def _probe_checkpoint_split_backward() -> tuple[str, str]:
                 "selective checkpointing raises under a split backward "
                 "(the second recompute of a region finds its cache consumed)",
             )
-        if not _all_close(grads, _reference(loss_of, [w])):
-            # torch 2.9 - 2.12: no error, wrong gradients (the second recompute takes
-            # other ops' cached outputs); the patch is written for the
-            # releases that raise, and hf and the trainer refuse selective
-            # checkpointing under split-backward schedules without it
+        if not _all_close(grads, _reference(loss_of, [w1, w2])):
             return (
-                NotSupported,
-                "this torch's selective checkpointing gives wrong gradients under a split "
-                "backward without raising; the patch covers the releases that raise",
+                PatchNeeded,
+                "selective checkpointing gives wrong gradients under a split backward",
             )
     return AlreadyUpstream, "selective checkpointing recomputes a region twice"
 
