@@ -73,5 +73,7 @@ def launch(
     )
 
 
-def _with_args_first(rank: int, fn: Callable, args: argparse.Namespace) -> Any:
+def _with_args_first(
+    rank: int, fn: Callable[[argparse.Namespace, int], Any], args: argparse.Namespace
+) -> Any:
     return fn(args, rank)

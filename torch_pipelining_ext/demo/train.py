@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return train.main([*DEMO_FLAGS, *argv])
 
 
-def tiny_moe_config(args: argparse.Namespace):
+def tiny_moe_config(args: argparse.Namespace) -> Any:
     """A tiny MoE config whose experts do most of a layer's work, as in real
     MoEs (the trainer's tiny config of ``--model``, sequences of ``SEQ_LEN``)."""
     return train.tiny_config(
@@ -98,10 +99,10 @@ class Pipeline:
         model: torch.nn.Module,
         mesh: DeviceMesh,
         names: list[list[str]],
-        args,
+        args: argparse.Namespace,
         *,
         overlap: bool,
-    ):
+    ) -> None:
         self.ep_group = mesh["ep"].get_group()
         # every MoE layer keeps E / ep experts; all-to-alls inside the overlap's marked regions
         self.stages, self.parts = hf.pipeline_hf_causal_lm(
@@ -111,7 +112,8 @@ class Pipeline:
             hf.CausalLMLoss()
         )  # EP ranks' losses average to HF's loss of the global batch
         self.schedule = ScheduleDualPipeV(
-            self.stages,
+            # torch's stub wants a list[_PipelineStageBase] (invariant), it only reads it
+            self.stages,  # type: ignore[arg-type]
             n_microbatches=args.microbatches,
             loss_fn=self.loss_fn,
             scale_grads=False,
@@ -119,7 +121,10 @@ class Pipeline:
         if (
             not overlap
         ):  # what stock torch does: the two sub-actions one after the other
-            self.schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)
+            # the patched step loop passes the package's PipelineContext, which the
+            # patch table installs as schedules._PipelineContext (torch's stub names
+            # torch's own class)
+            self.schedule.register_custom_function(OVERLAP_F_B, sequential_overlap_f_b)  # type: ignore[arg-type]
         self.optimizer = torch.optim.SGD(
             [p for part in self.parts for p in part.parameters()], lr=LR, momentum=0.9
         )

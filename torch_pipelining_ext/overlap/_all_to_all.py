@@ -42,7 +42,7 @@ class _AllToAll(torch.autograd.Function):
     """The exchange; its backward is the reverse one, on the backward's side's communicator."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         output_splits: list[int] | None,
@@ -54,7 +54,7 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(x, output_splits, input_splits, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         output_splits, input_splits = ctx.splits
         return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
 

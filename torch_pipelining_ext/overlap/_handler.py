@@ -157,9 +157,13 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
     pair = _forward_and_backward(action)
     state = _state(schedule)
     stages: dict[int, Any] = schedule._local_stages()
-    stage_pair = None
+    stage_pair: tuple[int, int] | None = None
     if pair is not None:
-        stage_pair = tuple(action.sub_actions[i].stage_index for i in pair)
+        assert action.sub_actions is not None  # a pair: two sub-actions
+        stage_pair = (
+            action.sub_actions[pair[0]].stage_index,
+            action.sub_actions[pair[1]].stage_index,
+        )
     if (
         pair is None
         or _same_fsdp_stage(stages, action)
@@ -169,6 +173,7 @@ def overlap_f_b(action: _Action, ctx: Any) -> None:
         _run_sequentially(schedule, action, ctx, pair)
         return
     logger.debug("[rank %s] %s: sub-actions run concurrently", global_rank, action)
+    assert action.sub_actions is not None and stage_pair is not None  # a pair
     # In schedule order, on this thread: everything order-sensitive.  Each
     # side waits for its receives itself.
     computes = [
@@ -224,6 +229,7 @@ def _run_sequentially(
 ) -> None:
     """The sub-actions one after the other (reported to the observer, if one is set)."""
     observer = SETTINGS.observer  # see overlap.observe_actions
+    assert action.sub_actions is not None  # an OVERLAP_F_B action
     for i, sub_action in enumerate(action.sub_actions):
         if observer is None or pair is None:
             schedule.perform_action(sub_action, ctx)
@@ -243,6 +249,7 @@ def _same_fsdp_stage(stages: dict[int, Any], action: _Action) -> bool:
     resharded it yet, so the data-parallel collectives of a rank would
     depend on thread timing.
     """
+    assert action.sub_actions is not None  # a pair (see overlap_f_b)
     fwd, bwd = action.sub_actions
     if fwd.stage_index != bwd.stage_index:
         return False

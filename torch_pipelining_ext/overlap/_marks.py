@@ -325,6 +325,7 @@ def wrap_dispatch_combine(
         ):
             if isinstance(fn, _MarkedMethod):
                 continue
+            assert fn is not None  # both are callables (checked above)
             try:
                 object.__setattr__(obj, method, _MarkedMethod(fn, begin, end))
             except AttributeError as e:
@@ -378,7 +379,8 @@ def _fork_rng_window(
 
 # Registered by the first overlapped action, removed by unpatch().
 _FORK_RNG_WINDOW = Registration(
-    lambda: torch.random._register_fork_rng_hook(_fork_rng_window)
+    # installed on torch.random by the patch table (overlap._install), not in torch's stubs
+    lambda: torch.random._register_fork_rng_hook(_fork_rng_window)  # type: ignore[attr-defined]
 )
 
 

@@ -87,7 +87,9 @@ class _StreamPlan:
             return None
         if not torch.accelerator.is_available():
             return None
-        if torch.accelerator.current_accelerator().type != device.type:
+        accelerator = torch.accelerator.current_accelerator()
+        assert accelerator is not None  # an accelerator is available
+        if accelerator.type != device.type:
             return None
         if state.stage_streams is None:  # one stream per stage, created once
             state.stage_streams = {idx: torch.Stream(device=device) for idx in stages}

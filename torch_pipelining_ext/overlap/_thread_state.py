@@ -87,7 +87,8 @@ class _ThreadState:
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
         autograd = torch._C._autograd
-        hooks_enabled = autograd._saved_tensors_hooks_is_enabled()
+        # not in torch's stubs (torch's own callers ignore it too)
+        hooks_enabled = autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
         return _ThreadState(
             grad_enabled=torch.is_grad_enabled(),
             inference=torch.is_inference_mode_enabled(),
@@ -173,7 +174,9 @@ def _device_index() -> int | None:
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     device_types = ["cpu"]
     if _accelerator_available():
-        device_types.append(torch.accelerator.current_accelerator().type)
+        accelerator = torch.accelerator.current_accelerator()
+        assert accelerator is not None  # an accelerator is available
+        device_types.append(accelerator.type)
     return tuple(
         (dt, torch.get_autocast_dtype(dt))
         for dt in device_types

@@ -454,9 +454,8 @@ class _CommCoordinator:
         return policy.may_start(
             side is Side.BACKWARD,
             other.regions,
-            other.state is _TurnState.DONE
-            or other.yielded
-            or self._input_wait_is_long(other),
+            # (the other side done: returned True above)
+            other.yielded or self._input_wait_is_long(other),
         )
 
     def _may_take_turn(self, side: Side) -> bool:

@@ -145,7 +145,7 @@ class Trainer:
     def _log_start(self) -> None:
         plan, args = self.plan, self.args
         what = (
-            f"resumed from {self.plan.resume.path} (step {self.step})"
+            f"resumed from {plan.resume.path} (step {self.step})"
             if plan.resume
             else "started afresh"
         )
@@ -222,6 +222,7 @@ class Trainer:
             data_position=self.position,
             eta_s=(self.args.steps - self.step) * sum(self.times) / len(self.times),
         )  # fmt: skip
+        assert self.metrics is not None and self.progress is not None  # rank 0: start()
         self.metrics.append(record)
         self.progress.update(record, self.args.steps)
 
@@ -277,10 +278,13 @@ class Trainer:
         self._enter(TrainerState.DONE)
         if self.rank != 0:
             return {}
+        assert self.metrics is not None and self.progress is not None  # rank 0: start()
         self.progress.close()
         records = self.metrics.records
         png = os.path.join(self.args.run_dir, _plot.PLOT_FILE)
         drawn = _plot.plot_run(records, png, self._title())
+        latest = self.checkpoints.latest()
+        assert latest is not None  # train() saved one, or the run resumed from one
         return {
             "steps": self.step,
             "final_loss": records[-1]["loss"] if records else None,
@@ -288,7 +292,7 @@ class Trainer:
             "plot": png if drawn else None,
             "export": exported,
             "export_unchecked": self.args.no_verify_export,
-            "checkpoint": self.checkpoints.latest().path,
+            "checkpoint": latest.path,
         }
 
     def _title(self) -> str:
@@ -346,7 +350,7 @@ def _verify_export(parts: list[Any], path: str) -> None:
                 want = whole.get(key)
             if want is None or not torch.equal(mine.detach().cpu().float(), want):
                 wrong.append(key)
-    found = [None] * dist.get_world_size()
+    found: list[Any] = [None] * dist.get_world_size()  # every rank's ``wrong``
     dist.all_gather_object(found, wrong)
     wrong = sorted({k for keys in found for k in keys})
     if wrong:

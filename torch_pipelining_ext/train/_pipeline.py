@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,10 @@ from torch_pipelining_ext import hf, launcher
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
 from torch_pipelining_ext.train import _model, _state
 from torch_pipelining_ext.train._plan import RunPlan
+
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 
 __all__: list[str] = []
@@ -43,7 +48,7 @@ router's max, the save list torchtitan uses for DeepSeek-V3 (without its
 every-other-matmul rule).  Runs under the split-backward schedules through
 the package's ``checkpoint_split_backward`` patch."""
 
-_CHECKPOINTING: dict[str, object] = {
+_CHECKPOINTING: dict[str, str | list[OpOverload] | None] = {
     "none": None,
     "full": "full",
     "selective": list(SELECTIVE_CHECKPOINTING_OPS),
@@ -184,7 +189,8 @@ def _weights_source(plan: RunPlan, resuming: bool) -> dict[str, Any]:
 
 def adamw(part: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on norms and biases)."""
-    decay, rest = [], []
+    decay: list[torch.nn.Parameter] = []
+    rest: list[torch.nn.Parameter] = []
     for p in part.parameters():
         (decay if p.dim() >= 2 else rest).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}]
@@ -193,7 +199,7 @@ def adamw(part: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas))
 
 
-def lr_rule(args: Any) -> Any:
+def lr_rule(args: Any) -> Callable[[int], float]:
     def factor(step: int) -> float:
         return _state.lr_factor(
             step,

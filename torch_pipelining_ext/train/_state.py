@@ -63,9 +63,7 @@ class LRSchedules:
     """The learning-rate schedulers of the optimizers, as one ``Stateful``
     of a checkpoint (see ``[Note: trainer state]``)."""
 
-    def __init__(
-        self, schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler]
-    ) -> None:
+    def __init__(self, schedulers: Sequence[torch.optim.lr_scheduler.LambdaLR]) -> None:
         self.schedulers = list(schedulers)
 
     def step(self) -> None:
