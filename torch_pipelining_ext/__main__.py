@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,16 @@ import torch_pipelining_ext
 from torch_pipelining_ext._patching._registry import format_report
 
 
-def _environment() -> dict[str, object]:
+class _Environment(TypedDict):
+    torch_pipelining_ext: str
+    torch: str
+    python: str
+    accelerator: str | None
+    cuda_gpus: int
+    backends: dict[str, bool]
+
+
+def _environment() -> _Environment:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backends = {
         "gloo": dist.is_available() and dist.is_gloo_available(),
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch                {env['torch']} (python {env['python']})")
     backends = ", ".join(
         f"{k}={'yes' if v else 'no'}" for k, v in env["backends"].items()
-    )  # type: ignore[union-attr]
+    )
     print(f"backends             {backends}")
     print(
         f"devices              cpu, cuda GPUs: {env['cuda_gpus']}, accelerator: {env['accelerator'] or 'none'}"

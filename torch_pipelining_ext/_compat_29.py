@@ -185,7 +185,7 @@ def _runtime_step_microbatches(
     or a BACKWARD_WEIGHT (2.9's own loop missed the latter).
     """
     arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
-    if not self._stages_initialized:
+    if not self._stages_initialized:  # type: ignore[attr-defined]  # torch 2.9 only
         self._initialize_stages(arg_mbs[0], kwarg_mbs[0])
     if getattr(self, "pipeline_order_with_comms", None) is None:
         raise AssertionError(
@@ -224,7 +224,9 @@ def _runtime_step_microbatches(
                 time_step,
                 action,
                 _schedules._format_pipeline_order(
-                    self.pipeline_order_with_comms, error_step_number=time_step
+                    # torch annotates a list of _Action | None; it only reads it
+                    self.pipeline_order_with_comms,  # type: ignore[arg-type]
+                    error_step_number=time_step,
                 ),
             )
             raise
@@ -317,6 +319,7 @@ def _add_send_recv(
             if action is not None:
                 lowered[rank].append(action)
                 for a in parts:
+                    assert a is not None  # the parts of an action are actions
                     done[rank].add(a)
                     if sends_to_other_rank(a):
                         send, recv = _send_recv_pair(a)

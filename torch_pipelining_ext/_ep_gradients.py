@@ -85,7 +85,8 @@ def split_parameters(
     else:
         is_sharded = _ids_of("sharded", sharded, named)
     ignored = _ids_of("ignore", ignore, named)
-    replicated, experts = [], []
+    replicated: list[nn.Parameter] = []
+    experts: list[nn.Parameter] = []
     for _, p in named:
         if not p.requires_grad or isinstance(p, DTensor) or id(p) in ignored:
             continue

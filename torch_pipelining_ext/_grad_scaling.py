@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast, TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 __all__: list[str] = []
@@ -147,7 +151,7 @@ def _make_eval(original: Callable[..., Any]) -> Callable[..., Any]:
     return eval
 
 
-def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
+def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -171,10 +175,11 @@ def _make_metadata_cleanup(original: Callable[..., Any]) -> Callable[..., Any]:
         modules = _fsdp_modules(self.submod)
         for module in modules:  # the registered parameters are the sharded ones
             module.reshard()
+        # modules: each an nn.Module that fully_shard made an FSDPModule
         kept = [
             (p, p.grad)
             for module in modules
-            for p in module.parameters()
+            for p in cast(nn.Module, module).parameters()
             if p.grad is not None
         ]
         original(self)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol, TYPE_CHECKING
+from typing import Any, cast, Protocol, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -125,6 +125,30 @@ class CustomFunctionStage(Protocol):
         ...
 
 
+class _CountsBackwards(Protocol):
+    """``schedule.backward_counter``: the ``_backward_counter.BackwardCounter`` the
+    patch table installs, or torch's own where it has ``record_backward``."""
+
+    def record_backward(self, stage_idx: int) -> bool: ...
+
+
+class _ScheduleSince215(Protocol):
+    """What torch 2.15+ keeps on ``_PipelineScheduleRuntime`` for steps that do
+    not finalize their gradients (the torch mypy checks against may be older)."""
+
+    _finalize_gradients: bool
+    _deferred_stages: set[int]
+    _finalized_stages: set[int]
+
+
+class _StageSince215(Protocol):
+    """The ``_PipelineStageBase`` methods torch 2.15+ added that the runtime calls."""
+
+    def release_fwd_send_outputs(self, mb_index: int) -> None: ...
+
+    def wait_for_gradient_reduction(self, grad_scale_factor: int) -> None: ...
+
+
 # --------------------------------------------------------------------------- #
 # The contract: stage lookup, compute actions, any action                      #
 # --------------------------------------------------------------------------- #
@@ -151,7 +175,9 @@ class _PendingRecv:
         action: PipelineAction,
         what: str,
     ) -> None:
-        works = recv_ops.pop((action.stage_index, action.microbatch_index), None)
+        mb_index = action.microbatch_index
+        assert mb_index is not None  # checked by prepare_compute_action
+        works = recv_ops.pop((action.stage_index, mb_index), None)
         if works is None:
             raise AssertionError(
                 f"[{rank_label(schedule)}] computing {action} before receiving its {what}"
@@ -366,6 +392,7 @@ def _prepare_forward(
 ) -> PreparedComputeAction:
     schedule = ctx.schedule_ref
     stage_idx, mb_index = action.stage_index, action.microbatch_index
+    assert mb_index is not None  # checked by prepare_compute_action
     stage = stages[stage_idx]
     recv = None
     if not stage.is_first and stage_idx - 1 not in stages:
@@ -409,6 +436,7 @@ def _prepare_backward(
     wait_inputs: bool,
 ) -> PreparedComputeAction:
     stage_idx, mb_index = action.stage_index, action.microbatch_index
+    assert mb_index is not None  # checked by prepare_compute_action
     stage, ctype = stages[stage_idx], action.computation_type
     loss, recv = None, None
     if ctype != _schedules.BACKWARD_WEIGHT:
@@ -419,7 +447,8 @@ def _prepare_backward(
             loss = scaled_loss(schedule, _losses_by_microbatch(schedule).loss(mb_index))
     last_backward = False
     if ctype != _schedules.BACKWARD_INPUT:
-        last_backward = schedule.backward_counter.record_backward(stage_idx)
+        counter = cast(_CountsBackwards, schedule.backward_counter)
+        last_backward = counter.record_backward(stage_idx)
     finish_in_backward = last_backward and _reduce_grad_type() is None
     prev_stage = stages.get(stage_idx - 1)
 
@@ -518,7 +547,9 @@ def _run_send(
     if tracker is None:
         state.pending_sends.append(works)
         return
-    release = functools.partial(stage.release_fwd_send_outputs, mb_index)
+    release = functools.partial(
+        cast(_StageSince215, stage).release_fwd_send_outputs, mb_index
+    )
     tracker.register(key, ops, works, release if forward else None)
 
 
@@ -591,7 +622,7 @@ def _reshard(
         and schedule.backward_counter[stage_idx] == schedule._n_microbatches
     ):
         # keep the accumulated gradients unsharded
-        schedule._deferred_stages.add(stage_idx)
+        cast(_ScheduleSince215, schedule)._deferred_stages.add(stage_idx)
         return
     if stage_idx not in schedule.unsharded_stages:
         raise AssertionError(f"Resharding {stage_idx=} without unsharding")
@@ -717,15 +748,16 @@ def _reduce_grad(schedule: _PipelineScheduleRuntime, stage: _PipelineStageBase) 
     if not schedule._has_backward:
         return
     stage_idx = stage.stage_index
+    deferral = cast(_ScheduleSince215, schedule)
     if not _fsdp_stage.stage_uses_fsdp(stage):
         stage.perform_reduce_grad(_grad_scale_factor(schedule))
-    elif not schedule._finalize_gradients:
-        schedule._deferred_stages.add(stage_idx)
+    elif not deferral._finalize_gradients:
+        deferral._deferred_stages.add(stage_idx)
     else:
         stage.start_gradient_reduction()
         schedule.unsharded_stages.discard(stage_idx)
-        schedule._deferred_stages.discard(stage_idx)
-        schedule._finalized_stages.add(stage_idx)
+        deferral._deferred_stages.discard(stage_idx)
+        deferral._finalized_stages.add(stage_idx)
 
 
 def _wait_reduce_grad(
@@ -734,10 +766,12 @@ def _wait_reduce_grad(
     """WAIT_REDUCE_GRAD (torch 2.15+): wait for the FSDP reduce-scatter REDUCE_GRAD started, then scale."""
     if (
         schedule._has_backward
-        and schedule._finalize_gradients
+        and cast(_ScheduleSince215, schedule)._finalize_gradients
         and _fsdp_stage.stage_uses_fsdp(stage)
     ):
-        stage.wait_for_gradient_reduction(_grad_scale_factor(schedule))
+        cast(_StageSince215, stage).wait_for_gradient_reduction(
+            _grad_scale_factor(schedule)
+        )
 
 
 # --------------------------------------------------------------------------- #

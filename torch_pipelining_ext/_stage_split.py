@@ -1293,7 +1293,9 @@ def pipeline_module_split(
             for part, stage_id in zip(parts, stage_ids)
         ]
     stages = [
-        PipelineStage(part, stage_id, num_stages, device, group=group, **stage_kwargs)
+        # PipelineStage annotates ``device`` as torch.device, but it only hands
+        # it on to tensor factories and ``.to()``, which take a str or an index
+        PipelineStage(part, stage_id, num_stages, device, group=group, **stage_kwargs)  # type: ignore[arg-type]
         for part, stage_id in zip(parts, stage_ids)
     ]
     logger.info(

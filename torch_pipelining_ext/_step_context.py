@@ -23,7 +23,10 @@ from torch_pipelining_ext._schedule_state import rank_label, schedule_state
 
 
 if TYPE_CHECKING:
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _PipelineScheduleRuntime,
+    )
 
     from torch_pipelining_ext._schedule_state import _ScheduleState
 
@@ -61,9 +64,11 @@ def _recording_actions(
     See ``_schedule_state._RecordedActions``.  The actions are put back when
     the loop returns, unless something replaced them meanwhile.
     """
-    order = getattr(schedule, "pipeline_order_with_comms", None)
+    order: dict[int, list[_Action | None]] | None = getattr(
+        schedule, "pipeline_order_with_comms", None
+    )
     actions = order.get(schedule.rank) if order is not None else None
-    if actions is None:
+    if order is None or actions is None:
         yield
         return
     recorded = order[schedule.rank] = state.recording(actions)

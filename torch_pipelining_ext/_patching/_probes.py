@@ -128,10 +128,15 @@ def _probe_self_p2p() -> tuple[str, str]:
 
     fn = schedules._batch_p2p
     issued: list[Any] = []
+
+    def batch_isend_irecv(ops: list[Any]) -> list[Any]:
+        issued.extend(ops)
+        return []
+
     fake_dist = types.SimpleNamespace(
         isend="isend",
         irecv="irecv",
-        batch_isend_irecv=lambda ops: issued.extend(ops) or [],
+        batch_isend_irecv=batch_isend_irecv,
         get_rank=lambda *args, **kwargs: 0,
     )
     _with_dist(fn, fake_dist)([_ProbeOp("isend", 0), _ProbeOp("irecv", 0)])
@@ -192,14 +197,17 @@ def _recorded_handshake() -> list[tuple[torch.dtype, Any]] | None:
     fn = getattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", None)
     if fn is None:
         return None
-    recorder = type("_Recorder", (_RecordedP2POp,), {"recorded": []})
-    fake_dist = types.SimpleNamespace(P2POp=recorder, isend="isend", irecv="irecv")
+
+    class _Recorder(_RecordedP2POp):
+        recorded = []
+
+    fake_dist = types.SimpleNamespace(P2POp=_Recorder, isend="isend", irecv="irecv")
     _with_dist(fn, fake_dist)(_ProbeStage())
-    if not recorder.recorded:
+    if not _Recorder.recorded:
         raise RuntimeError(
             "_get_init_p2p_neighbors_ops built no P2P ops for a middle stage"
         )
-    return recorder.recorded
+    return _Recorder.recorded
 
 
 def _probe_init_p2p_handshake() -> tuple[str, str]:
