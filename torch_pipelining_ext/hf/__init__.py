@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Hugging Face causal LMs as pipeline stages.
 
 Upstream target: none in ``torch.distributed.pipelining`` itself (it must not

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Building this rank's stages of a Hugging Face causal LM.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: the model on the meta
@@ -10,9 +9,9 @@ loaded from a checkpoint, or moved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast, TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -31,6 +30,10 @@ from torch_pipelining_ext.hf._stage import check_trainable, HFCausalLMStage
 from torch_pipelining_ext.hf._tensors import replace, tensor_slots
 
 
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+
 __all__: list[str] = []
 
 
@@ -40,14 +43,16 @@ __all__: list[str] = []
 
 
 @contextmanager
-def _parameters_on_meta(dtype: torch.dtype | None):
+def _parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
     """Every parameter registered inside the block is moved to the meta
     device (and cast to ``dtype`` if floating); buffers stay where they are
     built, so non-persistent ones (rotary tables, GPT-2's causal masks) keep
     their values and need no checkpoint."""
     from torch.nn.modules.module import register_module_parameter_registration_hook
 
-    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
+    def to_meta(
+        module: nn.Module, name: str, param: nn.Parameter | None
+    ) -> nn.Parameter | None:
         if param is None or param.is_meta:
             return (
                 None  # already meta: keep the object (ties are re-registrations of it)
@@ -57,7 +62,9 @@ def _parameters_on_meta(dtype: torch.dtype | None):
             param.to(device="meta", dtype=cast), requires_grad=param.requires_grad
         )
 
-    handle = register_module_parameter_registration_hook(to_meta)
+    # torch annotates the hook as returning None; its docstring (and
+    # register_parameter) take the new parameter it may return
+    handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
     try:
         yield
     finally:
@@ -97,7 +104,7 @@ def build_stages(
     device: torch.device | str | int,
     names: Sequence[Sequence[str]] | None,
     options: _config.StageOptions,
-) -> tuple[list, list[HFCausalLMStage]]:
+) -> tuple[list[PipelineStage], list[HFCausalLMStage]]:
     """See :func:`torch_pipelining_ext.hf.pipeline_hf_causal_lm`."""
     transformers = _compat.require_transformers()
     layout = stage_layout(pp_mesh_or_group, options.ep_group)
@@ -135,7 +142,7 @@ def build_stages(
     _check_weights_source(on_meta, options)
     device = as_device(device)
     factory = StageFactory(model, decoder, on_meta, device, options, layout.ep)
-    stages, parts = stage_split.pipeline_module_split(
+    stages, split_parts = stage_split.pipeline_module_split(
         model,
         layout.pipeline,
         schedule_cls,
@@ -144,6 +151,8 @@ def build_stages(
         prepare_part=factory,
         **options.stage_kwargs,
     )
+    # each part as the factory (prepare_part) made it
+    parts = cast(list[HFCausalLMStage], split_parts)
     _place_weights(parts, on_meta, device, options)
     for stage, part in zip(stages, parts):
         count_schedule_forwards(stage, part)  # [Note: HF expert load]

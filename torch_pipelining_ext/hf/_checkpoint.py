@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Loading this rank's stage tensors from a Hugging Face checkpoint.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: what every tensor of the
@@ -171,10 +170,9 @@ def _reads_for(
     parallelism): ``([(entry, index into the tensor or None)], None)``, or
     ``([], (kind, detail))`` with kind ``"missing"`` (detail: the absent
     pieces), ``"unsupported"`` or ``"shape"``."""
-    sliced = stop is not None
     if key in keys.direct:
         entry = keys.entries[keys.direct[key]]
-        if sliced:
+        if stop is not None:  # sliced
             if entry.shape[1:] != shape[1:] or entry.shape[0] < stop:
                 return [], (
                     "shape",
@@ -193,7 +191,7 @@ def _reads_for(
     pieces = {(p.expert, p.part): p for p in keys.pieces[key]}
     num_parts = 1 + max(p.part for p in pieces.values())
     first = start
-    last = stop if sliced else shape[0] + start
+    last = stop if stop is not None else shape[0] + start
     if last - first != shape[0]:
         return [], ("shape", f"model holds {shape[0]} experts, expected {last - first}")
     absent = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,10 @@ from torch_pipelining_ext.hf._arrival import group_device
 from torch_pipelining_ext.hf._expert_parallel import expert_parameters, sharded_experts
 from torch_pipelining_ext.hf._mesh import layout_of, MeshOrGroup, pipeline_group
 from torch_pipelining_ext.hf._training import check_reduced
+
+
+if TYPE_CHECKING:
+    from torch_pipelining_ext.hf._stage import HFCausalLMStage
 
 
 __all__: list[str] = []
@@ -53,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 
 def clip_grad_norm_(
-    parts: Sequence[nn.Module],
+    parts: Sequence[HFCausalLMStage],
     max_norm: float,
     norm_type: float | str,
     mesh: MeshOrGroup,
@@ -81,7 +85,7 @@ def clip_grad_norm_(
 
 
 def total_grad_norm(
-    parts: Sequence[nn.Module],
+    parts: Sequence[HFCausalLMStage],
     norm_type: float | str,
     mesh: MeshOrGroup,
     pp_group: dist.ProcessGroup | None,
@@ -100,7 +104,9 @@ def total_grad_norm(
     if owned:
         device = owned[0].device
     elif dist.is_initialized():
-        device = group_device(layout.ep or pp or dist.group.WORLD)
+        any_group = layout.ep or pp or dist.group.WORLD
+        assert any_group is not None  # WORLD, once initialized
+        device = group_device(any_group)
     else:  # one process, nothing to count
         device = torch.device("cpu")
     if owned:

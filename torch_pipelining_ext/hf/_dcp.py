@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Distributed checkpoints of a rank's Hugging Face stages and optimizers.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: ``torch.distributed.checkpoint``

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Expert parallelism for the fused experts of Hugging Face MoE stages.
 
 Private helper of :mod:`torch_pipelining_ext.hf`; see ``[Note: HF expert
@@ -9,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast, Protocol, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,10 @@ from torch_pipelining_ext import overlap
 from torch_pipelining_ext.hf._arrival import group_device
 from torch_pipelining_ext.hf._routing import fused_experts_problem
 from torch_pipelining_ext.hf._selfcheck import tiny_config
+
+
+if TYPE_CHECKING:
+    from torch_pipelining_ext.hf._stage import HFCausalLMStage
 
 
 __all__: list[str] = []
@@ -114,7 +118,7 @@ def _exchange(
     x: torch.Tensor,
     out_splits: list[int],
     in_splits: list[int],
-    group,
+    group: dist.ProcessGroup,
 ) -> None:
     _slot.transport.tokens(out, x.contiguous(), out_splits, in_splits, group)
 
@@ -124,7 +128,11 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+        ctx: Any,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
@@ -132,12 +140,21 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         # the backward's side's communicator, looked up now
         _exchange(grad_in, grad, in_splits, out_splits, overlap.side_group(ctx.group))
         return grad_in, None, None, None
+
+
+class _FusedExperts(Protocol):
+    """What this expert parallelism reads of a fused experts module (one
+    that ``fused_experts_problem`` accepts)."""
+
+    gate_up_proj: torch.Tensor  # [E, 2I, H]
+    down_proj: torch.Tensor  # [E, H, I]
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
 
 
 class ExpertShard:
@@ -188,7 +205,7 @@ class ExpertShard:
 
 
 def shard_experts(
-    part: nn.Module, group: Any, config: Any, layers_prefix: str
+    part: HFCausalLMStage, group: Any, config: Any, layers_prefix: str
 ) -> list[str]:
     """Give every fused experts module of ``part`` this rank's experts and
     the expert-parallel forward; returns their FQNs.  Records each sharded
@@ -213,7 +230,9 @@ def shard_experts(
             raise ValueError(
                 f"{fqn} ({type(module).__name__}) cannot be expert-parallel: {problem}"
             )
-        shard = ExpertShard(fqn, group, module.gate_up_proj.shape[0])
+        shard = ExpertShard(
+            fqn, group, cast(_FusedExperts, module).gate_up_proj.shape[0]
+        )
         shard.param_names = ("gate_up_proj", "down_proj")
         for name in shard.param_names:
             old = getattr(module, name)
@@ -256,7 +275,7 @@ def _add_slots(
     out: torch.Tensor,
     order: torch.Tensor,
     token_of_slot: torch.Tensor,
-    top_k_weights,
+    top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(hidden_states).index_add(
@@ -271,7 +290,7 @@ def _expert_parallel_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """See ``[Note: HF expert parallelism]``."""
-    shard: ExpertShard = self._expert_shard
+    shard = cast(ExpertShard, self._expert_shard)
     if hidden_states.is_meta:  # shape inference: no routing, no collective
         return torch.zeros_like(hidden_states)
     order, token_of_slot, counts = _slots(top_k_index, shard.num_experts)
@@ -307,7 +326,8 @@ def formula_problem(module: nn.Module, config: Any) -> str | None:
             tiny = cls(tiny_config(config)).float()
             for p in tiny.parameters():
                 nn.init.normal_(p, std=0.1)
-            num_experts, hidden = tiny.gate_up_proj.shape[0], tiny.gate_up_proj.shape[2]
+            gate_up_proj = cast(_FusedExperts, tiny).gate_up_proj
+            num_experts, hidden = gate_up_proj.shape[0], gate_up_proj.shape[2]
             top_k = min(2, num_experts)
             h = torch.randn(16, hidden)
             idx = torch.rand(16, num_experts).argsort(dim=-1)[:, :top_k]
@@ -342,6 +362,7 @@ def local_experts(
 ) -> torch.Tensor:
     """The local experts on ``tokens`` (grouped by source rank, then local
     expert; ``counts`` [sources, local experts]), in the same order."""
+    experts = cast(_FusedExperts, module)
     local = counts.shape[1]
     expert_of_row = torch.arange(local, device=tokens.device).repeat(counts.shape[0])
     expert_of_row = expert_of_row.repeat_interleave(counts.flatten())
@@ -349,8 +370,10 @@ def local_experts(
     grouped = tokens.index_select(0, order).split(counts.sum(dim=0).tolist())
     outs = []
     for e, x in enumerate(grouped):
-        gate, up = nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
-        outs.append(nn.functional.linear(module.act_fn(gate) * up, module.down_proj[e]))
+        gate, up = nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        outs.append(
+            nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+        )
     y = torch.cat(outs) if outs else tokens
     return y.index_select(0, order.argsort())
 
@@ -370,10 +393,10 @@ def expert_parameters(part: nn.Module) -> dict[str, ExpertShard]:
     }
 
 
-def sharded_experts(parts: Any) -> list[tuple[nn.Module, ExpertShard]]:
+def sharded_experts(parts: Iterable[nn.Module]) -> list[tuple[nn.Module, ExpertShard]]:
     """Every experts module of ``parts`` that :func:`shard_experts` sharded, with its shard."""
     return [
-        (m, m._expert_shard)
+        (m, cast(ExpertShard, m._expert_shard))
         for part in parts
         for m in part.modules()
         if hasattr(m, "_expert_shard")

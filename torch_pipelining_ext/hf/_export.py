@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Writing the model of a rank's Hugging Face stages back as a Hugging Face
 checkpoint, every rank its own tensors.
 
@@ -14,14 +13,17 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from torch_pipelining_ext.hf._expert_parallel import expert_parameters
 from torch_pipelining_ext.hf._loading import INDEX_FILE, SINGLE_FILE
+
+
+if TYPE_CHECKING:
+    from torch_pipelining_ext.hf._stage import HFCausalLMStage
 
 
 __all__: list[str] = []
@@ -73,7 +75,7 @@ class _Unit:
 
 
 def save_pretrained(
-    parts: Sequence[nn.Module],
+    parts: Sequence[HFCausalLMStage],
     save_directory: str | os.PathLike,
     overwrite: bool,
     dtype: torch.dtype | None,
@@ -116,7 +118,9 @@ def _layer_of(key: str, layers_prefix: str) -> str:
     return m.group(1) if m and m.group(1).startswith(layers_prefix + ".") else ""
 
 
-def _local_units(parts: Sequence[nn.Module]) -> tuple[dict[tuple, _Unit], list[str]]:
+def _local_units(
+    parts: Sequence[HFCausalLMStage],
+) -> tuple[dict[tuple, _Unit], list[str]]:
     """This rank's units (see ``[Note: HF export]``) with their checkpoint
     keys, worked out on the meta device, and what cannot be written."""
     units: dict[tuple, _Unit] = {}
@@ -155,7 +159,7 @@ def _local_units(parts: Sequence[nn.Module]) -> tuple[dict[tuple, _Unit], list[s
 
 
 def convert_unit(
-    part: nn.Module, tensors: dict[str, torch.Tensor], start: int | None
+    part: HFCausalLMStage, tensors: dict[str, torch.Tensor], start: int | None
 ) -> tuple[dict[str, torch.Tensor], str | None]:
     """``tensors`` (model keys) in transformers' saved layout; an experts
     slice numbered from global expert ``start``.  Returns the converted
@@ -252,7 +256,7 @@ def _prepare_directory(path: Path) -> None:
 
 
 def _owned_tensors(
-    parts: Sequence[nn.Module],
+    parts: Sequence[HFCausalLMStage],
     units: dict[tuple, _Unit],
     owners: dict[tuple, int],
     rank: int,
@@ -318,17 +322,17 @@ def _write_safetensors(
         save_file(
             tensors, str(path / _file_name(index, count)), metadata={"format": "pt"}
         )
-    sizes = [None] * dist.get_world_size(group)
+    sizes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(sizes, sum(t.nbytes for t in tensors.values()), group=group)
     if dist.get_rank(group) == 0:
-        index = {
+        index_json = {
             "metadata": {"total_size": sum(sizes)},
             "weight_map": {k: _file_name(i, count) for k, i in sorted(mapping.items())},
         }
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (path / INDEX_FILE).write_text(json.dumps(index_json, indent=2) + "\n")
 
 
-def _float_dtype(parts: Sequence[nn.Module]) -> torch.dtype:
+def _float_dtype(parts: Sequence[HFCausalLMStage]) -> torch.dtype:
     for part in parts:
         for p in part.parameters():
             if p.is_floating_point():
@@ -336,7 +340,7 @@ def _float_dtype(parts: Sequence[nn.Module]) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def _write_config(part: nn.Module, path: Path, dtype: torch.dtype) -> None:
+def _write_config(part: HFCausalLMStage, path: Path, dtype: torch.dtype) -> None:
     config = copy.deepcopy(part.config)
     if hasattr(config, "dtype"):
         config.dtype = dtype

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Each stage model of the split turned into its :class:`HFCausalLMStage`.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: :class:`StageFactory`

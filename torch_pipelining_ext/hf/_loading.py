@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Read selected tensors of a safetensors checkpoint into their destination.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: the tensors a checkpoint
@@ -16,8 +15,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+
+if TYPE_CHECKING:
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
 
 
 __all__: list[str] = []
@@ -237,7 +241,7 @@ class CheckpointKeys:
         entries: dict[str, TensorEntry],
         model_keys: frozenset[str],
         prefix: str,
-        conversions,
+        conversions: tuple[list[WeightRenaming], list[WeightConverter]] | None,
     ) -> None:
         from torch_pipelining_ext.hf._compat import describe_ops
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -92,7 +93,7 @@ def pipeline_group(
         return layout.pp
     if pp_group is not None:
         return pp_group if dist.get_world_size(pp_group) > 1 else None
-    stages = {getattr(p, "stage_index", None) for p in parts}
+    stages: set[Any] = {getattr(p, "stage_index", None) for p in parts}
     num_stages = getattr(parts[0], "num_stages", None) if parts else None
     if num_stages is not None and stages != set(range(num_stages)):
         raise ValueError(

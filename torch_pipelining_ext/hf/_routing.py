@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """What the stages of a Hugging Face MoE record of its routing.
 
 Private helper of :mod:`torch_pipelining_ext.hf`; see ``[Note: HF routing
@@ -13,10 +12,14 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 __all__: list[str] = []
@@ -116,7 +119,7 @@ def experts_modules(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def model_routing(model: nn.Module, layers_prefix: str) -> Routing | None:
+def model_routing(model: PreTrainedModel, layers_prefix: str) -> Routing | None:
     """The routing of ``model``, ``None`` if no layer has fused experts (a
     dense model, or a MoE of transformers 4.x)."""
     config = model.config
@@ -131,10 +134,12 @@ def model_routing(model: nn.Module, layers_prefix: str) -> Routing | None:
     score = "sigmoid" if model_type in _SIGMOID_ROUTERS else None
     if score is None and has_loss:
         score = "softmax"
+    gate_up = experts[0].gate_up_proj
+    assert isinstance(gate_up, torch.Tensor)  # what experts_modules found
     return Routing(
         router_cls=getattr(recorder, "target_class", None),
         logits_index=getattr(recorder, "index", 0),
-        num_experts=experts[0].gate_up_proj.shape[0],
+        num_experts=gate_up.shape[0],
         top_k=config.num_experts_per_tok,
         score=score,
         has_balancing_loss=has_loss,
@@ -145,12 +150,14 @@ def install_hooks(part: nn.Module, routing: Routing) -> None:
     """Record the router logits and the experts' top-k indices of ``part``
     into the recorder of the thread running its forward."""
 
-    def logits(module, args, output):
+    def logits(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         record = _recorder.record
         if record is not None:
             record.logits = _only_one(record.logits, output[routing.logits_index])
 
-    def indices(module, args, kwargs):
+    def indices(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         record = _recorder.record
         if record is not None:
             if len(args) > 1:

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """The pipeline stage module of a Hugging Face causal LM.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: :class:`HFCausalLMStage`
@@ -12,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TYPE_CHECKING
 from collections.abc import Callable
 
 import torch
@@ -28,6 +27,10 @@ from torch_pipelining_ext.hf._routing import (
     record_layer,
     Routing,
 )
+
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 __all__: list[str] = []
@@ -99,7 +102,7 @@ class HFCausalLMStage(nn.Module):
         for name, child in part._modules.items():
             if child is not None:
                 self.add_module(name, child)
-        self.config = part.config
+        self.config: PretrainedConfig = part.config
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.tied_groups = tuple(tied_groups)
@@ -157,6 +160,13 @@ class HFCausalLMStage(nn.Module):
     def _base_child(self, name: str | None) -> nn.Module | None:
         base = self._modules.get(self._layout.base)
         return None if base is None or name is None else base._modules.get(name)
+
+    @staticmethod
+    def _placed(module: nn.Module | None) -> nn.Module:
+        """``module``, which this stage holds: the split gives the first stage
+        the input modules and the last the output ones (``_check_placement``)."""
+        assert module is not None
+        return module
 
     def _layers(self) -> list[tuple[int, nn.Module]]:
         """(index in the whole model, layer) of this stage's layers."""
@@ -252,6 +262,7 @@ class HFCausalLMStage(nn.Module):
         tables: dict[str, dict[str, Any]] = {kind: {} for kind in kinds}
         for name in self._layout.rotaries:
             rotary = self._base_child(name)
+            assert rotary is not None  # _check_placement: every stage with layers
             if _compat.rotary_takes_layer_type(rotary):
                 for kind in kinds:
                     tables[kind]["position_embeddings"] = rotary(h, position_ids, kind)
@@ -313,6 +324,7 @@ class HFCausalLMStage(nn.Module):
                 call = functools.partial(self._call_layer, index, layer, h, available)
                 h = self._run_layer(index, call, sums, counted)
         if counted:
+            assert self._expert_load is not None
             self._expert_load.forwards += 1
         if self.is_last:
             h = self._head(h)
@@ -333,6 +345,7 @@ class HFCausalLMStage(nn.Module):
         h, record = record_layer(call)
         if record.indices is not None:
             if counted:
+                assert self._expert_load is not None
                 mask = None if sums is None else sums.mask
                 self._expert_load.add(index, record.indices, mask)
             if sums is not None:
@@ -342,7 +355,7 @@ class HFCausalLMStage(nn.Module):
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():
             raise TypeError(f"the first stage takes token ids, got a {x.dtype} tensor")
-        h = self._base_child(self._layout.embed)(x)
+        h = self._placed(self._base_child(self._layout.embed))(x)
         if self._embedding_normalizer is not None:
             # in the embeddings' dtype, as the model's own forward rounds it
             h = h * torch.tensor(self._embedding_normalizer, dtype=h.dtype)
@@ -353,14 +366,14 @@ class HFCausalLMStage(nn.Module):
     ) -> torch.Tensor:
         lay = self._layout
         if lay.pos_embed is not None:
-            h = h + self._base_child(lay.pos_embed)(position_ids)
+            h = h + self._placed(self._base_child(lay.pos_embed))(position_ids)
         if lay.embed_dropout is not None:
-            h = self._base_child(lay.embed_dropout)(h)
+            h = self._placed(self._base_child(lay.embed_dropout))(h)
         return h
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        h = self._base_child(self._layout.norm)(h)
-        h = self._modules[self._layout.head](h)
+        h = self._placed(self._base_child(self._layout.norm))(h)
+        h = self._placed(self._modules[self._layout.head])(h)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             h = torch.tanh(h / cap) * cap
@@ -385,7 +398,7 @@ def check_not_reentrant(layer: nn.Module, fqn: str) -> None:
         )
 
 
-def check_trainable(model: nn.Module, layout: DecoderLayout) -> None:
+def check_trainable(model: PreTrainedModel, layout: DecoderLayout) -> None:
     """Refuse a model whose stages cannot be trained as it is configured:
     reentrant activation checkpointing (the router auxiliary loss is checked
     by ``_router_aux.router_aux_loss``)."""

@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """State dicts of Hugging Face stages that keep every expert.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: each rank's slice of the
@@ -11,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -67,10 +66,10 @@ def register_expert_hooks(part: nn.Module) -> None:
         module.register_load_state_dict_pre_hook(_experts_from_shards)
 
 
-def as_shard(local: torch.Tensor, shard: ExpertShard) -> Any:
+def as_shard(local: torch.Tensor, shard: ExpertShard) -> DTensor:
     """``local`` (this rank's experts, along dim 0) as a DTensor shard of the
     whole tensor over the expert-parallel mesh; no copy."""
-    shape = (shard.num_experts, *local.shape[1:])
+    shape = torch.Size((shard.num_experts, *local.shape[1:]))
     stride = torch.empty(shape, device="meta").stride()
     with torch.no_grad():
         return DTensor.from_local(
@@ -83,8 +82,13 @@ def as_shard(local: torch.Tensor, shard: ExpertShard) -> Any:
         )
 
 
-def _experts_as_shards(module, state_dict, prefix, local_metadata) -> None:
-    shard: ExpertShard = module._expert_shard
+def _experts_as_shards(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+) -> None:
+    shard = cast(ExpertShard, module._expert_shard)
     for name in shard.param_names:
         key = prefix + name
         if key in state_dict and not isinstance(state_dict[key], DTensor):
@@ -92,9 +96,16 @@ def _experts_as_shards(module, state_dict, prefix, local_metadata) -> None:
 
 
 def _experts_from_shards(
-    module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing: list[str],
+    unexpected: list[str],
+    errors: list[str],
 ) -> None:
-    shard: ExpertShard = module._expert_shard
+    shard = cast(ExpertShard, module._expert_shard)
     for name in shard.param_names:
         key = prefix + name
         if key in state_dict:
@@ -133,7 +144,7 @@ def local_rows(value: Any, shard: ExpertShard, key: str) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def _options():
+def _options() -> StateDictOptions:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -177,10 +188,16 @@ def get_state_dict(
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
     for part, optimizer in pair_optimizers(parts, optimizers):
+        osd: dict[str, Any]
         if optimizer is None:
             msd, osd = dsd.get_model_state_dict(part, options=_options()), {}
         else:
-            msd, osd = dsd.get_state_dict(part, optimizer, options=_options())
+            # flattened (flatten_optimizer_state_dict): one value per key, not
+            # the nested dicts of torch's annotation
+            msd, osd = cast(
+                tuple[dict[str, Any], dict[str, Any]],
+                dsd.get_state_dict(part, optimizer, options=_options()),
+            )
         experts = expert_parameters(part)
         for key, value in osd.items():
             shard = _optimizer_expert(key, experts)

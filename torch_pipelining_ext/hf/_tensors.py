@@ -1,4 +1,3 @@
-# mypy: allow-untyped-defs
 """Which tensors a module holds, where, and replacing them.
 
 Private helper of :mod:`torch_pipelining_ext.hf`: the places that hold each
@@ -8,8 +7,14 @@ all of them at once), and the materialisation of a meta stage.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
+
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 __all__: list[str] = []
@@ -41,7 +46,7 @@ def replace(places: list[Place], new: torch.Tensor, old: torch.Tensor) -> None:
 
 
 def init_weights(
-    hf_part: nn.Module, device: torch.device, dtype: torch.dtype | None
+    hf_part: PreTrainedModel, device: torch.device, dtype: torch.dtype | None
 ) -> None:
     """Materialise meta tensors of a split HF model on ``device`` and run the
     model's own ``_init_weights`` on every submodule."""

@@ -90,7 +90,7 @@ class CausalLMLoss:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         self.ignore_index = ignore_index
         self.n_microbatches = n_microbatches
-        self.num_items_in_batch: int | None = None
+        self.num_items_in_batch: float | None = None
 
     def set_labels(
         self,
@@ -178,7 +178,11 @@ def sync_tied_gradients(
                     holders.append(p)
         if group is None and len(holders) < 2:
             continue
-        device = holders[0].device if holders else group_device(group)
+        if holders:
+            device = holders[0].device
+        else:  # no copy here: only with a group (skipped above without one)
+            assert group is not None
+            device = group_device(group)
         # float32 on every rank: ranks holding no copy do not know the loaded dtype
         total = torch.zeros(shape, dtype=torch.float32, device=device)
         for p in holders:
