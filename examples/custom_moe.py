@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_pipelining_ext  # noqa: F401  (patches torch.distributed.pipelining)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import ScheduleDualPipeV
 from torch_pipelining_ext import expert_parallel, launcher, overlap
 from torch_pipelining_ext.stage_split import (
@@ -248,7 +249,7 @@ def train_steps(
     """The steps of :func:`train`."""
     parts, schedule = build(mesh, ep_group, args.microbatches, sequential)
     optimizers = [torch.optim.SGD(p.parameters(), lr=LR) for p in parts]
-    data = launcher.data_parallel_mesh(mesh)
+    data = launcher.ParallelLayout.of(mesh).data_mesh
     mine = slice(
         data.get_local_rank() * args.microbatches * MICROBATCH_SIZE,
         (data.get_local_rank() + 1) * args.microbatches * MICROBATCH_SIZE,
@@ -290,7 +291,10 @@ def bitwise_equal(a: dict, b: dict) -> bool:
 
 def train_rank(rank: int, args: argparse.Namespace) -> dict | None:
     """One rank's work; rank 0 returns every rank's results gathered."""
-    mesh = launcher.device_mesh(pp=args.pp, dp=args.dp, ep=args.ep)
+    # the ranks (launcher.launch, or torchrun) as torch's ("pp", "dp", "ep") mesh
+    mesh = init_device_mesh(
+        "cpu", (args.pp, args.dp, args.ep), mesh_dim_names=("pp", "dp", "ep")
+    )
     ep_group = mesh["ep"].get_group() if args.ep > 1 else None
     if ep_group is not None:
         # the backward side of an overlapped action exchanges on a twin of
@@ -304,7 +308,7 @@ def train_rank(rank: int, args: argparse.Namespace) -> dict | None:
     )
     mine = {
         "ep_rank": mesh["ep"].get_local_rank(),
-        "data_rank": launcher.data_parallel_mesh(mesh).get_local_rank(),
+        "data_rank": launcher.ParallelLayout.of(mesh).data_mesh.get_local_rank(),
         **overlapped,
     }
     gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None

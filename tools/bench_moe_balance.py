@@ -5,7 +5,7 @@
 
 The demo's tiny MoE (``torch_pipelining_ext.demo.train.tiny_moe_config``:
 Qwen3-MoE by default, built from a transformers 5.x config) trained with
-``pipeline_hf_causal_lm`` on a ``("pp", "dp", "ep")`` mesh (``launcher.device_mesh``) and ``ScheduleDualPipeV``
+``pipeline_hf_causal_lm`` on a ``("pp", "dp", "ep")`` mesh (``launcher.parallel_layout``) and ``ScheduleDualPipeV``
 (the concurrent OVERLAP_F_B), loopback all-to-alls (no simulated link: the
 balancing adds compute, not communication).  One pipeline per mode, all from
 the same initial weights; round by round, in rotating order so that machine
@@ -112,7 +112,7 @@ def _worker(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
     from torch_pipelining_ext import hf, launcher
 
-    mesh = launcher.device_mesh(pp=args.pp, ep=args.ep)
+    mesh = launcher.parallel_layout(pp=args.pp, ep=args.ep).mesh
     ep_rank = mesh["ep"].get_local_rank()
     torch.manual_seed(args.seed)
     config = train.tiny_moe_config(args)

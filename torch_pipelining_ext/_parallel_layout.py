@@ -198,7 +198,7 @@ def _read_mesh(mesh: DeviceMesh, alone: str) -> ParallelLayout:
     if not names or names != tuple(n for n in MESH_DIM_NAMES if n in names):
         raise ValueError(
             f"the mesh's dimensions must be named from {MESH_DIM_NAMES} in that order "
-            f"(torch_pipelining_ext.launcher.device_mesh), got {names or mesh.ndim}"
+            f"(as torch_pipelining_ext.launcher.parallel_layout makes it), got {names or mesh.ndim}"
         )
 
     def dim(name: str) -> DeviceMesh | None:

@@ -9,7 +9,7 @@ gradients over the ranks that train on different data (``ep``, times ``dp``)
 and sums each expert's over its data-parallel replicas (see
 ``[Note: expert-parallel gradient reduction]``)::
 
-    mesh = launcher.device_mesh(pp=2, ep=2)
+    mesh = launcher.parallel_layout(pp=2, ep=2)  # or its .mesh
     ...
     schedule.step(inputs, target=labels, losses=losses)
     expert_parallel.reduce_expert_parallel_gradients(
@@ -67,8 +67,7 @@ def reduce_expert_parallel_gradients(
         modules: this rank's stage modules (or one module).
         mesh_or_group: the job's layout
             (:func:`torch_pipelining_ext.launcher.parallel_layout`) or mesh
-            (``("pp", "dp", "ep")`` of
-            :func:`torch_pipelining_ext.launcher.device_mesh`, or ``("pp",
+            (its ``("pp", "dp", "ep")`` ``mesh``, or ``("pp",
             "ep")``), a 1-D ``"ep"`` or ``"dp"`` mesh, or the expert-parallel
             ``ProcessGroup`` alone (no ``dp``); ``None``: one rank, nothing
             to do.

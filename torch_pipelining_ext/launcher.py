@@ -28,8 +28,10 @@ wherever a job is started (the trainer, the demo, the tools and the tests)::
     layout = launcher.parallel_layout(pp=2, dp=2, ep=2)  # 8 ranks
     stages, parts = hf.pipeline_hf_causal_lm(config, layout, ScheduleDualPipeV, device)
 
-:func:`device_mesh` is its mesh alone; every function that takes the layout
-takes its mesh too.
+Every function of the package that takes the layout takes its ``mesh`` too.
+:func:`device_mesh` and :func:`data_parallel_mesh` are deprecated:
+``parallel_layout(...).mesh`` and ``ParallelLayout.of(mesh).data_mesh`` are
+the same meshes.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import signal
 import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, IO, TypeVar
@@ -393,35 +396,39 @@ def parallel_layout(
 def device_mesh(
     pp: int = 1, dp: int = 1, ep: int = 1, *, device_type: str | None = None
 ) -> DeviceMesh:
-    """The job's ``("pp", "dp", "ep")`` :class:`~torch.distributed.device_mesh.DeviceMesh`:
-    ``parallel_layout(pp, dp, ep, device_type=device_type).mesh`` (see
-    :func:`parallel_layout`); its layout is kept, so passing the mesh is as
-    good as passing the layout.
-
-    ``mesh["pp"]``, ``mesh["dp"]`` and ``mesh["ep"]`` are this rank's pipeline,
-    data-parallel and expert-parallel dimensions.
+    """Deprecated: ``parallel_layout(pp, dp, ep, device_type=device_type).mesh``
+    (see :func:`parallel_layout`), which this returns; pass the layout itself
+    where a function takes the layout.
 
     Raises:
         ValueError: the layout does not fit the world (see :func:`layout_problem`).
     """
+    warnings.warn(
+        "torch_pipelining_ext.launcher.device_mesh is deprecated and will be removed: "
+        "use launcher.parallel_layout(pp, dp, ep) (the layout; its .mesh is this mesh)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     mesh = parallel_layout(pp, dp, ep, device_type=device_type).mesh
     assert mesh is not None
     return mesh
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ranks of ``mesh`` that train on different data, as one 1-D mesh:
-    its ``"dp"`` and ``"ep"`` dimensions flattened (``"dp_ep"``), or the one
-    of them it has (``ParallelLayout.of(mesh).data_mesh``).  Pass its group to
-    ``CausalLMLoss.set_labels`` and ``hf.expert_load``.
-
-    The first call for a mesh not made by :func:`device_mesh` with both
-    dimensions is a collective over the default process group (it makes the
-    flattened dimension's groups); later calls return the same mesh.
+    """Deprecated: ``ParallelLayout.of(mesh).data_mesh`` (or the ``data_mesh``
+    of the layout :func:`parallel_layout` made), which this returns: the ranks
+    of ``mesh`` that train on different data as one 1-D mesh.
 
     Raises:
         ValueError: ``mesh`` has neither a ``"dp"`` nor an ``"ep"`` dimension.
     """
+    warnings.warn(
+        "torch_pipelining_ext.launcher.data_parallel_mesh is deprecated and will be "
+        "removed: use launcher.ParallelLayout.of(mesh).data_mesh (or the data_mesh of "
+        "the layout launcher.parallel_layout made)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     data_mesh = ParallelLayout.of(mesh).data_mesh
     if data_mesh is None:
         raise ValueError(

@@ -217,7 +217,7 @@ def pipeline_hf_causal_lm(
             device, e.g. from :func:`meta_causal_lm`), or its config (then it
             is built with :func:`meta_causal_lm`).  It is not modified.
         pp_mesh_or_group: the job's layout or mesh (:mod:`~torch_pipelining_ext.launcher`'s
-            ``parallel_layout``, ``device_mesh``; a ``("pp", "ep")`` mesh too: expert parallelism
+            ``parallel_layout`` and its ``mesh``; a ``("pp", "ep")`` mesh too: expert parallelism
             where ``ep`` > 1), or the pipeline dimension alone (1-D ``DeviceMesh`` or ``ProcessGroup``).
         schedule: schedule class or name (decides loop- or V-style placement).
         device: device of the stages.
@@ -377,7 +377,7 @@ def fully_shard_replicated(
 
     The FSDP way to do what :func:`reduce_expert_parallel_gradients` does:
     ``mesh`` is the job's layout or mesh (``("pp", "dp", "ep")``: sharded over the
-    ``dp x ep`` ranks, :func:`torch_pipelining_ext.launcher.data_parallel_mesh`)
+    ``dp x ep`` ranks, the layout's ``data_mesh``)
     or its 1-D expert-parallel dimension.  The replicated parameters are
     sharded and their gradients averaged by FSDP's reduce-scatter; the
     experts stay local and every gradient they receive is divided by the

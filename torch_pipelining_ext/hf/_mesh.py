@@ -47,7 +47,7 @@ def stage_layout(
     # None: the default process group is the pipeline's (stage_split's rule)
     if layout.pipeline is None and pp_mesh_or_group is not None:
         raise ValueError(
-            "the mesh has no 'pp' dimension (torch_pipelining_ext.launcher.device_mesh "
+            "the mesh has no 'pp' dimension (torch_pipelining_ext.launcher.parallel_layout's "
             f"has ('pp', 'dp', 'ep')): got {layout.mesh and layout.mesh.mesh_dim_names}"
         )
     if ep_group is None:

@@ -51,10 +51,10 @@ class TrainerState(enum.Enum):
 def run_rank(rank: int, plan: RunPlan) -> dict[str, Any]:
     """Everything one rank does; returns (on rank 0) the run's summary."""
     device = rank_device(plan, rank)
-    mesh = launcher.device_mesh(
+    parallel = launcher.parallel_layout(
         plan.layout.pp, plan.layout.dp, plan.layout.ep, device_type=device.type
     )
-    trainer = Trainer(plan, mesh, device, rank)
+    trainer = Trainer(plan, parallel, device, rank)
     trainer.start()
     trainer.infer_shapes()
     trainer.train()
@@ -74,12 +74,16 @@ class Trainer:
     """A rank's run of a :class:`RunPlan` (see ``[Note: trainer state]``)."""
 
     def __init__(
-        self, plan: RunPlan, mesh: Any, device: torch.device, rank: int
+        self,
+        plan: RunPlan,
+        parallel: launcher.ParallelLayout,
+        device: torch.device,
+        rank: int,
     ) -> None:
         self.plan, self.args, self.rank = plan, plan.args, rank
         self.state = TrainerState.BUILDING
         self.checkpoints = _checkpoints.RunCheckpoints(self.args.run_dir)
-        self.pipe = Pipeline(plan, mesh, device, resuming=plan.resume is not None)
+        self.pipe = Pipeline(plan, parallel, device, resuming=plan.resume is not None)
         self.data = _data.Sequences(
             plan.stream, self.args.seq_len, self.args.seed, not self.args.no_shuffle
         )

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle
 
-from torch_pipelining_ext import hf, launcher
+from torch_pipelining_ext import hf
+from torch_pipelining_ext.launcher import ParallelLayout
 from torch_pipelining_ext.runtime import sequential_overlap_f_b
 from torch_pipelining_ext.train import _model, _state
 from torch_pipelining_ext.train._plan import RunPlan
@@ -62,21 +63,23 @@ class Pipeline:
     def __init__(
         self,
         plan: RunPlan,
-        mesh: Any,
+        parallel: ParallelLayout,
         device: torch.device,
         resuming: bool,
         *,
         overlap: bool | None = None,
     ) -> None:
-        """``overlap``: run OVERLAP_F_B concurrently (default: unless
+        """``parallel``: the job's layout (:func:`launcher.parallel_layout`);
+        ``overlap``: run OVERLAP_F_B concurrently (default: unless
         ``--no-overlap``)."""
         args = plan.args
-        self.plan, self.mesh, self.device = plan, mesh, device
-        self.data = launcher.data_parallel_mesh(mesh)
+        self.plan, self.parallel, self.device = plan, parallel, device
+        assert parallel.data_mesh is not None  # a built layout has one
+        self.data = parallel.data_mesh
         schedule_cls = getattr(pipelining, f"Schedule{args.schedule}")
         self.aux = args.router_aux_loss != "none"
         self.stages, self.parts = hf.pipeline_hf_causal_lm(
-            *_model_source(plan, resuming), mesh, schedule_cls, device,
+            *_model_source(plan, resuming), parallel, schedule_cls, device,
             activation_checkpointing=_CHECKPOINTING[args.activation_checkpointing],
             router_aux_loss=args.router_aux_loss if self.aux else None,
             router_aux_loss_coef=args.router_aux_loss_coef,
@@ -85,7 +88,7 @@ class Pipeline:
         for part in self.parts:
             part.train()  # (a model read with from_pretrained is in eval mode)
         if plan.layout.data_ranks > 1 and not args.no_fsdp:
-            hf.fully_shard_replicated(self.parts, mesh)  # FSDP2 over dp x ep
+            hf.fully_shard_replicated(self.parts, parallel)  # FSDP2 over dp x ep
         self.loss_fn = hf.CausalLMLoss(n_microbatches=args.microbatches)
         single = issubclass(schedule_cls, PipelineScheduleSingle)
         self.schedule = schedule_cls(
@@ -127,8 +130,8 @@ class Pipeline:
                 losses=losses,
             )
         if self.parts[0].tied_groups:
-            hf.sync_tied_gradients(self.parts, self.mesh["pp"].get_group())
-        hf.reduce_expert_parallel_gradients(self.parts, self.mesh)
+            hf.sync_tied_gradients(self.parts, self.parallel.pipeline)
+        hf.reduce_expert_parallel_gradients(self.parts, self.parallel)
         return losses
 
     def global_loss(self, losses: list[torch.Tensor]) -> float:
@@ -147,7 +150,7 @@ class Pipeline:
         learning rate and the step's expert load (``None``: a dense model)."""
         args = self.plan.args
         max_norm = args.max_grad_norm or math.inf  # 0: the norm, no clipping
-        norm = hf.clip_grad_norm_(self.parts, max_norm, mesh=self.mesh)
+        norm = hf.clip_grad_norm_(self.parts, max_norm, mesh=self.parallel)
         lr = self.optimizers[0].param_groups[0]["lr"]
         for optimizer in self.optimizers:
             optimizer.step()

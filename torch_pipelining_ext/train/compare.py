@@ -62,12 +62,14 @@ def run_rank(rank: int, plan: RunPlan) -> int:
     rank): 0 when both runs agree bitwise and with the reference, else 1."""
     args, layout = plan.args, plan.layout
     device = rank_device(plan, rank)
-    mesh = launcher.device_mesh(
+    parallel = launcher.parallel_layout(
         layout.pp, layout.dp, layout.ep, device_type=device.type
     )
     _state.seed_rank(args.seed, 0, rank)
     runs = {
-        mode: Pipeline(plan, mesh, device, resuming=False, overlap=mode == "overlap")
+        mode: Pipeline(
+            plan, parallel, device, resuming=False, overlap=mode == "overlap"
+        )
         for mode in MODES
     }
     data = _data.Sequences(plan.stream, args.seq_len, args.seed, not args.no_shuffle)

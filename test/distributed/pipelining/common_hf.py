@@ -2,7 +2,7 @@
 """Helpers shared by the multi-process tests of ``torch_pipelining_ext.hf``.
 
 * :class:`HFMultiProcTest` -- :class:`~common_pipelining.PipelineMultiProcTest`
-  with the job layouts of :func:`torch_pipelining_ext.launcher.device_mesh`
+  with the job layouts of :func:`torch_pipelining_ext.launcher.parallel_layout`
   (``self.layout(pp=2, ep=2)``: the ``("pp", "dp", "ep")`` mesh, made once per
   rank process and layout, as the trainer, the demo and the tools lay their
   ranks out), process groups over some of the ranks, a directory shared by
@@ -76,7 +76,7 @@ class HFMultiProcTest(PipelineMultiProcTest):
         rank calls it, in the same order: the first call is a collective)."""
         key = ("mesh", pp, dp, ep)
         if key not in self._meshes:
-            self._meshes[key] = launcher.device_mesh(pp=pp, dp=dp, ep=ep)
+            self._meshes[key] = launcher.parallel_layout(pp=pp, dp=dp, ep=ep).mesh
         return self._meshes[key]
 
     def group(self, ranks: list[int]) -> Any:
@@ -89,7 +89,7 @@ class HFMultiProcTest(PipelineMultiProcTest):
     def data_rank(self, mesh: Any) -> tuple[int, int]:
         """(this rank's index, number) among the ranks of ``mesh`` that train
         on different data (``dp x ep``)."""
-        data = launcher.data_parallel_mesh(mesh)
+        data = launcher.ParallelLayout.of(mesh).data_mesh
         return data.get_local_rank(), data.size()
 
     def local_batch(
@@ -146,7 +146,7 @@ class TrainingRun:
             torch.optim.AdamW(part.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
             for part in self.parts
         ]
-        self.data = launcher.data_parallel_mesh(mesh)
+        self.data = launcher.ParallelLayout.of(mesh).data_mesh
         self.has_last = any(s.is_last for s in self.stages)
 
     def local(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -353,17 +353,13 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         with self.assertRaisesRegex(
             ValueError, r"pp=3 x dp=1 x ep=1 needs 3 ranks, but the job has 4"
         ):
-            launcher.device_mesh(pp=3)
+            launcher.parallel_layout(pp=3)
         with self.assertRaisesRegex(
             ValueError, r"must be a positive integer, got dp=0"
         ):
-            launcher.device_mesh(pp=4, dp=0)
-        mesh = self.layout(pp=4)
-        with self.assertRaisesRegex(ValueError, "no 'dp' or 'ep' dimension"):
-            launcher.data_parallel_mesh(mesh["pp"])
-        self.assertEqual(
-            launcher.data_parallel_mesh(self.layout(pp=1, dp=2, ep=2)).size(), 4
-        )
+            launcher.parallel_layout(pp=4, dp=0)
+        data_mesh = launcher.ParallelLayout.of(self.layout(pp=1, dp=2, ep=2)).data_mesh
+        self.assertEqual(data_mesh.size(), 4)
         with self.assertRaisesRegex(
             ValueError, r"named from \('pp', 'dp', 'ep'\) in that order"
         ):

@@ -39,15 +39,28 @@ class ParallelLayoutTest(PipelineMultiProcTest):
         self.assertNotEqual(twin.group_name, layout.ep.group_name)
         self.assertEqual(_ranks(twin), _ranks(layout.ep))
         self.assertIs(overlap.twin_group(layout.ep), twin)
-        # read once: the mesh converts to the same object, and the old names agree
+        # read once: the mesh converts to the same object
         self.assertIs(ParallelLayout.of(layout.mesh), layout)
         self.assertIs(ParallelLayout.of(layout), layout)
-        self.assertIs(launcher.data_parallel_mesh(layout.mesh), layout.data_mesh)
+
+    def test_former_names_warn_and_agree(self) -> None:
+        with self.assertWarnsRegex(DeprecationWarning, "launcher.parallel_layout"):
+            mesh = launcher.device_mesh(pp=2, dp=1, ep=2)
+        layout = ParallelLayout.of(mesh)
+        self.assertEqual(mesh.mesh_dim_names, ("pp", "dp", "ep"))
+        self.assertIsNotNone(layout.ep_twin)  # built as parallel_layout builds it
+        with self.assertWarnsRegex(DeprecationWarning, r"ParallelLayout.of\(mesh\)"):
+            self.assertIs(launcher.data_parallel_mesh(mesh), layout.data_mesh)
+        with (
+            self.assertWarns(DeprecationWarning),
+            self.assertRaisesRegex(ValueError, "no 'dp' or 'ep' dimension"),
+        ):
+            launcher.data_parallel_mesh(mesh["pp"])
 
     def test_two_dimensional_mesh_reads_as_the_job_mesh(self) -> None:
-        """The demo's ("pp", "ep") mesh and device_mesh(pp=2, ep=2) have one layout."""
+        """A ("pp", "ep") mesh and parallel_layout(pp=2, ep=2) have one layout."""
         r = self.rank
-        job = ParallelLayout.of(launcher.device_mesh(pp=2, ep=2))
+        job = launcher.parallel_layout(pp=2, ep=2)
         demo = ParallelLayout.of(
             init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
         )
@@ -59,7 +72,7 @@ class ParallelLayoutTest(PipelineMultiProcTest):
             self.assertEqual(
                 layout.data_mesh.mesh.flatten().tolist(), _ranks(layout.ep)
             )
-        self.assertIsNotNone(job.ep_twin)  # device_mesh makes it, of() does not
+        self.assertIsNotNone(job.ep_twin)  # parallel_layout makes it, of() does not
         self.assertIsNone(demo.ep_twin)
         demo.make_ep_twin()
         self.assertEqual(_ranks(demo.ep_twin), _ranks(demo.ep))
@@ -89,8 +102,6 @@ class ParallelLayoutTest(PipelineMultiProcTest):
             ParallelLayout.of(misnamed)
         with self.assertRaisesRegex(ValueError, "needs 8 ranks, but the job has 4"):
             launcher.parallel_layout(pp=2, dp=2, ep=2)
-        with self.assertRaisesRegex(ValueError, "no 'dp' or 'ep' dimension"):
-            launcher.data_parallel_mesh(launcher.device_mesh(pp=4)["pp"])
 
     def test_stage_layout_of_separate_groups(self) -> None:
         """What pipeline_hf_causal_lm builds stages for: the pipeline dimension
@@ -99,7 +110,7 @@ class ParallelLayoutTest(PipelineMultiProcTest):
             from torch_pipelining_ext.hf._mesh import stage_layout
         except ImportError:
             self.skipTest("needs the hf extra")
-        mesh = launcher.device_mesh(pp=2, ep=2)
+        mesh = launcher.parallel_layout(pp=2, ep=2).mesh
         ep = mesh["ep"].get_group()
         for pipeline in (mesh["pp"], mesh["pp"].get_group()):
             layout = stage_layout(pipeline, ep)
