@@ -109,7 +109,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("selective", "full", "none"),
         default="selective",
         help="activation checkpointing (torchtitan's debug config has selective; under DualPipeV's "
-        "split backward it needs the package's checkpoint_split_backward patch, applied on torch 2.13+)",
+        "split backward it needs the package's checkpoint_split_backward patch)",
     )
     p.add_argument("--schedule", default="DualPipeV")
     p.add_argument(

@@ -79,8 +79,9 @@ def patch(strict: bool | None = None) -> list[PatchRecord]:
     every patch (as :func:`unpatch`) and raises :class:`PatchError` with the
     patch table.  Patches turned off by their environment variable
     (``disabled``) and patches whose probe recognised a torch they are not
-    written for (``unsupported``: what relies on them refuses to run, e.g.
-    selective checkpointing under split-backward schedules) are not refused.
+    written for (``unsupported``: what relies on them refuses to run or runs
+    as stock torch does, e.g. one recompute per parameter group in the weight
+    pass before torch 2.10) are not refused.
 
     Args:
         strict: fail closed; ``None`` reads ``$TORCH_PIPELINING_EXT_STRICT``

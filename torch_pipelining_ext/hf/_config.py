@@ -66,8 +66,8 @@ def check_checkpointing_schedule(mode: Any, schedule_cls: type) -> None:
         raise ValueError(
             f"selective activation checkpointing under {schedule_cls.__name__} needs the package's "
             f"{_SAC_PATCH} patch, which is {status}: the schedule runs two backward passes (input, then "
-            "weight) over each region, which stock torch cannot recompute twice (it raises, or before torch 2.13 "
-            "computes wrong gradients). "
+            "weight) over each region, which stock torch cannot recompute twice (it raises, or with a weight used twice on "
+            "one path computes wrong gradients). "
             "Use activation_checkpointing='full', a schedule with full backwards, or leave the patch on "
             "(python -m torch_pipelining_ext shows its status)"
         )

@@ -361,7 +361,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("none", "full", "deepseek"),
         help="full activation checkpointing (no value or 'full'), or 'deepseek': recompute RMSNorm "
         "and the MLA up-projections only (selective checkpointing at run time: under split-backward "
-        "schedules it needs torch 2.13+)",
+        "schedules it needs the package's checkpoint_split_backward patch)",
     )
     p.add_argument(
         "--fp8",

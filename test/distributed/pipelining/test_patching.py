@@ -59,7 +59,7 @@ split_backward_weight                A    A    A    A    U    U    U
 split_backward_non_tensor_inputs     A    A    A    A    U    U    U
 overlap_f_b                          A    A    A    A    A    A    A
 stage_split                          A    A    A    A    A    A    A
-checkpoint_split_backward            N    N    ?    N    A    A    A
+checkpoint_split_backward            A    A    ?    A    A    A    A
 checkpoint_weight_pass_recompute     N    A    ?    A    A    A    A
 """
 
