@@ -93,40 +93,67 @@ def main(
     environ = os.environ if environ is None else environ
     parser = build_parser()
     args = parser.parse_args(argv)
-    quiet = launcher.under_torchrun(environ) and environ.get("RANK") != "0"
+    torchrun = launcher.under_torchrun(environ)
+    quiet = torchrun and environ.get("RANK") != "0"
+    lock = None
     try:
-        plan = make_plan(args, check_options(args, environ))
+        layout = check_options(args, environ)
+        # [Note: the run-directory lock] (_checkpoints.py); [Note: torchrun and the
+        # run-directory lock]
+        if not (args.compare_sequential or torchrun):
+            lock = _checkpoints.lock_run_dir(args.run_dir)
+            if lock is None:
+                raise UsageError(
+                    f"another run uses --run-dir {args.run_dir} (it holds "
+                    f"{os.path.join(args.run_dir, _checkpoints.LOCK_FILE)}): wait for "
+                    "it to end, or pass another --run-dir"
+                )
+        plan = make_plan(args, layout)
     except (UsageError, DataError) as e:
+        if lock is not None:
+            lock.discard()
         if not quiet:  # under torchrun rank 0 alone explains
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    except BaseException:
+        if lock is not None:
+            lock.discard()
+        raise
     try:
         if args.compare_sequential:
             return _launch(compare.run_rank, plan)
-        return _train(plan, parser.prog, environ)
+        return _train(plan)
     except launcher.RankFailedError as e:
         print(f"{parser.prog}: {e}", file=sys.stderr)
         return 1
     finally:
+        if lock is not None:
+            lock.close()
         if plan.temporary_run_dir:
             shutil.rmtree(args.run_dir, ignore_errors=True)
 
 
-def _train(plan: RunPlan, prog: str, environ: Mapping[str, str]) -> int:
-    """The training run of ``plan``: the run directory locked, the summary printed."""
-    torchrun = launcher.under_torchrun(environ)
-    lock = None if torchrun else _checkpoints.lock_run_dir(plan.args.run_dir)
-    if lock is None and not torchrun:
-        print(
-            f"{prog}: error: another run uses --run-dir {plan.args.run_dir}",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        summary = _launch(_loop.run_rank, plan)
-    finally:
-        if lock is not None:
-            lock.close()
+# [Note: torchrun and the run-directory lock]
+# Under torchrun no rank takes the run-directory lock.  The lock is a flock
+# held by one process for the whole job (the launching process, whose forked
+# ranks share it); a torchrun job has no such process: each agent starts its
+# node's ranks as processes of their own, on machines that share the run
+# directory over a network file system, where flock is emulated or missing
+# (NFS maps it to a byte-range lock, Lustre needs -o flock).  A lock taken by
+# rank 0 alone would refuse rank 0 while the other ranks wait for it in the
+# rendezvous; telling them needs the process group, after every rank's
+# checks.  So under torchrun the scheduler that starts the job keeps two jobs
+# off one run directory, and every rank plans the run on its own as before:
+# make_plan removes a run directory it created when a check refuses the run
+# (every rank refuses the same command), so a refused command still writes
+# nothing.
+
+
+def _train(plan: RunPlan) -> int:
+    """The training run of ``plan`` (its run directory locked by
+    :func:`main` unless under torchrun: ``[Note: torchrun and the
+    run-directory lock]``); the summary printed."""
+    summary = _launch(_loop.run_rank, plan)
     if summary:
         _print_summary(summary)
     return 0

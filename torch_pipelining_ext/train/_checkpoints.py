@@ -9,13 +9,14 @@ partial checkpoint :meth:`begin` made, with ``hf.save_checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import IO
 
 
 __all__: list[str] = []
@@ -142,19 +143,94 @@ class RunCheckpoints:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def lock_run_dir(run_dir: str) -> Any:
-    """Hold ``run_dir/.lock`` for this job (an exclusive ``flock``, inherited
-    by the local ranks, released when the last of them exits); ``None`` if
-    another job holds it."""
-    import fcntl
+# [Note: the run-directory lock]
+# A training run started by the package's launcher holds run_dir/.lock (an
+# exclusive flock on one open file description, which the forked ranks
+# inherit: the kernel releases it when the launching process and every rank
+# have exited, also after SIGKILL).  It is taken first, right after the
+# flags are checked (nothing read or written yet) and before the slow checks
+# of _plan.make_plan (config, tokenizer, the meta model, the checkpoint to
+# resume: over ten seconds), so that a second run on the same directory is
+# refused at once, and before any other check could refuse it for another
+# reason.  To lock the directory it must exist: acquire creates it (and any
+# missing parent) and remembers the topmost directory it created and whether
+# it created the lock file; a run that is then refused by a later check calls
+# discard(), which removes exactly those, so a refused command leaves the
+# file system as it found it (a directory or .lock that existed before stays).
+# The lock file is unlinked while it is still locked, so a run that opened the
+# old file in the meantime could lock an unlinked file while a third locks a
+# new one: acquire therefore checks, once it holds the lock, that the path
+# still names the file it locked, and starts over otherwise.
+LOCK_FILE = ".lock"
 
-    f = open(os.path.join(run_dir, ".lock"), "w")  # noqa: SIM115  (held for the run)
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    return f
+
+class RunDirLock:
+    """This job's hold on ``run_dir/.lock`` (``[Note: the run-directory lock]``)."""
+
+    def __init__(
+        self, run_dir: str, file: IO[str], created: str | None, created_file: bool
+    ) -> None:
+        self.run_dir = run_dir
+        self.file: IO[str] | None = file
+        self.created = created  # the topmost directory acquire created
+        self.created_file = created_file
+
+    @classmethod
+    def acquire(cls, run_dir: str) -> RunDirLock | None:
+        """Create ``run_dir`` if needed and hold its lock; ``None`` if another
+        job holds it (then nothing was created)."""
+        import fcntl
+
+        created = first_missing(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, LOCK_FILE)
+        while True:
+            created_file = not os.path.exists(path)
+            f = open(path, "a")  # noqa: SIM115  (held for the run)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                return None  # the holder made the directory and file: keep them
+            try:
+                same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                logger.debug("locked %s (created %s)", path, created)
+                return cls(run_dir, f, created, created_file)
+            f.close()  # a refused run removed the file we opened: again
+
+    def close(self) -> None:
+        """Release the lock (the file stays, for the next run)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def discard(self) -> None:
+        """Release the lock and remove what :meth:`acquire` created (the run
+        was refused): the directories it made, else the lock file it made."""
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+        elif self.created_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.run_dir, LOCK_FILE))
+        self.close()
+
+
+def lock_run_dir(run_dir: str) -> RunDirLock | None:
+    """Hold ``run_dir/.lock`` for this job (:meth:`RunDirLock.acquire`);
+    ``None`` if another job holds it."""
+    return RunDirLock.acquire(run_dir)
+
+
+def first_missing(path: str) -> str | None:
+    """The topmost directory of ``path`` that does not exist (``None``: it does)."""
+    path = os.path.abspath(path)
+    missing = None
+    while not os.path.exists(path):
+        missing, path = path, os.path.dirname(path)
+    return missing
 
 
 def _sync_directory(path: str) -> None:

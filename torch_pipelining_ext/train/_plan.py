@@ -29,10 +29,12 @@ __all__: list[str] = []
 # Every check that needs no file of the run comes first (``_options.py``:
 # the flags; here: the config, the tokenizer, the token file, the meta model,
 # the checkpoint to resume), and the run directory is created only when they
-# all passed.  Writing the data (text tokenized, or synthetic sequences) is
+# all passed (a training run that main locked has its run directory already:
+# ``[Note: the run-directory lock]`` in _checkpoints.py; what that created,
+# main removes).  Writing the data (text tokenized, or synthetic sequences) is
 # the one step that must come before the last check (whether the data holds one step's batch): if that check fails,
-# the run directory is removed again when this call created it, so a refused
-# command leaves the file system as it found it.  A comparison without
+# the run directory is removed again when this call created it (else what it
+# wrote into data/), so a refused command leaves the file system as it found it.  A comparison without
 # --run-dir keeps its data in a temporary directory, removed after the run.
 
 
@@ -64,9 +66,9 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
         resume = _resume_point(args, config)
         if args.run_dir is None:  # --compare-sequential
             args.run_dir = tempfile.mkdtemp(prefix="torch_pipelining_ext_compare_")
-            temporary = created = True
-        else:
-            temporary, created = False, not os.path.isdir(args.run_dir)
+            temporary, created = True, args.run_dir
+        else:  # main locked (and made) it first, unless under torchrun
+            temporary, created = False, _checkpoints.first_missing(args.run_dir)
             os.makedirs(args.run_dir, exist_ok=True)
     except (_data.DataError, UsageError):
         raise
@@ -76,8 +78,9 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
         ) from e
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from e
+    data = os.path.join(args.run_dir, "data")
+    had = set(os.listdir(data)) if os.path.isdir(data) else None
     try:
-        data = os.path.join(args.run_dir, "data")
         if args.synthetic_data:
             sequences = args.steps * args.batch_size  # one epoch: the whole run
             stream = _data.synthetic_stream(
@@ -96,10 +99,26 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
         )
         _check_data_size(plan)
     except BaseException:
-        if created:
-            shutil.rmtree(args.run_dir, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        else:  # only what this call wrote into a run directory that existed
+            _remove_new(data, had)
         raise
     return plan
+
+
+def _remove_new(directory: str, had: set[str] | None) -> None:
+    """Remove ``directory`` if it was missing (``had`` is ``None``), else its
+    entries that are not in ``had``."""
+    if had is None:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for name in set(os.listdir(directory)) - had if os.path.isdir(directory) else ():
+        path = os.path.join(directory, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
 
 
 def _token_file(args: argparse.Namespace, tokenizer: Any) -> _data.TokenStream | None:
