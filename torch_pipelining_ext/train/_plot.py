@@ -53,6 +53,15 @@ def plot_run(records: Sequence[dict[str, Any]], path: str, title: str) -> bool:
                 marker="o" if field == "eval_perplexity" else None,
                 markersize=3,
             )
+        else:
+            ax.text(
+                0.5,
+                0.5,
+                "no MoE layer",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
         if field == "loss" and evaluated:
             held = [
                 (s, r["eval_loss"])
@@ -63,15 +72,6 @@ def plot_run(records: Sequence[dict[str, Any]], path: str, title: str) -> bool:
                 *zip(*held), linewidth=1.2, marker="o", markersize=3, label="held out"
             )
             ax.legend(fontsize=8)
-        else:
-            ax.text(
-                0.5,
-                0.5,
-                "no MoE layer",
-                ha="center",
-                va="center",
-                transform=ax.transAxes,
-            )
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")

@@ -453,17 +453,41 @@ class TrainEvalPartsTest(_RunDirTest):
             self.assertIsNone(why)
 
     def test_plot_with_evaluation(self) -> None:
+        """The loss panel draws the held-out loss too; a perplexity panel is
+        added; no panel says "no MoE layer" when every record has a load."""
         if importlib_missing("matplotlib"):
             self.skipTest("matplotlib is not installed")
+        import matplotlib.axes
+
         records = [
             {"step": s, "loss": 3.0 - s / 10, "grad_norm": 1.0, "tokens_per_s": 100.0,
-             "imbalance": None, "eval_loss": (3.1 - s / 10) if s % 2 == 0 else None,
+             "imbalance": 1.5, "eval_loss": (3.1 - s / 10) if s % 2 == 0 else None,
              "eval_perplexity": math.exp(3.1 - s / 10) if s % 2 == 0 else None}
             for s in range(1, 5)
         ]  # fmt: skip
+        drawn: list[tuple[str, list[float]]] = []
+        texts: list[str] = []
+        plot, text = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.text
+
+        def spy_plot(ax: Any, *args: Any, **kwargs: Any) -> Any:
+            drawn.append((ax.get_ylabel(), list(args[1])))
+            return plot(ax, *args, **kwargs)
+
+        def spy_text(ax: Any, x: float, y: float, s: str, **kwargs: Any) -> Any:
+            texts.append(s)
+            return text(ax, x, y, s, **kwargs)
+
         path = os.path.join(self.tmp(), "p.png")
-        self.assertTrue(_plot.plot_run(records, path, "t"))
+        with (
+            mock.patch.object(matplotlib.axes.Axes, "plot", spy_plot),
+            mock.patch.object(matplotlib.axes.Axes, "text", spy_text),
+        ):
+            self.assertTrue(_plot.plot_run(records, path, "t"))
         self.assertGreater(os.path.getsize(path), 1000)
+        self.assertEqual(texts, [])
+        self.assertEqual(len(drawn), 6)  # 5 panels, the loss panel twice
+        self.assertIn([2.9, 2.7], [values for _, values in drawn])  # held-out losses
+        self.assertEqual(drawn[-1][1], [math.exp(2.9), math.exp(2.7)])
 
 
 def importlib_missing(name: str) -> bool:
