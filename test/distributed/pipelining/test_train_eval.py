@@ -14,7 +14,8 @@ TensorBoard, peak memory and the run's configuration.
   comparison in PP=2 x EP=2 (DualPipeV, concurrent OVERLAP_F_B) with
   DeepSeek-V3's bias update and a router auxiliary loss, and in PP=1 x DP=2
   x EP=2 (FSDP2); a run resumed from its checkpoint evaluates the same
-  numbers bitwise as the uninterrupted one.
+  numbers bitwise as the uninterrupted one, its TensorBoard events purged
+  after the checkpoint (one event per step and tag).
 * Pieces (``TrainEvalPartsTest``): the held-out split, the flags' checks,
   TensorBoard's tags, the memory probe, the git revision, the plot.
 """
@@ -126,6 +127,21 @@ class _RunDirTest(TestCase):
                 self.assertEqual(repr(a[key]), repr(b[key]), f"step {a['step']}: {key}")
             self.assertIsNone(a["eval_loss"])
 
+    def check_tensorboard(self, tb: str, records: list[dict[str, Any]]) -> None:
+        events = EventAccumulator(tb, size_guidance={"scalars": 0})
+        events.Reload()
+        want: dict[str, list[tuple[int, float]]] = {}
+        for r in records:
+            for tag, value in _runlog.scalars(r).items():
+                want.setdefault(tag, []).append((r["step"], float(np.float32(value))))
+        self.assertIn("loss", want)
+        self.assertIn("eval_loss", want)
+        self.assertIn("peak_rss_mib/1", want)
+        self.assertEqual(sorted(events.Tags()["scalars"]), sorted(want))
+        for tag, points in want.items():
+            got = [(e.step, e.value) for e in events.Scalars(tag)]
+            self.assertEqual(got, points, tag)
+
     def assert_eval_steps(
         self, records: list[dict[str, Any]], every: int, steps: int
     ) -> None:
@@ -202,7 +218,7 @@ class TrainEvalTest(_RunDirTest):
             self.assertIsNone(r["peak_device_mib"])
 
         if HAS_TENSORBOARD:  # the test extra has it
-            self._check_tensorboard(tb, records)
+            self.check_tensorboard(tb, records)
         self._check_config(run_dir, argv)
         self.assertTrue(os.path.isfile(os.path.join(run_dir, "training.png")))
         self.assertFalse(os.path.exists(os.path.join(plain, "tb")))
@@ -213,21 +229,6 @@ class TrainEvalTest(_RunDirTest):
             self.assertEqual(rc, 2, err)
             self.assertIn("sequences held out for evaluation", err)
         self.assertEqual(metrics(run_dir), records)  # nothing of the run changed
-
-    def _check_tensorboard(self, tb: str, records: list[dict[str, Any]]) -> None:
-        events = EventAccumulator(tb, size_guidance={"scalars": 0})
-        events.Reload()
-        want: dict[str, list[tuple[int, float]]] = {}
-        for r in records:
-            for tag, value in _runlog.scalars(r).items():
-                want.setdefault(tag, []).append((r["step"], float(np.float32(value))))
-        self.assertIn("loss", want)
-        self.assertIn("eval_loss", want)
-        self.assertIn("peak_rss_mib/1", want)
-        self.assertEqual(sorted(events.Tags()["scalars"]), sorted(want))
-        for tag, points in want.items():
-            got = [(e.step, e.value) for e in events.Scalars(tag)]
-            self.assertEqual(got, points, tag)
 
     def _check_config(self, run_dir: str, argv: list[str]) -> None:
         with open(os.path.join(run_dir, "config.json")) as f:
@@ -320,14 +321,19 @@ class TrainEvalSlowTest(_RunDirTest):
             "--model", model, *text_flags(), *_TINY, "--ep", "2", "--steps", "4",
             "--eval-batches", "1", "--eval-every", "2", "--checkpoint-every", "2",
         ]  # fmt: skip
-        rc, err = run_main(*argv, "--run-dir", whole)
+        tb = ["--tensorboard", os.path.join(whole, "tb")] if HAS_TENSORBOARD else []
+        rc, err = run_main(*argv, *tb, "--run-dir", whole)
         self.assertEqual(rc, 0, err)
         resumed = os.path.join(root, "resumed")
         shutil.copytree(whole, resumed)
         shutil.rmtree(os.path.join(resumed, "checkpoints", "step-00000004"))
-        rc, err = run_main(*argv, "--run-dir", resumed)
+        if tb:  # the copied events of steps 3 and 4 are purged on resume
+            tb = ["--tensorboard", os.path.join(resumed, "tb")]
+        rc, err = run_main(*argv, *tb, "--run-dir", resumed)
         self.assertEqual(rc, 0, err)
         a, b = metrics(whole), metrics(resumed)
+        if tb:
+            self.check_tensorboard(tb[1], b)
         self.assertEqual([r["step"] for r in b], [1, 2, 3, 4])
         for x, y in zip(a, b):
             for key in (*_COMPARED, *_EVAL_FIELDS):
