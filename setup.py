@@ -40,11 +40,15 @@ setup(
             "hypothesis",
             "numpy",
             "matplotlib",
+            # the trainer's --tensorboard test
+            "tensorboard",
             "ruff==0.17.6",
             # tools/typecheck.sh; reads torch's inline types (torch 2.9-2.15)
             "mypy==2.4.1",
         ],
         "plot": ["matplotlib"],
+        # python -m torch_pipelining_ext.train --tensorboard DIR
+        "tensorboard": ["tensorboard"],
         # torch_pipelining_ext.hf; tested with transformers 4.57 (the last 4.x line) and 5.x
         "hf": ["transformers>=4.57,<6", "safetensors>=0.4"],
     },

@@ -40,6 +40,19 @@ logger = logging.getLogger(__name__)
 # from the position on, and data rank d of D takes the d-th of D equal
 # blocks of them.  So a checkpoint's position means the same in any layout,
 # and a resumed run reads exactly what the uninterrupted one would have.
+#
+# [Note: held-out data]
+# --eval-batches K holds out the stream's last K x --batch-size sequences
+# (in file order, never shuffled): training reads the sequences before them
+# only, so the training data depends on K and --batch-size, never on
+# --eval-every -- a run that evaluates trains on exactly the sequences, in
+# exactly the order, of one that holds the same part out and does not.
+# Without --eval-batches nothing is held out and the data is what it always
+# was.  Evaluation batch j (0-based) is the j-th block of --batch-size
+# held-out sequences, shared over the data ranks as a training batch is, so
+# an evaluation means the same in every layout.  A checkpoint's trainer.json
+# records the held-out count and a resume with another is refused
+# (_eval.check_plan): the split of a run directory never changes.
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
@@ -280,13 +293,15 @@ class Sequences:
     seq_len: int
     seed: int
     shuffle: bool
+    held_out: int = 0  # the last sequences, for evaluation ([Note: held-out data])
 
     def __post_init__(self) -> None:
-        self.num_sequences = self.stream.num_tokens // self.seq_len
-        if self.num_sequences == 0:
+        self.num_sequences = self.stream.num_tokens // self.seq_len - self.held_out
+        if self.num_sequences <= 0:
             raise DataError(
                 f"the data holds {self.stream.num_tokens} tokens, fewer than one sequence of "
                 f"--seq-len {self.seq_len}"
+                + (f" besides the {self.held_out} held out" if self.held_out else "")
             )
         self._ids = self.stream.open()
         self._order: tuple[int, torch.Tensor] | None = None
@@ -313,3 +328,18 @@ class Sequences:
             start = self.sequence_index(first + i) * self.seq_len
             out[i] = self._ids[start : start + self.seq_len]
         return torch.from_numpy(out)
+
+    def held_out_batch(
+        self, index: int, batch_size: int, rank: int, ranks: int
+    ) -> torch.Tensor:
+        """Data rank ``rank`` of ``ranks``: its block of held-out batch
+        ``index`` (``[Note: held-out data]``), ``[batch_size / ranks, seq_len]``."""
+        if (index + 1) * batch_size > self.held_out:
+            raise IndexError(
+                f"held-out batch {index} of {batch_size} sequences: only {self.held_out} are held out"
+            )
+        rows = batch_size // ranks
+        first = self.num_sequences + index * batch_size + rank * rows
+        start, stop = first * self.seq_len, (first + rows) * self.seq_len
+        out = np.asarray(self._ids[start:stop], dtype=np.int64)
+        return torch.from_numpy(out.reshape(rows, self.seq_len))

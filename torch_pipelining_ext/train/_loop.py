@@ -22,7 +22,15 @@ import torch
 import torch.distributed as dist
 
 from torch_pipelining_ext import hf, launcher
-from torch_pipelining_ext.train import _checkpoints, _data, _metrics, _plot, _state
+from torch_pipelining_ext.train import (
+    _checkpoints,
+    _data,
+    _eval,
+    _metrics,
+    _plot,
+    _runlog,
+    _state,
+)
 from torch_pipelining_ext.train._plan import RunPlan
 from torch_pipelining_ext.train._pipeline import Pipeline
 
@@ -85,8 +93,16 @@ class Trainer:
         self.checkpoints = _checkpoints.RunCheckpoints(self.args.run_dir)
         self.pipe = Pipeline(plan, parallel, device, resuming=plan.resume is not None)
         self.data = _data.Sequences(
-            plan.stream, self.args.seq_len, self.args.seed, not self.args.no_shuffle
+            plan.stream, self.args.seq_len, self.args.seed, not self.args.no_shuffle,
+            held_out=_eval.held_out_sequences(self.args),
+        )  # fmt: skip
+        self.evaluator = (
+            _eval.Evaluator(self.pipe, self.data, self.args.eval_batches)
+            if self.args.eval_every
+            else None
         )
+        self.memory = _runlog.MemoryProbe(device)
+        self.tensorboard: _runlog.TensorBoardLog | None = None
         self.step = 0
         self.position = 0
         self.layout = f"pp{plan.layout.pp}_dp{plan.layout.dp}_ep{plan.layout.ep}"
@@ -113,6 +129,11 @@ class Trainer:
                 self.checkpoints.clear()
             self.checkpoints.prune(self.args.keep)  # leftovers of a crash
             self.metrics = _metrics.MetricsLog(self.args.run_dir, self.step)
+            _runlog.write_config(self.plan, self.step)  # [Note: run configuration]
+            if self.args.tensorboard:
+                self.tensorboard = _runlog.TensorBoardLog(
+                    self.args.tensorboard, self.step
+                )
             self._log_start()
             self.progress = _metrics.Progress(
                 self.args.steps, self.step, not self.args.no_progress
@@ -160,7 +181,9 @@ class Trainer:
             + f"), {plan.layout.world_size} ranks pp={plan.layout.pp} x dp={plan.layout.dp} x ep={plan.layout.ep}, Schedule{args.schedule}"
             + (" (overlap off)" if args.no_overlap else "")
             + f", {args.microbatches} microbatches, {args.dtype}; data: {plan.stream.num_tokens:,} tokens, "
-            f"{self.data.num_sequences:,} sequences of {args.seq_len}; {what}",
+            f"{self.data.num_sequences:,} sequences of {args.seq_len}"
+            + (f" ({self.data.held_out:,} more held out)" if self.data.held_out else "")
+            + f"; {what}",
             flush=True,
         )
         if self.step >= args.steps:
@@ -199,20 +222,44 @@ class Trainer:
         self._enter(TrainerState.TRAINING)
         every = self.args.checkpoint_every
         while self.step < self.args.steps:
+            self.memory.start_step()
             start = time.perf_counter()
             losses = self.pipe.forward_backward(self._batch())
             norm, lr, load = self.pipe.update()
             self.step += 1
             self.position += self.args.batch_size
             loss = self.pipe.global_loss(losses)
-            self._record(loss, norm, lr, load, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            extra: dict[str, Any] = self.memory.gather()  # [Note: peak memory]
+            if self._evaluating():
+                result = self.evaluate()
+                extra.update(eval_loss=result.loss, eval_perplexity=result.perplexity)
+            self._record(loss, norm, lr, load, seconds, extra)
             if every and self.step % every == 0 and self.step < self.args.steps:
                 self.save()
         if self.plan.resume is None or self.step != self.plan.resume.step:
             self.save()  # the last step's checkpoint: nothing of the run lost
 
+    def _evaluating(self) -> bool:
+        """Whether this step (just done) ends with an evaluation: every
+        ``--eval-every`` steps and after the last; always after a training
+        step of this process (``[Note: evaluation leaves training alone]``)."""
+        every = self.args.eval_every
+        return bool(every) and (self.step % every == 0 or self.step == self.args.steps)
+
+    def evaluate(self) -> _eval.EvalResult:
+        """The held-out loss of the weights of this step (every rank)."""
+        assert self.evaluator is not None  # --eval-every
+        return self.evaluator.evaluate()
+
     def _record(
-        self, loss: float, norm: float, lr: float, load: Any, seconds: float
+        self,
+        loss: float,
+        norm: float,
+        lr: float,
+        load: Any,
+        seconds: float,
+        extra: dict[str, Any],
     ) -> None:
         if self.rank != 0:
             return
@@ -225,9 +272,12 @@ class Trainer:
             imbalance=None if load is None else float(load.imbalance().max()),
             data_position=self.position,
             eta_s=(self.args.steps - self.step) * sum(self.times) / len(self.times),
+            **extra,
         )  # fmt: skip
         assert self.metrics is not None and self.progress is not None  # rank 0: start()
-        self.metrics.append(record)
+        values = self.metrics.append(record)
+        if self.tensorboard is not None:
+            self.tensorboard.append(values)
         self.progress.update(record, self.args.steps)
 
     # -- checkpoints ---------------------------------------------------------
@@ -267,6 +317,7 @@ class Trainer:
             },
             "model_type": self.plan.config.model_type,
             "schedule": self.args.schedule,
+            **_eval.checkpoint_info(self.args),  # [Note: held-out data]
         }
         with open(os.path.join(path, "trainer.json"), "w") as f:
             json.dump(info, f, indent=1)
@@ -284,6 +335,8 @@ class Trainer:
             return {}
         assert self.metrics is not None and self.progress is not None  # rank 0: start()
         self.progress.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         records = self.metrics.records
         png = os.path.join(self.args.run_dir, _plot.PLOT_FILE)
         drawn = _plot.plot_run(records, png, self._title())

@@ -35,6 +35,12 @@ class StepRecord:
     imbalance: float | None  # max / mean tokens per expert, the worst MoE layer
     data_position: int  # sequences consumed by the run after this step
     eta_s: float  # the rest of the run at the recent steps' pace
+    # --eval-every: the held-out batches' loss and its exponential (steps it ran)
+    eval_loss: float | None = None
+    eval_perplexity: float | None = None
+    # each rank's peak resident set and (CUDA) device memory of the step, MiB
+    peak_rss_mib: list[float] | None = None
+    peak_device_mib: list[float] | None = None
 
     def line(self, steps: int) -> str:
         """The step's log line."""
@@ -49,6 +55,14 @@ class StepRecord:
         ]
         if self.imbalance is not None:
             parts.append(f"expert imbalance {self.imbalance:.2f}")
+        if self.eval_loss is not None and self.eval_perplexity is not None:
+            parts.append(
+                f"eval loss {self.eval_loss:.4f} ppl {self.eval_perplexity:,.2f}"
+            )
+        if self.peak_rss_mib:
+            parts.append(f"peak rss {max(self.peak_rss_mib):,.0f} MiB")
+        if self.peak_device_mib:
+            parts.append(f"peak device {max(self.peak_device_mib):,.0f} MiB")
         parts.append(f"eta {_duration(self.eta_s)}")
         return "  ".join(parts)
 
@@ -89,11 +103,13 @@ class MetricsLog:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         os.replace(partial, self.path)
 
-    def append(self, record: StepRecord) -> None:
+    def append(self, record: StepRecord) -> dict[str, Any]:
+        """Write ``record``; returns it as written."""
         values = dataclasses.asdict(record)
         self.records.append(values)
         with open(self.path, "a") as f:
             f.write(json.dumps(values) + "\n")
+        return values
 
 
 class Progress:

@@ -114,6 +114,11 @@ _FLAGS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
         ("--timeout", dict(type=float, default=600.0, help="seconds a collective may wait for its peers")),
         ("--no-progress", dict(action="store_true", help="no progress bar (the step lines stay)")),
     ),
+    "evaluation and logs": (
+        ("--eval-every", dict(type=int, metavar="N", help="evaluate on the held-out data every N steps and after the last (needs --eval-batches)")),
+        ("--eval-batches", dict(type=int, metavar="K", help="hold out the data's last K x --batch-size sequences for evaluation (training never reads them, evaluating or not); default: none")),
+        ("--tensorboard", dict(metavar="DIR", help="also write metrics.jsonl's scalars as TensorBoard events there (optional package tensorboard)")),
+    ),
     "comparison": (
         ("--compare-sequential", dict(action="store_true", help="train every step twice from the same weights, with the concurrent OVERLAP_F_B of ScheduleDualPipeV and with the sequential one (what stock torch runs), and the unsplit model on the global batch: a table of both, exit status 1 unless their losses and weights are bitwise equal and the unsplit model's losses equal within float rounding; no checkpoints")),
         ("--comm-latency-ms", dict(type=float, metavar="L", help="simulated link: L ms per token all-to-all, forward and backward (default: one layer's local expert compute, measured at start-up; 0: loopback only)")),
@@ -178,6 +183,7 @@ def check_options(
         if path is not None:
             _check_creatable(flag, path)
     _check_export(args)
+    _check_eval_and_logs(args)
     return layout
 
 
@@ -334,3 +340,29 @@ def _check_export(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--export {export} exists and is not empty: pass --overwrite-export to replace it, or another directory"
         )
+
+
+def _check_eval_and_logs(args: argparse.Namespace) -> None:
+    """--eval-every, --eval-batches, --tensorboard."""
+    for name in ("eval_every", "eval_batches"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"{_flag(name)} must be at least 1, got {value}")
+    if args.eval_every is not None and args.eval_batches is None:
+        raise UsageError(
+            "--eval-every needs --eval-batches K: the held-out data, the last K x --batch-size sequences"
+        )
+    if args.compare_sequential and (
+        args.eval_every or args.eval_batches or args.tensorboard
+    ):
+        raise UsageError(
+            "--compare-sequential neither evaluates nor logs to TensorBoard: drop --eval-every, "
+            "--eval-batches and --tensorboard"
+        )
+    if args.tensorboard is not None:
+        _check_creatable("--tensorboard", args.tensorboard)
+        from torch_pipelining_ext.train._runlog import check_tensorboard
+
+        problem = check_tensorboard(args)
+        if problem is not None:
+            raise UsageError(problem)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_pipelining_ext import hf
-from torch_pipelining_ext.train import _checkpoints, _data, _model
+from torch_pipelining_ext.train import _checkpoints, _data, _eval, _model
 from torch_pipelining_ext.train._options import Layout, SYNTHETIC_VOCAB, UsageError
 
 
@@ -82,7 +82,8 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
     had = set(os.listdir(data)) if os.path.isdir(data) else None
     try:
         if args.synthetic_data:
-            sequences = args.steps * args.batch_size  # one epoch: the whole run
+            # one epoch: the whole run, and the held-out part after it
+            sequences = args.steps * args.batch_size + _eval.held_out_sequences(args)
             stream = _data.synthetic_stream(
                 config.vocab_size, args.seq_len, sequences, args.seed, data
             )
@@ -98,6 +99,7 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
             temporary_run_dir=temporary,
         )
         _check_data_size(plan)
+        _eval.check_plan(plan)  # [Note: held-out data]
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)

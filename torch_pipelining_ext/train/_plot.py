@@ -1,5 +1,6 @@
-"""The run's PNG: loss, gradient norm, throughput and expert-load imbalance
-over the steps (matplotlib, the ``plot`` extra).
+"""The run's PNG: loss (and the held-out loss), gradient norm, throughput,
+expert-load imbalance and, with evaluation, perplexity over the steps
+(matplotlib, the ``plot`` extra).
 
 Private helper of :mod:`torch_pipelining_ext.train`.
 """
@@ -22,6 +23,7 @@ _PANELS = (
     ("tokens_per_s", "tokens / s"),
     ("imbalance", "expert load: max / mean (worst layer)"),
 )
+_EVAL_PANEL = ("eval_perplexity", "held-out perplexity")
 
 
 def plot_run(records: Sequence[dict[str, Any]], path: str, title: str) -> bool:
@@ -35,13 +37,22 @@ def plot_run(records: Sequence[dict[str, Any]], path: str, title: str) -> bool:
     except ImportError:
         logger.warning("no matplotlib: %s not drawn (pip install matplotlib)", path)
         return False
-    fig, axes = plt.subplots(len(_PANELS), 1, figsize=(8, 10), sharex=True)
+    evaluated = any(r.get("eval_loss") is not None for r in records)
+    panels = _PANELS + ((_EVAL_PANEL,) if evaluated else ())
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(8, 2.5 * len(panels)), sharex=True
+    )
     steps = [r["step"] for r in records]
-    for ax, (field, label) in zip(axes, _PANELS):
+    for ax, (field, label) in zip(axes, panels):
         values = [r.get(field) for r in records]
         points = [(s, v) for s, v in zip(steps, values) if v is not None]
         if points:
-            ax.plot(*zip(*points), linewidth=1.2)
+            ax.plot(
+                *zip(*points),
+                linewidth=1.2,
+                marker="o" if field == "eval_perplexity" else None,
+                markersize=3,
+            )
         else:
             ax.text(
                 0.5,
@@ -51,6 +62,16 @@ def plot_run(records: Sequence[dict[str, Any]], path: str, title: str) -> bool:
                 va="center",
                 transform=ax.transAxes,
             )
+        if field == "loss" and evaluated:
+            held = [
+                (s, r["eval_loss"])
+                for s, r in zip(steps, records)
+                if r.get("eval_loss") is not None
+            ]
+            ax.plot(
+                *zip(*held), linewidth=1.2, marker="o", markersize=3, label="held out"
+            )
+            ax.legend(fontsize=8)
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
