@@ -28,7 +28,8 @@ not the median).
 
 Before and after every run the launching process times a CPU probe (the
 busy loop of ``tools/bench_overlap.py``, median of a few) against the best
-time it saw at start-up: 1.0 means a free core, 0.5 half of one.  The probe
+time it saw, at start-up or in any probe (a machine busy at start-up would
+otherwise set a slow baseline): 1.0 means a free core, 0.5 half of one.  The probe
 of a round is its lowest.  A round whose probe is at least ``--quiet-probe``
 (0.8) is *quiet*; the ratios are reported over all rounds and over the quiet
 rounds apart, since the overlapped run's second thread per rank makes it the
@@ -97,7 +98,8 @@ class Run:
     tokens_per_s: float
     median_step_s: float
     losses: list[float]
-    probes: tuple[float, float]  # before, after
+    probe_s: tuple[float, float]  # busy-loop seconds (median) before, after
+    probe_best_s: float  # the fastest busy loop of those probes
 
 
 @dataclass
@@ -188,30 +190,28 @@ def measure(records: Sequence[dict[str, Any]], warmup: int) -> tuple[float, floa
     )
 
 
-def probe(baseline: float) -> float:
-    """This process's share of a core now: the best busy-loop time over the
-    median of a few (``tools/bench_overlap.py``'s probe)."""
+def probe() -> tuple[float, float]:
+    """(median, fastest) seconds of a few runs of ``tools/bench_overlap.py``'s
+    busy loop, now."""
     times = []
     for _ in range(_PROBE_SAMPLES):
         times.append(_busy_loop())
         time.sleep(2e-3)
-    return min(1.0, baseline / statistics.median(times))
+    return statistics.median(times), min(times)
 
 
-def run_once(
-    args: argparse.Namespace, mode: str, round_: int, tmp: str, baseline: float
-) -> Run:
+def run_once(args: argparse.Namespace, mode: str, round_: int, tmp: str) -> Run:
     """One trainer run of ``mode``, probed before and after."""
     run_dir = os.path.join(tmp, f"{mode}-{round_}")
     cmd = [sys.executable, "-m", "torch_pipelining_ext.train"]
     cmd += trainer_flags(args, mode, run_dir)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
-    before = probe(baseline)
+    before, best_before = probe()
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S
     )
-    after = probe(baseline)
+    after, best_after = probe()
     if proc.returncode != 0:
         raise RuntimeError(
             f"round {round_}, {mode}: the trainer exited with status {proc.returncode}\n"
@@ -226,6 +226,7 @@ def run_once(
         median_step,
         [r["loss"] for r in records],
         (before, after),
+        min(best_before, best_after),
     )
 
 
@@ -233,8 +234,10 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def summarize(runs: Sequence[Run], quiet_probe: float) -> Summary:
-    """The rounds' medians and ratios (see the module's docstring)."""
+def summarize(runs: Sequence[Run], quiet_probe: float, baseline_s: float) -> Summary:
+    """The rounds' medians and ratios (see the module's docstring);
+    ``baseline_s``: the fastest busy loop of the start-up."""
+    best = min([baseline_s] + [r.probe_best_s for r in runs])
     rounds = sorted({r.round for r in runs})
     by = {(r.round, r.mode): r for r in runs}
     others = [m for m in MODES if m != "overlap"]
@@ -242,7 +245,9 @@ def summarize(runs: Sequence[Run], quiet_probe: float) -> Summary:
     for n in rounds:
         row: dict[str, Any] = {
             "round": n,
-            "probe": min(p for r in runs if r.round == n for p in r.probes),
+            "probe": min(
+                min(1.0, best / t) for r in runs if r.round == n for t in r.probe_s
+            ),
         }
         for m in others:
             row[m] = by[n, "overlap"].tokens_per_s / by[n, m].tokens_per_s
@@ -336,14 +341,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         for n in range(1, args.rounds + 1):
             for mode in MODES:
-                run = run_once(args, mode, n, tmp, baseline)
+                run = run_once(args, mode, n, tmp)
                 runs.append(run)
                 print(
                     f"round {n} {mode:<11} {run.tokens_per_s:8,.0f} tokens/s  median step {run.median_step_s:.3f} s  "
-                    f"probe {run.probes[0]:.2f} / {run.probes[1]:.2f}",
+                    f"probe {run.probe_s[0] * 1e3:.2f} / {run.probe_s[1] * 1e3:.2f} ms",
                     flush=True,
                 )
-    summary = summarize(runs, args.quiet_probe)
+    summary = summarize(runs, args.quiet_probe, baseline)
     _print_summary(summary, args.quiet_probe)
     print()
     print(last_line(summary, args.steps - args.warmup))

@@ -63,9 +63,10 @@ def _records(step_times: list[float], tokens: int = 100, loss0: float = 5.0):
     ]
 
 
-def _run(mode: str, round_: int, tokens_per_s: float, probe: float, losses=None):
+def _run(mode: str, round_: int, tokens_per_s: float, after_s: float, losses=None):
+    # busy-loop times 1 s before the run (the best seen), ``after_s`` after it
     return bench_train.Run(
-        mode, round_, tokens_per_s, 1.0, losses or [5.0, 4.5], (1.0, probe)
+        mode, round_, tokens_per_s, 1.0, losses or [5.0, 4.5], (1.0, after_s), 1.0
     )
 
 
@@ -123,22 +124,23 @@ class BenchTrainTest(TestCase):
 
     def test_summary_and_last_line(self) -> None:
         runs = [
-            # round 1: quiet; overlap 1.2x no_overlap, 0.8x 1f1b
-            _run("overlap", 1, 120.0, 0.9),
-            _run("no_overlap", 1, 100.0, 0.95),
-            _run("1f1b", 1, 150.0, 0.85),
-            # round 2: busy (one probe 0.5): overlap 0.5x no_overlap, 0.25x 1f1b
-            _run("overlap", 2, 50.0, 0.5),
-            _run("no_overlap", 2, 100.0, 0.9),
-            _run("1f1b", 2, 200.0, 0.9),
-            # round 3: quiet; 1.4x and 1.0x
+            # round 1: quiet (probe 1 / 1.25 = 0.8); overlap 1.2x no_overlap, 0.8x 1f1b
+            _run("overlap", 1, 120.0, 1.0),
+            _run("no_overlap", 1, 100.0, 1.25),
+            _run("1f1b", 1, 150.0, 1.0),
+            # round 2: busy (probe 0.5): overlap 0.5x no_overlap, 0.25x 1f1b
+            _run("overlap", 2, 50.0, 2.0),
+            _run("no_overlap", 2, 100.0, 1.0),
+            _run("1f1b", 2, 200.0, 1.0),
+            # round 3: quiet (probe 1.0); 1.4x and 1.0x
             _run("overlap", 3, 140.0, 1.0),
-            _run("no_overlap", 3, 100.0, 0.8),
+            _run("no_overlap", 3, 100.0, 1.0),
             _run("1f1b", 3, 140.0, 1.0),
         ]
-        s = bench_train.summarize(runs, quiet_probe=0.8)
+        # a start-up busy-loop time of 2 s: the best probe (1 s) is the baseline
+        s = bench_train.summarize(runs, quiet_probe=0.8, baseline_s=2.0)
         self.assertEqual(s.rounds, 3)
-        self.assertEqual(s.round_probes, [0.85, 0.5, 0.8])
+        self.assertEqual(s.round_probes, [0.8, 0.5, 1.0])
         self.assertEqual(s.quiet_rounds, 2)
         self.assertAlmostEqual(s.ratios["no_overlap"], 1.2)
         self.assertAlmostEqual(s.ratios["1f1b"], 0.8)
@@ -153,11 +155,14 @@ class BenchTrainTest(TestCase):
         self.assertEqual(fields["ratio_1f1b_quiet"], "0.900")
         self.assertEqual(fields["quiet_rounds"], "2")
         self.assertEqual(fields["cpu_probe_min"], "0.50")
+        self.assertEqual(fields["cpu_probe"], "0.80")
         self.assertEqual(fields["timed_steps"], "5")
         self.assertEqual(fields["losses_identical"], "1")
-        # no quiet round: nan; one differing loss: not identical
-        runs[0] = _run("overlap", 1, 120.0, 0.9, losses=[5.0, 4.5000001])
-        s = bench_train.summarize(runs, quiet_probe=0.99)
+        # a start-up busy loop of 0.5 s, faster than every probe: every round at
+        # most 0.5, none quiet (nan); one differing loss: not identical
+        runs[0] = _run("overlap", 1, 120.0, 1.0, losses=[5.0, 4.5000001])
+        s = bench_train.summarize(runs, quiet_probe=0.8, baseline_s=0.5)
+        self.assertEqual(s.round_probes, [0.4, 0.25, 0.5])
         self.assertEqual(s.quiet_rounds, 0)
         self.assertTrue(math.isnan(s.quiet_ratios["no_overlap"]))
         self.assertFalse(s.losses_identical)
