@@ -1,6 +1,6 @@
 """Benchmark: the trainer's tokens/s with the concurrent OVERLAP_F_B, the sequential one and 1F1B, side by side.
 
-    python tools/bench_train.py                      # 3 rounds of 3 runs, about 5 minutes on 2 CPU cores
+    python tools/bench_train.py                      # 3 rounds of 3 runs, about 3 minutes on 2 CPU cores
     python tools/bench_train.py --rounds 5 --steps 12 --warmup 4
     python tools/bench_train.py --dry-run            # the trainer commands, checked by its parser; nothing runs
     python tools/bench_train.py -- --model-type deepseek_v3 --router-aux-loss per_layer   # more trainer flags
@@ -86,7 +86,7 @@ MODES: dict[str, tuple[str, ...]] = {
     "1f1b": ("--schedule", "1F1B"),
 }
 _PROBE_SAMPLES = 5
-_RUN_TIMEOUT_S = 900.0  # one trainer run; the default one takes about 30 s here
+_RUN_TIMEOUT_S = 900.0  # one trainer run; the default one takes 20-60 s here
 
 
 @dataclass
