@@ -52,14 +52,36 @@ logger = logging.getLogger(__name__)
 #      rank raises the same error when any rank found a problem;
 #   4. FSDP2 parameters are gathered one at a time (DTensor.full_tensor, a
 #      collective over their mesh) and kept by their owner only;
-#   5. each owner converts its units and writes them with
-#      torch.distributed.checkpoint's HuggingFaceStorageWriter (one file per
-#      writing rank, the index written by the coordinator; where a torch
-#      lacks it, safetensors files and an index written here), and rank 0
-#      writes config.json.
+#   5. each owner converts its units and writes them to a safetensors file
+#      of its own (one file per writing rank, as transformers names shards),
+#      rank 0 the index and config.json; the files' bytes depend on the
+#      weights alone (see [Note: HF export bytes]).
 # Tied weights are written once, under their first name (transformers drops
 # the others and ties them again on load), and keys the model class ignores
 # on save are left out.
+
+# [Note: HF export bytes]
+# The same weights give the same files, byte for byte (a run and its resumed
+# twin, two exports of one model), so that an export can be compared or
+# deduplicated by its checksum:
+#   * a safetensors header's "__metadata__" is a hash map in the safetensors
+#     library (Rust's HashMap, seeded at random per map): with more than one
+#     key its order differs from one file to the next.  torch's
+#     HuggingFaceStorageWriter, which wrote the files before, writes three
+#     keys ("DCP_SHARDING_INFO", "DCP_VERSION", "format"), and the caller
+#     cannot change them; so the files are written here with
+#     safetensors.torch.save_file and the one key transformers' own
+#     save_pretrained writes, {"format": "pt"} (the DCP keys serve only DCP's
+#     reader of sharded tensors: an export holds whole tensors);
+#   * safetensors orders the tensors of a file by dtype and name, whatever
+#     order they are handed over in;
+#   * which file a key goes to (_assign) depends on the units every rank
+#     holds, sorted, and on their holders in rank order: the same for the
+#     same layout;
+#   * the index lists the keys sorted, config.json is written by
+#     transformers with sorted keys.
+# Exports of the same weights in different layouts hold the same tensors
+# under the same keys but in other files (one per writing rank).
 
 _LAYER = re.compile(r"^(.*?\.\d+)\.")
 
@@ -291,37 +313,18 @@ def _owned_tensors(
 def _write(
     path: Path, tensors: dict[str, torch.Tensor], mapping: dict[str, int], group: Any
 ) -> None:
-    """Every rank's tensors to its own file, and the index (see ``[Note: HF export]``)."""
-    try:
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    except ImportError:
-        _write_safetensors(path, tensors, mapping, group)
-        return
-    import torch.distributed.checkpoint as dcp
-
-    writer = HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=mapping)
-    dcp.save(tensors, storage_writer=writer, process_group=group)
-
-
-def _file_name(index: int, count: int) -> str:
-    return f"model-{index:05d}-of-{count:05d}.safetensors"
-
-
-def _write_safetensors(
-    path: Path, tensors: dict[str, torch.Tensor], mapping: dict[str, int], group: Any
-) -> None:
-    """Without torch's Hugging Face storage writer: this rank's file, and the
-    index from rank 0."""
+    """Every rank's tensors to its own file, rank 0 the index (see
+    ``[Note: HF export bytes]``)."""
     import json
 
     from safetensors.torch import save_file
 
     count = max(mapping.values(), default=1)
     if tensors:
-        index = mapping[next(iter(tensors))]
-        save_file(
-            tensors, str(path / _file_name(index, count)), metadata={"format": "pt"}
-        )
+        (index,) = {mapping[key] for key in tensors}  # one file per owner (_assign)
+        name = path / _file_name(index, count)
+        save_file(tensors, str(name), metadata={"format": "pt"})
+        _fsync(name)
     sizes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(sizes, sum(t.nbytes for t in tensors.values()), group=group)
     if dist.get_rank(group) == 0:
@@ -330,6 +333,20 @@ def _write_safetensors(
             "weight_map": {k: _file_name(i, count) for k, i in sorted(mapping.items())},
         }
         (path / INDEX_FILE).write_text(json.dumps(index_json, indent=2) + "\n")
+        _fsync(path / INDEX_FILE)
+
+
+def _file_name(index: int, count: int) -> str:
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def _fsync(path: Path) -> None:
+    """``path`` on disk before the export is reported written."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _float_dtype(parts: Sequence[HFCausalLMStage]) -> torch.dtype:
