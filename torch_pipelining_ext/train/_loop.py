@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from torch_pipelining_ext import hf, launcher
 from torch_pipelining_ext.train import _checkpoints, _data, _metrics, _plot, _state
+from torch_pipelining_ext.train import _balance
 from torch_pipelining_ext.train._plan import RunPlan
 from torch_pipelining_ext.train._pipeline import Pipeline
 
@@ -93,6 +94,7 @@ class Trainer:
         self.metrics: _metrics.MetricsLog | None = None
         self.progress: _metrics.Progress | None = None
         self.times: list[float] = []
+        self.balance = _balance.CollapseWatch(plan)
 
     def _enter(self, state: TrainerState) -> None:
         logger.debug("rank %d: %s -> %s", self.rank, self.state.value, state.value)
@@ -163,6 +165,7 @@ class Trainer:
             f"{self.data.num_sequences:,} sequences of {args.seq_len}; {what}",
             flush=True,
         )
+        _balance.print_setting(plan)
         if self.step >= args.steps:
             print(
                 f"train: step {self.step} reached: --steps {args.steps} leaves nothing to train",
@@ -223,12 +226,14 @@ class Trainer:
             step_time_s=seconds, tokens_per_s=tokens / seconds,
             tokens_per_s_per_rank=tokens / seconds / self.plan.layout.world_size,
             imbalance=None if load is None else float(load.imbalance().max()),
+            imbalance_per_layer=_balance.per_layer(load),
             data_position=self.position,
             eta_s=(self.args.steps - self.step) * sum(self.times) / len(self.times),
         )  # fmt: skip
         assert self.metrics is not None and self.progress is not None  # rank 0: start()
         self.metrics.append(record)
         self.progress.update(record, self.args.steps)
+        self.balance.observe(record)  # says once if the routers stay collapsed
 
     # -- checkpoints ---------------------------------------------------------
 
@@ -249,6 +254,7 @@ class Trainer:
         dist.barrier()  # every rank's files are there
         if self.rank == 0:
             self._describe(path)
+            _balance.write_record(path, self.plan)
             self.checkpoints.commit(self.step)
             self.checkpoints.prune(self.args.keep)
         dist.barrier()
