@@ -117,8 +117,8 @@ class Balancing:
         words.append(f"--expert-bias-rate {self.expert_bias_rate:g}")
         return " ".join(words)
 
-    def describe(self) -> str:
-        """One phrase for the log."""
+    def what(self) -> str:
+        """The setting in words."""
         if self.router_aux_loss == "none":
             what = "no auxiliary loss"
         else:
@@ -127,7 +127,11 @@ class Balancing:
             )
         if self.expert_bias_rate > 0:
             what += f", bias update at rate {self.expert_bias_rate:g}"
-        return f"{what} ({self.source})"
+        return what
+
+    def describe(self) -> str:
+        """The setting and where it came from, for the log."""
+        return f"{self.what()} ({self.source})"
 
 
 def resolve(
@@ -311,18 +315,14 @@ class CollapseWatch:
 
     def _message(self, record: StepRecord) -> str:
         layers = record.imbalance_per_layer or {}
-        worst = [i for i, r in layers.items() if r > (self.threshold or math.inf)]
+        threshold = self.threshold or math.inf
+        worst = [i for i, r in layers.items() if r > threshold]
+        setting = Balancing(**{f: getattr(self.plan.args, f) for f in _FIELDS})
         return (
             f"train: warning: the routers stay collapsed: the worst MoE layer's expert load has been "
-            f"max/mean > {self.threshold:.2f} for {self.streak} steps (step {record.step}: "
+            f"max/mean > {threshold:.2f} for {self.streak} steps (step {record.step}: "
             f"{record.imbalance:.2f}; layers {', '.join(worst) or '?'}), i.e. a few experts get nearly "
-            f"every token. Balancing: {self.plan.args.router_aux_loss} loss"
-            + (
-                f" x {self.plan.args.router_aux_loss_coef:g}"
-                if self.plan.args.router_aux_loss != "none"
-                else ""
-            )
-            + f", bias rate {self.plan.args.expert_bias_rate:g}. {self._advice()}"
+            f"every token; balancing: {setting.what()}. {self._advice()}"
         )
 
     def _advice(self) -> str:
