@@ -43,11 +43,15 @@ logger = logging.getLogger(__name__)
 # other experts, while the pooled loss reads its balanced value
 # (huggingface/transformers#28255).  Measured on the README's tiny run
 # (Qwen3-MoE, 4 layers of 8 experts, top-2, 60 steps): without a loss, and
-# with the pooled one at 0.001 or 0.02, the worst layer ends at 4.00 (3.77),
-# in plain transformers training of the same model alike; "per_layer" at
-# 0.02 ends at 1.66 (plain transformers: 1.75), DeepSeek-V3's bias update at
-# 1e-2 at 2.20.  All of them collapse during the warm-up (steps 5-8) at the
-# default peak learning rate and recover later.
+# with the pooled one at 0.001, the worst layer ends at 4.00 (pooled at
+# 0.02: 3.77), in plain transformers training of the same model alike;
+# "per_layer" at 0.02 ends at 1.70 (plain transformers: 1.75), DeepSeek-V3's
+# bias update at 1e-2 at 2.20, the deepseek_v3 recipe below at 1.73.  All of
+# them collapse during the warm-up (steps 5-8) at the default peak learning
+# rate; the balancing ones recover later.  An auxiliary loss is the mean of
+# the microbatches' terms, so it depends on the sequences per microbatch: a
+# resume in a layout that cuts the batch otherwise trains a slightly other
+# loss from the same state.
 #
 # The setting of a run, field by field (loss, coefficient, bias rate):
 # * a flag given on the command line (their argparse default is None);
@@ -57,11 +61,13 @@ logger = logging.getLogger(__name__)
 #   was trained with, and changes it only by starting afresh (--no-resume or
 #   another --run-dir).  A checkpoint without a record (written before the
 #   trainer kept one) resumes with the rules below;
-# * --model-type (a tiny recipe): RECIPES, a form that balances each layer;
+# * --model-type (a tiny recipe): RECIPES, a form that balances each layer
+#   (none on transformers 4.x, whose stages record no router logits);
 # * --model DIR: its config's setting, i.e. Hugging Face's pooled loss at
 #   config.router_aux_loss_coef where config.output_router_logits is set,
 #   else none; no bias update;
-# * --compare-sequential: none (it compares with the unsplit model without).
+# * --compare-sequential of a tiny recipe: none (it compares with the
+#   unsplit model without).
 # A coefficient not given is the default's for the default's loss, else the
 # config's (sequence: required).  The setting is written back into the flags'
 # namespace, concretely, so the stages are built from it alone.
@@ -75,8 +81,8 @@ logger = logging.getLogger(__name__)
 # start: a resumed run counts afresh).  The window is long enough for the
 # early collapse that the balancing losses recover from: the README's tiny
 # run with the per-layer loss is collapsed from step 5 (in the warm-up) to
-# step 27 and ends at 1.70, which says nothing; without balancing it stays
-# at 4.00 from step 8, which is said at step 35.
+# step 26 (16 steps after the warm-up) and ends at 1.70, which says nothing;
+# without balancing it stays at 4.00 from step 8, which is said at step 35.
 
 RECIPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(router_aux_loss="per_layer", router_aux_loss_coef=0.02),
@@ -144,7 +150,9 @@ def resolve(
     when the setting has no loss.  Raises :class:`UsageError` for flags that
     contradict each other or the checkpoint being resumed."""
     given = {f: getattr(args, f) for f in _FIELDS if getattr(args, f) is not None}
-    recorded = read_record(resume.path) if resume is not None else None
+    recorded = None
+    if resume is not None and not args.compare_sequential:
+        recorded = read_record(resume.path)  # (a comparison resumes nothing)
     if recorded is not None:
         assert resume is not None
         _check_against_record(given, recorded, resume, args.run_dir)
@@ -165,12 +173,14 @@ def resolve(
 
 
 def _default(args: argparse.Namespace, config: Any) -> Balancing:
-    if args.compare_sequential:
-        return Balancing(source="--compare-sequential compares without balancing")
     if args.model_type is not None:
+        if args.compare_sequential:
+            return Balancing(source="--compare-sequential compares without balancing")
         recipe = RECIPES.get(args.model_type)
         if recipe is None or not hf.num_routed_experts(config):
             return Balancing(source=f"{args.model_type} has no experts")
+        if not hf.has_fused_experts():  # transformers 4.x: no routers apart
+            return Balancing(source="transformers 4.x records no router logits")
         return Balancing(**recipe, source=f"the {args.model_type} recipe's default")
     if getattr(config, "output_router_logits", False):
         return Balancing(

@@ -28,6 +28,7 @@ import sys
 import unittest
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import torch
 from common_pipelining import local_ranks_env, REPO
@@ -102,6 +103,11 @@ class TrainBalanceSettingTest(_RunDirTest):
             self.assertEqual(
                 self.resolved("--model-type", model_type)[0], ("none", None, 0.0)
             )
+        # transformers 4.x: the stages record no router logits
+        with mock.patch.object(_balance.hf, "has_fused_experts", return_value=False):
+            self.assertEqual(
+                self.resolved("--model-type", "qwen3_moe")[0], ("none", None, 0.0)
+            )
         # the comparison with the unsplit model trains without
         self.assertEqual(
             self.resolved("--model-type", "qwen3_moe", "--compare-sequential")[0],
@@ -117,6 +123,10 @@ class TrainBalanceSettingTest(_RunDirTest):
         config.output_router_logits, config.router_aux_loss_coef = True, 0.005
         self.assertEqual(
             self.resolved("--model", "m", config=config)[0], ("pooled", 0.005, 0.0)
+        )
+        self.assertEqual(
+            self.resolved("--model", "m", "--compare-sequential", config=config)[0],
+            ("pooled", 0.005, 0.0),
         )
         # an explicit none turns the config's pooled loss off in the stages too
         self.assertEqual(
@@ -172,6 +182,11 @@ class TrainBalanceSettingTest(_RunDirTest):
         setting, balancing = self.resolved(*q, resume=resume)
         self.assertEqual(setting, ("pooled", 0.01, 0.0))
         self.assertIn("step 4", balancing.describe())
+        # a comparison trains the initial weights: the record does not apply
+        self.assertEqual(
+            self.resolved(*q, "--compare-sequential", resume=resume)[0],
+            ("none", None, 0.0),
+        )
         # flags that agree with the record
         self.assertEqual(
             self.resolved(*q, "--router-aux-loss", "pooled", resume=resume)[0],
