@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from torch_pipelining_ext import hf, launcher
 from torch_pipelining_ext.train import (
+    _balance,
     _checkpoints,
     _data,
     _eval,
@@ -109,6 +110,7 @@ class Trainer:
         self.metrics: _metrics.MetricsLog | None = None
         self.progress: _metrics.Progress | None = None
         self.times: list[float] = []
+        self.balance = _balance.CollapseWatch(plan)
 
     def _enter(self, state: TrainerState) -> None:
         logger.debug("rank %d: %s -> %s", self.rank, self.state.value, state.value)
@@ -186,6 +188,7 @@ class Trainer:
             + f"; {what}",
             flush=True,
         )
+        _balance.print_setting(plan)
         if self.step >= args.steps:
             print(
                 f"train: step {self.step} reached: --steps {args.steps} leaves nothing to train",
@@ -270,6 +273,7 @@ class Trainer:
             step_time_s=seconds, tokens_per_s=tokens / seconds,
             tokens_per_s_per_rank=tokens / seconds / self.plan.layout.world_size,
             imbalance=None if load is None else float(load.imbalance().max()),
+            imbalance_per_layer=_balance.per_layer(load),
             data_position=self.position,
             eta_s=(self.args.steps - self.step) * sum(self.times) / len(self.times),
             **extra,
@@ -279,6 +283,7 @@ class Trainer:
         if self.tensorboard is not None:
             self.tensorboard.append(values)
         self.progress.update(record, self.args.steps)
+        self.balance.observe(record)  # says once if the routers stay collapsed
 
     # -- checkpoints ---------------------------------------------------------
 
@@ -299,6 +304,7 @@ class Trainer:
         dist.barrier()  # every rank's files are there
         if self.rank == 0:
             self._describe(path)
+            _balance.write_record(path, self.plan)
             self.checkpoints.commit(self.step)
             self.checkpoints.prune(self.args.keep)
         dist.barrier()

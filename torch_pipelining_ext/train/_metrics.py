@@ -33,6 +33,7 @@ class StepRecord:
     tokens_per_s: float
     tokens_per_s_per_rank: float
     imbalance: float | None  # max / mean tokens per expert, the worst MoE layer
+    imbalance_per_layer: dict[str, float] | None  # the same per MoE layer (index)
     data_position: int  # sequences consumed by the run after this step
     eta_s: float  # the rest of the run at the recent steps' pace
     # --eval-every: the held-out batches' loss and its exponential (steps it ran)

@@ -87,9 +87,9 @@ _FLAGS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
         ("--microbatches", dict(type=int, default=4, help="microbatches per step and data-parallel rank")),
         ("--no-overlap", dict(action="store_true", help="run OVERLAP_F_B sequentially (what stock torch does)")),
         ("--activation-checkpointing", dict(choices=CHECKPOINTING, default="none")),
-        ("--router-aux-loss", dict(choices=AUX_LOSSES, default="none", help="MoE router auxiliary loss")),
-        ("--router-aux-loss-coef", dict(type=float, help="its coefficient (default: the config's; required for sequence)")),
-        ("--expert-bias-rate", dict(type=float, default=0.0, help="DeepSeek-V3's auxiliary-loss-free bias update rate (0: off)")),
+        ("--router-aux-loss", dict(choices=AUX_LOSSES, help="MoE router auxiliary loss (default: --model-type qwen3_moe and mixtral per_layer, deepseek_v3 sequence; --model: its config's, pooled where output_router_logits; a resumed run: its checkpoint's)")),
+        ("--router-aux-loss-coef", dict(type=float, help="its coefficient (default: per_layer 0.02 and sequence 1e-4 for --model-type, else the config's; required for another sequence)")),
+        ("--expert-bias-rate", dict(type=float, help="DeepSeek-V3's auxiliary-loss-free bias update rate (0: off; default: 1e-2 for --model-type deepseek_v3, else 0)")),
     ),
     "optimization": (
         ("--steps", dict(type=int, default=100, help="optimizer steps of the whole run")),
@@ -241,10 +241,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
         )
     if args.router_aux_loss == "none" and args.router_aux_loss_coef is not None:
         raise UsageError("--router-aux-loss-coef without --router-aux-loss")
-    if args.router_aux_loss == "sequence" and args.router_aux_loss_coef is None:
-        raise UsageError(
-            "--router-aux-loss sequence needs --router-aux-loss-coef (DeepSeek-V3's alpha)"
-        )
+    # (the rest of the balancing flags: _balance.resolve, with the model)
 
 
 def _world_and_dp(
@@ -306,8 +303,8 @@ def _check_comparison(args: argparse.Namespace) -> None:
         "--no-overlap": args.no_overlap,
         "--export": args.export is not None,
         "--dtype": args.dtype != "float32",
-        "--router-aux-loss": args.router_aux_loss != "none",
-        "--expert-bias-rate": args.expert_bias_rate > 0,
+        "--router-aux-loss": args.router_aux_loss not in (None, "none"),
+        "--expert-bias-rate": bool(args.expert_bias_rate),
     }
     given = [flag for flag, conflict in conflicts.items() if conflict]
     if given:

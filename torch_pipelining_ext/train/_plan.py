@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_pipelining_ext import hf
-from torch_pipelining_ext.train import _checkpoints, _data, _eval, _model
+from torch_pipelining_ext.train import _balance, _checkpoints, _data, _eval, _model
 from torch_pipelining_ext.train._options import Layout, SYNTHETIC_VOCAB, UsageError
 
 
@@ -50,6 +50,7 @@ class RunPlan:
     stream: _data.TokenStream
     resume: _checkpoints.Checkpoint | None
     temporary_run_dir: bool = False
+    balancing: _balance.Balancing | None = None  # also written into args
 
 
 def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
@@ -62,8 +63,10 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         stream = _token_file(args, tokenizer)
         config = _config(args, stream, tokenizer)
-        num_experts = _check_model(args, layout, config)
         resume = _resume_point(args, config)
+        # the flags', the recipe's, the config's or the checkpoint's
+        balancing = _balance.resolve(args, config, resume)
+        num_experts = _check_model(args, layout, config)
         if args.run_dir is None:  # --compare-sequential
             args.run_dir = tempfile.mkdtemp(prefix="torch_pipelining_ext_compare_")
             temporary, created = True, args.run_dir
@@ -97,6 +100,7 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
             stream,
             resume,
             temporary_run_dir=temporary,
+            balancing=balancing,
         )
         _check_data_size(plan)
         _eval.check_plan(plan)  # [Note: held-out data]
