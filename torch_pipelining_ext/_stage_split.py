@@ -1225,6 +1225,25 @@ def _check_stage_kwargs(
         raise TypeError(f"stage_kwargs do not fit PipelineStage: {e}") from None
 
 
+def _pipeline_stages(
+    parts: Sequence[nn.Module],
+    stage_ids: Sequence[int],
+    num_stages: int,
+    device: torch.device | str | int,
+    group: Any,
+    stage_kwargs: dict[str, Any],
+) -> list[PipelineStage]:
+    """A ``PipelineStage`` of each part.  ``device`` is passed as given:
+    ``PipelineStage`` annotates it as ``torch.device``, but only hands it on
+    to tensor factories and ``.to()``, which take a str or an index too."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return [
+        PipelineStage(part, stage_id, num_stages, device, group=group, **stage_kwargs)  # type: ignore[arg-type]
+        for part, stage_id in zip(parts, stage_ids)
+    ]
+
+
 def pipeline_module_split(
     model: nn.Module,
     pp_mesh_or_group: Any,
@@ -1272,8 +1291,6 @@ def pipeline_module_split(
         ``(stages, model_parts)``: this rank's ``PipelineStage`` objects and
         their stage models, in the same order (ascending stage id).
     """
-    from torch.distributed.pipelining import PipelineStage
-
     _check_model(model)
     group, pp_rank, pp_size = pipeline_group(pp_mesh_or_group)
     cls = resolve_schedule_class(schedule)
@@ -1292,12 +1309,7 @@ def pipeline_module_split(
             prepare_part(part, stage_id, num_stages)
             for part, stage_id in zip(parts, stage_ids)
         ]
-    stages = [
-        # PipelineStage annotates ``device`` as torch.device, but it only hands
-        # it on to tensor factories and ``.to()``, which take a str or an index
-        PipelineStage(part, stage_id, num_stages, device, group=group, **stage_kwargs)  # type: ignore[arg-type]
-        for part, stage_id in zip(parts, stage_ids)
-    ]
+    stages = _pipeline_stages(parts, stage_ids, num_stages, device, group, stage_kwargs)
     logger.info(
         "pipeline rank %d/%d: stages %s of %d (%s placement)",
         pp_rank,

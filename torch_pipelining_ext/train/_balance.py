@@ -16,7 +16,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, TYPE_CHECKING
+from typing import Any, Protocol, TYPE_CHECKING
 
 from torch_pipelining_ext import hf
 from torch_pipelining_ext.train import _checkpoints
@@ -25,7 +25,6 @@ from torch_pipelining_ext.train._options import UsageError
 
 if TYPE_CHECKING:
     from torch_pipelining_ext.train._metrics import StepRecord
-    from torch_pipelining_ext.train._plan import RunPlan
 
 
 __all__: list[str] = []
@@ -259,6 +258,16 @@ def read_record(checkpoint: str) -> Balancing | None:
         raise UsageError(
             f"{path}: cannot read the balancing the checkpoint was trained with: {e!r}"
         ) from e
+
+
+class RunPlan(Protocol):
+    """What the run-time functions here read of ``_plan.RunPlan`` (described,
+    not imported: ``_plan`` imports this module for :func:`resolve`)."""
+
+    args: argparse.Namespace
+    config: Any
+    num_experts: int
+    balancing: Balancing | None
 
 
 def write_record(checkpoint: str, plan: RunPlan) -> None:

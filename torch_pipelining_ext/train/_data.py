@@ -8,6 +8,7 @@ data]``.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -52,8 +53,9 @@ logger = logging.getLogger(__name__)
 # held-out sequences, shared over the data ranks as a training batch is, so
 # an evaluation means the same in every layout.  A checkpoint's trainer.json
 # records the held-out count and a resume with another is refused
-# (_eval.check_plan): the split of a run directory never changes.
+# (_plan.make_plan): the split of a run directory never changes.
 
+HELD_OUT_KEY = "held_out_sequences"  # in a checkpoint's trainer.json
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -343,3 +345,24 @@ class Sequences:
         start, stop = first * self.seq_len, (first + rows) * self.seq_len
         out = np.asarray(self._ids[start:stop], dtype=np.int64)
         return torch.from_numpy(out.reshape(rows, self.seq_len))
+
+
+def held_out_sequences(args: argparse.Namespace) -> int:
+    """The sequences held out for evaluation (``[Note: held-out data]``)."""
+    return (args.eval_batches or 0) * args.batch_size
+
+
+def recorded_held_out(checkpoint_path: str) -> int:
+    """The held-out count a checkpoint was trained with (0: none recorded)."""
+    path = os.path.join(checkpoint_path, "trainer.json")
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return 0
+    return int(info.get(HELD_OUT_KEY, 0))
+
+
+def checkpoint_info(args: argparse.Namespace) -> dict[str, Any]:
+    """What a checkpoint's trainer.json records of the split."""
+    return {HELD_OUT_KEY: held_out_sequences(args)}

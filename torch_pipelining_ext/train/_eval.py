@@ -8,32 +8,25 @@ does not.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from torch_pipelining_ext import hf
-from torch_pipelining_ext.train._options import UsageError
 
 
 if TYPE_CHECKING:
     from torch_pipelining_ext.train._data import Sequences
     from torch_pipelining_ext.train._pipeline import Pipeline
-    from torch_pipelining_ext.train._plan import RunPlan
 
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
-
-HELD_OUT_KEY = "held_out_sequences"  # in a checkpoint's trainer.json
 
 # [Note: evaluation leaves training alone]
 # An evaluation runs between two training steps, after the optimizer step
@@ -57,50 +50,6 @@ HELD_OUT_KEY = "held_out_sequences"  # in a checkpoint's trainer.json
 # recomputed from the last stage's logits when the model carries one), and
 # the perplexity its exponential.  test_train_eval.py checks that the losses
 # and gradient norms of runs with and without --eval-every are bitwise equal.
-
-
-def held_out_sequences(args: argparse.Namespace) -> int:
-    """The sequences held out for evaluation (``[Note: held-out data]``)."""
-    return (args.eval_batches or 0) * args.batch_size
-
-
-def recorded_held_out(checkpoint_path: str) -> int:
-    """The held-out count a checkpoint was trained with (0: none recorded)."""
-    path = os.path.join(checkpoint_path, "trainer.json")
-    try:
-        with open(path) as f:
-            info = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return 0
-    return int(info.get(HELD_OUT_KEY, 0))
-
-
-def check_plan(plan: RunPlan) -> None:
-    """The held-out part fits the data besides a training batch, and a
-    resume keeps the split of its checkpoint; raises :class:`UsageError`."""
-    args = plan.args
-    held_out = held_out_sequences(args)
-    if held_out:
-        sequences = plan.stream.num_tokens // args.seq_len
-        if sequences - held_out < args.batch_size:
-            raise UsageError(
-                f"the data holds {sequences} sequences of --seq-len {args.seq_len}: holding out "
-                f"--eval-batches {args.eval_batches} x --batch-size {args.batch_size} = {held_out} leaves "
-                f"fewer than one training batch; use fewer --eval-batches or more data"
-            )
-    if plan.resume is not None:
-        recorded = recorded_held_out(plan.resume.path)
-        if recorded != held_out:
-            raise UsageError(
-                f"the checkpoint {plan.resume.path} was trained with {recorded} sequences held out for "
-                f"evaluation, this command holds out {held_out} (--eval-batches x --batch-size): the "
-                f"training data would change; give the run's --eval-batches and --batch-size, or --no-resume"
-            )
-
-
-def checkpoint_info(args: argparse.Namespace) -> dict[str, Any]:
-    """What a checkpoint's trainer.json records of the split."""
-    return {HELD_OUT_KEY: held_out_sequences(args)}
 
 
 @dataclass(frozen=True)

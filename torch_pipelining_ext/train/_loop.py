@@ -95,7 +95,7 @@ class Trainer:
         self.pipe = Pipeline(plan, parallel, device, resuming=plan.resume is not None)
         self.data = _data.Sequences(
             plan.stream, self.args.seq_len, self.args.seed, not self.args.no_shuffle,
-            held_out=_eval.held_out_sequences(self.args),
+            held_out=_data.held_out_sequences(self.args),
         )  # fmt: skip
         self.evaluator = (
             _eval.Evaluator(self.pipe, self.data, self.args.eval_batches)
@@ -323,7 +323,7 @@ class Trainer:
             },
             "model_type": self.plan.config.model_type,
             "schedule": self.args.schedule,
-            **_eval.checkpoint_info(self.args),  # [Note: held-out data]
+            **_data.checkpoint_info(self.args),  # [Note: held-out data]
         }
         with open(os.path.join(path, "trainer.json"), "w") as f:
             json.dump(info, f, indent=1)

@@ -358,8 +358,20 @@ def _check_eval_and_logs(args: argparse.Namespace) -> None:
         )
     if args.tensorboard is not None:
         _check_creatable("--tensorboard", args.tensorboard)
-        from torch_pipelining_ext.train._runlog import check_tensorboard
-
         problem = check_tensorboard(args)
         if problem is not None:
             raise UsageError(problem)
+
+
+def check_tensorboard(args: argparse.Namespace) -> str | None:
+    """Why ``--tensorboard`` cannot be used here, or ``None``."""
+    import importlib.util
+
+    if args.tensorboard is None:
+        return None
+    if importlib.util.find_spec("tensorboard") is None:
+        return (
+            "--tensorboard needs the tensorboard package: pip install 'torch_pipelining_ext[tensorboard]' "
+            "(it is optional)"
+        )
+    return None

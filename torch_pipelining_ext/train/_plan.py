@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_pipelining_ext import hf
-from torch_pipelining_ext.train import _balance, _checkpoints, _data, _eval, _model
+from torch_pipelining_ext.train import _balance, _checkpoints, _data, _model
 from torch_pipelining_ext.train._options import Layout, SYNTHETIC_VOCAB, UsageError
 
 
@@ -86,7 +86,7 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
     try:
         if args.synthetic_data:
             # one epoch: the whole run, and the held-out part after it
-            sequences = args.steps * args.batch_size + _eval.held_out_sequences(args)
+            sequences = args.steps * args.batch_size + _data.held_out_sequences(args)
             stream = _data.synthetic_stream(
                 config.vocab_size, args.seq_len, sequences, args.seed, data
             )
@@ -103,7 +103,7 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
             balancing=balancing,
         )
         _check_data_size(plan)
-        _eval.check_plan(plan)  # [Note: held-out data]
+        _check_held_out(plan)  # [Note: held-out data]
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -111,6 +111,29 @@ def make_plan(args: argparse.Namespace, layout: Layout) -> RunPlan:
             _remove_new(data, had)
         raise
     return plan
+
+
+def _check_held_out(plan: RunPlan) -> None:
+    """The held-out part fits the data besides a training batch, and a
+    resume keeps the split of its checkpoint; raises :class:`UsageError`."""
+    args = plan.args
+    held_out = _data.held_out_sequences(args)
+    if held_out:
+        sequences = plan.stream.num_tokens // args.seq_len
+        if sequences - held_out < args.batch_size:
+            raise UsageError(
+                f"the data holds {sequences} sequences of --seq-len {args.seq_len}: holding out "
+                f"--eval-batches {args.eval_batches} x --batch-size {args.batch_size} = {held_out} leaves "
+                f"fewer than one training batch; use fewer --eval-batches or more data"
+            )
+    if plan.resume is not None:
+        recorded = _data.recorded_held_out(plan.resume.path)
+        if recorded != held_out:
+            raise UsageError(
+                f"the checkpoint {plan.resume.path} was trained with {recorded} sequences held out for "
+                f"evaluation, this command holds out {held_out} (--eval-batches x --batch-size): the "
+                f"training data would change; give the run's --eval-batches and --batch-size, or --no-resume"
+            )
 
 
 def _remove_new(directory: str, had: set[str] | None) -> None:

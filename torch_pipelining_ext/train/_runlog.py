@@ -8,7 +8,6 @@ configuration]`` and ``[Note: peak memory]``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -21,6 +20,8 @@ from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from torch_pipelining_ext.train import _data
 
 
 if TYPE_CHECKING:
@@ -103,8 +104,6 @@ def git_revision() -> tuple[dict[str, Any] | None, str | None]:
 
 def resolved_config(plan: RunPlan, step: int) -> dict[str, Any]:
     """``config.json``'s content (``[Note: run configuration]``)."""
-    from torch_pipelining_ext.train import _eval
-
     args, layout = plan.args, plan.layout
     git, omitted = git_revision()
     info: dict[str, Any] = {
@@ -123,7 +122,7 @@ def resolved_config(plan: RunPlan, step: int) -> dict[str, Any]:
             "token_file": plan.stream.path,
             "token_dtype": plan.stream.dtype,
             "tokens": plan.stream.num_tokens,
-            "held_out_sequences": _eval.held_out_sequences(args),
+            "held_out_sequences": _data.held_out_sequences(args),
         },
         "versions": package_versions(),
         "git": git,
@@ -288,17 +287,3 @@ def scalars(values: Mapping[str, Any]) -> dict[str, float]:
         if key != "step":
             add(key, value)
     return out
-
-
-def check_tensorboard(args: argparse.Namespace) -> str | None:
-    """Why ``--tensorboard`` cannot be used here, or ``None``."""
-    import importlib.util
-
-    if args.tensorboard is None:
-        return None
-    if importlib.util.find_spec("tensorboard") is None:
-        return (
-            "--tensorboard needs the tensorboard package: pip install 'torch_pipelining_ext[tensorboard]' "
-            "(it is optional)"
-        )
-    return None

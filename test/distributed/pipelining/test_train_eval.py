@@ -59,7 +59,7 @@ try:
     import transformers
 
     from torch_pipelining_ext import train
-    from torch_pipelining_ext.train import _data, _model, _plot, _runlog
+    from torch_pipelining_ext.train import _data, _model, _options, _plot, _runlog
     from torch_pipelining_ext.train._options import build_parser, check_options
     from torch_pipelining_ext.train._options import UsageError
 except ImportError:
@@ -407,7 +407,7 @@ class TrainEvalPartsTest(_RunDirTest):
             ["--model-type", "qwen3_moe", "--synthetic-data", "--tensorboard", "tb"]
         )
         with mock.patch("importlib.util.find_spec", return_value=None):
-            self.assertIn("pip install", _runlog.check_tensorboard(args))
+            self.assertIn("pip install", _options.check_tensorboard(args))
 
     def test_scalars(self) -> None:
         record = {
