@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import unittest
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -173,10 +174,15 @@ def global_batch(run_dir: str, argv: list[str], step: int) -> torch.Tensor:
 
 
 def reference_run(
-    config: Any, run_dir: str, argv: list[str], steps: int
+    config: Any,
+    run_dir: str,
+    argv: list[str],
+    steps: int,
+    loss_of: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[float], Any]:
     """The unsplit model trained as the trainer trains it: each step's loss
-    and the model after ``steps`` steps."""
+    and the model after ``steps`` steps.  ``loss_of(model, ids)``: a step's
+    loss (default: the model's own cross entropy)."""
     model = _model.initial_model(config, int(flag(argv, "--seed", "0")))
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -193,7 +199,10 @@ def reference_run(
             group["lr"] = lr_at(step, total, warmup, lr, min_lr)
         optimizer.zero_grad()
         ids = global_batch(run_dir, argv, step)
-        loss = model(input_ids=ids, labels=ids).loss
+        if loss_of is None:
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = loss_of(model, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import unittest
 from types import SimpleNamespace
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -37,12 +38,10 @@ from test_train import (
     _RunDirTest,
     _TINY,
     _TINY_MODEL,
-    global_batch,
     HAS_FUSED,
-    lr_at,
     exported,
-    flag,
     losses_of,
+    reference_run,
     run_main,
     text_flags,
 )
@@ -53,7 +52,7 @@ import torch_pipelining_ext  # noqa: F401  (patches torch)
 
 try:
     from torch_pipelining_ext import train
-    from torch_pipelining_ext.train import _balance, _checkpoints, _model
+    from torch_pipelining_ext.train import _balance, _checkpoints
     from torch_pipelining_ext.train._metrics import StepRecord
     from torch_pipelining_ext.train._options import build_parser, UsageError
 except ImportError:
@@ -329,36 +328,22 @@ class CollapseWatchTest(TestCase):
 # ---------------------------------------------------------------------------
 
 
-def per_layer_reference(
-    config: Any, run_dir: str, argv: list[str], steps: int, coef: float, chunks: int
-) -> tuple[list[float], Any]:
-    """The unsplit model trained with the per-layer loss, as the trainer's
-    default trains it: the token-mean cross entropy of the global batch plus
-    the plain mean, over the ``chunks`` microbatches of all data ranks (in
-    order: data rank d's microbatch m is chunk ``d * microbatches + m``), of
-    ``coef`` times transformers' ``load_balancing_loss_func`` of each layer
-    alone, summed over the layers."""
+def per_layer_loss(
+    config: Any, coef: float, chunks: int
+) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """A step's loss as the trainer's default computes it, for
+    :func:`reference_run`: the token-mean cross entropy of the global batch
+    plus the plain mean, over the ``chunks`` microbatches of all data ranks
+    (in order: data rank d's microbatch m is chunk ``d * microbatches + m``),
+    of ``coef`` times transformers' ``load_balancing_loss_func`` of each
+    layer alone, summed over the layers."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import (
         load_balancing_loss_func,
     )
 
-    model = _model.initial_model(config, int(flag(argv, "--seed", "0")))
-    model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    lr, min_lr = float(flag(argv, "--lr")), float(flag(argv, "--min-lr"))
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
-    )  # fmt: skip
-    total, warmup = int(flag(argv, "--steps")), int(flag(argv, "--warmup-steps"))
     e, k = config.num_experts, config.num_experts_per_tok
-    losses = []
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, total, warmup, lr, min_lr)
-        optimizer.zero_grad()
-        ids = global_batch(run_dir, argv, step)
+
+    def loss_of(model: Any, ids: torch.Tensor) -> torch.Tensor:
         out = model(input_ids=ids, output_router_logits=True)
         logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
         ce = torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1))
@@ -372,12 +357,9 @@ def per_layer_reference(
                 for c in range(chunks)
             ]
         ).mean()
-        loss = ce + coef * aux
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model
+        return ce + coef * aux
+
+    return loss_of
 
 
 @unittest.skipUnless(HAS_FUSED, _NEEDS)
@@ -395,7 +377,9 @@ class TrainBalanceRunTest(_RunDirTest):
         rc, err = run_main(*argv)
         self.assertEqual(rc, 0, err)
         config = train.tiny_config("qwen3_moe", vocab_size=512, hidden_size=64)
-        want, model = per_layer_reference(config, run_dir, argv, 3, 0.02, chunks=4)
+        want, model = reference_run(
+            config, run_dir, argv, 3, loss_of=per_layer_loss(config, 0.02, chunks=4)
+        )
         torch.testing.assert_close(
             torch.tensor(losses_of(run_dir)), torch.tensor(want), atol=2e-5, rtol=2e-5
         )
