@@ -109,16 +109,14 @@ def main(
                     "it to end, or pass another --run-dir"
                 )
         plan = make_plan(args, layout)
-    except (UsageError, DataError) as e:
-        if lock is not None:
+    except BaseException as e:
+        if lock is not None:  # refused: what the lock created goes
             lock.discard()
+        if not isinstance(e, (UsageError, DataError)):
+            raise
         if not quiet:  # under torchrun rank 0 alone explains
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
-    except BaseException:
-        if lock is not None:
-            lock.discard()
-        raise
     try:
         if args.compare_sequential:
             return _launch(compare.run_rank, plan)
