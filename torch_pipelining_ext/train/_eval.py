@@ -95,19 +95,13 @@ class Evaluator:
         ids = self.data.held_out_batch(
             index, args.batch_size, data.get_local_rank(), data.size()
         ).to(pipe.device)
-        pipe.loss_fn.set_labels(ids, group=data.get_group())
-        inputs = (ids, torch.ones_like(ids)) if pipe.aux else (ids,)
         losses: list[torch.Tensor] = []
-        with pipe._autocast():
-            output = pipe.schedule.eval(
-                *(inputs if pipe.has_first else ()),
-                target=ids if pipe.has_last else None,
-                losses=losses,
-            )
-            if not pipe.has_last:
-                return torch.zeros((), dtype=torch.float64, device=pipe.device)
-            if pipe.aux:  # (logits, auxiliary terms): the language-model loss alone
+        output = pipe.run_schedule(pipe.schedule.eval, ids, losses)
+        if not pipe.has_last:
+            return torch.zeros((), dtype=torch.float64, device=pipe.device)
+        if pipe.aux:  # (logits, auxiliary terms): the language-model loss alone
+            with pipe.autocast():
                 loss = pipe.loss_fn(output[0], ids)
-            else:
-                loss = torch.stack(losses).sum()
+        else:
+            loss = torch.stack(losses).sum()
         return loss.detach().double()

@@ -118,21 +118,30 @@ class Pipeline:
         microbatch losses (ranks holding the last stage)."""
         for optimizer in self.optimizers:
             optimizer.zero_grad()
-        self.loss_fn.set_labels(ids, group=self.data.get_group())
-        inputs = (
-            (ids, torch.ones_like(ids)) if self.aux else (ids,)
-        )  # packed: no padding
         losses: list[torch.Tensor] = []
-        with self._autocast():
-            self.schedule.step(
-                *(inputs if self.has_first else ()),
-                target=ids if self.has_last else None,
-                losses=losses,
-            )
+        self.run_schedule(self.schedule.step, ids, losses)
         if self.parts[0].tied_groups:
             hf.sync_tied_gradients(self.parts, self.parallel.pipeline)
         hf.reduce_expert_parallel_gradients(self.parts, self.parallel)
         return losses
+
+    def run_schedule(
+        self, run: Callable[..., Any], ids: torch.Tensor, losses: list[torch.Tensor]
+    ) -> Any:
+        """``run`` (the schedule's ``step`` or ``eval``) on this data rank's
+        ``ids``: the loss's labels set, the inputs given to the first stage and
+        the target to the last, under the run's autocast; returns what ``run``
+        returns (the last stage's output)."""
+        self.loss_fn.set_labels(ids, group=self.data.get_group())
+        inputs = (
+            (ids, torch.ones_like(ids)) if self.aux else (ids,)
+        )  # packed: no padding
+        with self.autocast():
+            return run(
+                *(inputs if self.has_first else ()),
+                target=ids if self.has_last else None,
+                losses=losses,
+            )
 
     def global_loss(self, losses: list[torch.Tensor]) -> float:
         """The global batch's loss from :meth:`forward_backward`'s: the data
@@ -166,7 +175,8 @@ class Pipeline:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context the stages compute in: bfloat16 autocast for ``--dtype bfloat16``."""
         if self.plan.args.dtype == "float32":
             return contextlib.nullcontext()
         # float32 weights (the master copy), gradients and their reductions
