@@ -99,6 +99,38 @@ class LauncherTest(TestCase):
             self.assertEqual(proc.stdout.strip().splitlines()[-1], b"ok", proc.stdout)
             self.assertEqual(os.listdir(job_tmp), [])
 
+    def test_inherited_process_group_garbage(self) -> None:
+        """A destroyed gloo group left in a reference cycle in the launching
+        process: the forked ranks never collect it (its destructor would join
+        a thread the fork did not copy, and hang).  A child process with a
+        timeout, so that a regression fails instead of hanging."""
+        code = (
+            "import gc, torch, torch.distributed as dist\n"
+            "from torch_pipelining_ext import launcher\n"
+            "def garbage():\n"
+            "    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "    cycle = [dist.group.WORLD]\n"
+            "    cycle.append(cycle)\n"
+            "    dist.destroy_process_group()\n"
+            "def fn(rank):\n"
+            "    gc.collect()  # what a rank's collector may do at any allocation\n"
+            "    t = torch.ones(1)\n"
+            "    dist.all_reduce(t)\n"
+            "    return int(t.item())\n"
+            "gc.disable()  # the cycle stays until launch() collects it\n"
+            "garbage()\n"
+            "print(launcher.launch(fn, 2), gc.get_freeze_count())\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env=local_ranks_env(),
+            timeout=120,
+            capture_output=True,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        # both ranks joined the all-reduce; nothing stays frozen in the launcher
+        self.assertEqual(proc.stdout.strip().splitlines()[-1], b"2 0", proc.stdout)
+
     @unittest.skipUnless(sys.platform == "linux", "PR_SET_PDEATHSIG is Linux's")
     def test_ranks_die_with_the_launching_process(self) -> None:
         """SIGKILL to the process that called launch() (it cannot stop its
