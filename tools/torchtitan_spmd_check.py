@@ -38,7 +38,12 @@ Deviations from torchtitan's debug config, each forced by the CPU or gloo:
   FSDP2 reduces with SUM instead of PREMUL_SUM (gloo has none), and
   torchtitan's device type is set to ``cpu`` (it assumes ``cuda``).
 
-Environment (not CI; torchtitan 0.3.0 needs torch 2.14 or newer)::
+Environment (torchtitan 0.3.0 needs torch 2.14 or newer): CI runs it on torch
+2.15.0 through ``tools/torchtitan_check.sh PYTHON``, which installs torchtitan
+and what this script imports of its dependencies (pinned in
+``tools/torchtitan-requirements.txt``) into a folder of their own and runs the
+check and its negative control.  By hand, with all of torchtitan's
+requirements::
 
     python3 -m venv .venv/torchtitan-0.3.0
     .venv/torchtitan-0.3.0/bin/pip install torch==2.14.1 torchtitan==0.3.0 expecttest pytest
@@ -46,7 +51,7 @@ Environment (not CI; torchtitan 0.3.0 needs torch 2.14 or newer)::
     OMP_NUM_THREADS=1 .venv/torchtitan-0.3.0/bin/python tools/torchtitan_spmd_check.py
     OMP_NUM_THREADS=1 .venv/torchtitan-0.3.0/bin/python tools/torchtitan_spmd_check.py --no-thread-state
 
-About 100 s on 2 cores (the negative control 50 s).  The last line is machine-readable::
+About 50 s on 2 cores (the negative control 27 s).  The last line is machine-readable::
 
     torchtitan_spmd_check=pass|fail|blocked backend=spmd_types schedule=DualPipeV ac=selective thread_state=on ...
 """

@@ -26,12 +26,13 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import tempfile
 import unittest
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,8 @@ from torch.testing._internal.common_utils import (
 )
 
 
+_T = TypeVar("_T")
+
 __all__ = [
     "check_on_all_ranks",
     "load_csv",
@@ -64,6 +67,7 @@ __all__ = [
     "random_tokens",
     "reference_step",
     "REPO",
+    "slow_only",
     "token_cross_entropy",
 ]
 
@@ -281,6 +285,41 @@ class OneRankGroupTestCase(TestCase):
         super().tearDownClass()
 
 
+def slow_only(reason: str) -> Callable[[_T], _T]:
+    """Run a test, or every test of a class, only with ``PYTORCH_TEST_WITH_SLOW=1``
+    (upstream's slow-test switch; skipped by ``unittest`` before any rank is
+    asked to run it), and mark it slow as upstream's ``slowTest`` does
+    (``slow_test``), so that ``PYTORCH_TEST_SKIP_FAST=1`` runs the slow tests
+    alone (CI's slow step: the default step ran the others).
+
+    On a class, put it above ``@instantiate_parametrized_tests``: each test,
+    inherited ones included, is marked through a wrapper of its own, so that
+    the same test in a class that runs by default stays unmarked.
+    test_slow_marks.py checks that the two agree in every test file.
+    """
+
+    def mark(obj: _T) -> _T:
+        if isinstance(obj, type):
+            for name in dir(obj):
+                test = getattr(obj, name)
+                if name.startswith("test") and callable(test):
+                    setattr(obj, name, _marked_slow(test))
+        else:
+            obj.slow_test = True  # type: ignore[attr-defined]
+        return unittest.skipUnless(TEST_WITH_SLOW, reason)(obj)
+
+    return mark
+
+
+def _marked_slow(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def test(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    test.slow_test = True  # type: ignore[attr-defined]
+    return test
+
+
 def parametrize_covering(**values: list[Any]) -> Any:
     """``parametrize`` over every combination of ``values`` (argument name ->
     its values, in the order of the test's name).
@@ -295,9 +334,7 @@ def parametrize_covering(**values: list[Any]) -> Any:
     axes = [list(v) for v in values.values()]
     n = max(len(a) for a in axes)
     covering = {tuple(a[k % len(a)] for a in axes) for k in range(n)}
-    slow = unittest.skipUnless(
-        TEST_WITH_SLOW, "another combination covers it: PYTORCH_TEST_WITH_SLOW=1"
-    )
+    slow = slow_only("another combination covers it: PYTORCH_TEST_WITH_SLOW=1")
     cases = [
         subtest(
             combination,

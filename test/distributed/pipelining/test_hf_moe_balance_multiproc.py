@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common_hf import HAS_FUSED, HFMultiProcTest
-from common_pipelining import check_on_all_ranks, parametrize_covering
+from common_pipelining import check_on_all_ranks, parametrize_covering, slow_only
 from hf_model_registry import (
     balanced_loss_by_hand,
     padded_batch,
@@ -49,7 +49,6 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    TEST_WITH_SLOW,
 )
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
@@ -102,10 +101,7 @@ class _Pipeline:
 @unittest.skipIf(
     not HAS_FUSED, "needs transformers 5.x (routers apart from fused experts)"
 )
-@unittest.skipIf(
-    not TEST_WITH_SLOW,
-    "slow (four ranks started for the class): PYTORCH_TEST_WITH_SLOW=1 runs it",
-)
+@slow_only("slow (four ranks started for the class): PYTORCH_TEST_WITH_SLOW=1 runs it")
 @instantiate_parametrized_tests
 class HFMoEBalanceTest(HFMultiProcTest):
     def _mesh(self):

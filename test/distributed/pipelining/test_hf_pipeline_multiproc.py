@@ -23,13 +23,13 @@ import warnings
 import torch
 import torch.distributed as dist
 from common_hf import HAS_TRANSFORMERS, HFMultiProcTest
+from common_pipelining import slow_only
 from hf_model_registry import tiny_hf_model
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    TEST_WITH_SLOW,
 )
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
@@ -51,10 +51,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers (pip install .[hf])")
-@unittest.skipIf(
-    not TEST_WITH_SLOW,
-    "slow (four ranks started for the class): PYTORCH_TEST_WITH_SLOW=1 runs it",
-)
+@slow_only("slow (four ranks started for the class): PYTORCH_TEST_WITH_SLOW=1 runs it")
+@instantiate_parametrized_tests
 class HFPipelineGlooTest(HFMultiProcTest):
     # ------------------------------------------------------------------
     # Training
@@ -184,8 +182,7 @@ class HFPipelineGlooTest(HFMultiProcTest):
         self.check_all(save)
         self._check_loaded(family, ckpt)
 
-    @unittest.skipUnless(
-        TEST_WITH_SLOW,
+    @slow_only(
         "test_hf_training_state_multiproc covers FSDP2 checkpoints of PP=2 x DP=2 "
         "by default: PYTORCH_TEST_WITH_SLOW=1",
     )
@@ -206,9 +203,6 @@ class HFPipelineGlooTest(HFMultiProcTest):
         self.assertTrue(all(isinstance(t, DTensor) for t in sd.values()))
         dcp.save(sd, checkpoint_id=ckpt)
         self._check_loaded("llama", ckpt)
-
-
-instantiate_parametrized_tests(HFPipelineGlooTest)
 
 
 if __name__ == "__main__":

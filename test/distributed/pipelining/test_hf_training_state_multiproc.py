@@ -33,6 +33,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from common_pipelining import slow_only
 from common_hf import (
     HAS_FUSED,
     MAX_NORM,
@@ -53,7 +54,6 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    TEST_WITH_SLOW,
 )
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
@@ -528,10 +528,8 @@ class HFTrainingStateTest(_TrainingStateTests, HFMultiProcTest):
         self.assertIn("model.safetensors.index.json", os.listdir(path))
 
 
-@unittest.skipUnless(
-    TEST_WITH_SLOW, "every layout and family: PYTORCH_TEST_WITH_SLOW=1"
-)
 @unittest.skipIf(not HAS_FUSED, "needs transformers 5.x (fused experts)")
+@slow_only("every layout and family: PYTORCH_TEST_WITH_SLOW=1")
 @instantiate_parametrized_tests
 class HFTrainingStateSlowTest(_TrainingStateTests, HFMultiProcTest):
     """Every layout change, layout and family (``PYTORCH_TEST_WITH_SLOW=1``)."""

@@ -390,7 +390,7 @@ class OverlappedActionTest(OneRankGroupTestCase):
 
 @unittest.skipUnless(
     HAS_TORCHTITAN,
-    "needs torchtitan (tools/torchtitan_spmd_check.py says how to install it)",
+    "needs torchtitan (tools/torchtitan_check.sh runs these with torchtitan 0.3.0)",
 )
 class RealTorchtitanTest(TestCase):
     def test_captures_torchtitans_meshes(self) -> None:

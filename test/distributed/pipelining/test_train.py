@@ -48,12 +48,11 @@ from unittest import mock
 
 import numpy as np
 import torch
-from common_pipelining import local_ranks_env, REPO
+from common_pipelining import local_ranks_env, REPO, slow_only
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    TEST_WITH_SLOW,
     TestCase,
 )
 
@@ -303,7 +302,8 @@ class TrainRunTest(_RunDirTest):
 
 
 @unittest.skipUnless(HAS_FUSED, _NEEDS)
-@unittest.skipUnless(TEST_WITH_SLOW, "slow: PYTORCH_TEST_WITH_SLOW=1")
+@slow_only("slow: PYTORCH_TEST_WITH_SLOW=1")
+@instantiate_parametrized_tests
 class TrainSlowTest(_RunDirTest):
     @parametrize("model", ["qwen3_moe", "deepseek_v3"])
     @parametrize("layout", ["pp1_ep2", "pp2_ep2", "pp1_dp2_ep2"])
@@ -515,9 +515,6 @@ def _children(pid: int) -> list[int]:
         with open(f"/proc/{pid}/task/{task}/children") as f:
             kids += [int(k) for k in f.read().split()]
     return sorted(kids)
-
-
-instantiate_parametrized_tests(TrainSlowTest)
 
 
 # ---------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from common_pipelining import local_ranks_env, REPO
+from common_pipelining import local_ranks_env, REPO, slow_only
 from test_train import (
     _NEEDS,
     _RunDirTest,
@@ -45,7 +45,7 @@ from test_train import (
     run_main,
     text_flags,
 )
-from torch.testing._internal.common_utils import run_tests, TEST_WITH_SLOW, TestCase
+from torch.testing._internal.common_utils import run_tests, TestCase
 
 import torch_pipelining_ext  # noqa: F401  (patches torch)
 
@@ -399,7 +399,7 @@ class TrainBalanceRunTest(_RunDirTest):
 
 
 @unittest.skipUnless(HAS_FUSED, _NEEDS)
-@unittest.skipUnless(TEST_WITH_SLOW, "slow: PYTORCH_TEST_WITH_SLOW=1")
+@slow_only("slow: PYTORCH_TEST_WITH_SLOW=1")
 class TrainBalanceSlowTest(_RunDirTest):
     def test_resume_keeps_balancing(self) -> None:
         """A run trained with the pooled loss at 0.01 resumes with it (the same

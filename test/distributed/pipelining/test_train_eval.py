@@ -34,7 +34,7 @@ from unittest import mock
 
 import numpy as np
 import torch
-from common_pipelining import REPO
+from common_pipelining import REPO, slow_only
 from test_train import (
     _NEEDS,
     _TINY,
@@ -48,7 +48,6 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    TEST_WITH_SLOW,
     TestCase,
 )
 
@@ -289,7 +288,8 @@ _SLOW_LAYOUTS = {
 
 
 @unittest.skipUnless(HAS_FUSED, _NEEDS)
-@unittest.skipUnless(TEST_WITH_SLOW, "slow: PYTORCH_TEST_WITH_SLOW=1")
+@slow_only("slow: PYTORCH_TEST_WITH_SLOW=1")
+@instantiate_parametrized_tests
 class TrainEvalSlowTest(_RunDirTest):
     @parametrize("layout", list(_SLOW_LAYOUTS))
     def test_eval_leaves_training_alone(self, layout: str) -> None:
@@ -341,9 +341,6 @@ class TrainEvalSlowTest(_RunDirTest):
         self.assertTrue(
             os.path.isfile(os.path.join(resumed, "config-resumed-step-00000002.json"))
         )
-
-
-instantiate_parametrized_tests(TrainEvalSlowTest)
 
 
 # ---------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import unittest
 import uuid
 
 import torch
-from common_pipelining import local_ranks_env, REPO
+from common_pipelining import local_ranks_env, REPO, slow_only
 from test_train import (
     _LAYOUTS,
     _NEEDS,
@@ -54,7 +54,6 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    TEST_WITH_SLOW,
     TestCase,
 )
 
@@ -214,7 +213,8 @@ def _records(run_dir: str) -> list[tuple[int, float, float]]:
 
 
 @unittest.skipUnless(HAS_FUSED, _NEEDS)
-@unittest.skipUnless(TEST_WITH_SLOW, "slow: PYTORCH_TEST_WITH_SLOW=1")
+@slow_only("slow: PYTORCH_TEST_WITH_SLOW=1")
+@instantiate_parametrized_tests
 class TrainTorchrunSlowTest(TestCase):
     def setUp(self) -> None:
         super().setUp()
@@ -305,9 +305,6 @@ class TrainTorchrunSlowTest(TestCase):
         self.assertIn(f"Signal 9 (SIGKILL) received by PID {pid}", log, msg)
         other = job.log(1 - agent)
         self.assertNotRegex(other, rf"rank\s*:\s*{victim} \(local_rank", msg)
-
-
-instantiate_parametrized_tests(TrainTorchrunSlowTest)
 
 
 class TrainTorchrunCommandTest(TestCase):
