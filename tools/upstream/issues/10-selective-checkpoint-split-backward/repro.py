@@ -73,11 +73,16 @@ def main() -> int:
     x = torch.randn(4, 8, requires_grad=True)
     problems = {}
     for name, check in (
-        ("split backward (stage_backward_input, stage_backward_weight)", split_backward),
+        (
+            "split backward (stage_backward_input, stage_backward_weight)",
+            split_backward,
+        ),
         ("retain_graph=True, then a second torch.autograd.grad", retain_graph_twice),
     ):
         problem = check(block, x, w1, w2)
-        print(f"{name}: {problem or 'gradients equal to autograd without checkpointing'}")
+        print(
+            f"{name}: {problem or 'gradients equal to autograd without checkpointing'}"
+        )
         if problem:
             problems[name] = problem
     if problems:
@@ -86,7 +91,9 @@ def main() -> int:
             f"differentiated twice ({len(problems)} of 2 checks failed)"
         )
         return 1
-    print("defect absent: both backward passes over the region give autograd's gradients")
+    print(
+        "defect absent: both backward passes over the region give autograd's gradients"
+    )
     return 0
 
 
