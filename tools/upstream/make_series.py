@@ -105,8 +105,12 @@ PROPOSALS: tuple[Patch, ...] = (
 
 # Fixes that came after the proposals, numbered after them (the reviews cite
 # the earlier numbers): selective checkpointing under a split backward, in
-# torch/utils/checkpoint.py, tested in upstream's test/test_utils.py.
-LATER_FIXES: tuple[Patch, ...] = (_fix("checkpoint-split-backward"),)
+# torch/utils/checkpoint.py, tested in upstream's test/test_utils.py; the
+# weight pass's parameter groups under one recompute per checkpointed region.
+LATER_FIXES: tuple[Patch, ...] = (
+    _fix("checkpoint-split-backward"),
+    _fix("stage-backward-weight-one-recompute"),
+)
 
 
 # Numbers no patch holds: 9, the stage_split module, left the series for a
