@@ -109,7 +109,7 @@ PROPOSALS: tuple[Patch, ...] = (
 # weight pass's parameter groups under one recompute per checkpointed region.
 LATER_FIXES: tuple[Patch, ...] = (
     _fix("checkpoint-split-backward"),
-    _fix("stage-backward-weight-one-recompute"),
+    _fix("weight-pass-one-recompute"),
 )
 
 
