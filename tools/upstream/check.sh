@@ -19,12 +19,14 @@
 #     equal bitwise (and UPSTREAM_TORCH_TESTS, if set, must give the same
 #     outcomes on both).
 # A fix's test is the tests its test hunks (test.diff) add to upstream's own
-# test files (tools/upstream/pytorch_tests, unchanged copies), applied with the
-# test hunks of its dependencies; only those tests run (-k).  A proposal's test
-# is the test_*.py of its directory, a new upstream test file of its own.
+# test files (tools/upstream/pytorch_tests, unchanged copies, each at its
+# upstream path: make_series.torch_test_path), applied with the test hunks of
+# its dependencies; only those tests run (-k).  A proposal's test is the
+# test_*.py of its directory, a new upstream test file of its own.
 # Then every test again on the whole series, applied in order; the full check
-# also runs upstream's whole test_schedule.py on stock torch and on the whole
-# series: every test the hunks do not add must have the same outcome.
+# also runs upstream's whole test_schedule.py and test_utils.py's TestCheckpoint
+# on stock torch and on the whole series: every test the hunks do not add must
+# have the same outcome.
 #
 # Environment:
 #   UPSTREAM_TORCH_PYTHON  a python with torch 2.15.0, expecttest and numpy
@@ -116,11 +118,42 @@ for p in m.SERIES:
 PYEOF
 )
 
+# upstream's test files: "COPY PATH", the copy in pytorch_tests and its path
+# under a tree (test/...)
+mapfile -t TORCH_TEST_COPIES < <("${PY}" - "${HERE}" <<'PYEOF'
+import sys
+sys.path.insert(0, sys.argv[1])
+import make_series as m
+for p in sorted(m.TORCH_TESTS.glob("*.py")):
+    print(p.name, m.torch_test_path(p.name))
+PYEOF
+)
+[[ ${#TORCH_TEST_COPIES[@]} -gt 0 ]] || die "no upstream test files in ${HERE}/pytorch_tests"
+
 # --- 2. trees: copies of the installed torch package ------------------------------
 # A tree is a directory put first on PYTHONPATH: a link to every entry of the
 # installed site-packages except torch/, a directory of links whose files that
-# a patch edits (torch/random.py, torch/distributed/pipelining/) are real copies.
+# a patch edits (torch/random.py, torch/utils/checkpoint.py,
+# torch/distributed/pipelining/) are real copies.
 mapfile -t EDITED < <(cat "${HERE}"/[0-9]*/patch.diff | sed -n 's:^+++ b/::p' | sort -u)
+
+# own_parents TREE PATH: every directory above PATH (torch/...) in TREE's site
+# becomes a real directory of links, so that PATH can be replaced by a copy
+# without writing through a link into the installed package
+own_parents() {
+    local tree="$1" dir="" part entry parts
+    IFS=/ read -r -a parts <<<"$(dirname "$2")"
+    for part in "${parts[@]}"; do
+        dir="${dir:+${dir}/}${part}"
+        [[ -L "${tree}/site/${dir}" ]] || continue
+        rm "${tree}/site/${dir}"
+        mkdir "${tree}/site/${dir}"
+        for entry in "${SITE}/${dir}"/*; do
+            [[ "$(basename "${entry}")" == __pycache__ ]] && continue
+            ln -s "${entry}" "${tree}/site/${dir}/$(basename "${entry}")"
+        done
+    done
+}
 make_tree() {
     local tree="$1" entry
     rm -rf "${tree}"
@@ -141,6 +174,7 @@ make_tree() {
     find "${tree}/site/torch/distributed/pipelining" -name __pycache__ -prune -exec rm -rf {} +
     for entry in "${EDITED[@]}"; do
         [[ "${entry}" == torch/distributed/pipelining/* ]] && continue
+        own_parents "${tree}" "${entry}"
         rm -f "${tree}/site/${entry}"
         cp "${SITE}/${entry}" "${tree}/site/${entry}"
     done
@@ -149,9 +183,14 @@ make_tree() {
     mkdir -p "${tree}/site/torch_pipelining_ext"
     echo 'raise ImportError("the upstream tests must not import torch_pipelining_ext")' \
         >"${tree}/site/torch_pipelining_ext/__init__.py"
-    # upstream's own test files (the test hunks apply to them)
-    cp -r "${HERE}/pytorch_tests/"*.py "${HERE}/pytorch_tests/artifacts" \
-        "${tree}/test/distributed/pipelining/"
+    # upstream's own test files (the test hunks apply to them), at their paths
+    local copy path
+    for entry in "${TORCH_TEST_COPIES[@]}"; do
+        read -r copy path <<<"${entry}"
+        mkdir -p "$(dirname "${tree}/${path}")"
+        cp "${HERE}/pytorch_tests/${copy}" "${tree}/${path}"
+    done
+    cp -r "${HERE}/pytorch_tests/artifacts" "${tree}/test/distributed/pipelining/"
 }
 
 # apply_patches TREE NAME...: apply the patches in order; 1 (and a log) if one does not
@@ -193,13 +232,17 @@ copy_tests() {
 TEST_ENV=(-u PYTHONSTARTUP -u CI PYTHONDONTWRITEBYTECODE=1 TORCH_PIPELINING_EXT_DISABLE=1
     OMP_NUM_THREADS=1)
 
-# run_file TREE FILE LOG [ARG...]: run FILE (in TREE's test dir) with TREE first
-# on the path
+# run_file TREE FILE LOG [ARG...]: run FILE (in TREE's test/distributed/pipelining,
+# or test/... under TREE) with TREE first on the path, in FILE's directory
 run_file() {
-    local tree="$1" file="$2" log="$3"
+    local tree="$1" file="$2" log="$3" dir="$1/test/distributed/pipelining"
     shift 3
+    if [[ "${file}" == test/* ]]; then
+        dir="$(dirname "${tree}/${file}")"
+        file="$(basename "${file}")"
+    fi
     (
-        cd "${tree}/test/distributed/pipelining" || exit 1
+        cd "${dir}" || exit 1
         env "${TEST_ENV[@]}" PYTHONPATH="${tree}/site:." \
             timeout "${TEST_TIMEOUT}" "${PY}" - "${tree}" "${file}" "$@" <<'PYEOF'
 import os, runpy, sys
@@ -279,20 +322,24 @@ run_tests_of() {
 }
 
 # torch_test_outcomes TREE: "OUTCOME test id" of every test of upstream's
-# test_schedule.py in TREE, sorted; one process per test class (a test that
-# needs a GPU fails here without destroying its process group, which would
-# fail the next test that creates one)
+# test_schedule.py and of test_utils.py's TestCheckpoint in TREE, sorted; one
+# process per test class (a test that needs a GPU fails here without
+# destroying its process group, which would fail the next test that creates one)
 torch_test_outcomes() {
-    local dir="$1/test/distributed/pipelining" class
+    local dir="$1/test/distributed/pipelining" class spec specs=()
     for class in $(sed -nE 's/^class ([A-Za-z_0-9]+)\(TestCase\):.*/\1/p' "${dir}/test_schedule.py"); do
-        (cd "${dir}" && env "${TEST_ENV[@]}" PYTHONPATH="$1/site:." timeout "${TEST_TIMEOUT}" \
-            "${PY}" -m pytest -q -rA --tb=no -p no:cacheprovider "test_schedule.py::${class}" \
-            | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | sed 's/ - .*//')
+        specs+=("${dir}/test_schedule.py::${class}")
+    done
+    specs+=("$1/test/test_utils.py::TestCheckpoint")
+    for spec in "${specs[@]}"; do
+        (cd "$(dirname "${spec%%::*}")" && env "${TEST_ENV[@]}" PYTHONPATH="$1/site:." \
+            timeout "${TEST_TIMEOUT}" "${PY}" -m pytest -q -rA --tb=no -p no:cacheprovider \
+            "$(basename "${spec}")" | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | sed 's/ - .*//')
     done | sort
 }
 
-# torch_tests_check STOCK SERIES LOGPREFIX: upstream's test_schedule.py, with
-# every test hunk applied, on stock torch and on the whole series: the tests the
+# torch_tests_check STOCK SERIES LOGPREFIX: upstream's test_schedule.py and
+# TestCheckpoint, with every test hunk applied, on stock torch and on the whole series: the tests the
 # hunks do not add must have the same outcomes, the ones they add must pass on
 # the series
 torch_tests_check() {
@@ -342,8 +389,8 @@ refactor_check() {
             torch_test_outcomes "${tree}" >"${log}.torch_tests.${side}"
         done
         cmp -s "${log}.torch_tests.before" "${log}.torch_tests.after" \
-            || { echo "pytorch's test_schedule.py outcomes differ"; return; }
-        same="${same}; pytorch's test_schedule.py: the same outcomes"
+            || { echo "pytorch's test_schedule.py / TestCheckpoint outcomes differ"; return; }
+        same="${same}; pytorch's test_schedule.py and TestCheckpoint: the same outcomes"
     fi
     echo "bitwise equal (${same})"
 }
@@ -428,7 +475,7 @@ if [[ ${QUICK} -eq 0 ]]; then
                 || { status=1; FAILED_LOGS+=("${LOG_DIR}/${name}.series.log"); }
         done
         if [[ ${#SELECTED[@]} -eq 0 ]]; then
-            echo "upstream's test_schedule.py on stock torch and on the whole series ..."
+            echo "upstream's test_schedule.py and TestCheckpoint on stock torch and on the whole series ..."
             UPSTREAM_RESULT="$(torch_tests_check "${STOCK}" "${series}" "${LOG_DIR}/torch_tests")"
             [[ "${UPSTREAM_RESULT}" == "the same outcomes"* ]] || status=1
         fi
@@ -449,7 +496,7 @@ for row in "${ROWS[@]}"; do
         "${SERIES_RESULT[${name}]:--}"
 done
 [[ -z "${UPSTREAM_RESULT:-}" ]] \
-    || echo "upstream's test_schedule.py, stock torch vs the whole series: ${UPSTREAM_RESULT}"
+    || echo "upstream's test_schedule.py and TestCheckpoint, stock torch vs the whole series: ${UPSTREAM_RESULT}"
 echo
 echo "logs: ${LOG_DIR}"
 # the logs of the failed test runs, last lines (CI removes the scratch directory)

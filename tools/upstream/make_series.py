@@ -41,7 +41,7 @@ REPO = HERE.parent.parent
 PACKAGE = REPO / "torch_pipelining_ext"
 PIPELINING = "torch/distributed/pipelining"
 # torch files outside PIPELINING that a patch edits
-BASE_FILES = ("torch/random.py",)
+BASE_FILES = ("torch/random.py", "torch/utils/checkpoint.py")
 TORCH_VERSION = "2.15"
 LINE_WIDTH = 88  # torch's pyproject.toml: [tool.ruff] line-length
 # --------------------------------------------------------------------------- #
@@ -61,7 +61,7 @@ class Patch:
     """One PR of the series: ``NNNN-slug/`` with its ``PR.md`` and ``patch.diff``.
 
     ``tests``: the file of the patch's directory holding its test hunks
-    (``a/test/distributed/pipelining/...`` paths), applied to upstream's own
+    (``a/test/...`` paths: :func:`torch_test_path`), applied to upstream's own
     test files (:data:`TORCH_TESTS`, unchanged copies) together with those of
     the patches it depends on; ``None`` for a patch with no test of its own
     (a refactor: upstream's tests before and after).
@@ -103,6 +103,15 @@ PROPOSALS: tuple[Patch, ...] = (
     ),
 )
 
+# Fixes that came after the proposals, numbered after them (the reviews cite
+# the earlier numbers): selective checkpointing under a split backward, in
+# torch/utils/checkpoint.py, tested in upstream's test/test_utils.py; the
+# weight pass's parameter groups under one recompute per checkpointed region.
+LATER_FIXES: tuple[Patch, ...] = (
+    _fix("checkpoint-split-backward"),
+    _fix("weight-pass-one-recompute"),
+)
+
 
 # Numbers no patch holds: 9, the stage_split module, left the series for a
 # proposal to torchtitan (stage-split-torchtitan-proposal.md); the patches
@@ -120,11 +129,18 @@ def _numbered(patches: tuple[Patch, ...]) -> tuple[Patch, ...]:
     )
 
 
-SERIES: tuple[Patch, ...] = _numbered(FIXES + PROPOSALS)
+SERIES: tuple[Patch, ...] = _numbered(FIXES + PROPOSALS + LATER_FIXES)
 
-# Unchanged copies of upstream's test files (provenance in its SOURCES.txt)
+# Unchanged copies of upstream's test files (provenance in its SOURCES.txt),
+# of TORCH_TESTS_PATH unless TORCH_TESTS_ELSEWHERE names another directory
 TORCH_TESTS = HERE / "pytorch_tests"
 TORCH_TESTS_PATH = "test/distributed/pipelining"
+TORCH_TESTS_ELSEWHERE = {"test_utils.py": "test"}
+
+
+def torch_test_path(name: str) -> str:
+    """Upstream's path (``test/...``) of the copy ``pytorch_tests/<name>``."""
+    return f"{TORCH_TESTS_ELSEWHERE.get(name, TORCH_TESTS_PATH)}/{name}"
 
 
 # --------------------------------------------------------------------------- #
@@ -346,17 +362,16 @@ def check_rules(patches: dict[str, str], base: dict[str, str]) -> list[str]:
 def torch_test_files() -> dict[str, str]:
     """Upstream's test files the fixes' hunks apply to (``test/...`` path -> text)."""
     return {
-        f"{TORCH_TESTS_PATH}/{p.name}": p.read_text()
-        for p in sorted(TORCH_TESTS.glob("*.py"))
+        torch_test_path(p.name): p.read_text() for p in sorted(TORCH_TESTS.glob("*.py"))
     }
 
 
 def added_tests(patch: Patch) -> dict[str, list[str]]:
-    """The test methods ``patch``'s test hunks add, by test file name."""
+    """The test methods ``patch``'s test hunks add, by upstream path (``test/...``)."""
     found: dict[str, list[str]] = {}
     for section in _sections((patch.dir / patch.tests).read_text()):
         if section:
-            name = section.split()[2].rsplit("/", 1)[-1]
+            name = section.split()[2][2:]
             tests = re.findall(r"(?m)^\+\s+def (test_\w+)\(", section)
             if tests:
                 found.setdefault(name, []).extend(tests)
@@ -405,8 +420,9 @@ _NUMBER = re.compile(r"(?<![\d.])(\d{4})(?![\d.])")
 def renumber() -> list[str]:
     """Give each patch directory the number its place in :data:`SERIES` gives it.
 
-    A re-cut edits ``FIXES`` / ``PROPOSALS`` (entries are slugs, numbered by
-    place) and runs ``make_series.py --renumber``: every ``NNNN-slug/`` whose
+    A re-cut edits ``FIXES``, ``PROPOSALS`` and ``LATER_FIXES`` (entries are
+    slugs, numbered by place) and runs ``make_series.py --renumber``: every
+    ``NNNN-slug/`` whose
     number changed is moved (``git mv``), and every four-digit patch number in
     the Markdown of ``tools/upstream`` (``Depends on:`` lines, PR texts, RFCs,
     READMEs, reports) follows.  New entries need their directories; directories

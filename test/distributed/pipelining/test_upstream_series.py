@@ -136,6 +136,7 @@ class UpstreamSeriesTest(TestCase):
                 ignore=shutil.ignore_patterns("__pycache__"),
             )
             for path in make_series.BASE_FILES:
+                (root / path).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(site / path, root / path)
             for patch in make_series.SERIES:
                 diff = str(patch.dir / "patch.diff")
