@@ -36,8 +36,7 @@ _FAKE = "_tpe_fake_torch_module"
 # The status every patch gets on each supported torch minor (A: applied,
 # U: upstream -- torch has the behaviour, or the patch does not apply to it;
 # N: unsupported -- a release the patch is not written for, which its probe
-# recognises; ?: not established on that release, not checked: the
-# checkpointing patches on 2.11, which CI's release matrix does not run).
+# recognises; ?: not established on that release, not checked).
 # A probe that misreads a torch release fails test_status_pinned_per_torch_minor
 # instead of warning on import.
 _PINNED_STATUS = """
@@ -52,15 +51,15 @@ runtime_keep_overlap_f_b             A    U    U    U    U    U    U
 runtime_step_context                 A    A    A    A    A    A    A
 runtime_action_functions             A    A    A    A    A    A    A
 scale_grads_per_step                 A    A    A    A    A    A    A
-metadata_inference_keeps_grads       U    ?    ?    ?    A    ?    A
+metadata_inference_keeps_grads       U    ?    U    ?    A    ?    A
 compute_comms_reduce_grad            U    A    A    A    A    A    A
 fsdp_split_backward_params           A    A    A    A    A    A    A
 split_backward_weight                A    A    A    A    U    U    U
 split_backward_non_tensor_inputs     A    A    A    A    U    U    U
 overlap_f_b                          A    A    A    A    A    A    A
 stage_split                          A    A    A    A    A    A    A
-checkpoint_split_backward            A    A    ?    A    A    A    A
-checkpoint_weight_pass_recompute     N    A    ?    A    A    A    A
+checkpoint_split_backward            A    A    A    A    A    A    A
+checkpoint_weight_pass_recompute     N    A    A    A    A    A    A
 """
 
 
