@@ -9,11 +9,10 @@
 # The tests run on TEST_WORKERS pytest-xdist workers (default 2: most of the
 # suite's time is processes that start, import torch and wait on each other,
 # so two workers take 0.85 of one's wall time on two cores; TEST_WORKERS=0
-# runs them in this process).  Each worker takes whole test classes
-# (--dist loadscope): a multi-process class starts its ranks once in the
-# worker that runs it, not once in each worker that gets one of its tests
-# (the suite took 0.82 of the CPU time of xdist's default distribution, both
-# measured on this suite on a busy machine).
+# runs them in this process).  xdist's default distribution: giving each
+# worker whole classes (--dist loadscope) starts a multi-process class's
+# ranks once instead of in both workers, but the workers then finish apart
+# (the README's command took as long, the slow tests 599 s instead of 551 s).
 #
 # Exits non-zero when a test fails (or when no test ran).
 set -euo pipefail
@@ -40,7 +39,7 @@ for arg in "$@"; do
     [[ "$arg" == test/* ]] && paths=()
 done
 "$VENV_PY" -m pytest "${paths[@]}" -q -p no:cacheprovider --durations=15 \
-    -n "${TEST_WORKERS:-2}" --dist loadscope "$@"
+    -n "${TEST_WORKERS:-2}" "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
