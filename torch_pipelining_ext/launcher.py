@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import signal
+import struct
 import sys
 import tempfile
 import traceback
@@ -181,33 +182,70 @@ def _launch_local(
             f"the {nprocs} ranks with torchrun instead"
         )
     # [Note: what the ranks hand back]
-    store = dist.TCPStore(
-        _HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout
-    )
-    with tempfile.TemporaryFile() as result, _no_inherited_garbage():
-        context = mp.start_processes(
-            _local_rank,
-            args=(
-                fn,
-                nprocs,
-                store.port,
-                backend,
-                timeout,
-                threads,
-                args,
-                result,
-                os.getpid(),
-            ),
-            nprocs=nprocs,
-            join=False,
-            start_method="fork",  # as PyTorch's multi-process tests: no rank imports torch again
-        )
+    with tempfile.TemporaryFile() as result:
+        # [Note: the launcher's store starts after the fork]
+        port_reader, port_writer = os.pipe()
+        try:
+            try:
+                with _no_inherited_garbage():
+                    context = mp.start_processes(
+                        _local_rank,
+                        args=(
+                            fn,
+                            nprocs,
+                            (port_reader, port_writer),
+                            backend,
+                            timeout,
+                            threads,
+                            args,
+                            result,
+                            os.getpid(),
+                        ),
+                        nprocs=nprocs,
+                        join=False,
+                        start_method="fork",  # as PyTorch's multi-process tests: no rank imports torch again
+                    )
+            finally:
+                os.close(port_reader)
+            store = dist.TCPStore(
+                _HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout
+            )
+            # one write of at most PIPE_BUF bytes: each rank reads a whole port
+            os.write(port_writer, struct.pack("!Q", store.port) * nprocs)
+        finally:
+            os.close(port_writer)  # a rank that reads nothing exits
         _join(context, store)
         result.seek(0)
         if not result.read(1):
             raise RuntimeError("rank 0 finished without handing back a result")
         result.seek(0)
         return torch.load(result, weights_only=False)
+
+
+# [Note: the launcher's store starts after the fork]
+# A forked rank inherits the launching process's memory, locks included, but
+# only the thread that forked.  The TCPStore that the launcher serves runs a
+# thread that takes glibc's resolver lock (getnameinfo, as it names each rank
+# that connects); a rank forked while a rank forked before it was connecting
+# could inherit that lock taken and wait on it forever in its own connect.
+# So every rank is forked before the store starts, and each reads the store's
+# port from a pipe; a rank whose launcher failed before writing it reads
+# nothing and exits.
+
+
+def _read_port(fds: tuple[int, int]) -> int | None:
+    """The launcher's store port from the pipe ``fds`` (its read and write
+    ends, this rank's copies), or None if the launcher wrote none."""
+    reader, writer = fds
+    os.close(writer)
+    data = b""
+    while len(data) < 8:
+        chunk = os.read(reader, 8 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    os.close(reader)
+    return struct.unpack("!Q", data)[0] if len(data) == 8 else None
 
 
 @contextlib.contextmanager
@@ -316,7 +354,7 @@ def _local_rank(
     rank: int,
     fn: Callable[..., Any],
     nprocs: int,
-    port: int,
+    port_pipe: tuple[int, int],
     backend: str,
     timeout: timedelta,
     threads: int,
@@ -327,6 +365,9 @@ def _local_rank(
     # [Note: ranks die with their launcher]
     mp._prctl_pr_set_pdeathsig(signal.SIGKILL)  # type: ignore[attr-defined]
     if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+    port = _read_port(port_pipe)  # [Note: the launcher's store starts after the fork]
+    if port is None:
         os._exit(1)
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
 

@@ -99,6 +99,28 @@ class LauncherTest(TestCase):
             self.assertEqual(proc.stdout.strip().splitlines()[-1], b"ok", proc.stdout)
             self.assertEqual(os.listdir(job_tmp), [])
 
+    def test_store_starts_after_every_rank_is_forked(self) -> None:
+        """No thread of the launcher's TCPStore runs while it forks: a rank
+        could inherit the resolver lock that thread holds and hang in its own
+        connect (seen once in CI's slow tests)."""
+        events: list[str] = []
+        start_processes, tcp_store = launcher.mp.start_processes, launcher.dist.TCPStore
+
+        def started(*args, **kwargs):
+            events.append("fork")
+            return start_processes(*args, **kwargs)
+
+        def store(*args, **kwargs):
+            events.append("store")
+            return tcp_store(*args, **kwargs)
+
+        with (
+            mock.patch.object(launcher.mp, "start_processes", started),
+            mock.patch.object(launcher.dist, "TCPStore", store),
+        ):
+            self.assertEqual(launcher.launch(_sum_of_ranks, 2, 1), (0, 2, 1))
+        self.assertEqual(events, ["fork", "store"])
+
     def test_inherited_process_group_garbage(self) -> None:
         """A destroyed gloo group left in a reference cycle in the launching
         process: the forked ranks never collect it (its destructor would join
