@@ -46,9 +46,7 @@ _env_failed() {
 _env_pip_install() {
     local log rc=0
     log="$(mktemp)"
-    # --no-compile: Python compiles a module when it is first imported; pip
-    # would compile all of torch's thousands of files, most never imported here
-    "$VENV_PY" -m pip install --quiet --disable-pip-version-check --no-compile "$@" >"$log" 2>&1 || rc=$?
+    "$VENV_PY" -m pip install --quiet --disable-pip-version-check "$@" >"$log" 2>&1 || rc=$?
     # (pip warns about find-links folders that do not exist on this machine)
     grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
     rm -f "$log"
